@@ -1,0 +1,1 @@
+"""elastic-ft: make PyTorch distributed training survive faults fast."""

@@ -1,0 +1,323 @@
+"""``etcdft``: torch's ``RendezvousHandler`` on etcd v3.
+
+This module carries out, against etcd, what ``state.py`` decides.  A node's
+life in the rendezvous:
+
+1. On its first ``next_rendezvous()`` the node grants itself a lease of
+   ``lease_ttl`` seconds, refreshed by a daemon thread, and puts
+   ``rdzv/alive/<node>`` on it.  If the agent dies, the lease expires and
+   every key the node holds disappears with it.
+2. To join the open round ``n`` it puts ``rdzv/round/<n>/join/<node>`` on its
+   lease, in a transaction that fails if round ``n`` has closed meanwhile.
+3. The earliest joiner closes the round when ``state.close_verdict`` allows,
+   writing ``rdzv/round/<n>/result`` (members in rank order, the
+   MASTER_ADDR/PORT of rank 0) in a transaction that fails if the result
+   exists or any member's join key changed.  Everyone else learns the result
+   from the watch.
+4. Every request is safe to resend: joins and results are guarded by create
+   revisions, so a timed-out request with an unknown outcome is simply
+   re-evaluated against the watched state.
+
+The store of round ``n`` lives under ``<run>/round/<n>/store/``; closing
+round ``n`` deletes the keys of round ``n - 2``, which no live node can use.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from datetime import timedelta
+
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStateError,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from elastic_ft.etcd_client import (
+    EtcdClient,
+    EtcdRequestError,
+    EtcdUnavailableError,
+    delete_op,
+    delete_prefix_op,
+    key_created_at,
+    key_missing,
+    put_op,
+)
+from elastic_ft.etcd_store import EtcdStore
+from elastic_ft.rendezvous import state as rules
+from elastic_ft.rendezvous.config import EtcdftSettings, settings_from_parameters
+from elastic_ft.rendezvous.view import KeyView, LeaseKeeper
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "etcdft"
+
+
+def _node_id() -> str:
+    host = "".join(c if c.isalnum() or c in "-." else "-" for c in socket.gethostname()) or "host"
+    return f"{host}_{os.getpid()}_{secrets.token_hex(3)}"
+
+
+def _free_port(addr: str) -> int:
+    """A port for rank 0's worker TCPStore, chosen afresh for every round."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((addr, 0))
+            return int(sock.getsockname()[1])
+    except OSError:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            return int(sock.getsockname()[1])
+
+
+class EtcdftRendezvousHandler(RendezvousHandler):
+    """See the module docstring and ``docs/rendezvous.md``."""
+
+    def __init__(self, settings: EtcdftSettings, client: EtcdClient | None = None) -> None:
+        self.settings = settings
+        self.node = _node_id()
+        self._addr = settings.local_addr or socket.getfqdn()
+        self._limits = rules.Limits(settings.min_nodes, settings.max_nodes, settings.last_call_timeout)
+        self._rdzv = settings.run_prefix + "rdzv/"
+        self._client = client or EtcdClient(
+            settings.endpoints,
+            request_timeout=settings.request_timeout,
+            connect_timeout=settings.connect_timeout,
+            tls=settings.tls,
+        )
+        try:
+            self._client.check_connection()
+            self._view = KeyView(self._client, self._rdzv)
+        except (EtcdUnavailableError, EtcdRequestError) as exc:
+            self._client.close()
+            raise RendezvousConnectionError(
+                f"etcdft rendezvous '{settings.run_id}' cannot use etcd at {self._client.describe_endpoints()}: {exc}"
+            ) from exc
+        self._lock = threading.Lock()
+        self._lease: LeaseKeeper | None = None
+        self._joined_round: int | None = None
+        self._member_of: rules.RoundResult | None = None
+        self._shut_down = False
+
+    @classmethod
+    def from_parameters(cls, params: RendezvousParameters) -> EtcdftRendezvousHandler:
+        return cls(settings_from_parameters(params))
+
+    # ---- RendezvousHandler ----
+
+    def get_backend(self) -> str:
+        return BACKEND_NAME
+
+    def get_run_id(self) -> str:
+        return self.settings.run_id
+
+    @property
+    def use_agent_store(self) -> bool:
+        # Workers bootstrap their own TCPStore at MASTER_ADDR/PORT; the
+        # agent's store is in etcd and is not a TCPStore they could join.
+        return False
+
+    @property
+    def client(self) -> EtcdClient:
+        return self._client
+
+    @property
+    def requests(self) -> int:
+        """etcd requests this node has sent so far (for benchmarks)."""
+        return self._client.requests
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        with self._lock:
+            if self._shut_down:
+                raise RendezvousStateError(f"the etcdft handler of node {self.node} has been shut down")
+            try:
+                return self._next_rendezvous()
+            except (EtcdUnavailableError, EtcdRequestError) as exc:
+                raise RendezvousConnectionError(
+                    f"etcdft rendezvous '{self.settings.run_id}' lost etcd at "
+                    f"{self._client.describe_endpoints()}: {exc}"
+                ) from exc
+
+    def _next_rendezvous(self) -> RendezvousInfo:
+        settings = self.settings
+        deadline = time.monotonic() + settings.join_timeout
+        lease = self._ensure_session()
+        joined: int | None = None  # the round this call has joined
+        last_call: tuple[int, float | None] = (-1, None)
+        while True:
+            if lease.expired.is_set():
+                lease = self._ensure_session()
+                joined = None
+            state, version = self._view.snapshot()
+            now = time.monotonic()
+            number = state.open_round
+            since = last_call[1] if last_call[0] == number else None
+            since = rules.last_call_started(state, number, self._limits, now, since)
+            last_call = (number, since)
+            action = rules.next_action(state, self.node, lease.id, joined, self._limits, now, since)
+            if isinstance(action, rules.Done):
+                return self._completed(action)
+            if isinstance(action, rules.Closed):
+                raise RendezvousClosedError(f"the rendezvous '{settings.run_id}' is closed")
+            if isinstance(action, rules.Wait) and action.standby:
+                deadline = max(deadline, now + settings.join_timeout)
+            if now >= deadline:
+                self._withdraw()
+                raise RendezvousTimeoutError(self._timeout_message(state, number))
+            if isinstance(action, rules.JoinRound):
+                if self._join(action.number, lease.id, version):
+                    joined = action.number
+            elif isinstance(action, rules.CloseRound):
+                self._close(action, version)
+            else:
+                until = action.until if action.until is not None else deadline
+                self._view.wait_for_change(version, min(until, deadline) - now)
+
+    def _ensure_session(self) -> LeaseKeeper:
+        """Hold a live lease with this node's alive key on it."""
+        if self._lease is not None and not self._lease.expired.is_set():
+            return self._lease
+        if self._lease is not None:
+            self._lease.stop(revoke=False)
+        lease = LeaseKeeper(self._client, self.settings.lease_ttl)
+        value = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
+        self._client.put(f"{self._rdzv}alive/{self.node}", value, lease=lease.id)
+        self._lease = lease
+        self._joined_round = None
+        return lease
+
+    def _join(self, number: int, lease: int, version: int) -> bool:
+        join = rules.join_value(self._addr, _free_port(self._addr))
+        ops = [put_op(f"{self._rdzv}round/{number}/join/{self.node}", join, lease)]
+        if self._joined_round is not None and self._joined_round != number:
+            ops.append(delete_op(f"{self._rdzv}round/{self._joined_round}/join/{self.node}"))
+        guards = [key_missing(f"{self._rdzv}round/{number}/result"), key_missing(f"{self._rdzv}closed")]
+        result = self._client.txn(guards, ops)
+        if result.succeeded:
+            self._joined_round = number
+            self._view.wait_for_revision(result.revision, self.settings.request_timeout)
+        else:
+            self._view.wait_for_change(version, self.settings.request_timeout)
+        return result.succeeded
+
+    def _close(self, action: rules.CloseRound, version: int) -> None:
+        number = action.number
+        members = action.members
+        leader = members[0]
+        result = rules.RoundResult(
+            number, tuple(rules.Member(j.node, j.lease) for j in members), leader.addr, leader.port
+        )
+        guards = [key_missing(f"{self._rdzv}round/{number}/result")]
+        if len(members) <= rules.MAX_CHECKED_MEMBERS:
+            guards += [key_created_at(f"{self._rdzv}round/{number}/join/{j.node}", j.create_revision) for j in members]
+        ops = [put_op(f"{self._rdzv}round/{number}/result", result.to_json())]
+        if number >= 2:
+            ops += [
+                delete_prefix_op(f"{self._rdzv}round/{number - 2}/"),
+                delete_prefix_op(f"{self.settings.run_prefix}round/{number - 2}/"),
+            ]
+        outcome = self._client.txn(guards, ops)
+        if outcome.succeeded:
+            log.info("closed round %d of '%s' with %d node(s)", number, self.settings.run_id, len(members))
+            self._view.wait_for_revision(outcome.revision, self.settings.request_timeout)
+        else:
+            self._view.wait_for_change(version, self.settings.request_timeout)
+
+    def _completed(self, done: rules.Done) -> RendezvousInfo:
+        result = done.result
+        self._member_of = result
+        store = EtcdStore(
+            self._client,
+            f"{self.settings.run_prefix}round/{result.round}/store/",
+            timedelta(seconds=self.settings.store_timeout),
+        )
+        log.info(
+            "node %s is rank %d of %d in round %d of '%s'",
+            self.node, done.rank, len(result.members), result.round, self.settings.run_id,
+        )  # fmt: skip
+        return RendezvousInfo(
+            store, done.rank, len(result.members), RendezvousStoreInfo(result.master_addr, result.master_port)
+        )
+
+    def _withdraw(self) -> None:
+        """Take back this node's join key, so a timed-out node is not counted."""
+        if self._joined_round is None:
+            return
+        try:
+            self._client.delete(f"{self._rdzv}round/{self._joined_round}/join/{self.node}")
+        except EtcdUnavailableError:
+            log.warning("could not withdraw node %s from round %d", self.node, self._joined_round)
+        self._joined_round = None
+
+    def _timeout_message(self, state: rules.RendezvousState, number: int) -> str:
+        joined = len(state.round(number).joins)
+        pending = rules.pending_members(state, number)
+        message = (
+            f"the rendezvous '{self.settings.run_id}' timed out after {self.settings.join_timeout:g} s "
+            f"waiting for round {number}: {joined} node(s) joined, at least {self.settings.min_nodes} needed "
+            f"(min_nodes={self.settings.min_nodes}, max_nodes={self.settings.max_nodes})"
+        )
+        if pending:
+            message += (
+                f"; {len(pending)} member(s) of round {number - 1} are still running and have not re-joined: "
+                + ", ".join(m.node for m in pending)
+            )
+        return message
+
+    def is_closed(self) -> bool:
+        return self._view.snapshot()[0].closed
+
+    def set_closed(self) -> None:
+        try:
+            self._client.put(f"{self._rdzv}closed", b'{"closed": true}')
+        except (EtcdUnavailableError, EtcdRequestError) as exc:
+            raise RendezvousConnectionError(f"cannot close rendezvous '{self.settings.run_id}': {exc}") from exc
+
+    def num_nodes_waiting(self) -> int:
+        state, _ = self._view.snapshot()
+        waiting = rules.num_nodes_waiting(state, self._member_of, self.settings.max_nodes)
+        last = state.last_closed
+        if self._member_of is not None and last is not None and last.round > self._member_of.round:
+            # The job moved on to a round without this node.
+            waiting = max(waiting, 1)
+        return waiting
+
+    def shutdown(self) -> bool:
+        """Leave the rendezvous for good.
+
+        Marks this node as having left its round cleanly (so the other
+        members do not treat its departure as a failure), revokes its lease
+        (deleting its alive and join keys at once), and stops the watch and
+        the etcd connection.  Returns False if etcd could not be reached; the
+        lease then expires on its own after ``lease_ttl``.
+        """
+        with self._lock:
+            if self._shut_down:
+                return True
+            self._shut_down = True
+            ok = True
+            try:
+                if self._member_of is not None:
+                    self._client.put(
+                        f"{self._rdzv}round/{self._member_of.round}/left/{self.node}", b'{"reason": "shutdown"}'
+                    )
+                if self._lease is not None:
+                    self._lease.stop(revoke=True)
+            except (EtcdUnavailableError, EtcdRequestError) as exc:
+                log.warning("etcdft shutdown of node %s incomplete: %s", self.node, exc)
+                ok = False
+            self._view.stop()
+            self._client.close()
+            return ok

@@ -1,0 +1,22 @@
+"""Entry point through which torchrun discovers the ``etcdft`` backend.
+
+torch loads every ``torchrun.handlers`` entry point as
+``registry.register(name, entry_point.load()())``: the entry point is a
+zero-argument factory that returns the handler creator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+
+
+def create_etcdft_handler(params: RendezvousParameters) -> RendezvousHandler:
+    from elastic_ft.rendezvous.handler import EtcdftRendezvousHandler
+
+    return EtcdftRendezvousHandler.from_parameters(params)
+
+
+def etcdft_handler_factory() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    return create_etcdft_handler
