@@ -184,12 +184,16 @@ def previous_fully_accounted(state: RendezvousState, number: int) -> bool:
     This is the fast re-rendezvous rule (TorchFT's fast quorum): when the
     previous group is complete again, or its missing members are known to be
     dead or departed, no one else is expected, so waiting for last call would
-    only delay recovery.  The first round has no previous group.
+    only delay recovery.  At least one previous member must be back: nodes of
+    a new job started under an old run id gather with last call as usual.
+    The first round has no previous group.
     """
     previous = state.round(number - 1).result
     if previous is None:
         return False
     joined = state.round(number).joins
+    if not any(m.node in joined for m in previous.members):
+        return False
     return all(m.node in joined or not state.is_alive(m) for m in previous.members)
 
 
