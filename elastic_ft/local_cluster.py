@@ -1,0 +1,115 @@
+"""Simulate several torchrun nodes on one host, for the demo, tests and benchmarks.
+
+Each :class:`TorchrunNode` is one real ``torchrun`` process (one "node") with
+its own agent and workers, rendezvousing through etcd on loopback.
+:meth:`TorchrunNode.kill` SIGKILLs the agent *and* its workers, like losing
+the machine: torchrun's workers live in their own sessions and would survive
+their agent otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def torchrun_command() -> list[str]:
+    """The ``torchrun`` console script next to this Python, else ``-m torch.distributed.run``."""
+    script = Path(sys.executable).with_name("torchrun")
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("torchrun")
+    return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def descendants(pid: int) -> list[int]:
+    """All live descendant PIDs of ``pid`` (Linux /proc)."""
+    found: list[int] = []
+    stack = [pid]
+    while stack:
+        parent = stack.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    children = [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            found += children
+            stack += children
+    return found
+
+
+class TorchrunNode:
+    def __init__(
+        self,
+        tag: str,
+        *,
+        endpoint: str,
+        run_id: str,
+        script: Sequence[str],
+        nnodes: str = "1:2",
+        nproc_per_node: int = 1,
+        backend: str = "etcdft",
+        rdzv_conf: str = "",
+        max_restarts: int = 3,
+        log_path: Path | None = None,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.tag = tag
+        command = [
+            *torchrun_command(),
+            f"--nnodes={nnodes}",
+            f"--nproc-per-node={nproc_per_node}",
+            f"--rdzv-backend={backend}",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={run_id}",
+            "--local-addr=127.0.0.1",
+            f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.1",
+        ]
+        if rdzv_conf:
+            command.append(f"--rdzv-conf={rdzv_conf}")
+        command += list(script)
+        env = {**os.environ, "NODE_TAG": tag, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+        self.log_path = log_path
+        log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
+        try:
+            self.process = subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        finally:
+            if log_path:
+                log.close()  # type: ignore[union-attr]
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.process.wait(timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+    def kill(self) -> list[int]:
+        """SIGKILL the agent and every process below it; returns the PIDs killed."""
+        victims = [self.pid, *descendants(self.pid)]
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.process.wait()
+        return victims
+
+    def terminate(self) -> None:
+        if self.process.poll() is None:
+            self.kill()
