@@ -199,7 +199,7 @@ class EtcdServer:
         for member in self._members:
             if member.process is not None:
                 try:
-                    member.process.wait(timeout=10)
+                    member.process.wait(timeout=2)
                 except subprocess.TimeoutExpired:
                     member.process.kill()
                     member.process.wait()

@@ -39,9 +39,13 @@ def make_handler(etcd: EtcdServer, run_id: str) -> Iterator[HandlerFactory]:
     def make(min_nodes: int = 2, max_nodes: int = 3, **conf: Any) -> EtcdftRendezvousHandler:
         conf = {"last_call_timeout": 0.5, "lease_ttl": 1, "join_timeout": 30, **conf}
         settings = make_settings(
-            run_id=run_id, endpoint=etcd.endpoint, min_nodes=min_nodes, max_nodes=max_nodes,
-            local_addr="127.0.0.1", **conf,
-        )  # fmt: skip
+            run_id=run_id,
+            endpoint=etcd.endpoint,
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            local_addr="127.0.0.1",
+            **conf,
+        )
         handler = EtcdftRendezvousHandler(settings)
         handlers.append(handler)
         return handler
@@ -230,8 +234,10 @@ class NodeProcess:
         args = [f"{k}={v}" for k, v in {"last_call_timeout": 0.5, "lease_ttl": 1, **conf}.items()]
         self.proc = subprocess.Popen(
             [sys.executable, str(NODE_SCRIPT), etcd.endpoint, run_id, str(min_nodes), str(max_nodes), *args],
-            stdout=subprocess.PIPE, text=True, start_new_session=True,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         self.node = json.loads(self.proc.stdout.readline())["node"]  # type: ignore[union-attr]
 
     def result(self) -> dict[str, int]:

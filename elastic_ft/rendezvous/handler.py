@@ -245,8 +245,12 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         )
         log.info(
             "node %s is rank %d of %d in round %d of '%s'",
-            self.node, done.rank, len(result.members), result.round, self.settings.run_id,
-        )  # fmt: skip
+            self.node,
+            done.rank,
+            len(result.members),
+            result.round,
+            self.settings.run_id,
+        )
         return RendezvousInfo(
             store, done.rank, len(result.members), RendezvousStoreInfo(result.master_addr, result.master_port)
         )
