@@ -22,22 +22,27 @@ class Setting:
     ``keep_alive_interval=1, keep_alive_max_attempt=liveness``.  torch's
     backends cannot run with a bound of 1 s (with one attempt, live
     participants are dropped between heartbeats), so 2 s is the smallest
-    setting compared across all three.
+    setting compared across all three.  ``None`` keeps each backend's default
+    (etcdft: 10 s lease; torch: 5 s x 3 heartbeats), which is what the join
+    benchmark uses: 1 s heartbeats from 64 nodes in one process starve torch's
+    backends.
     """
 
     min_nodes: int
     max_nodes: int
     last_call_timeout: float
     join_timeout: float
-    liveness: int
+    liveness: int | None
 
 
 def make_handler(backend: str, endpoint: str, run_id: str, setting: Setting) -> RendezvousHandler:
-    common = {
+    common: dict[str, object] = {
         "last_call_timeout": setting.last_call_timeout,
         "join_timeout": setting.join_timeout,
     }
     if backend == "etcdft":
+        if setting.liveness is not None:
+            common["lease_ttl"] = setting.liveness
         from elastic_ft.rendezvous import EtcdftRendezvousHandler, make_settings
 
         return EtcdftRendezvousHandler(
@@ -47,12 +52,13 @@ def make_handler(backend: str, endpoint: str, run_id: str, setting: Setting) -> 
                 min_nodes=setting.min_nodes,
                 max_nodes=setting.max_nodes,
                 local_addr="127.0.0.1",
-                lease_ttl=setting.liveness,
                 **common,
             )
         )
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
+    if setting.liveness is not None:
+        common.update(keep_alive_interval=1, keep_alive_max_attempt=setting.liveness)
     params = RendezvousParameters(
         backend,
         endpoint,
@@ -60,8 +66,6 @@ def make_handler(backend: str, endpoint: str, run_id: str, setting: Setting) -> 
         setting.min_nodes,
         setting.max_nodes,
         local_addr="127.0.0.1",
-        keep_alive_interval=1,
-        keep_alive_max_attempt=setting.liveness,
         is_host=False,
         **common,
     )

@@ -89,7 +89,7 @@ def bench_join(backend: str, endpoint: str, n: int, repeats: int, last_call: flo
     times = []
     requests: list[float] = []
     for _ in range(repeats):
-        setting = Setting(n, n, last_call, 300, 2)
+        setting = Setting(n, n, last_call, 300, None)
         run_id = f"join-{uuid.uuid4().hex[:8]}"
         handlers = [make_handler(backend, endpoint, run_id, setting) for _ in range(n)]
         before = [Counter(h.client.requests_by_kind) for h in handlers] if backend == "etcdft" else []

@@ -406,3 +406,28 @@ def test_everything_is_json_under_the_run_prefix(make_handler: HandlerFactory, e
     other_runs = {kv.key.split("/")[2] for kv in kvs}
     assert a.settings.run_id in other_runs
     assert all(kv.key.startswith("/elastic_ft/") for kv in kvs)
+
+
+def test_etcd_lost_during_rendezvous_fails_within_bounds(run_id: str) -> None:
+    with EtcdServer() as own_etcd:
+        settings = make_settings(
+            run_id=run_id,
+            endpoint=own_etcd.endpoint,
+            min_nodes=2,
+            max_nodes=2,
+            local_addr="127.0.0.1",
+            connect_timeout=2,
+            request_timeout=1,
+            lease_ttl=1,
+        )
+        handler = EtcdftRendezvousHandler(settings)
+        thread, box = in_background(handler)
+        time.sleep(0.5)  # joined, waiting for a second node
+        own_etcd.kill_member(0)
+        start = time.monotonic()
+        thread.join(15)
+        assert not thread.is_alive(), "next_rendezvous hung after etcd went away"
+        assert isinstance(box.get("error"), RendezvousConnectionError), box
+        assert own_etcd.endpoint in str(box["error"])
+        assert time.monotonic() - start < 8
+        handler.shutdown()

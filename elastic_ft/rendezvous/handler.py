@@ -4,11 +4,11 @@ This module carries out, against etcd, what ``state.py`` decides.  A node's
 life in the rendezvous:
 
 1. On its first ``next_rendezvous()`` the node grants itself a lease of
-   ``lease_ttl`` seconds, refreshed by a daemon thread, and puts
-   ``rdzv/alive/<node>`` on it.  If the agent dies, the lease expires and
-   every key the node holds disappears with it.
-2. To join the open round ``n`` it puts ``rdzv/round/<n>/join/<node>`` on its
-   lease, in a transaction that fails if round ``n`` has closed meanwhile.
+   ``lease_ttl`` seconds, refreshed by a daemon thread.  If the agent dies,
+   the lease expires and every key the node holds disappears with it.
+2. To join the open round ``n`` it puts ``rdzv/round/<n>/join/<node>`` and
+   ``rdzv/alive/<node>`` on its lease, in a transaction that fails if round
+   ``n`` has closed meanwhile.
 3. The earliest joiner closes the round when ``state.close_verdict`` allows,
    writing ``rdzv/round/<n>/result`` (members in rank order, the
    MASTER_ADDR/PORT of rank 0) in a transaction that fails if the result
@@ -160,6 +160,10 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             if lease.expired.is_set():
                 lease = self._ensure_session()
                 joined = None
+            if self._view.disconnected_for() > settings.connect_timeout:
+                raise EtcdUnavailableError(
+                    f"the watch on etcd has been down for more than {settings.connect_timeout:g} s"
+                )
             state, version = self._view.snapshot()
             now = time.monotonic()
             number = state.open_round
@@ -183,24 +187,29 @@ class EtcdftRendezvousHandler(RendezvousHandler):
                 self._close(action, version)
             else:
                 until = action.until if action.until is not None else deadline
-                self._view.wait_for_change(version, min(until, deadline) - now)
+                # Wake up at least once a second to notice a lost connection.
+                self._view.wait_for_change(version, min(until, deadline, now + 1.0) - now)
 
     def _ensure_session(self) -> LeaseKeeper:
-        """Hold a live lease with this node's alive key on it."""
+        """Hold a live lease; the node's alive key goes on it when it joins."""
         if self._lease is not None and not self._lease.expired.is_set():
             return self._lease
         if self._lease is not None:
             self._lease.stop(revoke=False)
         lease = LeaseKeeper(self._client, self.settings.lease_ttl)
-        value = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
-        self._client.put(f"{self._rdzv}alive/{self.node}", value, lease=lease.id)
         self._lease = lease
         self._joined_round = None
         return lease
 
     def _join(self, number: int, lease: int, version: int) -> bool:
         join = rules.join_value(self._addr, _free_port(self._addr))
-        ops = [put_op(f"{self._rdzv}round/{number}/join/{self.node}", join, lease)]
+        alive = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
+        # The alive key rides in the join transaction: one revision, one watch
+        # event batch for every other node, instead of two.
+        ops = [
+            put_op(f"{self._rdzv}round/{number}/join/{self.node}", join, lease),
+            put_op(f"{self._rdzv}alive/{self.node}", alive, lease),
+        ]
         if self._joined_round is not None and self._joined_round != number:
             ops.append(delete_op(f"{self._rdzv}round/{self._joined_round}/join/{self.node}"))
         guards = [key_missing(f"{self._rdzv}round/{number}/result"), key_missing(f"{self._rdzv}closed")]

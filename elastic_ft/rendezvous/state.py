@@ -23,6 +23,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 
 #: A closing transaction checks every member's join key is still there; etcd
 #: caps a transaction at 128 operations (``--max-txn-ops``), so beyond this
@@ -98,7 +99,7 @@ class RendezvousState:
     def round(self, number: int) -> RoundRecord:
         return self.rounds.get(number) or RoundRecord(number)
 
-    @property
+    @cached_property
     def last_closed(self) -> RoundResult | None:
         closed = [r.result for r in self.rounds.values() if r.result is not None]
         return max(closed, key=lambda r: r.round) if closed else None
@@ -125,33 +126,68 @@ def join_value(addr: str, port: int) -> bytes:
     return json.dumps({"addr": addr, "port": port}, sort_keys=True).encode()
 
 
-def parse_state(keys: Mapping[str, RawKey]) -> RendezvousState:
-    """Build the state from keys relative to ``<run>/rdzv/``; unknown keys are ignored."""
+@dataclass(frozen=True)
+class Fact:
+    """What one key says; ``kind`` is closed, alive, join, result or left."""
+
+    kind: str
+    round: int = -1
+    node: str = ""
+    lease: int = 0
+    join: Join | None = None
+    result: RoundResult | None = None
+
+
+def parse_key(key: str, raw: RawKey) -> Fact | None:
+    """Decode one key relative to ``<run>/rdzv/``; None for keys of no concern.
+
+    Kept apart from :func:`build_state` so a watcher decodes each key once,
+    when it changes, rather than on every look at the state.
+    """
+    parts = key.split("/")
+    if parts == ["closed"]:
+        return Fact("closed")
+    if len(parts) == 2 and parts[0] == "alive":
+        return Fact("alive", node=parts[1], lease=raw.lease)
+    if len(parts) < 3 or parts[0] != "round" or not parts[1].isdigit():
+        return None
+    number = int(parts[1])
+    if parts[2] == "result" and len(parts) == 3:
+        return Fact("result", round=number, result=RoundResult.from_json(raw.value))
+    if parts[2] == "join" and len(parts) == 4:
+        data = json.loads(raw.value)
+        join = Join(parts[3], raw.lease, raw.create_revision, str(data["addr"]), int(data["port"]))
+        return Fact("join", round=number, node=parts[3], join=join)
+    if parts[2] == "left" and len(parts) == 4:
+        return Fact("left", round=number, node=parts[3])
+    return None
+
+
+def build_state(facts: Iterable[Fact]) -> RendezvousState:
     closed = False
     alive: dict[str, int] = {}
     joins: dict[int, dict[str, Join]] = {}
     results: dict[int, RoundResult] = {}
     left: dict[int, set[str]] = {}
-    for key, raw in keys.items():
-        parts = key.split("/")
-        if parts == ["closed"]:
+    for fact in facts:
+        if fact.kind == "closed":
             closed = True
-        elif len(parts) == 2 and parts[0] == "alive":
-            alive[parts[1]] = raw.lease
-        elif len(parts) >= 3 and parts[0] == "round" and parts[1].isdigit():
-            number = int(parts[1])
-            if parts[2:3] == ["result"] and len(parts) == 3:
-                results[number] = RoundResult.from_json(raw.value)
-            elif parts[2] == "join" and len(parts) == 4:
-                data = json.loads(raw.value)
-                joins.setdefault(number, {})[parts[3]] = Join(
-                    parts[3], raw.lease, raw.create_revision, str(data["addr"]), int(data["port"])
-                )
-            elif parts[2] == "left" and len(parts) == 4:
-                left.setdefault(number, set()).add(parts[3])
+        elif fact.kind == "alive":
+            alive[fact.node] = fact.lease
+        elif fact.kind == "join" and fact.join is not None:
+            joins.setdefault(fact.round, {})[fact.node] = fact.join
+        elif fact.kind == "result" and fact.result is not None:
+            results[fact.round] = fact.result
+        elif fact.kind == "left":
+            left.setdefault(fact.round, set()).add(fact.node)
     numbers = set(joins) | set(results) | set(left)
     rounds = {n: RoundRecord(n, joins.get(n, {}), results.get(n), frozenset(left.get(n, ()))) for n in numbers}
     return RendezvousState(closed, alive, rounds)
+
+
+def parse_state(keys: Mapping[str, RawKey]) -> RendezvousState:
+    """Build the state from keys relative to ``<run>/rdzv/``; unknown keys are ignored."""
+    return build_state(f for f in (parse_key(k, raw) for k, raw in keys.items()) if f is not None)
 
 
 # ---- closing a round --------------------------------------------------------

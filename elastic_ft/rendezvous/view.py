@@ -14,8 +14,8 @@ import logging
 import threading
 import time
 
-from elastic_ft.etcd_client import EtcdClient, EtcdUnavailableError, EtcdWatch, WatchEvent
-from elastic_ft.rendezvous.state import RawKey, RendezvousState, parse_state
+from elastic_ft.etcd_client import EtcdClient, EtcdRequestError, EtcdUnavailableError, EtcdWatch, WatchEvent
+from elastic_ft.rendezvous.state import Fact, RawKey, RendezvousState, build_state, parse_key
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +25,13 @@ class KeyView:
         self._client = client
         self._prefix = prefix
         self._cond = threading.Condition()
-        self._keys: dict[str, RawKey] = {}
+        self._facts: dict[str, Fact] = {}
         self._revision = 0
         self._version = 0
         self._state: RendezvousState | None = None
         self._watch: EtcdWatch | None = None
         self._stopped = False
+        self._broken_since: float | None = None
         self._resync()
 
     def _resync(self) -> None:
@@ -38,10 +39,20 @@ class KeyView:
         with self._cond:
             if self._stopped:
                 return
-            self._keys = {kv.key[len(self._prefix) :]: RawKey(kv.value, kv.lease, kv.create_revision) for kv in kvs}
+            self._facts = {}
+            for kv in kvs:
+                self._apply(kv.key[len(self._prefix) :], RawKey(kv.value, kv.lease, kv.create_revision))
             self._revision = revision
+            self._broken_since = None
             self._changed()
             self._watch = self._client.watch_prefix(self._prefix, revision + 1, self._on_events, self._on_error)
+
+    def _apply(self, key: str, raw: RawKey | None) -> None:
+        fact = parse_key(key, raw) if raw is not None else None
+        if fact is None:
+            self._facts.pop(key, None)
+        else:
+            self._facts[key] = fact
 
     def _changed(self) -> None:
         self._version += 1
@@ -52,14 +63,17 @@ class KeyView:
         with self._cond:
             for event in events:
                 key = event.kv.key[len(self._prefix) :]
-                if event.deleted:
-                    self._keys.pop(key, None)
-                else:
-                    self._keys[key] = RawKey(event.kv.value, event.kv.lease, event.kv.create_revision)
+                raw = None if event.deleted else RawKey(event.kv.value, event.kv.lease, event.kv.create_revision)
+                self._apply(key, raw)
             self._revision = max(self._revision, revision)
             self._changed()
 
     def _on_error(self, error: Exception) -> None:
+        with self._cond:
+            if self._stopped:
+                return
+            self._broken_since = time.monotonic()
+            self._cond.notify_all()
         log.warning("rendezvous watch on %s broke (%s); re-listing", self._prefix, error)
         threading.Thread(target=self._recover, name="etcdft-resync", daemon=True).start()
 
@@ -69,15 +83,22 @@ class KeyView:
             try:
                 self._resync()
                 return
-            except EtcdUnavailableError as exc:
+            except (EtcdUnavailableError, EtcdRequestError) as exc:
+                if self._stopped:
+                    return
                 log.warning("rendezvous re-list failed: %s", exc)
                 time.sleep(delay)
                 delay = min(1.0, delay * 2)
 
+    def disconnected_for(self) -> float:
+        """Seconds since the watch broke without being restored (0 when live)."""
+        with self._cond:
+            return 0.0 if self._broken_since is None else time.monotonic() - self._broken_since
+
     def snapshot(self) -> tuple[RendezvousState, int]:
         with self._cond:
             if self._state is None:
-                self._state = parse_state(self._keys)
+                self._state = build_state(self._facts.values())
             return self._state, self._version
 
     def wait_for_change(self, version: int, timeout: float) -> None:
