@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,12 +19,15 @@ from pathlib import Path
 
 
 def torchrun_command() -> list[str]:
-    """The ``torchrun`` console script next to this Python, else ``-m torch.distributed.run``."""
+    """The ``torchrun`` console script of this Python, else ``-m torch.distributed.run``.
+
+    A ``torchrun`` elsewhere on PATH may belong to another interpreter, which
+    would not see this installation of elastic-ft.
+    """
     script = Path(sys.executable).with_name("torchrun")
     if script.exists():
         return [str(script)]
-    found = shutil.which("torchrun")
-    return [found] if found else [sys.executable, "-m", "torch.distributed.run"]
+    return [sys.executable, "-m", "torch.distributed.run"]
 
 
 def descendants(pid: int) -> list[int]:
