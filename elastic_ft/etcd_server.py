@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-from elastic_ft.etcd_client import EtcdClient, EtcdEndpoint, EtcdUnavailableError
+from elastic_ft.etcd_client import EtcdClient, EtcdEndpoint, EtcdUnavailableError, TlsFiles
 
 
 class EtcdBinaryNotFoundError(FileNotFoundError):
@@ -92,6 +92,11 @@ class EtcdServer:
     election_ms: int = 250
     enable_v2: bool = False
     host: str = "127.0.0.1"
+    #: Serve clients over https with these PEM files (server cert, its key,
+    #: and the CA that signed client certificates, which are then required).
+    #: The readiness probe presents the server's certificate as a client, so
+    #: it must allow client auth too, as etcd's own guides issue them.
+    tls: TlsFiles | None = None
     _workdir: Path | None = field(default=None, init=False)
     _members: list[_Member] = field(default_factory=list, init=False)
 
@@ -120,8 +125,8 @@ class EtcdServer:
             self.binary,
             "--name", member.name,
             "--data-dir", str(member.data_dir),
-            "--listen-client-urls", f"http://{self.host}:{member.client_port}",
-            "--advertise-client-urls", f"http://{self.host}:{member.client_port}",
+            "--listen-client-urls", f"{self._scheme}://{self.host}:{member.client_port}",
+            "--advertise-client-urls", f"{self._scheme}://{self.host}:{member.client_port}",
             "--listen-peer-urls", f"http://{self.host}:{member.peer_port}",
             "--initial-advertise-peer-urls", f"http://{self.host}:{member.peer_port}",
             "--initial-cluster", cluster,
@@ -134,20 +139,26 @@ class EtcdServer:
             args += ["--initial-cluster-state", "new", "--initial-cluster-token", token]
         if self.enable_v2:
             args.append("--enable-v2=true")
+        if self.tls is not None:
+            args += ["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key)]
+            if self.tls.cacert:
+                args += ["--client-cert-auth", "--trusted-ca-file", str(self.tls.cacert)]
         with open(member.log_path, "ab") as log:
             member.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     @property
+    def _scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
+
+    @property
     def endpoints(self) -> list[EtcdEndpoint]:
-        return [EtcdEndpoint(self.host, m.client_port) for m in self._members]
+        return [EtcdEndpoint(self.host, m.client_port, self.tls is not None) for m in self._members]
 
     @property
     def endpoint(self) -> str:
-        """The ``host:port,...`` string torchrun's ``--rdzv-endpoint`` takes."""
-        return ",".join(f"{self.host}:{m.client_port}" for m in self._members)
-
-    def member_endpoint(self, index: int) -> str:
-        return f"{self.host}:{self._members[index].client_port}"
+        """The ``host:port,...`` string torchrun's ``--rdzv-endpoint`` takes (``https://`` with TLS)."""
+        prefix = "https://" if self.tls is not None else ""
+        return ",".join(f"{prefix}{self.host}:{m.client_port}" for m in self._members)
 
     def version(self) -> tuple[int, int, int]:
         assert self.binary is not None
@@ -156,7 +167,12 @@ class EtcdServer:
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for member in self._members:
-            client = EtcdClient([EtcdEndpoint(self.host, member.client_port)], request_timeout=1.0, connect_timeout=0.5)
+            client = EtcdClient(
+                [EtcdEndpoint(self.host, member.client_port, self.tls is not None)],
+                request_timeout=1.0,
+                connect_timeout=0.5,
+                tls=self.tls,
+            )
             try:
                 while True:
                     if member.process is not None and member.process.poll() is not None:
