@@ -1,0 +1,59 @@
+"""ftrun: torchrun's flags, etcdft by default, an embedded etcd on one host."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic_ft.launcher.ftrun import build_parser
+
+TRAIN = Path(__file__).resolve().parents[1] / "examples" / "train.py"
+FTRUN = [sys.executable, "-m", "elastic_ft.launcher.ftrun"]
+
+
+def test_parser_takes_torchrun_flags_and_defaults_to_etcdft() -> None:
+    args = build_parser().parse_args(["--nnodes=1:2", "--nproc-per-node=3", "--max-restarts=2", "train.py", "--x"])
+    assert args.rdzv_backend == "etcdft"
+    assert (args.nnodes, args.nproc_per_node, args.max_restarts) == ("1:2", "3", 2)
+    assert args.training_script == "train.py" and args.training_script_args == ["--x"]
+    assert build_parser().parse_args(["--rdzv-backend=c10d", "t.py"]).rdzv_backend == "c10d"
+
+
+def test_help_lists_ftrun_and_torchrun_flags() -> None:
+    text = build_parser().format_help()
+    for flag in ("--etcd-binary", "--rdzv-endpoint", "--nproc-per-node", "--max-restarts"):
+        assert flag in text
+
+
+def test_multi_node_without_endpoint_is_a_clear_error() -> None:
+    command = [*FTRUN, "--nnodes=1:2", str(TRAIN), "--workdir", "/tmp/unused"]
+    done = subprocess.run(command, check=False, capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "--rdzv-endpoint is required for a multi-node job (--nnodes=1:2)" in done.stderr
+
+
+@pytest.mark.slow
+def test_single_host_job_runs_on_an_embedded_etcd(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    done = subprocess.run(
+        [*FTRUN, "--nproc-per-node=2", "--monitor-interval=0.1", str(TRAIN), "--workdir", str(work), "--steps", "5"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(p.read_text()) for p in sorted(work.glob("done-*.json"))]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert {r["world_size"] for r in results} == {2}
+    # The embedded etcd served the job and is gone with it.
+    match = re.search(r"ftrun: embedded etcd at 127\.0\.0\.1:(\d+)", done.stderr)
+    assert match, done.stderr[-2000:]
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", int(match.group(1)))) != 0
