@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ft.launcher.ftrun import build_parser
+from elastic_ft.etcd_server import EtcdServer
+from elastic_ft.launcher.ftrun import apply_job_config, build_parser, parse_args
+from elastic_ft.launcher.job_config import load_job_config
 
 TRAIN = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 FTRUN = [sys.executable, "-m", "elastic_ft.launcher.ftrun"]
@@ -57,3 +59,44 @@ def test_single_host_job_runs_on_an_embedded_etcd(tmp_path: Path) -> None:
     assert match, done.stderr[-2000:]
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", int(match.group(1)))) != 0
+
+
+def test_job_config_fills_what_the_command_line_leaves_unset() -> None:
+    config = load_job_config(
+        "nodes: {min: 2, max: 3}\nnproc_per_node: 4\nmax_restarts: 5\nrendezvous: {lease_ttl: 3, last_call_timeout: 2}"
+    )
+    parser = build_parser()
+    args, given = parse_args(parser, ["--nproc-per-node=2", "--rdzv-conf=lease_ttl=7", "train.py"])
+    apply_job_config(args, given, config)
+    assert args.nnodes == "2:3"  # from the config
+    assert args.nproc_per_node == "2"  # the command line wins
+    assert args.max_restarts == 5
+    assert sorted(args.rdzv_conf.split(",")) == ["last_call_timeout=2", "lease_ttl=7"]
+
+
+def test_bad_job_config_file_fails_before_anything_starts(tmp_path: Path) -> None:
+    bad = tmp_path / "job.yaml"
+    bad.write_text("nodes: {min: 1, max: 1}\nwrapper: {soft_timeout: 0}\n")
+    done = subprocess.run([*FTRUN, f"--job-config={bad}", str(TRAIN)], check=False, capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "wrapper.soft_timeout=0 is invalid; expected seconds > 0" in done.stderr
+    assert "embedded etcd" not in done.stderr
+
+
+@pytest.mark.slow
+def test_stored_job_config_sets_the_worker_count(etcd: EtcdServer, run_id: str, tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text("nodes: {min: 1, max: 1}\nnproc_per_node: 2\nrendezvous: {last_call_timeout: 0}\n")
+    put = subprocess.run(
+        [sys.executable, "-m", "elastic_ft.launcher.cli", "config", "put", str(config),
+         f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}"],
+        check=False, capture_output=True, text=True,
+    )  # fmt: skip
+    assert put.returncode == 0, put.stderr
+    work = tmp_path / "work"
+    command = [*FTRUN, f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}", "--monitor-interval=0.1",
+               str(TRAIN), "--workdir", str(work), "--steps", "3"]  # fmt: skip
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(p.read_text()) for p in sorted(work.glob("done-*.json"))]
+    assert {r["world_size"] for r in results} == {2} and len(results) == 2

