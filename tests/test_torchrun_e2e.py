@@ -144,3 +144,21 @@ def test_sigterm_to_torchrun_lets_the_lease_expire(
         assert time.monotonic() < deadline, "the dead node's lease never expired"
         time.sleep(0.1)
     client.close()
+
+
+@pytest.mark.slow
+def test_spare_node_waits_then_replaces_a_killed_node(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
+) -> None:
+    a = start(nodes, tmp_path, etcd, run_id, "A", steps=80, step_time=0.1, nnodes="1:2")
+    b = start(nodes, tmp_path, etcd, run_id, "B", steps=80, step_time=0.1, nnodes="1:2")
+    wait_for("checkpoint.pt", tmp_path / "work", 1, 90)  # A and B train; the round is full
+    spare = start(nodes, tmp_path, etcd, run_id, "C", steps=80, step_time=0.1, nnodes="1:2")
+    time.sleep(3)
+    assert spare.process.poll() is None, spare.log()  # waiting, not crashed
+    assert "Detected 1 new nodes" not in a.log()  # a spare behind a full round causes no restart
+    b.kill()
+    assert a.wait(150) == 0, a.log()
+    assert spare.wait(150) == 0, spare.log()
+    done = results(tmp_path)
+    assert sorted((r["node"], r["world_size"]) for r in done) == [("A", 2), ("C", 2)]
