@@ -1,0 +1,258 @@
+"""The coordination store of the in-process restart Wrapper.
+
+Ranks coordinate only through a ``torch.distributed.Store``: barriers,
+fault records, the list of terminated ranks, heartbeats. The Wrapper gets
+its store from ``store_factory(**store_kwargs)``; any ``Store`` with
+TCPStore's semantics works (``set``, ``get``, ``add``, ``append``,
+``compare_set``, ``check``), for example
+:class:`elastic_ft.etcd_store.EtcdStore`, so that no single rank has to host
+the job's coordination. The default, :class:`TCPStore`, is hosted by the
+process of initial rank 0, which therefore must outlive the job.
+
+The protocol itself lives in :class:`StoreMixin` and only uses those
+primitives. The Wrapper applies it through :class:`PrefixStore` views: one
+job-wide view and one per restart iteration, so that the keys of an
+iteration never collide with those of the previous one.
+
+Every value is plain text or JSON; nothing is pickled.
+
+Waiting is done by polling ``check`` with a short back-off rather than with
+``Store.wait``: a TCPStore client holds its connection lock for the whole of
+a ``wait``, which would stall the other threads of the process sharing the
+connection, and the polling loop executes Python bytecode, so an
+asynchronous restart exception can interrupt it at any time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterable
+
+import torch.distributed as dist
+
+from elastic_ft.exception import BarrierOverflow, BarrierTimeout
+
+#: The per-iteration outcome: exactly one of these wins the ``compare_set``.
+COMPLETED = "completed"
+INTERRUPTED = "interrupted"
+
+INITIAL_BARRIER = "initial_barrier"
+ITERATION_BARRIER = "iteration_barrier"
+COMPLETION_BARRIER = "completion_barrier"
+TERMINATION_BARRIER = "termination_barrier"
+EXIT_BARRIER = "exit_barrier"
+
+_NAMESPACE = "elastic_ft/inprocess"
+_POLL_FIRST = 0.0005
+_POLL_MAX = 0.02
+
+
+def poll(predicate: Callable[[], bool], timeout: float | None, interval_max: float = _POLL_MAX) -> bool:
+    """Call ``predicate`` with a growing pause until it is true; False on timeout (``None``: never)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = _POLL_FIRST
+    while not predicate():
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, interval_max)
+    return True
+
+
+def _text(value: bytes) -> str:
+    return value.decode() if isinstance(value, bytes | bytearray) else str(value)
+
+
+class StoreMixin:
+    """The Wrapper's coordination protocol, on top of a store's primitive operations.
+
+    Mix it into any ``torch.distributed.Store`` subclass. ``critical_ranks``
+    lists the initial ranks whose process must stay alive until every rank
+    has left the Wrapper (the ranks hosting the store).
+    """
+
+    # Provided by the torch.distributed.Store this is mixed into.
+    set: Callable[..., None]
+    get: Callable[[str], bytes]
+    add: Callable[[str, int], int]
+    append: Callable[[str, str], None]
+    check: Callable[[list[str]], bool]
+    compare_set: Callable[[str, str, str], bytes]
+
+    @property
+    def critical_ranks(self) -> tuple[int, ...]:
+        return ()
+
+    # ---- barriers ----
+
+    def arrive_and_wait(
+        self,
+        name: str,
+        ranks: Iterable[int],
+        world_size: int,
+        timeout: datetime.timedelta,
+    ) -> str | None:
+        """Arrive at barrier ``name`` for ``ranks`` and wait until ``world_size`` ranks arrived.
+
+        Arrival is idempotent per rank, so a monitor process or another rank
+        may arrive on behalf of a rank that died, before or after it arrived
+        itself. Whoever arrives last publishes the barrier's result
+        (:meth:`barrier_result`), which every waiting rank gets back: a
+        snapshot all ranks agree on. A zero ``timeout`` arrives without
+        waiting and returns ``None``; ``timedelta.max`` waits forever.
+
+        Raises:
+            BarrierTimeout: the barrier did not complete in time.
+            BarrierOverflow: more than ``world_size`` distinct ranks arrived.
+        """
+        done_key = f"{name}/done"
+        for rank in ranks:
+            token = uuid.uuid4().hex
+            if _text(self.compare_set(f"{name}/arrived/{rank}", "", token)) != token:
+                continue  # this rank had already arrived
+            count = self.add(f"{name}/count", 1)
+            if count > world_size:
+                raise BarrierOverflow(f"{name}: rank {rank} arrived as number {count} of {world_size}")
+            if count == world_size:
+                self.set(done_key, self.barrier_result(name))
+        if timeout <= datetime.timedelta(0):
+            return None
+        limit = None if timeout == datetime.timedelta.max else timeout.total_seconds()
+        if not poll(lambda: self.check([done_key]), limit):
+            arrived = self.add(f"{name}/count", 0)
+            raise BarrierTimeout(f"{name}: {arrived} of {world_size} ranks arrived within {limit:g} s")
+        return _text(self.get(done_key))
+
+    def barrier_result(self, name: str) -> str:
+        """What the last rank arriving at barrier ``name`` publishes.
+
+        The completion barrier decides the iteration's outcome (completed,
+        unless an interruption came first); the termination barrier freezes
+        the list of terminated ranks that the rank assignment gets.
+        """
+        if name == COMPLETION_BARRIER:
+            return self.decide_outcome(COMPLETED)
+        if name == TERMINATION_BARRIER:
+            return json.dumps(self.terminated_ranks())
+        return ""
+
+    def has_arrived(self, name: str, rank: int) -> bool:
+        return self.check([f"{name}/arrived/{rank}"])
+
+    # ---- the iteration's outcome and the fault records ----
+
+    def decide_outcome(self, outcome: str) -> str:
+        """Propose the iteration's outcome; returns the one that won (the first proposed)."""
+        return _text(self.compare_set("outcome", "", outcome))
+
+    def outcome(self) -> str | None:
+        return _text(self.get("outcome")) if self.check(["outcome"]) else None
+
+    def record_interruption(self, rank: int, kind: str, message: str = "") -> str:
+        """Record why ``rank`` interrupts the iteration, then propose :data:`INTERRUPTED`."""
+        self.append("interruptions", json.dumps({"rank": rank, "kind": kind, "message": message[:500]}) + "\n")
+        return self.decide_outcome(INTERRUPTED)
+
+    def interruptions(self) -> list[dict[str, object]]:
+        if not self.check(["interruptions"]):
+            return []
+        return [json.loads(line) for line in _text(self.get("interruptions")).splitlines() if line]
+
+    def record_terminated(self, ranks: Iterable[int]) -> None:
+        """Record ranks (current ``state.rank`` values) that leave the job."""
+        lines = "".join(f"{int(rank)}\n" for rank in ranks)
+        if lines:
+            self.append("terminated", lines)
+
+    def terminated_ranks(self) -> list[int]:
+        if not self.check(["terminated"]):
+            return []
+        return sorted({int(line) for line in _text(self.get("terminated")).split()})
+
+    def mark_any_completed(self) -> None:
+        self.set("any_completed", "")
+
+    def any_completed(self) -> bool:
+        return self.check(["any_completed"])
+
+    # ---- identity and liveness ----
+
+    def set_initial_rank(self, rank: int, initial_rank: int) -> None:
+        """Publish which initial rank holds ``rank`` in this iteration."""
+        self.set(f"rank_of_initial/{initial_rank}", str(rank))
+
+    def rank_of_initial(self, initial_rank: int) -> int | None:
+        key = f"rank_of_initial/{initial_rank}"
+        return int(_text(self.get(key))) if self.check([key]) else None
+
+    def send_heartbeat(self, rank: int) -> None:
+        self.set(f"heartbeat/{rank}", repr(time.time()))
+
+    def last_heartbeat(self, rank: int) -> float | None:
+        key = f"heartbeat/{rank}"
+        return float(_text(self.get(key))) if self.check([key]) else None
+
+
+class PrefixStore(dist.PrefixStore, StoreMixin):
+    """A namespaced view of another store, with the coordination protocol."""
+
+
+def job_store(base: dist.Store) -> PrefixStore:
+    """The view holding the job-wide keys (initial and exit barriers)."""
+    return PrefixStore(f"{_NAMESPACE}/job", base)
+
+
+def iteration_store(base: dist.Store, iteration: int) -> PrefixStore:
+    """The view holding the keys of one restart iteration."""
+    return PrefixStore(f"{_NAMESPACE}/iteration/{iteration}", base)
+
+
+_hosting_forbidden = False
+
+
+def forbid_hosting() -> None:
+    """Make :class:`TCPStore` connect as a client only: for processes that must not host it."""
+    global _hosting_forbidden
+    _hosting_forbidden = True
+
+
+class TCPStore(dist.TCPStore, StoreMixin):
+    """The default ``store_factory``: a TCPStore hosted by the process of initial rank ``host_rank``.
+
+    Args:
+        host_name: host of the store; default ``MASTER_ADDR``.
+        port: port of the store; default ``MASTER_PORT + 1``, leaving
+            ``MASTER_PORT`` to the wrapped function's own
+            ``init_process_group``.
+        timeout: timeout of the store's own blocking operations.
+        host_rank: the initial ``RANK`` whose process hosts the store.
+        use_libuv: use TCPStore's libuv server.
+    """
+
+    def __init__(
+        self,
+        host_name: str | None = None,
+        port: int | None = None,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+        host_rank: int = 0,
+        use_libuv: bool = True,
+    ) -> None:
+        self.host_rank = host_rank
+        hosts = int(os.environ["RANK"]) == host_rank and not _hosting_forbidden
+        super().__init__(
+            host_name if host_name is not None else os.environ["MASTER_ADDR"],
+            port if port is not None else int(os.environ["MASTER_PORT"]) + 1,
+            None,
+            hosts,
+            timeout,
+            wait_for_workers=False,
+            use_libuv=use_libuv,
+        )
+
+    @property
+    def critical_ranks(self) -> tuple[int, ...]:
+        return (self.host_rank,)

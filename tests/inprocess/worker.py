@@ -1,0 +1,237 @@
+"""One rank of a Wrapper test job; the scenario comes as JSON in ``EFT_SCENARIO``.
+
+Every rank trains a tiny all-reduce loop with gloo under ``elastic_ft.wrapper.Wrapper``
+and writes what happened to ``$EFT_OUT/rank<initial rank>.json``: the function's
+result, or the exception that left the Wrapper, and every call of the function.
+Faults are injected for real: exceptions, ``os._exit``, SIGKILL, hangs in C code
+with the GIL released (``ctypes.CDLL``) or held (``ctypes.PyDLL``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import functools
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_ft.compose import Compose
+from elastic_ft.exception import RankShouldRestart
+from elastic_ft.finalize import Finalize
+from elastic_ft.health_check import HealthCheck
+from elastic_ft.initialize import Initialize, RetryController
+from elastic_ft.rank_assignment import MaxActiveWorldSize, ShiftRanks
+from elastic_ft.state import State
+from elastic_ft.wrapper import CallWrapper, Wrapper
+
+SCENARIO: dict[str, Any] = json.loads(os.environ["EFT_SCENARIO"])
+OUT = os.environ["EFT_OUT"]
+INITIAL_RANK = int(os.environ["RANK"])
+CALLS: list[dict[str, Any]] = []
+
+
+def seconds(name: str, default: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=SCENARIO.get(name, default))
+
+
+def write(record: dict[str, Any]) -> None:
+    path = os.path.join(OUT, f"rank{INITIAL_RANK}.json")
+    with open(path + ".tmp", "w") as file:
+        json.dump(record, file)
+    os.replace(path + ".tmp", path)
+
+
+def fault_here(iteration: int, step: int) -> str | None:
+    """The fault this rank must inject now, if any."""
+    for fault in SCENARIO.get("faults", []):
+        if fault["rank"] == INITIAL_RANK and fault.get("iteration", 0) == iteration and fault.get("step", 0) == step:
+            return fault["kind"]
+    return None
+
+
+def inject(kind: str, call_wrapper: CallWrapper) -> None:
+    if kind == "raise":
+        raise RuntimeError(f"injected fault on initial rank {INITIAL_RANK}")
+    if kind == "exit":
+        os._exit(17)
+    if kind == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "sleep_gil_released":
+        ctypes.CDLL(None).sleep(SCENARIO["hang_seconds"])
+    if kind == "sleep_gil_held":
+        ctypes.PyDLL(None).sleep(1000)
+    if kind == "sleep_gil_held_ignoring_sigterm":
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        while True:
+            ctypes.PyDLL(None).sleep(1000)
+    if kind == "slow_python":
+        deadline = time.monotonic() + SCENARIO["slow_seconds"]
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+    if kind == "slow_c_call_with_pings":
+        stop = threading.Event()
+
+        def pinger() -> None:
+            while not stop.wait(0.1):
+                call_wrapper.ping()
+
+        helper = threading.Thread(target=pinger, daemon=True)
+        helper.start()
+        ctypes.CDLL(None).sleep(SCENARIO["slow_seconds"])
+        stop.set()
+        helper.join()
+    if kind == "livelock_after_ping":
+        call_wrapper.ping()
+        while True:
+            pass
+    if kind == "swallow_once":
+        swallowed = False
+        while True:
+            try:
+                while True:
+                    time.sleep(0.005)
+            except BaseException:
+                if swallowed:
+                    raise
+                swallowed = True
+    if kind == "wait_for_restart":
+        while True:
+            time.sleep(0.005)
+    if kind == "atomic_checkpoint":
+        path = os.path.join(OUT, "checkpoint.txt")
+        with call_wrapper.atomic():
+            CALLS[-1]["atomic_entered"] = time.time()
+            with open(path, "w") as file:
+                for line in range(SCENARIO["checkpoint_lines"]):
+                    file.write(f"line {line}\n")
+                    file.flush()
+                    time.sleep(0.01)
+            CALLS[-1]["atomic_left"] = time.time()
+        while True:
+            time.sleep(0.005)
+
+
+def train(pg_store: dist.Store, call_wrapper: CallWrapper | None = None) -> dict[str, Any]:
+    assert call_wrapper is not None
+    iteration = call_wrapper.iteration
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    call = {"iteration": iteration, "rank": rank, "world_size": world_size}
+    CALLS.append(call)
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"pg/{iteration}", pg_store),
+        rank=rank,
+        world_size=world_size,
+        timeout=seconds("gloo_timeout", 30),
+    )
+    try:
+        value = torch.ones(1)
+        for step in range(SCENARIO.get("steps", 5)):
+            kind = fault_here(iteration, step)
+            if kind is not None:
+                call["fault"] = kind
+                inject(kind, call_wrapper)
+            dist.all_reduce(value)
+        kind = fault_here(iteration, "end")
+        if kind is not None:
+            inject(kind, call_wrapper)
+        return {**call, "value": value.item()}
+    except RankShouldRestart:
+        call["restart_received"] = time.time()
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class FailOn(Initialize, Finalize, HealthCheck):
+    """Raises ``error`` on the listed initial ranks at the listed iterations and calls."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.calls = 0
+
+    def __call__(self, state: State) -> State:
+        self.calls += 1
+        spec = self.spec
+        if (
+            state.initial_rank in spec["ranks"]
+            and state.iteration == spec.get("iteration", 0)
+            and self.calls in spec.get("calls", [self.calls])
+        ):
+            error = {"Exception": RuntimeError, "BaseException": KeyboardInterrupt}[spec["error"]]
+            raise error(f"{spec['hook']} fails on initial rank {state.initial_rank}")
+        return state
+
+
+def build_wrapper() -> Wrapper:
+    hooks: dict[str, Any] = {}
+    for spec in SCENARIO.get("failing_hooks", []):
+        hooks[spec["hook"]] = FailOn(spec)
+    if "retry" in SCENARIO:
+        hooks["initialize"] = RetryController(**SCENARIO["retry"])
+    if "max_active_world_size" in SCENARIO:
+        hooks["rank_assignment"] = Compose(MaxActiveWorldSize(SCENARIO["max_active_world_size"]), ShiftRanks())
+    if "etcd_endpoints" in SCENARIO:
+        hooks["store_factory"] = functools.partial(etcd_store, SCENARIO["etcd_endpoints"], SCENARIO["etcd_prefix"])
+    else:
+        hooks["store_kwargs"] = {"timeout": datetime.timedelta(seconds=20)}
+    return Wrapper(
+        monitor_thread_interval=seconds("monitor_thread_interval", 0.05),
+        monitor_process_interval=seconds("monitor_process_interval", 0.05),
+        progress_watchdog_interval=seconds("progress_watchdog_interval", 0.05),
+        heartbeat_interval=seconds("heartbeat_interval", 0.2),
+        heartbeat_timeout=seconds("heartbeat_timeout", 10),
+        soft_timeout=seconds("soft_timeout", 20),
+        hard_timeout=seconds("hard_timeout", 25),
+        barrier_timeout=seconds("barrier_timeout", 40),
+        completion_timeout=seconds("completion_timeout", 30),
+        last_call_wait=seconds("last_call_wait", 0.05),
+        termination_grace_time=seconds("termination_grace_time", 1),
+        monitor_process_logfile=os.path.join(OUT, "monitor{rank}.log"),
+        **hooks,
+    )
+
+
+def etcd_store(endpoints: list[tuple[str, int]], prefix: str) -> dist.Store:
+    """A store_factory keeping the Wrapper's coordination in etcd; no rank hosts it."""
+    from elastic_ft.etcd_client import EtcdClient, EtcdEndpoint
+    from elastic_ft.etcd_store import EtcdStore
+
+    client = EtcdClient([EtcdEndpoint(host, port) for host, port in endpoints])
+    return EtcdStore(client, prefix, datetime.timedelta(seconds=20))
+
+
+def main() -> None:
+    if SCENARIO.get("debug_log"):
+        logging.getLogger("elastic_ft.inprocess").setLevel(logging.DEBUG)
+    pg_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        None,
+        INITIAL_RANK == 0,
+        datetime.timedelta(seconds=30),
+        wait_for_workers=False,
+    )
+    record: dict[str, Any] = {"calls": CALLS}
+    try:
+        record["result"] = build_wrapper()(train)(pg_store)
+    except BaseException as error:
+        record["error"] = type(error).__name__
+        record["error_message"] = str(error)
+        write(record)
+        raise
+    write(record)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
