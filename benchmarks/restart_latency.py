@@ -201,8 +201,12 @@ def _worker_command(mode: str, out: Path, args: argparse.Namespace, faults: int,
     ]
 
 
-def _run_ranks(mode: str, args: argparse.Namespace, faults: int, steps: int) -> Path:
-    """Run the ranks as independent processes (what in-process restart needs)."""
+def _run_ranks(mode: str, args: argparse.Namespace, faults: int, steps: int, *, strict: bool = True) -> Path:
+    """Run the ranks as independent processes (what in-process restart needs).
+
+    With ``strict`` any non-zero exit is an error; otherwise the exit codes
+    are written to ``exit_codes.json`` and the timing events decide.
+    """
     out = Path(tempfile.mkdtemp(prefix=f"restart-latency-{mode}-"))
     port = _free_port_pair()
     env = {
@@ -222,7 +226,8 @@ def _run_ranks(mode: str, args: argparse.Namespace, faults: int, steps: int) -> 
         for rank in range(args.world_size)
     ]
     codes = [process.wait(timeout=600) for process in processes]
-    if any(codes):
+    (out / "exit_codes.json").write_text(json.dumps(codes))
+    if strict and any(codes):
         raise RuntimeError(f"{mode} ranks exited with {codes}; see {out}")
     return out
 
@@ -301,8 +306,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     else:
         print("nvidia-resiliency-ext inprocess.Wrapper ...", flush=True)
         try:
-            out = _run_ranks("nvidia", args, args.faults, args.steps)
-            results["nvidia_resiliency_ext"] = _summary(_latencies(out, args.faults))
+            # Its ranks may exit non-zero at shutdown (a gloo timeout on the way
+            # out) after recovering from every fault: the events decide.
+            out = _run_ranks("nvidia", args, args.faults, args.steps, strict=False)
+            summary = _summary(_latencies(out, args.faults))
+            summary["exit_codes"] = json.loads((out / "exit_codes.json").read_text())
+            results["nvidia_resiliency_ext"] = summary
         except Exception as error:  # noqa: BLE001 - report the peer's failure, keep our numbers
             results["nvidia_resiliency_ext"] = {"failed": repr(error)}
     print("steady state, with and without the Wrapper ...", flush=True)
