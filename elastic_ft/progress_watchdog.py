@@ -27,7 +27,6 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
-import struct
 import threading
 import time
 
@@ -35,7 +34,7 @@ from elastic_ft.inprocess_logging import get_logger
 
 log = get_logger("progress_watchdog")
 
-_LAYOUT = struct.Struct("=dd")  # automatic, manual (NaN: no ping yet); time.monotonic() seconds
+_Slots = ctypes.c_double * 2  # automatic, manual (NaN: no ping yet); time.monotonic() seconds
 
 
 def progress_age(automatic: float, manual: float, now: float) -> float:
@@ -53,21 +52,28 @@ class ProgressTimestamps:
     """
 
     def __init__(self) -> None:
-        self._memory = mmap.mmap(-1, _LAYOUT.size, flags=mmap.MAP_SHARED)
+        self._memory = mmap.mmap(-1, ctypes.sizeof(_Slots), flags=mmap.MAP_SHARED)
+        # Each timestamp is one aligned 8-byte store, which the other process
+        # never sees half-written. (struct.pack_into zero-fills its target
+        # before packing, so a concurrent reader could see 0: an age of the
+        # whole uptime.)
+        self._slots = _Slots.from_buffer(self._memory)
         self.reset()
 
     def reset(self) -> None:
-        _LAYOUT.pack_into(self._memory, 0, time.monotonic(), math.nan)
+        self._slots[1] = math.nan
+        self._slots[0] = time.monotonic()
 
     def beat_automatic(self) -> None:
-        struct.pack_into("=d", self._memory, 0, time.monotonic())
+        self._slots[0] = time.monotonic()
 
     def beat_manual(self) -> None:
         now = time.monotonic()
-        _LAYOUT.pack_into(self._memory, 0, now, now)
+        self._slots[1] = now
+        self._slots[0] = now
 
     def read(self) -> tuple[float, float]:
-        return _LAYOUT.unpack_from(self._memory, 0)
+        return self._slots[0], self._slots[1]
 
     def age(self) -> float:
         return progress_age(*self.read(), time.monotonic())

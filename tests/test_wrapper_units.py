@@ -186,3 +186,32 @@ def test_call_wrapper_parameters_found_by_annotation_even_as_strings() -> None:
         pass
 
     assert _call_wrapper_parameters(train) == ["plain", "optional", "postponed"]
+
+
+def test_progress_timestamps_are_never_read_half_written() -> None:
+    """The monitor process reads while the main process writes: a torn read
+    (struct.pack_into zero-fills before packing) looked like no progress for
+    the machine's whole uptime and hard-killed a healthy rank."""
+    import math
+    import os
+    import time
+
+    from elastic_ft.progress_watchdog import ProgressTimestamps
+
+    timestamps = ProgressTimestamps()
+    writer = os.fork()
+    if writer == 0:
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            timestamps.reset()
+            timestamps.beat_automatic()
+            timestamps.beat_manual()
+        os._exit(0)
+    worst = 0.0
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        automatic, _ = timestamps.read()
+        assert not math.isnan(automatic)
+        worst = max(worst, timestamps.age())
+    os.waitpid(writer, 0)
+    assert worst < 5.0, f"read an age of {worst:.1f} s from timestamps written moments ago"
