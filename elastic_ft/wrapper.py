@@ -78,6 +78,34 @@ def _seconds(value: datetime.timedelta) -> float:
     return value.total_seconds()
 
 
+#: The Wrapper's durations (``datetime.timedelta``), all positive but these two.
+TIMEOUT_ARGUMENTS = (
+    "monitor_thread_interval",
+    "monitor_process_interval",
+    "progress_watchdog_interval",
+    "heartbeat_interval",
+    "heartbeat_timeout",
+    "soft_timeout",
+    "hard_timeout",
+    "barrier_timeout",
+    "completion_timeout",
+    "last_call_wait",
+    "termination_grace_time",
+)
+MAY_BE_ZERO = ("last_call_wait", "termination_grace_time")
+#: Pairs (smaller, larger) of durations that must be strictly ordered.
+TIMEOUT_ORDER = (
+    ("soft_timeout", "hard_timeout"),
+    ("hard_timeout", "barrier_timeout"),
+    ("heartbeat_interval", "heartbeat_timeout"),
+    ("heartbeat_timeout", "barrier_timeout"),
+    ("monitor_process_interval", "heartbeat_timeout"),
+    ("monitor_process_interval", "soft_timeout"),
+    ("monitor_thread_interval", "soft_timeout"),
+    ("progress_watchdog_interval", "soft_timeout"),
+)
+
+
 def validate_arguments(arguments: dict[str, Any]) -> None:
     """Check the Wrapper's arguments and the relations between its timeouts.
 
@@ -86,24 +114,11 @@ def validate_arguments(arguments: dict[str, Any]) -> None:
         ValueError: a value out of range, or timeouts in the wrong order,
             naming the arguments involved.
     """
-    durations = (
-        "monitor_thread_interval",
-        "monitor_process_interval",
-        "progress_watchdog_interval",
-        "heartbeat_interval",
-        "heartbeat_timeout",
-        "soft_timeout",
-        "hard_timeout",
-        "barrier_timeout",
-        "completion_timeout",
-        "last_call_wait",
-        "termination_grace_time",
-    )
-    for name in durations:
+    for name in TIMEOUT_ARGUMENTS:
         value = arguments[name]
         if not isinstance(value, datetime.timedelta):
             raise TypeError(f"Wrapper {name} must be a datetime.timedelta, got {value!r}")
-        may_be_zero = name in ("last_call_wait", "termination_grace_time")
+        may_be_zero = name in MAY_BE_ZERO
         if value < _NO_WAIT or (value == _NO_WAIT and not may_be_zero):
             raise ValueError(f"Wrapper {name} must be {'>= 0' if may_be_zero else 'positive'}, got {value}")
     for name in ("store_factory", "rank_assignment"):
@@ -126,17 +141,7 @@ def validate_arguments(arguments: dict[str, Any]) -> None:
             raise ValueError(
                 f"Wrapper monitor_process_logfile may only contain the {{rank}} placeholder, got {logfile!r}"
             ) from error
-    ordered = (
-        ("soft_timeout", "hard_timeout"),
-        ("hard_timeout", "barrier_timeout"),
-        ("heartbeat_interval", "heartbeat_timeout"),
-        ("heartbeat_timeout", "barrier_timeout"),
-        ("monitor_process_interval", "heartbeat_timeout"),
-        ("monitor_process_interval", "soft_timeout"),
-        ("monitor_thread_interval", "soft_timeout"),
-        ("progress_watchdog_interval", "soft_timeout"),
-    )
-    for smaller, larger in ordered:
+    for smaller, larger in TIMEOUT_ORDER:
         if not arguments[smaller] < arguments[larger]:
             raise ValueError(
                 f"Wrapper needs {smaller} < {larger}, got {smaller}={arguments[smaller]} and {larger}={arguments[larger]}"

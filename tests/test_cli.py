@@ -53,6 +53,7 @@ def test_config_builds_the_rank_assignment_policy() -> None:
         ("rendezvous: {lease_ttl: 1.5}", "rendezvous.lease_ttl=1.5 is invalid; expected whole seconds"),
         ("rendezvous: {join_timeout: -1}", r"rendezvous.join_timeout=-1 is invalid; expected seconds > 0"),
         ("wrapper: {soft_timeout: 90, hard_timeout: 60}", "wrapper.soft_timeout=90 must be less than"),
+        ("wrapper: {soft_timeout: 100}", r"less than wrapper.hard_timeout=90 \(the Wrapper's default\)"),
         ("wrapper: {soft_timout: 1}", "unknown field.*'soft_timout'"),
         ("rank_assignment: {tree: [{key: host}]}", r"tree\[0\].key='host' is invalid; expected 'job'"),
         ("rank_assignment: {tree: [{key: job, flags: [SPARE]}]}", r"tree\[0\].flags=\['SPARE'\] is invalid"),

@@ -27,6 +27,7 @@ environment variable, e.g. ``env:RACK``).
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -37,20 +38,8 @@ from typing import Any
 
 import yaml
 
-WRAPPER_TIMEOUTS = (
-    "monitor_thread_interval",
-    "monitor_process_interval",
-    "progress_watchdog_interval",
-    "heartbeat_interval",
-    "heartbeat_timeout",
-    "soft_timeout",
-    "hard_timeout",
-    "barrier_timeout",
-    "completion_timeout",
-    "last_call_wait",
-    "termination_grace_time",
-)
-_MAY_BE_ZERO = ("last_call_wait", "termination_grace_time")
+from elastic_ft.wrapper import MAY_BE_ZERO, TIMEOUT_ARGUMENTS, TIMEOUT_ORDER, Wrapper
+
 _LAYER_FLAGS = ("RESERVE", "BACKFILL")
 
 
@@ -180,17 +169,18 @@ def _seconds(value: Any, path: str, *, may_be_zero: bool) -> float:
 
 
 def _check_wrapper_relations(wrapper: Mapping[str, float]) -> None:
-    """The orderings the Wrapper requires, for the timeouts this config sets."""
-    for shorter, longer in (
-        ("soft_timeout", "hard_timeout"),
-        ("hard_timeout", "barrier_timeout"),
-        ("heartbeat_interval", "heartbeat_timeout"),
-    ):
-        if shorter in wrapper and longer in wrapper and not wrapper[shorter] < wrapper[longer]:
-            raise JobConfigError(
-                f"job config wrapper.{shorter}={wrapper[shorter]:g} must be less than "
-                f"wrapper.{longer}={wrapper[longer]:g}"
-            )
+    """The orderings the Wrapper requires, with its defaults for what the config leaves out."""
+    defaults = inspect.signature(Wrapper).parameters
+    seconds = {name: defaults[name].default.total_seconds() for name in TIMEOUT_ARGUMENTS}
+    seconds.update(wrapper)
+    for shorter, longer in TIMEOUT_ORDER:
+        if not seconds[shorter] < seconds[longer]:
+
+            def shown(name: str) -> str:
+                origin = "" if name in wrapper else " (the Wrapper's default)"
+                return f"wrapper.{name}={seconds[name]:g}{origin}"
+
+            raise JobConfigError(f"job config {shown(shorter)} must be less than {shown(longer)}")
 
 
 def _layer(value: Any, path: str) -> LayerConfig:
@@ -228,8 +218,8 @@ def parse_job_config(document: Any) -> JobConfig:
         checked_rdzv[key] = _seconds(value, f"rendezvous.{key}", may_be_zero=key == "last_call_timeout")
     if "lease_ttl" in checked_rdzv and not float(checked_rdzv["lease_ttl"]).is_integer():
         raise _fail("rendezvous.lease_ttl", rendezvous["lease_ttl"], "whole seconds (etcd leases)")
-    wrapper = _mapping(top.get("wrapper"), "wrapper", WRAPPER_TIMEOUTS)
-    checked_wrapper = {k: _seconds(v, f"wrapper.{k}", may_be_zero=k in _MAY_BE_ZERO) for k, v in wrapper.items()}
+    wrapper = _mapping(top.get("wrapper"), "wrapper", TIMEOUT_ARGUMENTS)
+    checked_wrapper = {k: _seconds(v, f"wrapper.{k}", may_be_zero=k in MAY_BE_ZERO) for k, v in wrapper.items()}
     _check_wrapper_relations(checked_wrapper)
     policy = _mapping(
         top.get("rank_assignment"),
