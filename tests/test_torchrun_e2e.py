@@ -127,7 +127,11 @@ def test_killed_node_survivors_rerendezvous_and_finish(
         assert survivor.wait(120) == 0, survivor.log()
     done = results(tmp_path)
     assert sorted((r["node"], r["world_size"]) for r in done) == [("A", 2), ("C", 2)]
-    assert all(r["restart_count"] >= 1 and r["resumed_from"] > 0 for r in done), done
+    # Every survivor's workers were started again and resumed from the checkpoint.
+    # (TORCHELASTIC_RESTART_COUNT may stay 0: when the agent learns of the death
+    # through num_nodes_waiting() before its workers fail, torch counts a
+    # membership change, not a retry.)
+    assert all(r["resumed_from"] > 0 for r in done), done
 
 
 @pytest.mark.slow
