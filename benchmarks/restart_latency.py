@@ -13,10 +13,24 @@ One run measures, side by side, on this machine:
   standalone), so the latency includes process start, imports, rendezvous;
 * nvidia-resiliency-ext: its ``inprocess.Wrapper`` with the same faults and
   similar intervals, when that package imports (optional peer);
-* steady state: step time of the same function with and without the
-  Wrapper, no faults, alternating runs.
+* steady state: step time of the same function without the Wrapper, with
+  the Wrapper's default settings, and with the fast settings of the latency
+  runs; no faults. The three run in turn, ``--steady-runs`` rounds, each
+  round in a rotated order; the overhead is the median over rounds of the
+  ratio to the plain run of the same round (pairing cancels slow drifts of
+  a shared machine), also given as the ratio of the medians. Step times on a
+  small shared machine vary by tens of percent from run to run, more than
+  the overhead, so the benchmark also measures the overhead directly: the
+  CPU time of the Wrapper's threads and monitor process per second of
+  training (``/proc``), as a share of one core. ``--steady-world-size`` defaults to the number of CPUs
+  (at most ``--world-size``), and each rank is pinned to its own CPU (its
+  monitor process shares it): more busy ranks than cores, or ranks moved
+  between cores, measures the scheduler, not the Wrapper.
 
-Prints a table and writes ``benchmarks/results/restart_latency.json``.
+``--only latency`` or ``--only steady`` runs one part.
+
+Prints a table and writes ``benchmarks/results/restart_latency.json`` (``restart_latency_<part>.json``
+with ``--only``).
 Run ``python benchmarks/restart_latency.py``; the same file is the worker
 (``--worker MODE``).
 """
@@ -68,6 +82,31 @@ def _event(out: Path, **record: Any) -> None:
         file.write(json.dumps({**record, "t": time.time()}) + "\n")
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(stat_path: str) -> float:
+    """utime + stime of a /proc stat file, in seconds (0 once the task is gone)."""
+    try:
+        with open(stat_path) as file:
+            fields = file.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def wrapper_cpu_seconds() -> float:
+    """CPU time used so far by the Wrapper's machinery in this rank: its threads and its monitor process."""
+    import threading
+
+    threads = [t.native_id for t in threading.enumerate() if t.name.startswith("elastic_ft") and t.native_id]
+    total = sum(_cpu_seconds(f"/proc/self/task/{tid}/stat") for tid in threads)
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as file:
+            total += sum(_cpu_seconds(f"/proc/{child}/stat") for child in file.read().split())
+    return total
+
+
 def train(iteration: int, out: Path, args: argparse.Namespace, store: Any = None) -> float:
     """Train the MLP for ``args.steps`` steps (manual SGD, gradients all-reduced); returns the mean step time."""
     import torch.distributed as dist
@@ -105,7 +144,11 @@ def train(iteration: int, out: Path, args: argparse.Namespace, store: Any = None
             if step == 0:
                 _event(out, event="first_step", iteration=iteration)
                 started = time.perf_counter()
-        return (time.perf_counter() - started) / max(args.steps - 1, 1)
+                wrapper_cpu = wrapper_cpu_seconds()
+        elapsed = time.perf_counter() - started
+        if args.worker.startswith("elastic_ft"):
+            _event(out, event="wrapper_cpu", seconds=wrapper_cpu_seconds() - wrapper_cpu, elapsed=elapsed)
+        return elapsed / max(args.steps - 1, 1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -124,6 +167,8 @@ def _timedeltas(names: dict[str, float]) -> dict[str, datetime.timedelta]:
 
 def run_worker(args: argparse.Namespace) -> None:
     out = Path(args.out)
+    if "BENCH_CPU" in os.environ:
+        os.sched_setaffinity(0, {int(os.environ["BENCH_CPU"])})  # inherited by the monitor process
     if args.worker == "torchrun":
         os.environ["INITIAL_RANK"] = os.environ["RANK"]
         iteration = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -131,7 +176,7 @@ def run_worker(args: argparse.Namespace) -> None:
     elif args.worker == "plain":
         os.environ["INITIAL_RANK"] = os.environ["RANK"]
         step_time = train(0, out, args, _pg_store(int(os.environ["MASTER_PORT"])))
-    elif args.worker == "elastic_ft":
+    elif args.worker in ("elastic_ft", "elastic_ft_defaults"):
         from elastic_ft.initialize import RetryController
         from elastic_ft.wrapper import CallWrapper, Wrapper
 
@@ -143,7 +188,8 @@ def run_worker(args: argparse.Namespace) -> None:
             return train(call_wrapper.iteration, out, args, store)
 
         retry = RetryController(max_iterations=args.faults + 2)  # a broken run fails instead of looping
-        step_time = Wrapper(initialize=retry, **_timedeltas(WRAPPER_SETTINGS))(wrapped)()
+        settings = _timedeltas(WRAPPER_SETTINGS) if args.worker == "elastic_ft" else {}
+        step_time = Wrapper(initialize=retry, **settings)(wrapped)()
     elif args.worker == "nvidia":
         from nvidia_resiliency_ext import inprocess
 
@@ -201,7 +247,16 @@ def _worker_command(mode: str, out: Path, args: argparse.Namespace, faults: int,
     ]
 
 
-def _run_ranks(mode: str, args: argparse.Namespace, faults: int, steps: int, *, strict: bool = True) -> Path:
+def _run_ranks(
+    mode: str,
+    args: argparse.Namespace,
+    faults: int,
+    steps: int,
+    *,
+    strict: bool = True,
+    world_size: int | None = None,
+    pin: bool = False,
+) -> Path:
     """Run the ranks as independent processes (what in-process restart needs).
 
     With ``strict`` any non-zero exit is an error; otherwise the exit codes
@@ -209,9 +264,10 @@ def _run_ranks(mode: str, args: argparse.Namespace, faults: int, steps: int, *, 
     """
     out = Path(tempfile.mkdtemp(prefix=f"restart-latency-{mode}-"))
     port = _free_port_pair()
+    world_size = world_size or args.world_size
     env = {
         **os.environ,
-        "WORLD_SIZE": str(args.world_size),
+        "WORLD_SIZE": str(world_size),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "OMP_NUM_THREADS": "1",
@@ -219,11 +275,12 @@ def _run_ranks(mode: str, args: argparse.Namespace, faults: int, steps: int, *, 
     processes = [
         subprocess.Popen(
             [sys.executable, *_worker_command(mode, out, args, faults, steps)],
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            | ({"BENCH_CPU": str(sorted(os.sched_getaffinity(0))[rank % len(os.sched_getaffinity(0))])} if pin else {}),
             stdout=subprocess.DEVNULL,
             stderr=open(out / f"stderr{rank}.txt", "w"),  # noqa: SIM115 - closed with the process
         )
-        for rank in range(args.world_size)
+        for rank in range(world_size)
     ]
     codes = [process.wait(timeout=600) for process in processes]
     (out / "exit_codes.json").write_text(json.dumps(codes))
@@ -277,6 +334,11 @@ def _step_times(out: Path) -> list[float]:
     return [e["seconds"] for e in _events(out) if e["event"] == "step_time"]
 
 
+def _wrapper_cpu_share(out: Path) -> float:
+    """CPU used by the Wrapper's machinery per second of training, as a fraction of one core (median of ranks)."""
+    return statistics.median(e["seconds"] / e["elapsed"] for e in _events(out) if e["event"] == "wrapper_cpu")
+
+
 def _summary(values: list[float]) -> dict[str, Any]:
     return {
         "median": statistics.median(values),
@@ -286,15 +348,15 @@ def _summary(values: list[float]) -> dict[str, Any]:
     }
 
 
-def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    results: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
-        "world_size": args.world_size,
-        "faults": args.faults,
-        "fault_step": args.fault_step,
-        "model": f"MLP {HIDDEN}x{HIDDEN}x{HIDDEN}, batch {BATCH}, manual SGD, gloo",
-        "wrapper_settings_s": WRAPPER_SETTINGS,
-    }
+STEADY_VARIANTS = {
+    "plain": "without Wrapper",
+    "elastic_ft_defaults": "elastic_ft.Wrapper, default settings",
+    "elastic_ft": "elastic_ft.Wrapper, latency-run settings",
+}
+
+
+def _latency_results(args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {}
     print(f"in-process (elastic_ft.Wrapper), {args.faults} faults ...", flush=True)
     results["elastic_ft"] = _summary(_latencies(_run_ranks("elastic_ft", args, args.faults, args.steps), args.faults))
     print(f"full restart (torchrun --max-restarts={args.faults}) ...", flush=True)
@@ -314,19 +376,53 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             results["nvidia_resiliency_ext"] = summary
         except Exception as error:  # noqa: BLE001 - report the peer's failure, keep our numbers
             results["nvidia_resiliency_ext"] = {"failed": repr(error)}
-    print("steady state, with and without the Wrapper ...", flush=True)
-    plain: list[float] = []
-    wrapped: list[float] = []
-    for _ in range(args.steady_runs):
-        plain.append(statistics.median(_step_times(_run_ranks("plain", args, 0, args.steady_steps))))
-        wrapped.append(statistics.median(_step_times(_run_ranks("elastic_ft", args, 0, args.steady_steps))))
-    results["steady_state"] = {
-        "steps_per_run": args.steady_steps,
-        "plain_step_s": _summary(plain),
-        "wrapped_step_s": _summary(wrapped),
-        "overhead_percent": 100 * (statistics.median(wrapped) / statistics.median(plain) - 1),
-    }
     results["speedup"] = results["torchrun"]["median"] / results["elastic_ft"]["median"]
+    return results
+
+
+def _steady_results(args: argparse.Namespace) -> dict[str, Any]:
+    world_size = args.steady_world_size or min(args.world_size, os.cpu_count() or 1)
+    print(f"steady state, {world_size} ranks, {args.steady_runs} rounds of {list(STEADY_VARIANTS)} ...", flush=True)
+    samples: dict[str, list[float]] = {variant: [] for variant in STEADY_VARIANTS}
+    cpu_share: dict[str, list[float]] = {variant: [] for variant in list(STEADY_VARIANTS)[1:]}
+    variants = list(STEADY_VARIANTS)
+    for round_index in range(args.steady_runs):
+        shift = round_index % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
+            out = _run_ranks(variant, args, 0, args.steady_steps, world_size=world_size, pin=True)
+            samples[variant].append(statistics.median(_step_times(out)))
+            if variant in cpu_share:
+                cpu_share[variant].append(_wrapper_cpu_share(out))
+    overheads = {
+        variant: 100 * (statistics.median(w / p for w, p in zip(samples[variant], samples["plain"], strict=True)) - 1)
+        for variant in variants[1:]
+    }
+    return {
+        "world_size": world_size,
+        "steps_per_run": args.steady_steps,
+        "step_s": {variant: _summary(values) for variant, values in samples.items()},
+        "overhead_percent": overheads,
+        "ratio_of_medians_percent": {
+            variant: 100 * (statistics.median(samples[variant]) / statistics.median(samples["plain"]) - 1)
+            for variant in variants[1:]
+        },
+        "wrapper_cpu_percent_of_core": {variant: 100 * statistics.median(v) for variant, v in cpu_share.items()},
+    }
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+        "world_size": args.world_size,
+        "faults": args.faults,
+        "fault_step": args.fault_step,
+        "model": f"MLP {HIDDEN}x{HIDDEN}x{HIDDEN}, batch {BATCH}, manual SGD, gloo",
+        "wrapper_settings_s": WRAPPER_SETTINGS,
+    }
+    if args.only in (None, "latency"):
+        results["latency"] = _latency_results(args)
+    if args.only in (None, "steady"):
+        results["steady_state"] = _steady_results(args)
     return results
 
 
@@ -336,26 +432,42 @@ def format_table(results: dict[str, Any]) -> str:
             return f"| {name} | {next(iter(entry.values()))[:60]} | | |"
         return f"| {name} | {entry['median']:.3f} | {entry['min']:.3f} | {entry['max']:.3f} |"
 
-    steady = results["steady_state"]
-    lines = [
-        (
-            f"Restart latency, fault -> first step of every rank ({results['world_size']} ranks, "
-            f"{results['faults']} faults, seconds)"
-        ),
-        "| restart | median | min | max |",
-        "| --- | --- | --- | --- |",
-        row("in-process, elastic_ft.Wrapper", results["elastic_ft"]),
-        row("full restart, torchrun --max-restarts", results["torchrun"]),
-        row("in-process, nvidia-resiliency-ext Wrapper", results["nvidia_resiliency_ext"]),
-        f"speed-up of in-process over full restart: {results['speedup']:.1f}x",
-        "",
-        f"Steady state, median step time over {len(steady['plain_step_s']['samples'])} alternating runs",
-        "| run | step (ms) |",
-        "| --- | --- |",
-        f"| without Wrapper | {1000 * steady['plain_step_s']['median']:.2f} |",
-        f"| with elastic_ft.Wrapper | {1000 * steady['wrapped_step_s']['median']:.2f} |",
-        f"overhead: {steady['overhead_percent']:+.1f} %",
-    ]
+    lines: list[str] = []
+    latency = results.get("latency")
+    if latency:
+        lines += [
+            (
+                f"Restart latency, fault -> first step of every rank ({results['world_size']} ranks, "
+                f"{results['faults']} faults, seconds)"
+            ),
+            "| restart | median | min | max |",
+            "| --- | --- | --- | --- |",
+            row("in-process, elastic_ft.Wrapper", latency["elastic_ft"]),
+            row("full restart, torchrun --max-restarts", latency["torchrun"]),
+            row("in-process, nvidia-resiliency-ext Wrapper", latency["nvidia_resiliency_ext"]),
+            f"speed-up of in-process over full restart: {latency['speedup']:.1f}x",
+            "",
+        ]
+    steady = results.get("steady_state")
+    if steady:
+        rounds = len(steady["step_s"]["plain"]["samples"])
+        lines += [
+            f"Steady state, {steady['world_size']} ranks, {rounds} rounds of {steady['steps_per_run']} steps",
+            "| run | median step (ms) | min | max | step overhead: paired / of medians | Wrapper CPU (% of a core) |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for variant, name in STEADY_VARIANTS.items():
+            entry = steady["step_s"][variant]
+            cells = [name, f"{1000 * entry['median']:.2f}", f"{1000 * entry['min']:.2f}", f"{1000 * entry['max']:.2f}"]
+            if variant == "plain":
+                cells += ["", ""]
+            else:
+                paired, of_medians = steady["overhead_percent"][variant], steady["ratio_of_medians_percent"][variant]
+                cells += [
+                    f"{paired:+.1f} % / {of_medians:+.1f} %",
+                    f"{steady['wrapper_cpu_percent_of_core'][variant]:.2f} %",
+                ]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -365,8 +477,10 @@ def main() -> None:
     parser.add_argument("--faults", type=int, default=5)
     parser.add_argument("--fault-step", type=int, default=20)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--steady-runs", type=int, default=3)
+    parser.add_argument("--steady-runs", type=int, default=5)
     parser.add_argument("--steady-steps", type=int, default=300)
+    parser.add_argument("--steady-world-size", type=int, help="default: min(--world-size, CPUs)")
+    parser.add_argument("--only", choices=("latency", "steady"), help="run one part of the benchmark")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -376,10 +490,11 @@ def main() -> None:
     results = run_benchmark(args)
     table = format_table(results)
     results["table"] = table
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    path = RESULTS if args.only is None else RESULTS.with_name(f"restart_latency_{args.only}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
     print(table)
-    print(f"written to {RESULTS}")
+    print(f"written to {path}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Simulate several torchrun nodes on one host, for the demo, tests and benchmarks.
 
-Each :class:`TorchrunNode` is one real ``torchrun`` process (one "node") with
-its own agent and workers, rendezvousing through etcd on loopback.
+Each :class:`TorchrunNode` is one real ``torchrun`` (or ``ftrun``) process
+(one "node") with its own agent and workers, rendezvousing through etcd on
+loopback.
 :meth:`TorchrunNode.kill` SIGKILLs the agent *and* its workers, like losing
 the machine: torchrun's workers live in their own sessions and would survive
 their agent otherwise.
@@ -28,6 +29,11 @@ def torchrun_command() -> list[str]:
     if script.exists():
         return [str(script)]
     return [sys.executable, "-m", "torch.distributed.run"]
+
+
+def ftrun_command() -> list[str]:
+    """``ftrun`` of this Python (the module, so that no console script is needed)."""
+    return [sys.executable, "-m", "elastic_ft.launcher.ftrun"]
 
 
 def descendants(pid: int) -> list[int]:
@@ -66,10 +72,11 @@ class TorchrunNode:
         max_restarts: int = 3,
         log_path: Path | None = None,
         extra_env: dict[str, str] | None = None,
+        launcher: Sequence[str] | None = None,
     ) -> None:
         self.tag = tag
         command = [
-            *torchrun_command(),
+            *(launcher or torchrun_command()),
             f"--nnodes={nnodes}",
             f"--nproc-per-node={nproc_per_node}",
             f"--rdzv-backend={backend}",

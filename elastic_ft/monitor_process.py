@@ -41,11 +41,10 @@ from elastic_ft.sibling_monitor import ring_successor, silent_ranks
 from elastic_ft.store import (
     COMPLETED,
     EXIT_BARRIER,
-    ITERATION_BARRIER,
-    TERMINATION_BARRIER,
     PrefixStore,
     iteration_store,
     job_store,
+    report_rank_gone,
 )
 
 log = get_logger("monitor_process")
@@ -285,7 +284,7 @@ class _Monitor:
         log.warning("rank leaves the job: %s (%s)", kind, message)
         iteration = self.iteration
         if iteration is not None:
-            _report_rank_gone(iteration.store, iteration.rank, iteration.world_size, kind, message)
+            report_rank_gone(iteration.store, iteration.rank, iteration.world_size, kind, message)
         assert self.base_store is not None
         job_store(self.base_store).arrive_and_wait(
             EXIT_BARRIER, [self.config.initial_rank], self.config.initial_world_size, _NO_WAIT
@@ -308,12 +307,5 @@ class _Monitor:
             if iteration is not None and iteration.store.outcome() != COMPLETED:
                 rank = iteration.store.rank_of_initial(initial_rank)
                 if rank is not None:
-                    _report_rank_gone(iteration.store, rank, iteration.world_size, "unresponsive", "heartbeat timeout")
+                    report_rank_gone(iteration.store, rank, iteration.world_size, "unresponsive", "heartbeat timeout")
             job.arrive_and_wait(EXIT_BARRIER, [initial_rank], config.initial_world_size, _NO_WAIT)
-
-
-def _report_rank_gone(store: PrefixStore, rank: int, world_size: int, kind: str, message: str) -> None:
-    store.record_interruption(rank, kind, message)
-    store.record_terminated([rank])
-    store.arrive_and_wait(ITERATION_BARRIER, [rank], world_size, _NO_WAIT)
-    store.arrive_and_wait(TERMINATION_BARRIER, [rank], world_size, _NO_WAIT)

@@ -14,6 +14,18 @@ primitives. The Wrapper applies it through :class:`PrefixStore` views: one
 job-wide view and one per restart iteration, so that the keys of an
 iteration never collide with those of the previous one.
 
+The job-wide view also tells the node side (``ftrun``'s agent) what each
+process is doing, keyed by initial rank: ``wrapped/<r>`` once it entered the
+Wrapper, ``position/<r>`` (iteration, rank, world size) at the start of each
+iteration, and ``left/<r>`` (how it left: completed, gave up, or left the
+job alone). With these, the agent can tell a fault the Wrapper absorbs from
+one it cannot, and can report a dead process without waiting for a
+heartbeat timeout (:func:`report_process_gone`).
+
+Under ``ftrun`` the default store (:func:`default_store`) is the etcd store
+of the current rendezvous round, described in the environment variable
+:data:`STORE_ENV`, so that no rank hosts the coordination.
+
 Every value is plain text or JSON; nothing is pickled.
 
 Waiting is done by polling ``check`` with a short back-off rather than with
@@ -31,6 +43,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -47,6 +60,7 @@ TERMINATION_BARRIER = "termination_barrier"
 EXIT_BARRIER = "exit_barrier"
 
 _NAMESPACE = "elastic_ft/inprocess"
+_NO_WAIT = datetime.timedelta(0)
 _POLL_FIRST = 0.0005
 _POLL_MAX = 0.02
 
@@ -196,6 +210,31 @@ class StoreMixin:
         key = f"heartbeat/{rank}"
         return float(_text(self.get(key))) if self.check([key]) else None
 
+    # ---- what the node side reads (job-wide view) ----
+
+    def record_wrapped(self, initial_rank: int, pid: int) -> None:
+        self.set(f"wrapped/{initial_rank}", json.dumps({"pid": pid}))
+
+    def is_wrapped(self, initial_rank: int) -> bool:
+        return self.check([f"wrapped/{initial_rank}"])
+
+    def record_position(self, initial_rank: int, iteration: int, rank: int, world_size: int) -> None:
+        self.set(
+            f"position/{initial_rank}", json.dumps({"iteration": iteration, "rank": rank, "world_size": world_size})
+        )
+
+    def position(self, initial_rank: int) -> dict[str, int] | None:
+        key = f"position/{initial_rank}"
+        return json.loads(_text(self.get(key))) if self.check([key]) else None
+
+    def record_left(self, initial_rank: int, kind: str, gave_up: bool, message: str = "") -> None:
+        record = {"kind": kind, "gave_up": gave_up, "message": message[:500]}
+        self.set(f"left/{initial_rank}", json.dumps(record))
+
+    def left(self, initial_rank: int) -> dict[str, object] | None:
+        key = f"left/{initial_rank}"
+        return json.loads(_text(self.get(key))) if self.check([key]) else None
+
 
 class PrefixStore(dist.PrefixStore, StoreMixin):
     """A namespaced view of another store, with the coordination protocol."""
@@ -209,6 +248,74 @@ def job_store(base: dist.Store) -> PrefixStore:
 def iteration_store(base: dist.Store, iteration: int) -> PrefixStore:
     """The view holding the keys of one restart iteration."""
     return PrefixStore(f"{_NAMESPACE}/iteration/{iteration}", base)
+
+
+def report_rank_gone(store: PrefixStore, rank: int, world_size: int, kind: str, message: str) -> None:
+    """Record ``rank`` of an iteration as gone and arrive at its barriers in its place."""
+    store.record_interruption(rank, kind, message)
+    store.record_terminated([rank])
+    store.arrive_and_wait(ITERATION_BARRIER, [rank], world_size, _NO_WAIT)
+    store.arrive_and_wait(TERMINATION_BARRIER, [rank], world_size, _NO_WAIT)
+
+
+def report_process_gone(base: dist.Store, initial_rank: int, initial_world_size: int, kind: str, message: str) -> bool:
+    """Report, from outside, that the process of ``initial_rank`` died inside the Wrapper.
+
+    Uses the position the process published last, so the other ranks restart
+    without it at once. Idempotent (barrier arrivals are per rank), so the
+    process's own monitor process may report it too. Returns False when
+    there is nothing to report: the process never entered the Wrapper, or
+    left it already.
+    """
+    job = job_store(base)
+    if not job.is_wrapped(initial_rank) or job.left(initial_rank) is not None:
+        return False
+    position = job.position(initial_rank)
+    if position is not None:
+        iteration = iteration_store(base, position["iteration"])
+        if iteration.outcome() != COMPLETED:
+            report_rank_gone(iteration, position["rank"], position["world_size"], kind, message)
+    job.arrive_and_wait(EXIT_BARRIER, [initial_rank], initial_world_size, _NO_WAIT)
+    return True
+
+
+#: Set by ``ftrun`` for its workers: JSON with the etcd ``endpoints``, the
+#: round store's ``prefix``, TLS files and timeouts (see :func:`default_store`).
+STORE_ENV = "ELASTIC_FT_STORE"
+
+
+def default_store(**kwargs: Any) -> dist.Store:
+    """The Wrapper's default ``store_factory``.
+
+    Under ``ftrun`` (:data:`STORE_ENV` set), the etcd store of the current
+    rendezvous round, which no rank hosts: the job survives the loss of any
+    process. ``timeout`` is then the only keyword accepted; any other
+    keyword configures a TCPStore, so the TCPStore is used as asked.
+    Otherwise a :class:`TCPStore` hosted by initial rank 0, with ``kwargs``.
+    """
+    described = os.environ.get(STORE_ENV)
+    if described and set(kwargs) <= {"timeout"}:
+        return _etcd_round_store(described, kwargs.get("timeout"))
+    return TCPStore(**kwargs)
+
+
+def _etcd_round_store(described: str, timeout: datetime.timedelta | None) -> dist.Store:
+    from elastic_ft.etcd_client import EtcdClient, TlsFiles
+    from elastic_ft.etcd_store import EtcdStore
+    from elastic_ft.rendezvous.config import parse_endpoints
+
+    try:
+        config = json.loads(described)
+        endpoints = parse_endpoints(",".join(config["endpoints"]))
+        tls = TlsFiles(config.get("cacert"), config.get("cert"), config.get("key"))
+        connect_timeout = float(config["connect_timeout"])
+        request_timeout = float(config["request_timeout"])
+        prefix = str(config["prefix"])
+        default_timeout = datetime.timedelta(seconds=float(config["timeout"]))
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{STORE_ENV}={described!r} is not a valid etcd store description: {error!r}") from error
+    client = EtcdClient(endpoints, connect_timeout=connect_timeout, request_timeout=request_timeout, tls=tls)
+    return EtcdStore(client, prefix, timeout or default_timeout)
 
 
 _hosting_forbidden = False

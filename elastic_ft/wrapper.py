@@ -46,11 +46,18 @@ import torch.distributed as dist
 from elastic_ft import inprocess_logging
 from elastic_ft.abort import AbortTorchDistributed
 from elastic_ft.compose import Compose
-from elastic_ft.exception import HealthCheckError, InternalError, RankShouldRestart
+from elastic_ft.exception import (
+    BarrierOverflow,
+    BarrierTimeout,
+    HealthCheckError,
+    InternalError,
+    RankShouldRestart,
+    RestartAbort,
+)
 from elastic_ft.monitor_process import MonitorConfig, MonitorProcess
 from elastic_ft.monitor_thread import MonitorThread
 from elastic_ft.progress_watchdog import ProgressTimestamps, ProgressWatchdog
-from elastic_ft.rank_assignment import ActivateAllRanks, RankAssignmentCtx, ShiftRanks
+from elastic_ft.rank_assignment import ActivateAllRanks, RankAssignmentCtx, RankAssignmentTimeout, ShiftRanks
 from elastic_ft.state import Mode, State
 from elastic_ft.store import (
     COMPLETED,
@@ -60,7 +67,7 @@ from elastic_ft.store import (
     ITERATION_BARRIER,
     TERMINATION_BARRIER,
     PrefixStore,
-    TCPStore,
+    default_store,
     iteration_store,
     job_store,
     poll,
@@ -72,6 +79,18 @@ F = TypeVar("F", bound=Callable[..., Any])
 StateHook = Callable[[State], Any]
 
 _NO_WAIT = datetime.timedelta(0)
+
+#: Exceptions with which the in-process layer gives up on the whole job (every
+#: rank gets them alike, or the protocol itself broke), as opposed to a rank
+#: leaving alone (failed health check or finalize, discarded by the rank
+#: assignment) while the others go on. The node side escalates on these.
+GIVE_UP_ERRORS: tuple[type[BaseException], ...] = (
+    RestartAbort,
+    BarrierTimeout,
+    BarrierOverflow,
+    InternalError,
+    RankAssignmentTimeout,
+)
 
 
 def _seconds(value: datetime.timedelta) -> float:
@@ -151,7 +170,9 @@ def validate_arguments(arguments: dict[str, Any]) -> None:
 class Wrapper:
     """Adds in-process restart to a distributed training function.
 
-    Use as a decorator (``@Wrapper(...)``) or call it on a function. The
+    Use as a decorator (``@Wrapper(...)``) or call it on a function. Under
+    ``ftrun`` with a job config, the config's ``wrapper`` timeouts and
+    ``rank_assignment`` replace the defaults of the arguments not given. The
     wrapped function returns the function's result on the active ranks and
     ``None`` on spares, once every rank has completed in the same iteration.
     On a rank that leaves the job (terminated, unhealthy, discarded), it
@@ -160,6 +181,9 @@ class Wrapper:
     Args:
         store_factory: builds the coordination store, ``store_factory(**store_kwargs)``;
             called by the main process and by the monitor process of every rank.
+            The default, :func:`elastic_ft.store.default_store`, is the etcd
+            store of the rendezvous round under ``ftrun``, else a TCPStore
+            hosted by initial rank 0.
         store_kwargs: keyword arguments of ``store_factory``.
         initialize: run at the start of every iteration (:mod:`elastic_ft.initialize`).
         abort: unblocks the main thread on a fault (:mod:`elastic_ft.abort`).
@@ -187,7 +211,7 @@ class Wrapper:
     def __init__(
         self,
         *,
-        store_factory: Callable[..., dist.Store] = TCPStore,
+        store_factory: Callable[..., dist.Store] = default_store,
         store_kwargs: dict[str, Any] | None = None,
         initialize: StateHook | None = None,
         abort: StateHook | None = None,
@@ -208,33 +232,19 @@ class Wrapper:
         monitor_process_logfile: str | None = None,
         enabled: bool = True,
     ) -> None:
-        if abort is None:
-            abort = AbortTorchDistributed()
-        if rank_assignment is None:
-            rank_assignment = Compose(ActivateAllRanks(), ShiftRanks())
         arguments = dict(locals())
         del arguments["self"]
+        for name, value in _job_config_defaults().items():
+            if arguments[name] is _SIGNATURE_DEFAULTS[name]:
+                arguments[name] = value
+        if arguments["abort"] is None:
+            arguments["abort"] = AbortTorchDistributed()
+        if arguments["rank_assignment"] is None:
+            arguments["rank_assignment"] = Compose(ActivateAllRanks(), ShiftRanks())
         validate_arguments(arguments)
-        self.store_factory = store_factory
-        self.store_kwargs = dict(store_kwargs or {})
-        self.initialize = initialize
-        self.abort = abort
-        self.finalize = finalize
-        self.health_check = health_check
-        self.rank_assignment = rank_assignment
-        self.monitor_thread_interval = monitor_thread_interval
-        self.monitor_process_interval = monitor_process_interval
-        self.progress_watchdog_interval = progress_watchdog_interval
-        self.heartbeat_interval = heartbeat_interval
-        self.heartbeat_timeout = heartbeat_timeout
-        self.soft_timeout = soft_timeout
-        self.hard_timeout = hard_timeout
-        self.barrier_timeout = barrier_timeout
-        self.completion_timeout = completion_timeout
-        self.last_call_wait = last_call_wait
-        self.termination_grace_time = termination_grace_time
-        self.monitor_process_logfile = monitor_process_logfile
-        self.enabled = enabled
+        arguments["store_kwargs"] = dict(arguments["store_kwargs"] or {})
+        for name, value in arguments.items():
+            setattr(self, name, value)
 
     def __call__(self, fn: F) -> F:
         if not self.enabled:
@@ -246,6 +256,30 @@ class Wrapper:
                 return call_wrapper(fn, args, kwargs)
 
         return typing.cast(F, wrapped)
+
+
+_SIGNATURE_DEFAULTS = {name: p.default for name, p in inspect.signature(Wrapper.__init__).parameters.items()}
+
+#: Set by ``ftrun`` for its workers: the job config (JSON), whose ``wrapper``
+#: timeouts and ``rank_assignment`` policy become the Wrapper's defaults.
+JOB_CONFIG_ENV = "ELASTIC_FT_JOB_CONFIG"
+
+
+def _job_config_defaults() -> dict[str, Any]:
+    """Defaults from the job config ``ftrun`` passed down; arguments given in code take precedence."""
+    text = os.environ.get(JOB_CONFIG_ENV)
+    if not text:
+        return {}
+    from elastic_ft.launcher.job_config import JobConfigError, parse_job_config
+
+    try:
+        config = parse_job_config(json.loads(text))
+    except (ValueError, JobConfigError) as error:
+        raise ValueError(f"{JOB_CONFIG_ENV} holds an invalid job config: {error}") from error
+    defaults: dict[str, Any] = {name: datetime.timedelta(seconds=value) for name, value in config.wrapper.items()}
+    if config.tree or config.max_active_world_size is not None or config.active_world_size_divisible_by != 1:
+        defaults["rank_assignment"] = config.rank_assignment()
+    return defaults
 
 
 class _RankLeaves(BaseException):
@@ -329,6 +363,7 @@ class CallWrapper:
         try:
             self.base_store = wrapper.store_factory(**wrapper.store_kwargs)
             self._job_store = job_store(self.base_store)
+            self._job_store.record_wrapped(self.state.rank or 0, os.getpid())
             self._job_store.arrive_and_wait(
                 INITIAL_BARRIER, [self.state.rank or 0], self.state.world_size, wrapper.barrier_timeout
             )
@@ -337,6 +372,12 @@ class CallWrapper:
         except BaseException:
             self._monitor_process.stop()
             raise
+
+    @property
+    def job_store(self) -> PrefixStore:
+        if self._job_store is None:
+            raise InternalError("the Wrapper's store is not set up")
+        return self._job_store
 
     @property
     def iteration(self) -> int:
@@ -371,8 +412,16 @@ class CallWrapper:
     def __enter__(self) -> CallWrapper:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type: type[BaseException] | None, error: BaseException | None, *_: object) -> None:
+        try:
+            if self._job_store is not None:
+                gave_up = isinstance(error, GIVE_UP_ERRORS)
+                kind = "completed" if error is None else type(error).__name__
+                self._job_store.record_left(
+                    self.state.initial_rank or 0, kind, gave_up, "" if error is None else repr(error)
+                )
+        finally:
+            self.shutdown()
 
     def shutdown(self) -> None:
         """Leave the job: the store's hosts wait until every rank has left it."""
@@ -406,6 +455,7 @@ class CallWrapper:
             self.state = state
             store = iteration_store(self.base_store, state.iteration)
             store.set_initial_rank(state.rank or 0, state.initial_rank or 0)
+            self.job_store.record_position(state.initial_rank or 0, state.iteration, state.rank or 0, state.world_size)
             self._watchdog.reset()
             self._monitor_process.start_iteration(state.iteration, state.rank or 0, state.world_size)
             _export_distributed_env(state)

@@ -216,3 +216,24 @@ def test_parse_state_round_trip() -> None:
     assert state.round(4).joins["a"] == Join("a", 7, 4, "h", 5)
     assert state.round(3).left == {"b"}
     assert state.open_round == 4
+
+
+def test_membership_change_tells_ftrun_what_moved() -> None:
+    member_of = result(0, "ab")
+    limits_max = 2
+    # b died while spare s waits behind the full round: b is dead, and s now fits.
+    state = make_state(alive=["a", "s"], rounds=[RoundRecord(0, result=member_of), RoundRecord(1, joins(join("s", 9)))])
+    change = rules.membership_change(state, member_of, limits_max)
+    assert change == rules.MembershipChange(dead=("b",), admissible=("s",))
+    # b left cleanly (its job finished): no room is freed for the spare.
+    state = make_state(
+        alive=["a", "s"],
+        rounds=[RoundRecord(0, result=member_of, left=frozenset({"b"})), RoundRecord(1, joins(join("s", 9)))],
+    )
+    assert rules.membership_change(state, member_of, limits_max) == rules.MembershipChange()
+    # a later round closed without this node.
+    state = make_state(
+        alive=["a", "b"], rounds=[RoundRecord(0, result=member_of), RoundRecord(1, result=result(1, "b"))]
+    )
+    assert rules.membership_change(state, member_of, limits_max).moved_on
+    assert rules.membership_change(state, None, limits_max) == rules.MembershipChange()

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+from elastic_ft.etcd_server import EtcdServer
 from elastic_ft.exception import BarrierOverflow, BarrierTimeout, RestartAbort
 from elastic_ft.initialize import RetryController
 from elastic_ft.progress_watchdog import ProgressTimestamps, ProgressWatchdog, progress_age
@@ -215,3 +216,78 @@ def test_progress_timestamps_are_never_read_half_written() -> None:
         worst = max(worst, timestamps.age())
     os.waitpid(writer, 0)
     assert worst < 5.0, f"read an age of {worst:.1f} s from timestamps written moments ago"
+
+
+# ---- defaults that ftrun passes down -------------------------------------------
+
+
+def test_job_config_supplies_wrapper_defaults_but_code_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic_ft.launcher.job_config import load_job_config
+    from elastic_ft.rank_assignment import Tree
+    from elastic_ft.wrapper import JOB_CONFIG_ENV
+
+    config = load_job_config(
+        "wrapper: {soft_timeout: 7, hard_timeout: 9}\n"
+        "rank_assignment: {tree: [{min_ranks: 1, key: job}, {min_ranks: 1, max_ranks: 2, key: host}]}\n"
+    )
+    monkeypatch.setenv(JOB_CONFIG_ENV, config.to_json().decode())
+    wrapper = Wrapper()
+    assert (wrapper.soft_timeout, wrapper.hard_timeout) == (
+        datetime.timedelta(seconds=7),
+        datetime.timedelta(seconds=9),
+    )
+    assert isinstance(wrapper.rank_assignment, Tree)
+    explicit = Wrapper(soft_timeout=datetime.timedelta(seconds=60), hard_timeout=datetime.timedelta(seconds=61))
+    assert explicit.soft_timeout == datetime.timedelta(seconds=60)  # given in code: the config does not override
+    monkeypatch.setenv(JOB_CONFIG_ENV, '{"wrapper": {"soft_timeout": -1}}')
+    with pytest.raises(ValueError, match="ELASTIC_FT_JOB_CONFIG holds an invalid job config: .*wrapper.soft_timeout"):
+        Wrapper()
+
+
+def test_default_store_is_the_etcd_round_store_under_ftrun(monkeypatch: pytest.MonkeyPatch, etcd: EtcdServer) -> None:
+    import json
+
+    from elastic_ft.etcd_store import EtcdStore
+    from elastic_ft.store import STORE_ENV, default_store
+
+    described = {
+        "endpoints": [str(e) for e in etcd.endpoints],
+        "prefix": "/elastic_ft/unit/round/0/store/",
+        "connect_timeout": 5,
+        "request_timeout": 5,
+        "timeout": 30,
+    }
+    monkeypatch.setenv(STORE_ENV, json.dumps(described))
+    store = default_store()
+    assert isinstance(store, EtcdStore) and store.prefix == described["prefix"]
+    monkeypatch.setenv(STORE_ENV, '{"endpoints": ["127.0.0.1:1"]}')
+    with pytest.raises(ValueError, match="ELASTIC_FT_STORE=.* is not a valid etcd store description"):
+        default_store()
+
+
+def test_report_process_gone_uses_the_last_position(etcd: EtcdServer) -> None:
+    from elastic_ft.etcd_client import EtcdClient
+    from elastic_ft.etcd_store import EtcdStore
+    from elastic_ft.store import (
+        ITERATION_BARRIER,
+        TERMINATION_BARRIER,
+        iteration_store,
+        job_store,
+        report_process_gone,
+    )
+
+    client = EtcdClient(etcd.endpoints)
+    base = EtcdStore(client, f"/elastic_ft/unit-{time.monotonic_ns()}/store/")
+    job = job_store(base)
+    assert not report_process_gone(base, 5, 8, "terminated", "never wrapped")
+    job.record_wrapped(5, 1234)
+    job.record_position(5, iteration=2, rank=3, world_size=7)
+    assert report_process_gone(base, 5, 8, "terminated", "pid 1234: signal SIGKILL")
+    iteration = iteration_store(base, 2)
+    assert iteration.terminated_ranks() == [3]
+    assert iteration.has_arrived(ITERATION_BARRIER, 3) and iteration.has_arrived(TERMINATION_BARRIER, 3)
+    assert iteration.interruptions()[0]["kind"] == "terminated"
+    job.record_left(6, "completed", gave_up=False)
+    job.record_wrapped(6, 99)
+    assert not report_process_gone(base, 6, 8, "terminated", "left already")
+    client.close()

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from elastic_ft.etcd_client import EtcdClient, EtcdRequestError, EtcdUnavailableError
+from elastic_ft.launcher.agent import ESCALATIONS, EXITS, NODES
 from elastic_ft.launcher.job_config import JobConfigError, load_job_config
 from elastic_ft.rendezvous.config import RendezvousConfigError, make_settings
 from elastic_ft.rendezvous.state import RawKey, parse_state
@@ -109,6 +110,15 @@ def collect_status(client: EtcdClient, run_prefix: str) -> dict[str, Any]:
     for node in sorted(open_round.joins, key=lambda n: open_round.joins[n].create_revision):
         role = "rejoined" if node in member_nodes else ("spare" if full else "waiting")
         joined.append({"node": node, "role": role, "host": hosts.get(node, {}).get("host")})
+    workers, terminated, iteration = ([], [], None)
+    if current is not None:
+        dead_nodes = {m["node"] for m in members if m["state"] == "dead"}
+        workers, terminated, iteration = _worker_status(client, f"{run_prefix}round/{current.round}/store/", dead_nodes)
+    escalation_kvs, _ = client.get_prefix(run_prefix + ESCALATIONS)
+    escalations = [
+        {"round": int(kv.key.rsplit("/", 1)[1]), **json.loads(kv.value)}
+        for kv in sorted(escalation_kvs, key=lambda kv: int(kv.key.rsplit("/", 1)[1]))
+    ]
     return {
         "run": run_prefix.rstrip("/").rsplit("/", 1)[-1],
         "revision": revision,
@@ -120,7 +130,51 @@ def collect_status(client: EtcdClient, run_prefix: str) -> dict[str, Any]:
         "next_round": state.open_round,
         "joined_next_round": joined,
         "config": json.loads(config_kv.value) if config_kv else None,
+        "workers": workers,
+        "terminated_ranks": terminated,
+        "in_process_restarts": iteration,
+        "process_restarts": len(escalations),
+        "escalations": escalations,
     }
+
+
+def _worker_status(
+    client: EtcdClient, store_prefix: str, dead_nodes: set[str]
+) -> tuple[list[dict[str, Any]], list[int], int | None]:
+    """The workers of the round from ftrun's and the Wrappers' records in the round's store.
+
+    Returns the workers by global rank, the ranks that left the job (failed
+    or on a dead node), and the highest in-process restart iteration reached.
+    """
+    nodes = {
+        kv.key[len(store_prefix + NODES) :]: json.loads(kv.value) for kv in client.get_prefix(store_prefix + NODES)[0]
+    }
+    exits = {int(kv.key.rsplit("/", 1)[1]): json.loads(kv.value) for kv in client.get_prefix(store_prefix + EXITS)[0]}
+    inprocess = store_prefix + "elastic_ft/inprocess/job/"
+    positions = {
+        int(kv.key.rsplit("/", 1)[1]): json.loads(kv.value) for kv in client.get_prefix(inprocess + "position/")[0]
+    }
+    workers = []
+    for node, record in nodes.items():
+        for rank, pid in zip(record["global_ranks"], record["pids"], strict=True):
+            exit_record = exits.get(rank)
+            if exit_record is not None:
+                state = f"{exit_record['kind']} ({exit_record['exitcode']})"
+            elif node in dead_nodes:
+                state = "node dead"
+            else:
+                state = "running"
+            position = positions.get(rank, {})
+            workers.append({"rank": rank, "node": node, "pid": pid, "state": state,
+                            "iteration": position.get("iteration"), "rank_in_iteration": position.get("rank")})  # fmt: skip
+    workers.sort(key=lambda worker: worker["rank"])
+    terminated = sorted(
+        w["rank"]
+        for w in workers
+        if w["state"] == "node dead" or (w["rank"] in exits and exits[w["rank"]]["kind"] != "succeeded")
+    )
+    iterations = [position["iteration"] for position in positions.values()]
+    return workers, terminated, max(iterations) if iterations else None
 
 
 def _max_nodes(config_kv: Any) -> int:
@@ -143,6 +197,18 @@ def render_status(status: dict[str, Any]) -> str:
             lines.append(
                 f"  {m['rank']:>4}  {m['state']:<6}  {m['host'] or '-':<20}  {m['pid'] or '-':>7}  {m['node']}"
             )
+    if status["workers"]:
+        lines.append(f"  workers: {'rank':>4}  {'state':<16}  {'iteration':>9}  {'pid':>7}  node")
+        for w in status["workers"]:
+            iteration = "-" if w["iteration"] is None else f"{w['iteration']} (rank {w['rank_in_iteration']})"
+            lines.append(f"           {w['rank']:>4}  {w['state']:<16}  {iteration:>9}  {w['pid']:>7}  {w['node']}")
+    lines.append(
+        f"terminated ranks: {status['terminated_ranks'] or 'none'}; "
+        f"in-process restarts: {status['in_process_restarts'] or 0}; "
+        f"process-level restarts: {status['process_restarts']}"
+    )
+    for escalation in status["escalations"]:
+        lines.append(f"  escalated round {escalation['round']} on {escalation['node']}: {escalation['reason']}")
     joined = status["joined_next_round"]
     lines.append(f"round {status['next_round']} (next): {len(joined)} node(s) joined")
     for j in joined:

@@ -15,30 +15,40 @@ launches through torch's own ``elastic_launch``. It differs in its defaults:
   stored earlier with ``elastic-ft config put``) supplies the node counts,
   workers per node, restarts and rendezvous timeouts the command line leaves
   unset. Precedence: command-line flags, then the job config, then defaults.
+  Workers get it in ``ELASTIC_FT_JOB_CONFIG``, from which ``elastic_ft.Wrapper``
+  takes the timeouts and the rank assignment the code does not set.
 
-The agent that keeps healthy workers alive and hands faults to in-process
-restart comes with the launcher issue; until then ``ftrun`` runs torch's
-``LocalElasticAgent``.
+With the etcdft rendezvous, the workers run under
+:class:`elastic_ft.launcher.agent.FtAgent`, which keeps healthy workers alive
+when one fails and hands the fault to in-process restart
+(``elastic_ft.Wrapper``); see :mod:`elastic_ft.launcher.escalation` for when
+it falls back to torchrun's stop-and-restart. With another backend ``ftrun``
+runs torch's own ``LocalElasticAgent``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 import uuid
-from collections.abc import Sequence
-from contextlib import ExitStack
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import torch.distributed.launcher.api as launcher_api
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import elastic_launch
 
 from elastic_ft.etcd_client import EtcdClient
 from elastic_ft.etcd_server import EtcdServer, find_etcd_binary
+from elastic_ft.launcher.agent import FtAgent
 from elastic_ft.launcher.job_config import JobConfig, JobConfigError, load_job_config, parse_job_config
 from elastic_ft.rendezvous.config import make_settings
+from elastic_ft.wrapper import JOB_CONFIG_ENV
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,6 +122,32 @@ def _exchange_job_config(args: argparse.Namespace, file_config: JobConfig | None
         client.close()
 
 
+def _configure_logging() -> None:
+    """Show elastic-ft's node-side logs like torchrun's own: on stderr, at ``$LOGLEVEL`` (default WARNING)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname).1s%(asctime)s %(process)d %(name)s] %(message)s"))
+    package = logging.getLogger("elastic_ft")
+    package.addHandler(handler)
+    package.setLevel(os.environ.get("LOGLEVEL", "WARNING").upper())
+    package.propagate = False
+
+
+@contextmanager
+def _agent_class(agent_class: type) -> Iterator[None]:
+    """Have torch's ``launch_agent`` build ``agent_class`` instead of ``LocalElasticAgent``.
+
+    ``launch_agent`` constructs the agent by this module-level name; swapping
+    it for the call reuses all of torch's launcher (worker spec, rendezvous
+    handler, error files, exit codes) rather than forking it.
+    """
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = agent_class  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = original  # type: ignore[misc]
+
+
 def _single_host(args: argparse.Namespace) -> bool:
     _, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
     return bool(args.standalone) or max_nodes == 1
@@ -119,6 +155,7 @@ def _single_host(args: argparse.Namespace) -> bool:
 
 @record
 def main(argv: Sequence[str] | None = None) -> None:
+    _configure_logging()
     parser = build_parser()
     args, given = parse_args(parser, argv)
     file_config = None
@@ -148,9 +185,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             stored = _exchange_job_config(args, file_config)
             if stored is not None and file_config is None:
                 apply_job_config(args, given, stored)
+            if stored is not None:
+                # Workers inherit it: the Wrapper takes its timeouts and rank assignment from it.
+                os.environ[JOB_CONFIG_ENV] = stored.to_json().decode()
         if args.master_port is None:
             args.master_port = 29500
         config, entrypoint, entrypoint_args = torchrun.config_from_args(args)
+        if args.rdzv_backend == "etcdft":
+            stack.enter_context(_agent_class(FtAgent))
         elastic_launch(config=config, entrypoint=entrypoint)(*entrypoint_args)
 
 

@@ -36,6 +36,7 @@ from datetime import timedelta
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -174,6 +175,12 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             if isinstance(action, rules.Done):
                 return self._completed(action)
             if isinstance(action, rules.Closed):
+                last = state.last_closed
+                if last is None or last.rank_of(self.node) is None:
+                    # A spare (or late node) the job finished without: nothing failed.
+                    raise RendezvousGracefulExitError(
+                        f"the rendezvous '{settings.run_id}' was closed while node {self.node} waited to join"
+                    )
                 raise RendezvousClosedError(f"the rendezvous '{settings.run_id}' is closed")
             if isinstance(action, rules.Wait) and action.standby:
                 deadline = max(deadline, now + settings.join_timeout)
@@ -249,7 +256,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         self._member_of = result
         store = EtcdStore(
             self._client,
-            f"{self.settings.run_prefix}round/{result.round}/store/",
+            self.round_store_prefix(result.round),
             timedelta(seconds=self.settings.store_timeout),
         )
         log.info(
@@ -300,12 +307,20 @@ class EtcdftRendezvousHandler(RendezvousHandler):
 
     def num_nodes_waiting(self) -> int:
         state, _ = self._view.snapshot()
-        waiting = rules.num_nodes_waiting(state, self._member_of, self.settings.max_nodes)
-        last = state.last_closed
-        if self._member_of is not None and last is not None and last.round > self._member_of.round:
-            # The job moved on to a round without this node.
-            waiting = max(waiting, 1)
-        return waiting
+        return rules.num_nodes_waiting(state, self._member_of, self.settings.max_nodes)
+
+    def membership_change(self) -> rules.MembershipChange:
+        """What changed around this node's round, from the watch-fed view (no etcd request)."""
+        state, _ = self._view.snapshot()
+        return rules.membership_change(state, self._member_of, self.settings.max_nodes)
+
+    @property
+    def member_of(self) -> rules.RoundResult | None:
+        """The round this node belongs to (None before its first rendezvous)."""
+        return self._member_of
+
+    def round_store_prefix(self, number: int) -> str:
+        return f"{self.settings.run_prefix}round/{number}/store/"
 
     def shutdown(self) -> bool:
         """Leave the rendezvous for good.

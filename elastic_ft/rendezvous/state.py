@@ -394,23 +394,53 @@ def last_call_started(
 # ---- what torch's agent polls ------------------------------------------------
 
 
+@dataclass(frozen=True)
+class MembershipChange:
+    """How the rendezvous moved on around the round a node belongs to.
+
+    ``rejoined``: members that joined the next round (their node restarts
+    its workers); ``dead``: members whose lease is gone without a clean
+    ``shutdown()``; ``admissible``: nodes waiting in the next round for which
+    the round has room (fewer members than ``max_nodes``, or a dead one);
+    ``moved_on``: a later round closed without this node.
+    """
+
+    rejoined: tuple[str, ...] = ()
+    dead: tuple[str, ...] = ()
+    admissible: tuple[str, ...] = ()
+    moved_on: bool = False
+
+
+def membership_change(state: RendezvousState, member_of: RoundResult | None, max_nodes: int) -> MembershipChange:
+    """What changed since ``member_of`` closed (nothing when not a member of any round)."""
+    if member_of is None:
+        return MembershipChange()
+    next_joins = state.round(member_of.round + 1).joins
+    members = {m.node for m in member_of.members}
+    left = state.round(member_of.round).left
+    dead = tuple(m.node for m in member_of.members if not state.is_alive(m) and m.node not in left)
+    # A dead member frees its place; one that left cleanly has finished the job.
+    has_room = len(member_of.members) < max_nodes or bool(dead)
+    last = state.last_closed
+    return MembershipChange(
+        rejoined=tuple(sorted(n for n in next_joins if n in members)),
+        dead=dead,
+        admissible=tuple(sorted(n for n in next_joins if n not in members)) if has_room else (),
+        moved_on=last is not None and last.round > member_of.round,
+    )
+
+
 def num_nodes_waiting(state: RendezvousState, member_of: RoundResult | None, max_nodes: int) -> int:
     """How many nodes the round this node belongs to is holding back.
 
     torch's agent restarts its workers (and re-rendezvouses) whenever this is
     positive, so it counts: nodes that joined the next round while the round
     has room for them (spares behind a full round do not count), members of
-    the round that already re-joined (their workers failed), and members that
+    the round that already re-joined (their workers failed), members that
     died (lease gone without a clean ``shutdown()``), since the round can no
-    longer make progress without them.
+    longer make progress without them, and 1 when the job moved on to a
+    later round without this node.
     """
-    if member_of is None:
-        return 0
-    next_joins = state.round(member_of.round + 1).joins
-    members = {m.node for m in member_of.members}
-    rejoined = sum(1 for n in next_joins if n in members)
-    newcomers = sum(1 for n in next_joins if n not in members)
-    left = state.round(member_of.round).left
-    dead = sum(1 for m in member_of.members if not state.is_alive(m) and m.node not in left)
-    has_room = len(member_of.members) < max_nodes
-    return rejoined + dead + (newcomers if has_room else 0)
+    change = membership_change(state, member_of, max_nodes)
+    waiting = len(change.rejoined) + len(change.dead) + len(change.admissible)
+    return max(waiting, 1) if change.moved_on else waiting

@@ -1,0 +1,123 @@
+"""When ``ftrun``'s agent lets in-process restart absorb a fault, and when it escalates.
+
+Pure functions of what the agent observed; :mod:`elastic_ft.launcher.agent`
+gathers the observations and carries out the decision. The rules, in order:
+
+1. A worker whose in-process layer gave up (its ``elastic_ft.Wrapper`` left
+   with ``RestartAbort``, a barrier timeout or an internal error, the same on
+   every rank) -> **escalate**.
+2. A worker that failed outside the Wrapper (it never entered one, or failed
+   after its Wrapper completed) -> **escalate**: nothing in-process can
+   recover it, so torchrun's behaviour applies.
+3. Every local worker has exited: if at least one succeeded, the job
+   completed in-process and the failures were absorbed -> **succeeded**;
+   otherwise -> **escalate**.
+4. A member of the round re-joined the rendezvous (its node escalated), the
+   job moved on to a later round, or nodes wait for which the round has room
+   (a spare after a death, a newcomer below ``max``) -> **follow**: restart
+   the local workers into the next round; in-process restart cannot add
+   processes.
+5. Otherwise -> **continue**: failed workers that ran under the Wrapper are
+   left to it (the agent reports them terminated in the round's store), and
+   dead members are absorbed the same way.
+
+Escalating and following both stop the local workers and re-rendezvous, as
+torchrun does. Only escalations count against ``--max-restarts``, and they
+are counted job-wide (one key per escalated round in etcd), so every node
+agrees on the count.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from elastic_ft.rendezvous.state import MembershipChange
+
+
+class WorkerExit(enum.Enum):
+    """What a local worker's state means for the job."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    #: Failed inside the Wrapper, which goes on without it.
+    ABSORBED = "absorbed"
+    #: Its Wrapper gave up on the job.
+    GAVE_UP = "gave_up"
+    #: Failed outside any Wrapper (before entering one or after it completed).
+    UNWRAPPED = "unwrapped"
+
+
+def classify_exit(exitcode: int | None, wrapped: bool, left: Mapping[str, object] | None) -> WorkerExit:
+    """Classify a worker from its exit code (None: running) and the records its Wrapper left.
+
+    Args:
+        exitcode: the process's exit code, negative for a signal.
+        wrapped: the process entered an ``elastic_ft.Wrapper``.
+        left: how its Wrapper was left (``kind``, ``gave_up``), None if it
+            was not (the process died inside it).
+    """
+    if exitcode is None:
+        return WorkerExit.RUNNING
+    if exitcode == 0:
+        return WorkerExit.SUCCEEDED
+    if not wrapped or (left is not None and left.get("kind") == "completed"):
+        return WorkerExit.UNWRAPPED
+    if left is not None and left.get("gave_up"):
+        return WorkerExit.GAVE_UP
+    return WorkerExit.ABSORBED
+
+
+class Verdict(enum.Enum):
+    CONTINUE = "continue"
+    SUCCEEDED = "succeeded"
+    ESCALATE = "escalate"
+    FOLLOW = "follow"
+
+
+@dataclass(frozen=True)
+class Decision:
+    verdict: Verdict
+    reason: str = ""
+
+
+def _ranks(workers: Mapping[int, WorkerExit], kind: WorkerExit) -> list[int]:
+    return sorted(rank for rank, exit_kind in workers.items() if exit_kind is kind)
+
+
+def decide(workers: Mapping[int, WorkerExit], change: MembershipChange) -> Decision:
+    """The agent's next step, from its workers (by global rank) and the membership; see the module docstring."""
+    if not workers:
+        raise ValueError("decide() needs at least one local worker")
+    gave_up = _ranks(workers, WorkerExit.GAVE_UP)
+    if gave_up:
+        return Decision(Verdict.ESCALATE, f"the in-process restart layer gave up on rank(s) {gave_up}")
+    unwrapped = _ranks(workers, WorkerExit.UNWRAPPED)
+    if unwrapped:
+        return Decision(Verdict.ESCALATE, f"rank(s) {unwrapped} failed outside elastic_ft.Wrapper")
+    if not _ranks(workers, WorkerExit.RUNNING):
+        if _ranks(workers, WorkerExit.SUCCEEDED):
+            return Decision(Verdict.SUCCEEDED)
+        return Decision(Verdict.ESCALATE, f"every local worker exited with an error: ranks {sorted(workers)}")
+    if change.rejoined:
+        return Decision(Verdict.FOLLOW, f"node(s) {list(change.rejoined)} re-joined the rendezvous")
+    if change.moved_on:
+        return Decision(Verdict.FOLLOW, "the job moved on to a later rendezvous round")
+    if change.admissible:
+        return Decision(Verdict.FOLLOW, f"node(s) {list(change.admissible)} wait to join and the round has room")
+    return Decision(Verdict.CONTINUE)
+
+
+def exit_barrier_done(members: set[str], arrived: set[str], gone: set[str]) -> bool:
+    """The agents' exit barrier: every member of the round finished or is gone (dead or left)."""
+    return members <= arrived | gone
+
+
+def restarts_left(max_restarts: int, escalated_rounds: set[int], current_round: int) -> int:
+    """Process-level restarts left before escalating from ``current_round``.
+
+    Counts the escalations of earlier rounds only: several nodes escalating
+    from the same round are one restart.
+    """
+    return max_restarts - sum(1 for number in escalated_rounds if number < current_round)
