@@ -11,6 +11,10 @@ One run measures, side by side, on this machine:
   --max-restarts`` with the same faults; torchrun kills and restarts every
   worker (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, c10d rendezvous,
   standalone), so the latency includes process start, imports, rendezvous;
+* ftrun: the same training under ``ftrun`` on one host (embedded etcd), the
+  Wrapper with its default store (the round's etcd store, which the process
+  groups bootstrap from too); one worker raises, or is SIGKILLed (the others
+  go on without it, the agent reporting it at once);
 * nvidia-resiliency-ext: its ``inprocess.Wrapper`` with the same faults and
   similar intervals, when that package imports (optional peer);
 * steady state: step time of the same function without the Wrapper, with
@@ -42,6 +46,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
 import subprocess
@@ -123,11 +128,16 @@ def train(iteration: int, out: Path, args: argparse.Namespace, store: Any = None
         model = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, HIDDEN))
         parameters = list(model.parameters())
         generator = torch.Generator().manual_seed(rank)
-        faulty = int(os.environ["INITIAL_RANK"]) == 1 and iteration < args.faults
+        # raise: initial rank 1 raises in each faulty iteration; sigkill: initial rank
+        # i + 1 is SIGKILLed in iteration i (a killed rank does not come back).
+        victim = iteration + 1 if args.fault_kind == "sigkill" else 1
+        faulty = int(os.environ["INITIAL_RANK"]) == victim and iteration < args.faults
         started = time.perf_counter()
         for step in range(args.steps):
             if faulty and step == args.fault_step:
                 _event(out, event="fault", iteration=iteration)
+                if args.fault_kind == "sigkill":
+                    os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError(f"benchmark fault in iteration {iteration}")
             inputs = torch.randn(BATCH, HIDDEN, generator=generator)
             loss = model(inputs).square().mean()
@@ -190,6 +200,19 @@ def run_worker(args: argparse.Namespace) -> None:
         retry = RetryController(max_iterations=args.faults + 2)  # a broken run fails instead of looping
         settings = _timedeltas(WRAPPER_SETTINGS) if args.worker == "elastic_ft" else {}
         step_time = Wrapper(initialize=retry, **settings)(wrapped)()
+    elif args.worker == "ftrun":
+        from elastic_ft.initialize import RetryController
+        from elastic_ft.wrapper import CallWrapper, Wrapper
+
+        os.environ["INITIAL_RANK"] = os.environ["RANK"]
+
+        def ftrun_wrapped(call_wrapper: CallWrapper | None = None) -> float:
+            assert call_wrapper is not None
+            # The process groups bootstrap from the Wrapper's store: under ftrun, etcd.
+            return train(call_wrapper.iteration, out, args, call_wrapper.base_store)
+
+        retry = RetryController(max_iterations=args.faults + 2)
+        step_time = Wrapper(initialize=retry, **_timedeltas(WRAPPER_SETTINGS))(ftrun_wrapped)()
     elif args.worker == "nvidia":
         from nvidia_resiliency_ext import inprocess
 
@@ -244,6 +267,8 @@ def _worker_command(mode: str, out: Path, args: argparse.Namespace, faults: int,
         str(args.fault_step),
         "--steps",
         str(steps),
+        "--fault-kind",
+        args.fault_kind,
     ]
 
 
@@ -287,6 +312,37 @@ def _run_ranks(
     if strict and any(codes):
         raise RuntimeError(f"{mode} ranks exited with {codes}; see {out}")
     return out
+
+
+def _run_ftrun(args: argparse.Namespace, kind: str) -> list[float]:
+    """Latencies of ``kind`` faults under ftrun (one host, embedded etcd), over as many jobs as needed.
+
+    A SIGKILLed rank does not come back, so one job takes at most
+    ``--world-size - 2`` kills (two ranks must remain).
+    """
+    per_job = args.faults if kind == "raise" else max(1, min(args.faults, args.world_size - 2))
+    latencies: list[float] = []
+    while len(latencies) < args.faults:
+        faults = min(per_job, args.faults - len(latencies))
+        out = Path(tempfile.mkdtemp(prefix=f"restart-latency-ftrun-{kind}-"))
+        command = [
+            sys.executable,
+            "-m",
+            "elastic_ft.launcher.ftrun",
+            f"--nproc-per-node={args.world_size}",
+            "--max-restarts=0",
+            "--monitor-interval=0.1",
+            *_worker_command(
+                "ftrun", out, argparse.Namespace(**{**vars(args), "fault_kind": kind}), faults, args.steps
+            ),
+        ]
+        with open(out / "ftrun.txt", "w") as log:
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            code = subprocess.run(command, check=False, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900)
+        if code.returncode:
+            raise RuntimeError(f"ftrun exited with {code.returncode}; see {out}")
+        latencies += _latencies(out, faults)
+    return latencies
 
 
 def _run_torchrun(args: argparse.Namespace) -> Path:
@@ -361,6 +417,9 @@ def _latency_results(args: argparse.Namespace) -> dict[str, Any]:
     results["elastic_ft"] = _summary(_latencies(_run_ranks("elastic_ft", args, args.faults, args.steps), args.faults))
     print(f"full restart (torchrun --max-restarts={args.faults}) ...", flush=True)
     results["torchrun"] = _summary(_latencies(_run_torchrun(args), args.faults))
+    for kind in ("raise", "sigkill"):
+        print(f"ftrun, worker {kind}, {args.faults} faults ...", flush=True)
+        results[f"ftrun_{kind}"] = _summary(_run_ftrun(args, kind))
     try:
         import nvidia_resiliency_ext.inprocess  # noqa: F401
     except Exception as error:  # noqa: BLE001 - the peer is optional
@@ -377,6 +436,8 @@ def _latency_results(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as error:  # noqa: BLE001 - report the peer's failure, keep our numbers
             results["nvidia_resiliency_ext"] = {"failed": repr(error)}
     results["speedup"] = results["torchrun"]["median"] / results["elastic_ft"]["median"]
+    for kind in ("raise", "sigkill"):
+        results[f"speedup_ftrun_{kind}"] = results["torchrun"]["median"] / results[f"ftrun_{kind}"]["median"]
     return results
 
 
@@ -444,8 +505,13 @@ def format_table(results: dict[str, Any]) -> str:
             "| --- | --- | --- | --- |",
             row("in-process, elastic_ft.Wrapper", latency["elastic_ft"]),
             row("full restart, torchrun --max-restarts", latency["torchrun"]),
+            row("ftrun, worker exception (in-process, etcd store)", latency["ftrun_raise"]),
+            row("ftrun, worker SIGKILL (in-process without it)", latency["ftrun_sigkill"]),
             row("in-process, nvidia-resiliency-ext Wrapper", latency["nvidia_resiliency_ext"]),
-            f"speed-up of in-process over full restart: {latency['speedup']:.1f}x",
+            (
+                f"speed-up over the full restart: Wrapper {latency['speedup']:.1f}x, ftrun exception "
+                f"{latency['speedup_ftrun_raise']:.1f}x, ftrun SIGKILL {latency['speedup_ftrun_sigkill']:.1f}x"
+            ),
             "",
         ]
     steady = results.get("steady_state")
@@ -481,6 +547,7 @@ def main() -> None:
     parser.add_argument("--steady-steps", type=int, default=300)
     parser.add_argument("--steady-world-size", type=int, help="default: min(--world-size, CPUs)")
     parser.add_argument("--only", choices=("latency", "steady"), help="run one part of the benchmark")
+    parser.add_argument("--fault-kind", choices=("raise", "sigkill"), default="raise", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()

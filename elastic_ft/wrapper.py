@@ -369,6 +369,10 @@ class CallWrapper:
             )
             self._monitor_process.store_ready()
             self._watchdog.start()
+            # Everything that exists now (imports, the store's client, the caller's
+            # set-up) outlives every iteration: move it out of the collector's way, so
+            # the full collection after a fault scans only what iterations created.
+            gc.freeze()
         except BaseException:
             self._monitor_process.stop()
             raise
@@ -436,6 +440,7 @@ class CallWrapper:
                     datetime.timedelta.max if hosts_store else _NO_WAIT,
                 )
         finally:
+            gc.unfreeze()
             self._watchdog.shutdown()
             self._monitor_process.stop()
 

@@ -6,6 +6,9 @@
 3. Runs three nodes again, SIGKILLs one mid-training (agent and workers), and
    shows the survivors re-rendezvous through etcd and finish from the last
    checkpoint.
+4. Runs two ``ftrun`` nodes (two workers each, ``elastic_ft.Wrapper``) and
+   SIGKILLs one worker: the other three keep their processes and finish
+   in-process without it.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import time
 from pathlib import Path
 
 from elastic_ft.etcd_server import EtcdServer
-from elastic_ft.local_cluster import TorchrunNode
+from elastic_ft.local_cluster import TorchrunNode, ftrun_command
 
 TRAIN = Path(__file__).with_name("train.py")
+TRAIN_FTRUN = Path(__file__).with_name("train_ftrun.py")
 CONF = "last_call_timeout=1,lease_ttl=2,join_timeout=60"
 
 
@@ -90,7 +94,42 @@ def main() -> None:
         print(
             f"    {'OK' if ok2 else 'FAILED'}: survivors re-rendezvoused without B in {time.monotonic() - start:.1f} s"
         )
-        if not (ok1 and ok2):
+        print("\n[3] ftrun, two nodes x two workers; the worker of rank 3 is SIGKILLed at step 15")
+        start = time.monotonic()
+        workdir = root / "job3"
+        nodes = [
+            TorchrunNode(
+                tag,
+                endpoint=etcd.endpoint,
+                run_id="demo-ftrun",
+                script=[str(TRAIN_FTRUN), "--workdir", str(workdir), "--kill-rank", "3", "--kill-step", "15"],
+                nnodes="2",
+                nproc_per_node=2,
+                rdzv_conf=CONF,
+                log_path=root / f"demo-ftrun-{tag}.log",
+                launcher=ftrun_command(),
+            )
+            for tag in "AB"
+        ]
+        try:
+            codes = {node.tag: node.wait(180) for node in nodes}
+        finally:
+            for node in nodes:
+                node.terminate()
+        done = [json.loads(p.read_text()) for p in sorted(workdir.glob("done-*.json"))]
+        print("    node  exit  rank  pid      world  in-process-iteration  process-restarts  final-loss")
+        for r in done:
+            print(
+                f"    {r['node']:>4}  {codes[r['node']]:>4}  {r['initial_rank']:>4}  {r['pid']:<7}  {r['world_size']:>5}  "
+                f"{r['iteration']:>20}  {r['process_restarts']:>16}  {r['loss']:.4f}"
+            )
+        ok3 = (
+            sorted(r["initial_rank"] for r in done) == [0, 1, 2]
+            and all(r["world_size"] == 3 and r["iteration"] == 1 and r["process_restarts"] == 0 for r in done)
+            and all(code == 0 for code in codes.values())
+        )
+        print(f"    {'OK' if ok3 else 'FAILED'}: three workers went on in-process in {time.monotonic() - start:.1f} s")
+        if not (ok1 and ok2 and ok3):
             for log in sorted(root.glob("*.log")):
                 print(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}")
             raise SystemExit(1)

@@ -131,8 +131,7 @@ def test_worker_fault_keeps_the_healthy_workers(
     Wrapper's store and the process groups' bootstrap live in etcd.
     """
     scenario = {"steps": 20, "faults": [{"rank": victim, "kind": kind, "step": 5}]}
-    a = start(nodes, tmp_path, etcd, run_id, "A", scenario)
-    b = start(nodes, tmp_path, etcd, run_id, "B", scenario)
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
     assert finish([a, b]) == [0, 0], logs(nodes)
     started = read(tmp_path, "start-*.json")
     assert sorted(started) == ["start-A-0-0", "start-A-1-0", "start-B-0-0", "start-B-1-0"]  # never restarted
@@ -174,8 +173,7 @@ def test_killed_node_is_absorbed_in_process(
 ) -> None:
     """SIGKILL a whole node (agent, workers, monitors): the survivors go on in-process without it."""
     scenario = {"steps": 120, "step_seconds": 0.05}
-    a = start(nodes, tmp_path, etcd, run_id, "A", scenario, nnodes="1:2")
-    b = start(nodes, tmp_path, etcd, run_id, "B", scenario, nnodes="1:2")
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, nnodes="1:2") for tag in "AB")
     started = wait_for(tmp_path, "start-*.json", 4, 90)
     time.sleep(2)  # training
     killed = b.kill()
@@ -196,8 +194,7 @@ def test_every_worker_of_a_node_failing_escalates(
 ) -> None:
     """Both workers of node group rank 1 exit: that node escalates; the job restarts at the process level."""
     scenario = {"steps": 20, "node_exit": {"group_rank": 1, "restart": 0}}
-    a = start(nodes, tmp_path, etcd, run_id, "A", scenario)
-    b = start(nodes, tmp_path, etcd, run_id, "B", scenario)
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
     assert finish([a, b]) == [0, 0], logs(nodes)
     done = read(tmp_path, "done-*.json")
     # Everyone finished in the restarted processes (TORCHELASTIC_RESTART_COUNT 1 on both nodes).
@@ -217,8 +214,7 @@ def test_every_worker_of_a_node_failing_escalates(
 def test_wrapper_giving_up_escalates(etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]) -> None:
     """RetryController allows one iteration; a fault makes every Wrapper give up: a process-level restart follows."""
     scenario = {"steps": 20, "retry": {"max_iterations": 1}, "faults": [{"rank": 2, "kind": "raise", "step": 3}]}
-    a = start(nodes, tmp_path, etcd, run_id, "A", scenario)
-    b = start(nodes, tmp_path, etcd, run_id, "B", scenario)
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
     assert finish([a, b]) == [0, 0], logs(nodes)
     done = read(tmp_path, "done-*.json")
     assert sorted(done) == ["done-0-1", "done-1-1", "done-2-1", "done-3-1"]
@@ -231,8 +227,7 @@ def test_failure_outside_the_wrapper_behaves_like_torchrun(
 ) -> None:
     """Without the Wrapper nothing can absorb a fault: the node escalates, and with no restarts left fails."""
     scenario = {"steps": 20, "no_wrapper": True, "faults": [{"rank": 1, "kind": "exit", "step": 3}]}
-    a = start(nodes, tmp_path, etcd, run_id, "A", scenario, max_restarts=0)
-    b = start(nodes, tmp_path, etcd, run_id, "B", scenario, max_restarts=0)
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, max_restarts=0) for tag in "AB")
     assert finish([a, b]) == [1, 1], logs(nodes)
     # The node of rank 1 fails on its exit; the other on its workers' broken collectives.
     assert a.log().count("failed outside elastic_ft.Wrapper, and no restarts are left") == 1, a.log()
@@ -244,8 +239,7 @@ def test_spare_node_waits_without_error_and_exits_with_the_job(
     etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
 ) -> None:
     scenario = {"steps": 100, "step_seconds": 0.05}
-    a = start(nodes, tmp_path, etcd, run_id, "A", scenario, nnodes="1:2")
-    b = start(nodes, tmp_path, etcd, run_id, "B", scenario, nnodes="1:2")
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, nnodes="1:2") for tag in "AB")
     wait_for(tmp_path, "start-*.json", 4, 90)
     spare = start(nodes, tmp_path, etcd, run_id, "C", scenario, nnodes="1:2")
     time.sleep(3)
@@ -259,8 +253,7 @@ def test_spare_node_waits_without_error_and_exits_with_the_job(
 
 def test_spare_replaces_a_killed_node(etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]) -> None:
     scenario = {"steps": 120, "step_seconds": 0.05}
-    a = start(nodes, tmp_path, etcd, run_id, "A", scenario, nnodes="1:2")
-    b = start(nodes, tmp_path, etcd, run_id, "B", scenario, nnodes="1:2")
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, nnodes="1:2") for tag in "AB")
     wait_for(tmp_path, "start-*.json", 4, 90)
     spare = start(nodes, tmp_path, etcd, run_id, "C", scenario, nnodes="1:2")
     time.sleep(2)
