@@ -100,3 +100,40 @@ def test_stored_job_config_sets_the_worker_count(etcd: EtcdServer, run_id: str, 
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(p.read_text()) for p in sorted(work.glob("done-*.json"))]
     assert {r["world_size"] for r in results} == {2} and len(results) == 2
+
+
+WRAPPER_DEFAULTS_SCRIPT = """
+import json, os, sys
+from elastic_ft import CallWrapper, Wrapper
+
+def fn(call_wrapper: CallWrapper | None = None):
+    return call_wrapper.state.active_rank
+
+wrapper = Wrapper()
+result = wrapper(fn)()
+record = {"soft_timeout": wrapper.soft_timeout.total_seconds(), "result": result,
+          "store": type(wrapper.store_factory()).__name__}
+with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as file:
+    json.dump(record, file)
+"""
+
+
+@pytest.mark.slow
+def test_workers_get_wrapper_defaults_from_the_job_config(etcd: EtcdServer, run_id: str, tmp_path: Path) -> None:
+    """The stored config's Wrapper timeouts and rank assignment reach the workers' Wrapper() defaults."""
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        "nodes: {min: 1, max: 1}\nnproc_per_node: 2\nrendezvous: {last_call_timeout: 0}\n"
+        "wrapper: {soft_timeout: 45, hard_timeout: 50}\nrank_assignment: {max_active_world_size: 1}\n"
+    )
+    script = tmp_path / "worker.py"
+    script.write_text(WRAPPER_DEFAULTS_SCRIPT)
+    command = [*FTRUN, f"--job-config={config}", f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}",
+               "--monitor-interval=0.1", str(script), str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert {r["soft_timeout"] for r in records} == {45.0}
+    assert sorted(r["result"] for r in records if r["result"] is not None) == [0]  # one active rank, one spare
+    assert sum(r["result"] is None for r in records) == 1
+    assert {r["store"] for r in records} == {"EtcdStore"}
