@@ -125,6 +125,9 @@ def test_multi_get_multi_set_append(store_pair: tuple[dist.Store, dist.Store]) -
     a.multi_set(["m1", "m2", "m3"], ["1", "2", b"\x03"])
     assert b.multi_get(["m3", "m1", "m2"]) == [b"\x03", b"1", b"2"]
     a.append("log", "ab")
+    # TCPStore's append gets no reply: only a round trip on the same connection
+    # orders it before another client's append.
+    assert a.get("log") == b"ab"
     b.append("log", b"cd")
     assert a.get("log") == b"abcd"
 
