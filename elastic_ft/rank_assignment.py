@@ -138,6 +138,12 @@ def _require_rank(state: State, owner: str) -> int:
     return state.rank
 
 
+def _rank_and_terminated(ctx: RankAssignmentCtx, owner: str) -> tuple[int, set[int]]:
+    """This rank and the checked set of terminated ranks: the inputs every reassignment starts from."""
+    _check_terminated_ranks(ctx, owner)
+    return _require_rank(ctx.state, owner), set(ctx.terminated_ranks)
+
+
 def _discard(rank: int, terminated_ranks: Collection[int]) -> RankDiscarded:
     return RankDiscarded(f"rank {rank} is among the terminated ranks {sorted(terminated_ranks)[:16]}")
 
@@ -166,9 +172,7 @@ class ShiftRanks(RankAssignment):
     """
 
     def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
-        _check_terminated_ranks(ctx, "ShiftRanks")
-        rank = _require_rank(ctx.state, "ShiftRanks")
-        terminated = set(ctx.terminated_ranks)
+        rank, terminated = _rank_and_terminated(ctx, "ShiftRanks")
         if rank in terminated:
             raise _discard(rank, terminated)
         state = dataclasses.replace(
@@ -194,9 +198,7 @@ class FillGaps(RankAssignment):
     """
 
     def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
-        _check_terminated_ranks(ctx, "FillGaps")
-        rank = _require_rank(ctx.state, "FillGaps")
-        terminated = set(ctx.terminated_ranks)
+        rank, terminated = _rank_and_terminated(ctx, "FillGaps")
         if rank in terminated:
             raise _discard(rank, terminated)
         world_size = ctx.state.world_size - len(terminated)
@@ -471,9 +473,7 @@ class FilterCountGroupedByKey(RankAssignment):
     def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
         call = self._calls
         self._calls += 1
-        _check_terminated_ranks(ctx, "FilterCountGroupedByKey")
-        rank = _require_rank(ctx.state, "FilterCountGroupedByKey")
-        terminated = set(ctx.terminated_ranks)
+        rank, terminated = _rank_and_terminated(ctx, "FilterCountGroupedByKey")
         if rank in terminated:
             return ctx
         healthy = [other for other in range(ctx.state.world_size) if other not in terminated]
@@ -563,9 +563,7 @@ class Tree(RankAssignment):
     def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
         call = self._calls
         self._calls += 1
-        _check_terminated_ranks(ctx, "Tree")
-        rank = _require_rank(ctx.state, "Tree")
-        terminated = set(ctx.terminated_ranks)
+        rank, terminated = _rank_and_terminated(ctx, "Tree")
         if self._topology is None or self._assignment is None:
             if rank in terminated:
                 raise _discard(rank, terminated)

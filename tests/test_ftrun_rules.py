@@ -1,9 +1,12 @@
-"""The agent's escalation rules, as pure functions (no processes, no etcd)."""
+"""The agent's escalation rules as pure functions (no processes, no etcd), and what FtAgent refuses."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from elastic_ft.etcd_server import EtcdServer
 from elastic_ft.launcher.escalation import (
     Verdict,
     WorkerExit,
@@ -74,9 +77,40 @@ def test_restarts_are_counted_per_escalated_round() -> None:
     assert restarts_left(2, {0}, 0) == 2  # another node escalated the same round: one restart
     assert restarts_left(2, {0}, 1) == 1
     assert restarts_left(2, {0, 3}, 5) == 0
+    assert restarts_left(2, {0, 3}) == 0  # every escalation so far: what a (re)starting node has used
+    assert restarts_left(1, {0, 3}) == -1  # more than allowed (the agent clamps its count at 0)
 
 
 def test_exit_barrier_counts_dead_members_as_arrived() -> None:
     assert not exit_barrier_done({"a", "b"}, {"a"}, set())
     assert exit_barrier_done({"a", "b"}, {"a"}, {"b"})
     assert exit_barrier_done({"a", "b"}, {"a", "b"}, set())
+
+
+# ---- what FtAgent refuses, before starting anything -------------------------------
+
+
+def test_ft_agent_needs_the_etcdft_rendezvous_and_a_script(etcd: EtcdServer, run_id: str, tmp_path: Path) -> None:
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+
+    from elastic_ft.launcher.agent import FtAgent
+    from elastic_ft.rendezvous import EtcdftRendezvousHandler, make_settings
+
+    logs = DefaultLogsSpecs(log_dir=str(tmp_path))
+    static = StaticTCPRendezvous("127.0.0.1", 29999, 0, 1, run_id, 60)
+    spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=static, entrypoint="train.py")
+    with pytest.raises(TypeError, match="FtAgent needs the etcdft rendezvous, got StaticTCPRendezvous"):
+        FtAgent(spec, logs_specs=logs)
+    handler = EtcdftRendezvousHandler(make_settings(run_id=run_id, endpoint=etcd.endpoint, min_nodes=1, max_nodes=1))
+    try:
+        spec = WorkerSpec(role="trainer", local_world_size=1, rdzv_handler=handler, entrypoint=print)
+        with pytest.raises(
+            TypeError, match="FtAgent runs a script or binary entrypoint, got <built-in function print>"
+        ):
+            FtAgent(spec, logs_specs=logs)
+        state, _ = handler._view.snapshot()
+        assert not state.rounds and not state.alive  # nothing joined, nothing written
+    finally:
+        handler.shutdown()

@@ -100,8 +100,8 @@ class FtAgent(LocalElasticAgent):
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         # Every node derives the count from etcd, so TORCHELASTIC_RESTART_COUNT agrees job-wide.
-        used = len(self._escalated_rounds())
-        self._remaining_restarts = max(worker_group.spec.max_restarts - used, 0)
+        left = restarts_left(worker_group.spec.max_restarts, self._escalated_rounds())
+        self._remaining_restarts = max(left, 0)
         super()._rendezvous(worker_group)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:

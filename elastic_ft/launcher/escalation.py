@@ -114,10 +114,11 @@ def exit_barrier_done(members: set[str], arrived: set[str], gone: set[str]) -> b
     return members <= arrived | gone
 
 
-def restarts_left(max_restarts: int, escalated_rounds: set[int], current_round: int) -> int:
-    """Process-level restarts left before escalating from ``current_round``.
+def restarts_left(max_restarts: int, escalated_rounds: set[int], current_round: int | None = None) -> int:
+    """Process-level restarts left before escalating from ``current_round`` (None: after every escalation so far).
 
     Counts the escalations of earlier rounds only: several nodes escalating
     from the same round are one restart.
     """
-    return max_restarts - sum(1 for number in escalated_rounds if number < current_round)
+    used = sum(1 for number in escalated_rounds if current_round is None or number < current_round)
+    return max_restarts - used
