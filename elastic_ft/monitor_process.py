@@ -44,6 +44,7 @@ from elastic_ft.store import (
     PrefixStore,
     iteration_store,
     job_store,
+    report_process_gone,
     report_rank_gone,
 )
 
@@ -282,13 +283,9 @@ class _Monitor:
     def _report_terminated(self, kind: str, message: str) -> None:
         """Record this rank as gone and arrive at the barriers in its place."""
         log.warning("rank leaves the job: %s (%s)", kind, message)
-        iteration = self.iteration
-        if iteration is not None:
-            report_rank_gone(iteration.store, iteration.rank, iteration.world_size, kind, message)
         assert self.base_store is not None
-        job_store(self.base_store).arrive_and_wait(
-            EXIT_BARRIER, [self.config.initial_rank], self.config.initial_world_size, _NO_WAIT
-        )
+        # The same report ftrun's agent makes from outside (idempotent if both do).
+        report_process_gone(self.base_store, self.config.initial_rank, self.config.initial_world_size, kind, message)
 
     def _check_heartbeats(self, job: PrefixStore, now: float, watching_since: float) -> None:
         config = self.config
