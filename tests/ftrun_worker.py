@@ -11,7 +11,8 @@ Faults (``faults``: list of ``{"rank", "kind", "restart", "iteration", "step"}``
 ``rank`` the initial global rank): ``raise``, ``exit`` (``os._exit(17)``),
 ``sigkill``. ``node_exit``: ``{"group_rank", "restart"}`` makes every worker
 of that node exit with code 19 at step 2 of its first iteration.
-``no_wrapper``: run the loop without the Wrapper; ``retry``: keyword arguments
+``slow_start_group_rank``: the workers of that node sleep 60 s before entering
+the Wrapper. ``no_wrapper``: run the loop without the Wrapper; ``retry``: keyword arguments
 of a ``RetryController``.
 """
 
@@ -94,6 +95,8 @@ def wrapped(call_wrapper: CallWrapper | None = None) -> dict[str, Any]:
 def main() -> None:
     local_rank = int(os.environ["LOCAL_RANK"])
     write(f"start-{NODE}-{local_rank}-{RESTART}.json", {"pid": os.getpid(), "rank": INITIAL_RANK})
+    if SCENARIO.get("slow_start_group_rank") == GROUP_RANK:
+        time.sleep(60)  # set-up work before the Wrapper: the node may die meanwhile
     if SCENARIO.get("no_wrapper"):
         result = train(None, 0)
     else:

@@ -173,7 +173,7 @@ def test_killed_node_is_absorbed_in_process(
 ) -> None:
     """SIGKILL a whole node (agent, workers, monitors): the survivors go on in-process without it."""
     scenario = {"steps": 120, "step_seconds": 0.05}
-    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, nnodes="1:2") for tag in "AB")
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
     started = wait_for(tmp_path, "start-*.json", 4, 90)
     time.sleep(2)  # training
     killed = b.kill()
@@ -187,6 +187,25 @@ def test_killed_node_is_absorbed_in_process(
     assert not any(alive(pid) for pid in killed)
     assert "reported its rank(s)" in a.log()
     assert escalations(etcd, run_id) == []
+
+
+def test_node_lost_before_its_workers_entered_the_wrapper_is_followed(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
+) -> None:
+    """In-process restart cannot absorb ranks that never entered the Wrapper: the survivor re-rendezvouses."""
+    scenario = {"steps": 20, "slow_start_group_rank": 1}
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, nnodes="1:2") for tag in "AB")
+    started = wait_for(tmp_path, "start-*.json", 4, 90)
+    slow_tag = next(name.split("-")[1] for name, record in started.items() if record["rank"] >= 2)  # group rank 1
+    slow = a if slow_tag == "A" else b
+    time.sleep(1)
+    slow.kill()
+    survivor = a if slow is b else b
+    assert survivor.wait(120) == 0, logs(nodes)
+    assert "died before all its workers entered elastic_ft.Wrapper" in survivor.log()
+    done = read(tmp_path, "done-*.json")
+    assert len(done) == 2 and {r["result"]["world_size"] for r in done.values()} == {2}
+    assert {r["node"] for r in done.values()} == {survivor.tag}
 
 
 def test_every_worker_of_a_node_failing_escalates(
@@ -239,9 +258,9 @@ def test_spare_node_waits_without_error_and_exits_with_the_job(
     etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
 ) -> None:
     scenario = {"steps": 100, "step_seconds": 0.05}
-    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, nnodes="1:2") for tag in "AB")
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
     wait_for(tmp_path, "start-*.json", 4, 90)
-    spare = start(nodes, tmp_path, etcd, run_id, "C", scenario, nnodes="1:2")
+    spare = start(nodes, tmp_path, etcd, run_id, "C", scenario)
     time.sleep(3)
     assert spare.process.poll() is None, spare.log()  # waiting, not crashed
     assert finish([a, b]) == [0, 0], logs(nodes)
@@ -253,9 +272,9 @@ def test_spare_node_waits_without_error_and_exits_with_the_job(
 
 def test_spare_replaces_a_killed_node(etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]) -> None:
     scenario = {"steps": 120, "step_seconds": 0.05}
-    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, nnodes="1:2") for tag in "AB")
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
     wait_for(tmp_path, "start-*.json", 4, 90)
-    spare = start(nodes, tmp_path, etcd, run_id, "C", scenario, nnodes="1:2")
+    spare = start(nodes, tmp_path, etcd, run_id, "C", scenario)
     time.sleep(2)
     b.kill()
     assert a.wait(150) == 0, logs(nodes)

@@ -67,6 +67,14 @@ def test_decide(workers: dict, change: MembershipChange, verdict: Verdict, reaso
     assert reason in decision.reason
 
 
+def test_a_dead_node_in_process_restart_cannot_absorb_is_followed() -> None:
+    decision = decide({0: R, 1: R}, MembershipChange(dead=("b",)), lost=("b",))
+    assert (
+        decision.verdict is Verdict.FOLLOW and "['b'] died before in-process restart could take over" in decision.reason
+    )
+    assert decide({0: S, 1: S}, MembershipChange(dead=("b",)), lost=("b",)).verdict is Verdict.SUCCEEDED
+
+
 def test_decide_needs_workers() -> None:
     with pytest.raises(ValueError, match="at least one local worker"):
         decide({}, NOTHING)

@@ -80,6 +80,7 @@ class FtAgent(LocalElasticAgent):
         self._handler: EtcdftRendezvousHandler = spec.rdzv_handler
         self._exits: dict[int, tuple[WorkerExit, ProcessFailure | None]] = {}  # by local rank
         self._dead_handled: set[str] = set()
+        self._dead_lost: set[str] = set()
 
     # ---- job-wide escalation count ----
 
@@ -127,6 +128,7 @@ class FtAgent(LocalElasticAgent):
             raise TypeError(f"FtAgent expected worker subprocesses, got {type(self._pcontext).__name__}")
         self._exits = {}
         self._dead_handled = set()
+        self._dead_lost = set()
         record = {
             "host": socket.getfqdn(),
             "group_rank": worker_group.group_rank,
@@ -184,8 +186,13 @@ class FtAgent(LocalElasticAgent):
             kinds[worker.global_rank] = kind
         return kinds
 
-    def _absorb_dead_members(self, worker_group: WorkerGroup, dead: tuple[str, ...]) -> None:
-        """Report the ranks of member nodes that died, so in-process restart goes on without them."""
+    def _absorb_dead_members(self, worker_group: WorkerGroup, dead: tuple[str, ...]) -> tuple[str, ...]:
+        """Report the ranks of member nodes that died, so in-process restart goes on without them.
+
+        Returns the dead nodes it could not absorb: their ranks are unknown, or
+        some of them never entered the Wrapper, so the others would wait for
+        them at its initial barrier.
+        """
         store = worker_group.store
         for node in dead:
             if node in self._dead_handled or node == self._handler.node:
@@ -193,15 +200,22 @@ class FtAgent(LocalElasticAgent):
             self._dead_handled.add(node)
             key = NODES + node
             if not store.check([key]):
-                log.warning("node %s died before publishing its ranks; left to the Wrappers' heartbeats", node)
+                log.warning("node %s died before publishing its ranks", node)
+                self._dead_lost.add(node)
                 continue
             record = json.loads(store.get(key))
+            job = job_store(store)
+            if not all(job.is_wrapped(rank) for rank in record["global_ranks"]):
+                log.warning("node %s died before all its workers entered elastic_ft.Wrapper", node)
+                self._dead_lost.add(node)
+                continue
             reported = [
                 rank
                 for rank in record["global_ranks"]
                 if report_process_gone(store, rank, record["world_size"], "node_died", f"node {node} died")
             ]
             log.warning("node %s died; reported its rank(s) %s terminated", node, reported)
+        return tuple(sorted(self._dead_lost))
 
     def _failures(self) -> dict[int, ProcessFailure]:
         by_local = {worker.local_rank: worker.global_rank for worker in self._worker_group.workers}
@@ -228,11 +242,11 @@ class FtAgent(LocalElasticAgent):
             try:
                 workers = self._observe_workers(group)
                 change = self._handler.membership_change()
-                self._absorb_dead_members(group, change.dead)
+                lost = self._absorb_dead_members(group, change.dead)
             except (EtcdUnavailableError, EtcdRequestError) as error:
                 log.warning("etcd unavailable while watching the workers; retrying: %s", error)
                 continue
-            decision = decide(workers, change)
+            decision = decide(workers, change, lost)
             if decision.verdict is Verdict.CONTINUE:
                 group.state = WorkerState.HEALTHY
                 continue

@@ -12,14 +12,16 @@ gathers the observations and carries out the decision. The rules, in order:
 3. Every local worker has exited: if at least one succeeded, the job
    completed in-process and the failures were absorbed -> **succeeded**;
    otherwise -> **escalate**.
-4. A member of the round re-joined the rendezvous (its node escalated), the
-   job moved on to a later round, or nodes wait for which the round has room
-   (a spare after a death, a newcomer below ``max``) -> **follow**: restart
-   the local workers into the next round; in-process restart cannot add
-   processes.
+4. A member died before its workers had all entered the Wrapper (or before
+   it published its ranks), a member re-joined the rendezvous (its node
+   escalated), the job moved on to a later round, or nodes wait for which
+   the round has room (a spare after a death, a newcomer below ``max``) ->
+   **follow**: restart the local workers into the next round; in-process
+   restart cannot add processes, nor finish a start-up a rank never reached.
 5. Otherwise -> **continue**: failed workers that ran under the Wrapper are
    left to it (the agent reports them terminated in the round's store), and
-   dead members are absorbed the same way.
+   dead members whose workers were all under the Wrapper are absorbed the
+   same way.
 
 Escalating and following both stop the local workers and re-rendezvous, as
 torchrun does. Only escalations count against ``--max-restarts``, and they
@@ -86,8 +88,12 @@ def _ranks(workers: Mapping[int, WorkerExit], kind: WorkerExit) -> list[int]:
     return sorted(rank for rank, exit_kind in workers.items() if exit_kind is kind)
 
 
-def decide(workers: Mapping[int, WorkerExit], change: MembershipChange) -> Decision:
-    """The agent's next step, from its workers (by global rank) and the membership; see the module docstring."""
+def decide(workers: Mapping[int, WorkerExit], change: MembershipChange, lost: tuple[str, ...] = ()) -> Decision:
+    """The agent's next step, from its workers (by global rank) and the membership; see the module docstring.
+
+    ``lost``: dead member nodes in-process restart cannot absorb (their
+    workers had not all entered the Wrapper, or their ranks are unknown).
+    """
     if not workers:
         raise ValueError("decide() needs at least one local worker")
     gave_up = _ranks(workers, WorkerExit.GAVE_UP)
@@ -100,6 +106,8 @@ def decide(workers: Mapping[int, WorkerExit], change: MembershipChange) -> Decis
         if _ranks(workers, WorkerExit.SUCCEEDED):
             return Decision(Verdict.SUCCEEDED)
         return Decision(Verdict.ESCALATE, f"every local worker exited with an error: ranks {sorted(workers)}")
+    if lost:
+        return Decision(Verdict.FOLLOW, f"node(s) {list(lost)} died before in-process restart could take over")
     if change.rejoined:
         return Decision(Verdict.FOLLOW, f"node(s) {list(change.rejoined)} re-joined the rendezvous")
     if change.moved_on:
