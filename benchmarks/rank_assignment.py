@@ -9,7 +9,7 @@ implementation).
 Measured, as the median over repeats:
 
 * ``reassign``: the per-rank computation once the grouping keys are known,
-  i.e. :func:`elastic_ft.rank_tree.reassign_tree` from the initial
+  i.e. :func:`elastic_ft.inprocess.rank_assignment.tree_engine.reassign_tree` from the initial
   assignment. This is what the goals bound.
 * ``first call``: building the tree from the keys and the initial
   activation (informational).
@@ -43,15 +43,15 @@ from typing import Any
 import torch
 import torch.distributed
 
-from elastic_ft.rank_assignment import RankAssignmentCtx, Tree
-from elastic_ft.rank_tree import (
+from elastic_ft.inprocess.rank_assignment import RankAssignmentCtx, Tree
+from elastic_ft.inprocess.rank_assignment.tree_engine import (
     Layer,
     LayerFlag,
     build_tree_topology,
     initial_tree_assignment,
     reassign_tree,
 )
-from elastic_ft.state import State
+from elastic_ft.inprocess.state import State
 
 RANKS_PER_HOST = 8
 SCENARIOS = [(16_384, 1_024, 50.0), (131_072, 8_192, 500.0)]

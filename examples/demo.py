@@ -6,8 +6,9 @@
 3. Runs three nodes again, SIGKILLs one mid-training (agent and workers), and
    shows the survivors re-rendezvous through etcd and finish from the last
    checkpoint.
-4. Runs two ``ftrun`` nodes (two workers each, ``elastic_ft.Wrapper``) and
-   SIGKILLs one worker: the other three keep their processes and finish
+4. Runs two ``ftrun`` nodes (two workers each) of ``train_ftrun.py`` (DDP,
+   AdamW, a DataLoader, ``elastic_ft.Wrapper``) and SIGKILLs one worker: the
+   other three keep their processes, reload the last checkpoint and finish
    in-process without it.
 """
 
@@ -19,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from elastic_ft.etcd_server import EtcdServer
-from elastic_ft.local_cluster import TorchrunNode, ftrun_command
+from elastic_ft.etcd.server import EtcdServer
+from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command
 
 TRAIN = Path(__file__).with_name("train.py")
 TRAIN_FTRUN = Path(__file__).with_name("train_ftrun.py")
@@ -94,7 +95,7 @@ def main() -> None:
         print(
             f"    {'OK' if ok2 else 'FAILED'}: survivors re-rendezvoused without B in {time.monotonic() - start:.1f} s"
         )
-        print("\n[3] ftrun, two nodes x two workers; the worker of rank 3 is SIGKILLed at step 15")
+        print("\n[3] ftrun, two nodes x two workers (DDP + AdamW); the worker of rank 3 is SIGKILLed at step 30")
         start = time.monotonic()
         workdir = root / "job3"
         nodes = [
@@ -102,7 +103,8 @@ def main() -> None:
                 tag,
                 endpoint=etcd.endpoint,
                 run_id="demo-ftrun",
-                script=[str(TRAIN_FTRUN), "--workdir", str(workdir), "--kill-rank", "3", "--kill-step", "15"],
+                script=[str(TRAIN_FTRUN), "--workdir", str(workdir), "--steps", "120", "--fault", "sigkill",
+                        "--fault-rank", "3", "--fault-step", "30"],
                 nnodes="2",
                 nproc_per_node=2,
                 rdzv_conf=CONF,
@@ -117,18 +119,22 @@ def main() -> None:
             for node in nodes:
                 node.terminate()
         done = [json.loads(p.read_text()) for p in sorted(workdir.glob("done-*.json"))]
-        print("    node  exit  rank  pid      world  in-process-iteration  process-restarts  final-loss")
+        events = [json.loads(line) for p in workdir.glob("events-*.jsonl") for line in p.open()]
+        fault = next((e["t"] for e in events if e["event"] == "fault"), None)
+        resumed = [e["t"] for e in events if e["event"] == "first_step" and fault is not None and e["t"] > fault]
+        print("    node  exit  rank  pid      world  in-process-iteration  resumed-at-step  process-restarts  final-loss")
         for r in done:
             print(
                 f"    {r['node']:>4}  {codes[r['node']]:>4}  {r['initial_rank']:>4}  {r['pid']:<7}  {r['world_size']:>5}  "
-                f"{r['iteration']:>20}  {r['process_restarts']:>16}  {r['loss']:.4f}"
+                f"{r['iteration']:>20}  {r['resumed_at']:>15}  {r['process_restarts']:>16}  {r['loss']:.4f}"
             )
         ok3 = (
             sorted(r["initial_rank"] for r in done) == [0, 1, 2]
             and all(r["world_size"] == 3 and r["iteration"] == 1 and r["process_restarts"] == 0 for r in done)
             and all(code == 0 for code in codes.values())
         )
-        print(f"    {'OK' if ok3 else 'FAILED'}: three workers went on in-process in {time.monotonic() - start:.1f} s")
+        recovery = f"training resumed {max(resumed) - fault:.2f} s after the kill, " if resumed and fault else ""
+        print(f"    {'OK' if ok3 else 'FAILED'}: three workers went on in-process ({recovery}{time.monotonic() - start:.1f} s in all)")
         if not (ok1 and ok2 and ok3):
             for log in sorted(root.glob("*.log")):
                 print(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}")

@@ -1,91 +1,275 @@
-"""Training under ``ftrun`` with in-process restart: a small MLP, gloo, ``elastic_ft.Wrapper``.
+"""A training script a user would write, made fault tolerant with ``elastic_ft.Wrapper``.
 
-Run by ``ftrun --nproc-per-node=N examples/train_ftrun.py --workdir DIR``.
-The Wrapper uses its default store, which under ``ftrun`` is the etcd store
-of the rendezvous round; the process group bootstraps from a prefix of the
-same store, so no rank hosts anything and any worker may die. With
-``--kill-rank R --kill-step S`` the worker of initial rank R SIGKILLs itself
-at step S: the others go on without it, in the same processes.
+DDP, ``torch.optim.AdamW``, a ``DataLoader`` with ``DistributedSampler``, and
+an atomic checkpoint. Run it under ``ftrun``::
 
-Each rank that finishes writes ``DIR/done-<initial rank>.json``.
+    ftrun --nproc-per-node=4 examples/train_ftrun.py --workdir /tmp/run
+
+The Wrapper calls :func:`train` again, in the same processes, after any
+fault on any rank (an exception, a dead process, a hang). Each call is one
+*iteration* and must rebuild whatever depends on the ranks still there:
+
+* the process group: a new one per iteration, bootstrapped from the
+  Wrapper's store (``call_wrapper.base_store``, the round's etcd store under
+  ``ftrun``: no rank hosts it);
+* DDP around the model, and the optimizer's state reloaded;
+* the sampler (``num_replicas`` and ``rank`` come from ``WORLD_SIZE`` and
+  ``RANK``, which the Wrapper sets for each iteration) and the per-rank batch
+  size: the *global* batch stays the same, so the learning rate stays valid
+  when the world shrinks;
+* the training state, reloaded from the last checkpoint: a collective cut
+  by a fault leaves its outputs undefined.
+
+The model and the optimizer live outside :func:`train`, as plain module
+state that survives iterations.
+
+``--no-wrapper`` runs the same loop without the Wrapper (under plain
+``torchrun``, for comparisons). ``--fault`` injects one fault, for the demo,
+the tests and the benchmarks (see :func:`inject`).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import contextlib
+import ctypes
+import itertools
 import json
 import os
 import signal
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from elastic_ft import CallWrapper, Wrapper
 
+#: Process groups the script keeps a reference to (``--hold-group``): a restart must not depend on them being freed.
+HELD_GROUPS: list[Any] = []
 
-def train(args: argparse.Namespace, call_wrapper: CallWrapper | None = None) -> dict:
-    assert call_wrapper is not None
+
+def build_model(hidden: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 1),
+    )  # fmt: skip
+
+
+def dataset(size: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(1234)
+    inputs = torch.randn(size, 32, generator=generator)
+    targets = inputs.sum(dim=1, keepdim=True).sin()
+    return TensorDataset(inputs, targets)
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Restore model and optimizer; returns the position (step, epoch, batch in epoch) to resume from."""
+    if not path.exists():
+        return {"step": 0, "epoch": 0, "batch": 0}
+    checkpoint = torch.load(path, weights_only=True)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    return checkpoint["position"]
+
+
+def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, position: dict) -> None:
+    """Write to a temporary file, then rename: a reader sees the old checkpoint or the new one, never half."""
+    temporary = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "position": position}, temporary)
+    os.replace(temporary, path)
+
+
+_PROCESS_STORE: list[dist.Store] = []
+
+
+def process_group_store(call_wrapper: CallWrapper | None, iteration: int) -> dist.Store | None:
+    """Where this iteration's process group meets: a fresh prefix of the Wrapper's store.
+
+    Without a Wrapper, torchrun's ``env://`` rendezvous (``None``). Under a
+    Wrapper without a store of its own to share (NVIDIA's), a TCPStore on
+    ``MASTER_PORT`` made once per process, hosted by initial rank 0.
+    """
+    if call_wrapper is None:
+        return None
+    base = getattr(call_wrapper, "base_store", None)
+    if base is None:
+        if not _PROCESS_STORE:
+            host = int(os.environ["ELASTIC_FT_INITIAL_RANK"]) == 0
+            _PROCESS_STORE.append(
+                dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, host, wait_for_workers=False)
+            )
+        base = _PROCESS_STORE[0]
+    return dist.PrefixStore(f"pg/{iteration}", base)
+
+
+class ResumableSampler(DistributedSampler):
+    """A ``DistributedSampler`` that starts ``skip`` indices into its epoch (the batches done before a checkpoint).
+
+    Skipping indices, not loaded batches, keeps a resume from reading and
+    collating data that is thrown away.
+    """
+
+    def __init__(self, *args: Any, skip: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, super().__len__() - self.skip)
+
+
+def train(args: argparse.Namespace, state: dict[str, Any], call_wrapper: CallWrapper | None = None) -> dict:
+    iteration = call_wrapper.iteration if call_wrapper is not None else 0
+    if iteration > 0:
+        record(args, "enter", iteration=iteration)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.PrefixStore(f"pg/{call_wrapper.iteration}", call_wrapper.base_store)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=30)
-    )
+    store = process_group_store(call_wrapper, iteration)
+    if store is None:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-        generator = torch.Generator().manual_seed(rank)
+        if args.hold_group:
+            HELD_GROUPS.append(dist.group.WORLD)
+        model, optimizer = state["model"], state["optimizer"]
+        position = load_checkpoint(args.workdir / "checkpoint.pt", model, optimizer)
+        ddp = DistributedDataParallel(model)
+        data = state["data"]
+        local_batch = args.global_batch // world_size
+        sampler = ResumableSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=0, drop_last=True)
+        loader = DataLoader(data, batch_size=local_batch, sampler=sampler, num_workers=args.workers)
+        record(args, "start", iteration=iteration, world_size=world_size, resumed_at=position["step"])
+        step, epoch, batch = position["step"], position["epoch"], position["batch"]
         loss = torch.zeros(())
-        for step in range(args.steps):
-            if call_wrapper.state.initial_rank == args.kill_rank and step == args.kill_step:
-                os.kill(os.getpid(), signal.SIGKILL)
-            inputs = torch.randn(16, 32, generator=generator)
-            loss = (model(inputs) - inputs.sum(dim=1, keepdim=True)).square().mean()
-            model.zero_grad()
-            loss.backward()
-            # One collective per step, and a plain SGD update rather than torch.optim: the
-            # first torch.optim step imports torch._dynamo, after which (torch 2.13) freeing
-            # a gloo group no longer closes its connections, so a peer blocked in a
-            # collective waits for the gloo timeout (docs/inprocess.md, known limitations).
-            grads = [parameter.grad for parameter in model.parameters()]
-            flat = torch.cat([grad.reshape(-1) for grad in grads])
-            dist.all_reduce(flat)
-            torch.nn.utils.vector_to_parameters(flat / world_size, grads)
-            with torch.no_grad():
-                for parameter in model.parameters():
-                    parameter -= 0.05 * parameter.grad
-            time.sleep(args.step_time)
-        return {"rank": rank, "world_size": world_size, "iteration": call_wrapper.iteration, "loss": loss.item()}
+        first_step_done = time.perf_counter()
+        while step < args.steps:
+            sampler.set_epoch(epoch)
+            sampler.skip = batch * local_batch  # the batches of this epoch done before the checkpoint
+            for index, (inputs, targets) in enumerate(loader, start=batch):
+                inject(args, call_wrapper, step)
+                loss = torch.nn.functional.mse_loss(ddp(inputs), targets)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                step, batch = step + 1, index + 1
+                if step == position["step"] + 1:
+                    record(args, "first_step", iteration=iteration, step=step)
+                    first_step_done = time.perf_counter()
+                if step % args.checkpoint_every == 0 and rank == 0:
+                    with call_wrapper.atomic() if call_wrapper is not None else contextlib.nullcontext():
+                        save_checkpoint(
+                            args.workdir / "checkpoint.pt", model, optimizer, {"step": step, "epoch": epoch, "batch": batch}
+                        )
+                if step >= args.steps:
+                    break
+            else:
+                epoch, batch = epoch + 1, 0
+        checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+        steps_timed = step - position["step"] - 1
+        step_seconds = (time.perf_counter() - first_step_done) / steps_timed if steps_timed > 0 else None
+        return {"step": step, "iteration": iteration, "world_size": world_size, "rank": rank,
+                "loss": float(loss.detach()), "checksum": checksum, "resumed_at": position["step"],
+                "step_seconds": step_seconds}  # fmt: skip
     finally:
         dist.destroy_process_group()
 
 
-def main() -> None:
+# ---- for the demo, the tests and the benchmarks -------------------------------------------------
+
+
+def record(args: argparse.Namespace, event: str, **fields: Any) -> None:
+    """Append an event (wall time, initial rank, pid) to ``--workdir``/events-<initial rank>.jsonl."""
+    line = {"event": event, "t": time.time(), "rank": int(os.environ["ELASTIC_FT_INITIAL_RANK"]), "pid": os.getpid(),
+            **fields}  # fmt: skip
+    with open(args.workdir / f"events-{line['rank']}.jsonl", "a") as file:
+        file.write(json.dumps(line) + "\n")
+
+
+FAULTS = ("raise", "sigkill", "hang_gil_held", "hang_gil_released", "sigstop", "slow_step")
+
+
+def inject(args: argparse.Namespace, call_wrapper: CallWrapper | None, step: int) -> None:
+    """``--fault KIND --fault-rank R --fault-step S``: once, in the first iteration of the first process."""
+    if args.fault is None or step != args.fault_step or int(os.environ["ELASTIC_FT_INITIAL_RANK"]) != args.fault_rank:
+        return
+    if (call_wrapper is not None and call_wrapper.iteration > 0) or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        return
+    record(args, "fault", kind=args.fault, step=step)
+    if args.fault == "raise":
+        raise RuntimeError(f"injected fault at step {step}")
+    if args.fault == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if args.fault == "sigstop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if args.fault == "hang_gil_held":
+        ctypes.PyDLL(None).sleep(3600)  # a C call that never releases the GIL
+    if args.fault == "hang_gil_released":
+        time.sleep(3600)
+    if args.fault == "slow_step":
+        slow_computation(args.slow_seconds)
+
+
+def slow_computation(seconds: float) -> None:
+    """About ``seconds`` of CPU work in one C call (no Python code runs meanwhile): a slow but healthy step."""
+    probe = torch.randn(512, 512)
+    start = time.perf_counter()
+    probe @ probe
+    per_flop = (time.perf_counter() - start) / 512**3
+    size = int((seconds / per_flop) ** (1 / 3))
+    matrix = torch.randn(size, size)
+    matrix @ matrix
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--step-time", type=float, default=0.05)
-    parser.add_argument("--kill-rank", type=int, default=-1)
-    parser.add_argument("--kill-step", type=int, default=-1)
-    args = parser.parse_args()
-    initial_rank = int(os.environ["RANK"])
-    result = Wrapper(
-        monitor_thread_interval=datetime.timedelta(seconds=0.1), last_call_wait=datetime.timedelta(seconds=0.1)
-    )(train)(args)
-    record = {
-        **result,
-        "initial_rank": initial_rank,
-        "pid": os.getpid(),
-        "node": os.environ.get("NODE_TAG", "?"),
-        "process_restarts": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
-    }
+    parser.add_argument("--workdir", type=Path, required=True, help="checkpoint, results and events")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--global-batch", type=int, default=24, help="samples per step over all ranks")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--samples", type=int, default=4800)
+    parser.add_argument("--workers", type=int, default=1, help="DataLoader worker processes per rank")
+    parser.add_argument("--checkpoint-every", type=int, default=20)
+    parser.add_argument("--no-wrapper", action="store_true", help="run without elastic_ft.Wrapper")
+    parser.add_argument("--monitor-logs", action="store_true", help="monitor processes log to --workdir/monitor-<rank>.log")
+    parser.add_argument("--hold-group", action="store_true", help="keep a reference to every process group")
+    parser.add_argument("--pin-cpu", action="store_true", help="pin each worker to one CPU (steadier step times)")
+    parser.add_argument("--fault", choices=FAULTS)
+    parser.add_argument("--fault-rank", type=int, default=1, help="initial rank that faults")
+    parser.add_argument("--fault-step", type=int, default=30)
+    parser.add_argument("--slow-seconds", type=float, default=4.0, help="length of --fault slow_step")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
+    initial_rank = int(os.environ["RANK"])
+    os.environ["ELASTIC_FT_INITIAL_RANK"] = str(initial_rank)
+    if args.pin_cpu:
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[int(os.environ["LOCAL_RANK"]) % len(cpus)]})
+    model = build_model(args.hidden)
+    state = {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-3), "data": dataset(args.samples)}
+    logfile = str(args.workdir.resolve() / "monitor-{rank}.log") if args.monitor_logs else None
+    result = train(args, state) if args.no_wrapper else Wrapper(monitor_process_logfile=logfile)(train)(args, state)
+    if result is None:
+        return  # a spare rank: it never trained
+    done = {**result, "initial_rank": initial_rank, "pid": os.getpid(), "node": os.environ.get("NODE_TAG", "?"),
+            "process_restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}  # fmt: skip
     path = args.workdir / f"done-{initial_rank}.json"
-    path.with_suffix(".tmp").write_text(json.dumps(record))
+    path.with_suffix(".tmp").write_text(json.dumps(done))
     os.replace(path.with_suffix(".tmp"), path)
+    record(args, "done", step=result["step"], iteration=result["iteration"])
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -3,7 +3,7 @@
 ``etcd`` is one server shared by the session (tests keep apart by run id);
 ``etcd_cluster`` is a fresh 3-member cluster for tests that kill members.
 ``ETCD_BINARY`` picks the binary; ``ETCD_EXTRA_BINARIES`` (comma-separated
-paths, e.g. Debian's etcd 3.4) adds versions for ``test_etcd_versions.py``.
+paths, e.g. Debian's etcd 3.4) adds versions for ``tests/etcd/test_versions.py``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from elastic_ft.etcd_client import EtcdClient
-from elastic_ft.etcd_server import EtcdServer, find_etcd_binary
+from elastic_ft.etcd.client import EtcdClient
+from elastic_ft.etcd.server import EtcdServer
+from elastic_ft.testing.etcd_cluster import EtcdCluster
 
 
 @pytest.fixture(scope="session")
@@ -27,9 +28,9 @@ def etcd() -> Iterator[EtcdServer]:
 
 
 @pytest.fixture
-def etcd_cluster() -> Iterator[EtcdServer]:
-    with EtcdServer(members=3) as server:
-        yield server
+def etcd_cluster() -> Iterator[EtcdCluster]:
+    with EtcdCluster(members=3) as cluster:
+        yield cluster
 
 
 @pytest.fixture
@@ -42,13 +43,6 @@ def etcd_client(etcd: EtcdServer) -> Iterator[EtcdClient]:
     client = EtcdClient(etcd.endpoints)
     yield client
     client.close()
-
-
-def etcd_binaries() -> list[str]:
-    binaries = [find_etcd_binary()]
-    extra = os.environ.get("ETCD_EXTRA_BINARIES", "")
-    binaries += [b for b in extra.split(",") if b.strip()]
-    return binaries
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ starts workers exactly as torch does, but watches them itself, so a failed
 worker never takes its healthy siblings down:
 
 * a worker that fails inside ``elastic_ft.Wrapper`` is reported terminated in
-  the round's store at once (:func:`elastic_ft.store.report_process_gone`),
+  the round's store at once (:func:`elastic_ft.inprocess.store.report_process_gone`),
   and the Wrappers of every node restart in-process without it;
 * a member node that dies (its rendezvous lease expires) has its ranks
   reported the same way, from the list of ranks it published;
@@ -14,17 +14,15 @@ worker never takes its healthy siblings down:
   escalate to torchrun's stop, re-rendezvous and start, or follow another
   node's escalation.
 
-The workers' Wrapper finds the round's etcd store through the environment
-variable :data:`elastic_ft.store.STORE_ENV`, so no worker hosts the job's
-coordination. The agent's records live in the round's store under
-``ftrun/``: ``nodes/<node>`` (its global ranks and pids) and ``exits/<rank>``
-(how each worker ended), and ``exit_barrier/<node>``; escalations are
-job-wide keys ``/<prefix>/<run_id>/ftrun/escalations/<round>``.
+The workers' Wrapper finds the round's etcd store through the hand-off in
+their environment (:class:`elastic_ft.handoff.StoreHandoff`), so no worker
+hosts the job's coordination. The agent's records
+(:mod:`elastic_ft.launcher.records`) live in the round's store, and the
+escalations in job-wide keys.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -37,17 +35,16 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from elastic_ft.etcd_client import EtcdRequestError, EtcdUnavailableError, key_missing, put_op
+from elastic_ft.etcd.client import EtcdRequestError, EtcdUnavailableError, key_missing, put_op
+from elastic_ft.handoff import StoreHandoff
+from elastic_ft.inprocess.store import job_store, report_process_gone
+from elastic_ft.keys import FTRUN_EXIT_BARRIER, FTRUN_EXITS, FTRUN_NODES, count_suffix
 from elastic_ft.launcher.escalation import Verdict, WorkerExit, classify_exit, decide, exit_barrier_done, restarts_left
+from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, RecordError
 from elastic_ft.rendezvous.handler import EtcdftRendezvousHandler
-from elastic_ft.store import STORE_ENV, job_store, report_process_gone
 
 log = logging.getLogger(__name__)
 
-NODES = "ftrun/nodes/"
-EXITS = "ftrun/exits/"
-EXIT_BARRIER = "ftrun/exit_barrier/"
-ESCALATIONS = "ftrun/escalations/"
 _EXIT_BARRIER_POLL = 0.1
 
 
@@ -84,17 +81,15 @@ class FtAgent(LocalElasticAgent):
 
     # ---- job-wide escalation count ----
 
-    def _escalations_prefix(self) -> str:
-        return self._handler.settings.run_prefix + ESCALATIONS
-
     def _escalated_rounds(self) -> set[int]:
-        keys, _ = self._handler.client.get_prefix(self._escalations_prefix())
-        return {int(kv.key.rsplit("/", 1)[1]) for kv in keys}
+        prefix = self._handler.settings.keys.escalations
+        kvs, _ = self._handler.client.get_prefix(prefix)
+        return {number for kv in kvs if (number := count_suffix(kv.key, prefix)) is not None}
 
     def _record_escalation(self, number: int, reason: str) -> None:
         """One key per escalated round; several nodes escalating the same round write it once."""
-        key = f"{self._escalations_prefix()}{number}"
-        value = json.dumps({"node": self._handler.node, "reason": reason, "time": time.time()}).encode()
+        key = self._handler.settings.keys.escalation(number)
+        value = EscalationRecord(self._handler.node, reason, time.time()).to_json()
         self._handler.client.txn([key_missing(key)], [put_op(key, value)])
 
     # ---- starting workers ----
@@ -111,40 +106,41 @@ class FtAgent(LocalElasticAgent):
             raise RuntimeError("FtAgent started workers before the rendezvous completed")
         settings = self._handler.settings
         # Workers inherit the agent's environment; this is how their Wrapper finds the round's store.
-        os.environ[STORE_ENV] = json.dumps(
-            {
-                "endpoints": [str(endpoint) for endpoint in settings.endpoints],
-                "prefix": self._handler.round_store_prefix(member_of.round),
-                "cacert": settings.tls.cacert,
-                "cert": settings.tls.cert,
-                "key": settings.tls.key,
-                "connect_timeout": settings.connect_timeout,
-                "request_timeout": settings.request_timeout,
-                "timeout": settings.store_timeout,
-            }
+        handoff = StoreHandoff(
+            endpoints=settings.endpoints,
+            prefix=self._handler.round_store_prefix(member_of.round),
+            tls=settings.tls,
+            connect_timeout=settings.connect_timeout,
+            request_timeout=settings.request_timeout,
+            timeout=settings.store_timeout,
         )
+        os.environ.update(handoff.to_env())
         pids = super()._start_workers(worker_group)
-        if not isinstance(self._pcontext, SubprocessContext):
-            raise TypeError(f"FtAgent expected worker subprocesses, got {type(self._pcontext).__name__}")
+        self._subprocesses()  # fails now, not later, if torch started something else
         self._exits = {}
         self._dead_handled = set()
         self._dead_lost = set()
-        record = {
-            "host": socket.getfqdn(),
-            "group_rank": worker_group.group_rank,
-            "round": member_of.round,
-            "global_ranks": [worker.global_rank for worker in worker_group.workers],
-            "pids": [pids[worker.local_rank] for worker in worker_group.workers],
-            "world_size": worker_group.workers[0].world_size if worker_group.workers else 0,
-        }
-        worker_group.store.set(NODES + self._handler.node, json.dumps(record))
+        record = NodeRecord(
+            host=socket.getfqdn(),
+            group_rank=worker_group.group_rank or 0,
+            round=member_of.round,
+            global_ranks=tuple(worker.global_rank for worker in worker_group.workers),
+            pids=tuple(pids[worker.local_rank] for worker in worker_group.workers),
+            world_size=worker_group.workers[0].world_size if worker_group.workers else 0,
+        )
+        worker_group.store.set(FTRUN_NODES + self._handler.node, record.to_json())
         return pids
+
+    def _subprocesses(self) -> SubprocessContext:
+        if not isinstance(self._pcontext, SubprocessContext):
+            raise TypeError(f"FtAgent expected worker subprocesses, got {type(self._pcontext).__name__}")
+        return self._pcontext
 
     # ---- watching workers ----
 
     def _observe_workers(self, worker_group: WorkerGroup) -> dict[int, WorkerExit]:
         """Classify every local worker (by global rank); report newly failed ones to the Wrapper."""
-        assert isinstance(self._pcontext, SubprocessContext)
+        pcontext = self._subprocesses()
         store = worker_group.store
         job = job_store(store)
         kinds: dict[int, WorkerExit] = {}
@@ -153,7 +149,7 @@ class FtAgent(LocalElasticAgent):
             if known is not None:
                 kinds[worker.global_rank] = known[0]
                 continue
-            process = self._pcontext.subprocess_handlers[worker.local_rank].proc
+            process = pcontext.subprocess_handlers[worker.local_rank].proc
             exitcode = process.poll()
             if exitcode is None:
                 kinds[worker.global_rank] = WorkerExit.RUNNING
@@ -163,9 +159,7 @@ class FtAgent(LocalElasticAgent):
                 kind = WorkerExit.SUCCEEDED
             else:
                 kind = classify_exit(exitcode, job.is_wrapped(worker.global_rank), job.left(worker.global_rank))
-                failure = ProcessFailure(
-                    worker.local_rank, process.pid, exitcode, self._pcontext.error_files[worker.local_rank]
-                )
+                failure = ProcessFailure(worker.local_rank, process.pid, exitcode, pcontext.error_files[worker.local_rank])
             if kind is WorkerExit.ABSORBED:
                 log.warning(
                     "rank %d (pid %d) ended with %s inside elastic_ft.Wrapper; the other workers continue without it",
@@ -180,8 +174,8 @@ class FtAgent(LocalElasticAgent):
                     "terminated",
                     f"pid {process.pid}: {_describe_exit(exitcode)}",
                 )
-            record = {"node": self._handler.node, "pid": process.pid, "exitcode": exitcode, "kind": kind.value}
-            store.set(EXITS + str(worker.global_rank), json.dumps(record))
+            record = ExitRecord(self._handler.node, process.pid, exitcode, kind.value)
+            store.set(f"{FTRUN_EXITS}{worker.global_rank}", record.to_json())
             self._exits[worker.local_rank] = (kind, failure)
             kinds[worker.global_rank] = kind
         return kinds
@@ -198,21 +192,26 @@ class FtAgent(LocalElasticAgent):
             if node in self._dead_handled or node == self._handler.node:
                 continue
             self._dead_handled.add(node)
-            key = NODES + node
+            key = FTRUN_NODES + node
             if not store.check([key]):
                 log.warning("node %s died before publishing its ranks", node)
                 self._dead_lost.add(node)
                 continue
-            record = json.loads(store.get(key))
+            try:
+                record = NodeRecord.from_json(store.get(key))
+            except RecordError as error:
+                log.warning("node %s died and its record %s is unreadable: %s", node, key, error)
+                self._dead_lost.add(node)
+                continue
             job = job_store(store)
-            if not all(job.is_wrapped(rank) for rank in record["global_ranks"]):
+            if not all(job.is_wrapped(rank) for rank in record.global_ranks):
                 log.warning("node %s died before all its workers entered elastic_ft.Wrapper", node)
                 self._dead_lost.add(node)
                 continue
             reported = [
                 rank
-                for rank in record["global_ranks"]
-                if report_process_gone(store, rank, record["world_size"], "node_died", f"node {node} died")
+                for rank in record.global_ranks
+                if report_process_gone(store, rank, record.world_size, "node_died", f"node {node} died")
             ]
             log.warning("node %s died; reported its rank(s) %s terminated", node, reported)
         return tuple(sorted(self._dead_lost))
@@ -271,7 +270,8 @@ class FtAgent(LocalElasticAgent):
                 self._restart_workers(group)
                 continue
             member_of = self._handler.member_of
-            assert member_of is not None
+            if member_of is None:
+                raise RuntimeError("FtAgent watched workers outside any rendezvous round")
             left = restarts_left(spec.max_restarts, self._escalated_rounds(), member_of.round)
             if left > 0:
                 log.warning(
@@ -303,13 +303,14 @@ class FtAgent(LocalElasticAgent):
         member_of = self._handler.member_of
         if store is None or member_of is None:
             return
-        store.set(EXIT_BARRIER + self._handler.node, "")
+        store.set(FTRUN_EXIT_BARRIER + self._handler.node, "")
         members = {member.node for member in member_of.members}
         arrived: set[str] = set()
         deadline = time.monotonic() + self._exit_barrier_timeout
         while True:
-            arrived |= {node for node in members - arrived if store.check([EXIT_BARRIER + node])}
-            gone = set(self._handler.membership_change().dead)
+            arrived |= {node for node in members - arrived if store.check([FTRUN_EXIT_BARRIER + node])}
+            change = self._handler.membership_change()
+            gone = set(change.dead) | set(change.left)  # a member that left will never arrive
             if exit_barrier_done(members, arrived, gone):
                 return
             if time.monotonic() >= deadline:

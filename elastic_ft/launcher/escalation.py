@@ -35,7 +35,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from elastic_ft.rendezvous.state import MembershipChange
+from elastic_ft.rendezvous.rules import MembershipChange
 
 
 class WorkerExit(enum.Enum):
@@ -118,7 +118,7 @@ def decide(workers: Mapping[int, WorkerExit], change: MembershipChange, lost: tu
 
 
 def exit_barrier_done(members: set[str], arrived: set[str], gone: set[str]) -> bool:
-    """The agents' exit barrier: every member of the round finished or is gone (dead or left)."""
+    """The agents' exit barrier: every member of the round finished or is gone (dead, or left through shutdown)."""
     return members <= arrived | gone
 
 

@@ -43,12 +43,12 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import elastic_launch
 
-from elastic_ft.etcd_client import EtcdClient
-from elastic_ft.etcd_server import EtcdServer, find_etcd_binary
+from elastic_ft.etcd.client import EtcdClient
+from elastic_ft.etcd.server import EtcdServer, find_etcd_binary
+from elastic_ft.handoff import job_config_to_env
+from elastic_ft.job_config import JobConfig, JobConfigError, load_job_config, parse_job_config
 from elastic_ft.launcher.agent import FtAgent
-from elastic_ft.launcher.job_config import JobConfig, JobConfigError, load_job_config, parse_job_config
 from elastic_ft.rendezvous.config import make_settings
-from elastic_ft.wrapper import JOB_CONFIG_ENV
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,9 +114,9 @@ def _exchange_job_config(args: argparse.Namespace, file_config: JobConfig | None
     client = EtcdClient(settings.endpoints, connect_timeout=settings.connect_timeout, tls=settings.tls)
     try:
         if file_config is not None:
-            client.put(settings.run_prefix + "config", file_config.to_json())
+            client.put(settings.keys.config, file_config.to_json())
             return file_config
-        stored, _ = client.get(settings.run_prefix + "config")
+        stored, _ = client.get(settings.keys.config)
         return parse_job_config(json.loads(stored.value)) if stored else None
     finally:
         client.close()
@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 apply_job_config(args, given, stored)
             if stored is not None:
                 # Workers inherit it: the Wrapper takes its timeouts and rank assignment from it.
-                os.environ[JOB_CONFIG_ENV] = stored.to_json().decode()
+                os.environ.update(job_config_to_env(stored))
         if args.master_port is None:
             args.master_port = 29500
         config, entrypoint, entrypoint_args = torchrun.config_from_args(args)

@@ -7,16 +7,16 @@ typo never silently falls back to a default.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from elastic_ft.etcd.endpoints import EndpointError, EtcdEndpoint, TlsFiles, parse_endpoints
+from elastic_ft.keys import RunKeys
+from elastic_ft.timeouts import check_seconds
 
-from elastic_ft.etcd_client import EtcdEndpoint, TlsFiles
-
-DEFAULT_ETCD_PORT = 2379
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 #: key -> (default, description).  ``timeout`` is torchrun's name for
 #: ``join_timeout``; torchrun always passes it (900 s unless set), so an
@@ -35,9 +35,6 @@ CONF_KEYS: dict[str, tuple[Any, str]] = {
     "key": (None, "client private key (PEM) for https endpoints"),
 }
 
-_ENDPOINT_RE = re.compile(
-    r"^(?:(?P<scheme>[a-zA-Z]+)://)?(?P<host>\[[0-9a-fA-F:.]+\]|[^:/\[\]]+)(?::(?P<port>[^/]*))?/?$"
-)
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
@@ -62,50 +59,21 @@ class EtcdftSettings:
     tls: TlsFiles
 
     @property
+    def keys(self) -> RunKeys:
+        """The run's etcd keys, all under ``<etcd_prefix>/<run_id>/``."""
+        return RunKeys(self.etcd_prefix, self.run_id)
+
+    @property
     def run_prefix(self) -> str:
         """``/<etcd_prefix>/<run_id>/``: the root of every key of this run."""
-        return f"{self.etcd_prefix.rstrip('/')}/{self.run_id}/"
-
-
-def parse_endpoints(text: str) -> tuple[EtcdEndpoint, ...]:
-    """Parse ``host[:port][,host[:port]...]``, each optionally ``http://`` or ``https://``."""
-    if not isinstance(text, str) or not text.strip():
-        raise RendezvousConfigError(
-            f"rdzv endpoint {text!r} is empty; expected host:port[,host:port...] of etcd servers"
-        )
-    endpoints = []
-    for item in text.split(","):
-        item = item.strip()
-        match = _ENDPOINT_RE.match(item)
-        if not item or match is None:
-            raise RendezvousConfigError(
-                f"rdzv endpoint {item!r} (in {text!r}) is malformed; expected [http://|https://]host[:port]"
-            )
-        scheme = (match.group("scheme") or "http").lower()
-        if scheme not in ("http", "https"):
-            raise RendezvousConfigError(f"rdzv endpoint {item!r} has scheme {scheme!r}; expected http or https")
-        port_text = match.group("port")
-        if port_text is None:
-            port = DEFAULT_ETCD_PORT
-        elif port_text.isdigit() and 0 < int(port_text) < 65536:
-            port = int(port_text)
-        else:
-            raise RendezvousConfigError(f"rdzv endpoint {item!r} has port {port_text!r}; expected 1..65535")
-        endpoints.append(EtcdEndpoint(match.group("host").strip("[]"), port, scheme == "https"))
-    return tuple(endpoints)
+        return self.keys.root
 
 
 def _seconds(key: str, value: Any, *, allow_zero: bool) -> float:
     try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise RendezvousConfigError(f"rdzv conf {key}={value!r} is not a number; expected seconds") from None
-    if not math.isfinite(seconds):
-        raise RendezvousConfigError(f"rdzv conf {key}={value!r} is not finite; expected seconds")
-    if seconds < 0 or (seconds == 0 and not allow_zero):
-        expected = ">= 0" if allow_zero else "> 0"
-        raise RendezvousConfigError(f"rdzv conf {key}={value!r} is out of range; expected seconds {expected}")
-    return seconds
+        return check_seconds(value, may_be_zero=allow_zero)
+    except ValueError as error:
+        raise RendezvousConfigError(f"rdzv conf {key}={value!r} {error}") from None
 
 
 def settings_from_parameters(params: RendezvousParameters) -> EtcdftSettings:
@@ -168,7 +136,10 @@ def make_settings(
         raise RendezvousConfigError(
             f"rdzv conf etcd_prefix={prefix!r} is invalid; expected an absolute key path like /elastic_ft"
         )
-    endpoints = parse_endpoints(endpoint)
+    try:
+        endpoints = parse_endpoints(endpoint)
+    except EndpointError as error:
+        raise RendezvousConfigError(str(error)) from None
     tls = TlsFiles(conf.get("cacert"), conf.get("cert"), conf.get("key"))
     if (tls.cacert or tls.cert or tls.key) and not any(e.secure for e in endpoints):
         raise RendezvousConfigError("rdzv conf cacert/cert/key given but no endpoint uses https://")

@@ -1,6 +1,6 @@
 """``etcdft``: torch's ``RendezvousHandler`` on etcd v3.
 
-This module carries out, against etcd, what ``state.py`` decides.  A node's
+This module carries out, against etcd, what ``rules.py`` decides.  A node's
 life in the rendezvous:
 
 1. On its first ``next_rendezvous()`` the node grants itself a lease of
@@ -9,7 +9,7 @@ life in the rendezvous:
 2. To join the open round ``n`` it puts ``rdzv/round/<n>/join/<node>`` and
    ``rdzv/alive/<node>`` on its lease, in a transaction that fails if round
    ``n`` has closed meanwhile.
-3. The earliest joiner closes the round when ``state.close_verdict`` allows,
+3. The earliest joiner closes the round when ``rules.close_verdict`` allows,
    writing ``rdzv/round/<n>/result`` (members in rank order, the
    MASTER_ADDR/PORT of rank 0) in a transaction that fails if the result
    exists or any member's join key changed.  Everyone else learns the result
@@ -45,7 +45,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elastic_ft.etcd_client import (
+from elastic_ft.etcd.client import (
     EtcdClient,
     EtcdRequestError,
     EtcdUnavailableError,
@@ -55,10 +55,12 @@ from elastic_ft.etcd_client import (
     key_missing,
     put_op,
 )
-from elastic_ft.etcd_store import EtcdStore
-from elastic_ft.rendezvous import state as rules
+from elastic_ft.etcd.session import Session
+from elastic_ft.etcd.store import EtcdStore
+from elastic_ft.etcd.view import PrefixView
+from elastic_ft.net import free_port
+from elastic_ft.rendezvous import model, rules
 from elastic_ft.rendezvous.config import EtcdftSettings, settings_from_parameters
-from elastic_ft.rendezvous.view import KeyView, LeaseKeeper
 
 log = logging.getLogger(__name__)
 
@@ -70,19 +72,6 @@ def _node_id() -> str:
     return f"{host}_{os.getpid()}_{secrets.token_hex(3)}"
 
 
-def _free_port(addr: str) -> int:
-    """A port for rank 0's worker TCPStore, chosen afresh for every round."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.bind((addr, 0))
-            return int(sock.getsockname()[1])
-    except OSError:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            return int(sock.getsockname()[1])
-
-
 class EtcdftRendezvousHandler(RendezvousHandler):
     """See the module docstring and ``docs/rendezvous.md``."""
 
@@ -91,7 +80,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         self.node = _node_id()
         self._addr = settings.local_addr or socket.getfqdn()
         self._limits = rules.Limits(settings.min_nodes, settings.max_nodes, settings.last_call_timeout)
-        self._rdzv = settings.run_prefix + "rdzv/"
+        self._keys = settings.keys
         self._client = client or EtcdClient(
             settings.endpoints,
             request_timeout=settings.request_timeout,
@@ -100,17 +89,20 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         )
         try:
             self._client.check_connection()
-            self._view = KeyView(self._client, self._rdzv)
+            self._view: PrefixView[model.Fact, model.RendezvousState] = PrefixView(
+                self._client, self._keys.rdzv, model.parse_key, model.build_state
+            )
         except (EtcdUnavailableError, EtcdRequestError) as exc:
             self._client.close()
             raise RendezvousConnectionError(
                 f"etcdft rendezvous '{settings.run_id}' cannot use etcd at {self._client.describe_endpoints()}: {exc}"
             ) from exc
         self._lock = threading.Lock()
-        self._lease: LeaseKeeper | None = None
+        self._session: Session | None = None
         self._joined_round: int | None = None
-        self._member_of: rules.RoundResult | None = None
+        self._member_of: model.RoundResult | None = None
         self._shut_down = False
+        self._logged_verdict: tuple[int, rules.CloseVerdict] | None = None
 
     @classmethod
     def from_parameters(cls, params: RendezvousParameters) -> EtcdftRendezvousHandler:
@@ -154,12 +146,12 @@ class EtcdftRendezvousHandler(RendezvousHandler):
     def _next_rendezvous(self) -> RendezvousInfo:
         settings = self.settings
         deadline = time.monotonic() + settings.join_timeout
-        lease = self._ensure_session()
+        session = self._ensure_session()
         joined: int | None = None  # the round this call has joined
         last_call: tuple[int, float | None] = (-1, None)
         while True:
-            if lease.expired.is_set():
-                lease = self._ensure_session()
+            if session.expired.is_set():
+                session = self._ensure_session()
                 joined = None
             if self._view.disconnected_for() > settings.connect_timeout:
                 raise EtcdUnavailableError(
@@ -171,7 +163,8 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             since = last_call[1] if last_call[0] == number else None
             since = rules.last_call_started(state, number, self._limits, now, since)
             last_call = (number, since)
-            action = rules.next_action(state, self.node, lease.id, joined, self._limits, now, since)
+            action = rules.next_action(state, self.node, session.id, joined, self._limits, now, since)
+            self._log_verdict(action)
             if isinstance(action, rules.Done):
                 return self._completed(action)
             if isinstance(action, rules.Closed):
@@ -188,7 +181,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
                 self._withdraw()
                 raise RendezvousTimeoutError(self._timeout_message(state, number))
             if isinstance(action, rules.JoinRound):
-                if self._join(action.number, lease.id, version):
+                if self._join(action.number, session.id, version):
                     joined = action.number
             elif isinstance(action, rules.CloseRound):
                 self._close(action, version)
@@ -197,29 +190,37 @@ class EtcdftRendezvousHandler(RendezvousHandler):
                 # Wake up at least once a second to notice a lost connection.
                 self._view.wait_for_change(version, min(until, deadline, now + 1.0) - now)
 
-    def _ensure_session(self) -> LeaseKeeper:
-        """Hold a live lease; the node's alive key goes on it when it joins."""
-        if self._lease is not None and not self._lease.expired.is_set():
-            return self._lease
-        if self._lease is not None:
-            self._lease.stop(revoke=False)
-        lease = LeaseKeeper(self._client, self.settings.lease_ttl)
-        self._lease = lease
+    def _log_verdict(self, action: rules.Action) -> None:
+        """Log the close verdict of the round this node waits in, each time it changes, with its reason."""
+        if not isinstance(action, rules.Wait | rules.CloseRound):
+            return
+        verdict = action.verdict if isinstance(action, rules.Wait) else rules.CloseVerdict.CLOSE
+        if self._logged_verdict == (action.number, verdict):
+            return
+        self._logged_verdict = (action.number, verdict)
+        log.info("round %d of '%s': %s (%s)", action.number, self.settings.run_id, verdict.value, action.reason)
+
+    def _ensure_session(self) -> Session:
+        """Hold a live session; the node's alive key goes on its lease when it joins."""
+        if self._session is not None and not self._session.expired.is_set():
+            return self._session
+        if self._session is not None:
+            self._session.close(revoke=False)
+        session = Session(self._client, self.settings.lease_ttl)
+        self._session = session
         self._joined_round = None
-        return lease
+        return session
 
     def _join(self, number: int, lease: int, version: int) -> bool:
-        join = rules.join_value(self._addr, _free_port(self._addr))
+        keys = self._keys
+        join = model.join_value(self._addr, free_port(self._addr))
         alive = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
         # The alive key rides in the join transaction: one revision, one watch
         # event batch for every other node, instead of two.
-        ops = [
-            put_op(f"{self._rdzv}round/{number}/join/{self.node}", join, lease),
-            put_op(f"{self._rdzv}alive/{self.node}", alive, lease),
-        ]
+        ops = [put_op(keys.join(number, self.node), join, lease), put_op(keys.alive(self.node), alive, lease)]
         if self._joined_round is not None and self._joined_round != number:
-            ops.append(delete_op(f"{self._rdzv}round/{self._joined_round}/join/{self.node}"))
-        guards = [key_missing(f"{self._rdzv}round/{number}/result"), key_missing(f"{self._rdzv}closed")]
+            ops.append(delete_op(keys.join(self._joined_round, self.node)))
+        guards = [key_missing(keys.result(number)), key_missing(keys.closed)]
         result = self._client.txn(guards, ops)
         if result.succeeded:
             self._joined_round = number
@@ -229,21 +230,19 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         return result.succeeded
 
     def _close(self, action: rules.CloseRound, version: int) -> None:
+        keys = self._keys
         number = action.number
         members = action.members
         leader = members[0]
-        result = rules.RoundResult(
-            number, tuple(rules.Member(j.node, j.lease) for j in members), leader.addr, leader.port
+        result = model.RoundResult(
+            number, tuple(model.Member(j.node, j.lease) for j in members), leader.addr, leader.port
         )
-        guards = [key_missing(f"{self._rdzv}round/{number}/result")]
+        guards = [key_missing(keys.result(number))]
         if len(members) <= rules.MAX_CHECKED_MEMBERS:
-            guards += [key_created_at(f"{self._rdzv}round/{number}/join/{j.node}", j.create_revision) for j in members]
-        ops = [put_op(f"{self._rdzv}round/{number}/result", result.to_json())]
+            guards += [key_created_at(keys.join(number, j.node), j.create_revision) for j in members]
+        ops = [put_op(keys.result(number), result.to_json())]
         if number >= 2:
-            ops += [
-                delete_prefix_op(f"{self._rdzv}round/{number - 2}/"),
-                delete_prefix_op(f"{self.settings.run_prefix}round/{number - 2}/"),
-            ]
+            ops += [delete_prefix_op(keys.rdzv_round(number - 2)), delete_prefix_op(keys.round_data(number - 2))]
         outcome = self._client.txn(guards, ops)
         if outcome.succeeded:
             log.info("closed round %d of '%s' with %d node(s)", number, self.settings.run_id, len(members))
@@ -276,12 +275,12 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         if self._joined_round is None:
             return
         try:
-            self._client.delete(f"{self._rdzv}round/{self._joined_round}/join/{self.node}")
+            self._client.delete(self._keys.join(self._joined_round, self.node))
         except EtcdUnavailableError:
             log.warning("could not withdraw node %s from round %d", self.node, self._joined_round)
         self._joined_round = None
 
-    def _timeout_message(self, state: rules.RendezvousState, number: int) -> str:
+    def _timeout_message(self, state: model.RendezvousState, number: int) -> str:
         joined = len(state.round(number).joins)
         pending = rules.pending_members(state, number)
         message = (
@@ -301,7 +300,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
 
     def set_closed(self) -> None:
         try:
-            self._client.put(f"{self._rdzv}closed", b'{"closed": true}')
+            self._client.put(self._keys.closed, b'{"closed": true}')
         except (EtcdUnavailableError, EtcdRequestError) as exc:
             raise RendezvousConnectionError(f"cannot close rendezvous '{self.settings.run_id}': {exc}") from exc
 
@@ -315,12 +314,12 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         return rules.membership_change(state, self._member_of, self.settings.max_nodes)
 
     @property
-    def member_of(self) -> rules.RoundResult | None:
+    def member_of(self) -> model.RoundResult | None:
         """The round this node belongs to (None before its first rendezvous)."""
         return self._member_of
 
     def round_store_prefix(self, number: int) -> str:
-        return f"{self.settings.run_prefix}round/{number}/store/"
+        return self._keys.round_store(number)
 
     def shutdown(self) -> bool:
         """Leave the rendezvous for good.
@@ -338,11 +337,9 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             ok = True
             try:
                 if self._member_of is not None:
-                    self._client.put(
-                        f"{self._rdzv}round/{self._member_of.round}/left/{self.node}", b'{"reason": "shutdown"}'
-                    )
-                if self._lease is not None:
-                    self._lease.stop(revoke=True)
+                    self._client.put(self._keys.left(self._member_of.round, self.node), b'{"reason": "shutdown"}')
+                if self._session is not None:
+                    self._session.close(revoke=True)
             except (EtcdUnavailableError, EtcdRequestError) as exc:
                 log.warning("etcdft shutdown of node %s incomplete: %s", self.node, exc)
                 ok = False

@@ -2,14 +2,17 @@
 
 torch loads every ``torchrun.handlers`` entry point as
 ``registry.register(name, entry_point.load()())``: the entry point is a
-zero-argument factory that returns the handler creator.
+zero-argument factory that returns the handler creator. Loading it imports
+nothing but this module; the handler is imported when torchrun asks for one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
 
 def create_etcdft_handler(params: RendezvousParameters) -> RendezvousHandler:

@@ -1,6 +1,6 @@
 """One rank of a Wrapper test job; the scenario comes as JSON in ``EFT_SCENARIO``.
 
-Every rank trains a tiny all-reduce loop with gloo under ``elastic_ft.wrapper.Wrapper``
+Every rank trains a tiny all-reduce loop with gloo under ``elastic_ft.Wrapper``
 and writes what happened to ``$EFT_OUT/rank<initial rank>.json``: the function's
 result, or the exception that left the Wrapper, and every call of the function.
 Faults are injected for real: exceptions, ``os._exit``, SIGKILL, hangs in C code
@@ -24,14 +24,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_ft.compose import Compose
-from elastic_ft.exception import RankShouldRestart
-from elastic_ft.finalize import Finalize
-from elastic_ft.health_check import HealthCheck
-from elastic_ft.initialize import Initialize, RetryController
-from elastic_ft.rank_assignment import MaxActiveWorldSize, ShiftRanks
-from elastic_ft.state import State
-from elastic_ft.wrapper import CallWrapper, Wrapper
+from elastic_ft.inprocess.compose import Compose
+from elastic_ft.inprocess.exception import RankShouldRestart
+from elastic_ft.inprocess.finalize import Finalize
+from elastic_ft.inprocess.health_check import HealthCheck
+from elastic_ft.inprocess.initialize import Initialize, RetryController
+from elastic_ft.inprocess.rank_assignment import MaxActiveWorldSize, ShiftRanks
+from elastic_ft.inprocess.state import State
+from elastic_ft.inprocess.wrapper import CallWrapper, Wrapper
 
 SCENARIO: dict[str, Any] = json.loads(os.environ["EFT_SCENARIO"])
 OUT = os.environ["EFT_OUT"]
@@ -204,8 +204,8 @@ def build_wrapper() -> Wrapper:
 
 def etcd_store(endpoints: list[tuple[str, int]], prefix: str) -> dist.Store:
     """A store_factory keeping the Wrapper's coordination in etcd; no rank hosts it."""
-    from elastic_ft.etcd_client import EtcdClient, EtcdEndpoint
-    from elastic_ft.etcd_store import EtcdStore
+    from elastic_ft.etcd.client import EtcdClient, EtcdEndpoint
+    from elastic_ft.etcd.store import EtcdStore
 
     client = EtcdClient([EtcdEndpoint(host, port) for host, port in endpoints])
     return EtcdStore(client, prefix, datetime.timedelta(seconds=20))

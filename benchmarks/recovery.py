@@ -1,0 +1,337 @@
+"""Recovery of real training, every fault kind: elastic-ft vs torchrun's full restart vs NVIDIA's in-process Wrapper.
+
+One run measures, side by side, the same script (``examples/train_ftrun.py``:
+DDP, ``torch.optim.AdamW``, a ``DataLoader`` with ``DistributedSampler``, an
+atomic checkpoint), with default settings everywhere, 4 workers:
+
+* **elastic-ft**: 2 simulated nodes x 2 workers under ``ftrun`` (etcd, the
+  Wrapper with its default settings);
+* **torchrun**: the same nodes under ``torchrun --max-restarts=3`` (the etcdft
+  rendezvous, so only the restart strategy differs), the script without a
+  Wrapper: every fault restarts every worker;
+* **NVIDIA**: ``nvidia_resiliency_ext==0.4.1``'s ``inprocess.Wrapper`` with its
+  default settings on the same training function, 4 independent processes
+  (its Wrapper cannot run under torchrun, which kills every worker at a
+  fault).
+
+Faults, injected at step ``--fault-step`` on initial rank 1: an exception,
+SIGKILL, a hang holding the GIL, a hang releasing it (``time.sleep``), and
+SIGSTOP. Recovery time: from the fault to the first completed step of every
+rank that goes on. A run that has not recovered after the cap of its system
+(``--cap``) is stopped and reported as ``> cap``; it is not repeated, since
+nothing in the system could end such a stall earlier (torchrun has no hang
+detection; a gloo collective blocked on a peer waits for its 30-minute
+default timeout).
+
+The steady-state part runs the script with and without the Wrapper, 2
+workers each pinned to a CPU, ``--steady-rounds`` rounds in alternating
+order, and reports the Wrapper's step-time overhead.
+
+Prints tables and writes ``benchmarks/results/recovery.json``. The NVIDIA
+rows need ``pip install nvidia-resiliency-ext==0.4.1`` (in the ``bench`` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "train_ftrun.py"
+RESULTS = Path(__file__).resolve().parent / "results" / "recovery.json"
+KINDS = ("raise", "sigkill", "hang_gil_held", "hang_gil_released", "sigstop")
+SYSTEMS = ("elastic_ft", "torchrun", "nvidia")
+CONF = "last_call_timeout=1,lease_ttl=5,join_timeout=120"
+GOALS = {"raise": 0.5, "sigkill": 0.5, "hang_gil_held": 3.0, "hang_gil_released": 3.0, "sigstop": 3.0}
+
+
+# ---------------------------------------------------------------- one job
+
+
+def recovery_seconds(workdir: Path, until: str = "first_step") -> float | None:
+    """Fault -> ``until`` (by default the first step) of the last rank that goes on; None if one never got there.
+
+    ``until="enter"``: the wrapped function entered again, the Wrapper's share of the recovery.
+    """
+    events = [json.loads(line) for path in workdir.glob("events-*.jsonl") for line in path.open()]
+    faults = [e for e in events if e["event"] == "fault"]
+    if not faults:
+        return None
+    fault = faults[0]
+    firsts: dict[int, float] = {}
+    for event in sorted(events, key=lambda e: e["t"]):
+        if event["event"] == until and event["t"] > fault["t"]:
+            firsts.setdefault(event["rank"], event["t"])
+    survivors = {e["rank"] for e in events if e["event"] == "done"}
+    if not survivors or not survivors <= set(firsts):
+        return None
+    return max(firsts[rank] for rank in survivors) - fault["t"]
+
+
+def survivors(workdir: Path) -> int:
+    """How many ranks finished the job."""
+    return len(list(workdir.glob("done-*.json")))
+
+
+def _script_args(workdir: Path, args: argparse.Namespace, kind: str) -> list[str]:
+    return [str(SCRIPT), "--workdir", str(workdir), "--steps", str(args.steps), "--hidden", str(args.hidden),
+            "--fault", kind, "--fault-rank", "1", "--fault-step", str(args.fault_step)]  # fmt: skip
+
+
+def _wait_all(processes: list[Any], cap: float) -> bool:
+    """Wait for every process until ``cap`` seconds; False (after killing them) if the cap was hit."""
+    deadline = time.monotonic() + cap
+    while time.monotonic() < deadline:
+        if all(p.poll() is not None for p in processes):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def run_nodes(system: str, kind: str, args: argparse.Namespace, etcd: Any) -> dict[str, Any]:
+    from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command, torchrun_command
+
+    workdir = Path(tempfile.mkdtemp(prefix=f"recovery-{system}-{kind}-"))
+    script = _script_args(workdir, args, kind) + (["--no-wrapper"] if system == "torchrun" else [])
+    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    nodes = [
+        TorchrunNode(
+            tag,
+            endpoint=etcd.endpoint,
+            run_id=run_id,
+            script=script,
+            nnodes="2:2",
+            nproc_per_node=2,
+            rdzv_conf=CONF,
+            max_restarts=0 if system == "elastic_ft" else 3,
+            log_path=workdir / f"node-{tag}.log",
+            extra_env={"OMP_NUM_THREADS": "1"},
+            launcher=ftrun_command() if system == "elastic_ft" else torchrun_command(),
+        )
+        for tag in "AB"
+    ]
+    try:
+        finished = _wait_all([node.process for node in nodes], args.cap)
+    finally:
+        for node in nodes:
+            node.terminate()
+    return {
+        "seconds": recovery_seconds(workdir) if finished else None,
+        "wrapper_seconds": recovery_seconds(workdir, "enter") if finished and system == "elastic_ft" else None,
+        "survivors": survivors(workdir),
+        "finished": finished,
+        "dir": str(workdir),
+    }
+
+
+def run_nvidia(kind: str, args: argparse.Namespace) -> dict[str, Any]:
+    from elastic_ft.net import free_port, port_is_free
+
+    workdir = Path(tempfile.mkdtemp(prefix=f"recovery-nvidia-{kind}-"))
+    port = free_port()
+    while not port_is_free(port + 1):  # MASTER_PORT for the process groups' store, MASTER_PORT + 1 for NVIDIA's own
+        port = free_port()
+    env = {
+        **os.environ,
+        "WORLD_SIZE": "4",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
+    processes = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--nvidia-worker", *_script_args(workdir, args, kind)[1:]],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.DEVNULL,
+            stderr=open(workdir / f"stderr-{rank}.txt", "w"),  # noqa: SIM115 - closed with the process
+            start_new_session=True,
+        )
+        for rank in range(4)
+    ]
+    try:
+        finished = _wait_all(processes, args.cap)
+    finally:
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, 9)
+            process.wait()
+    return {"seconds": recovery_seconds(workdir) if finished else None, "finished": finished, "dir": str(workdir)}
+
+
+def nvidia_worker(argv: list[str]) -> None:
+    """One rank: the example's training function under NVIDIA's Wrapper, default settings."""
+    from nvidia_resiliency_ext import inprocess
+
+    spec = importlib.util.spec_from_file_location("train_ftrun", SCRIPT)
+    example = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(example)  # type: ignore[union-attr]
+    args = example.parse_args(argv)
+    os.environ["ELASTIC_FT_INITIAL_RANK"] = os.environ["RANK"]
+    model = example.build_model(args.hidden)
+    import torch
+
+    state = {
+        "model": model,
+        "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-3),
+        "data": example.dataset(args.samples),
+    }
+
+    def train(call_wrapper: inprocess.CallWrapper = None) -> dict:
+        return example.train(args, state, call_wrapper)
+
+    train.__annotations__ = {"call_wrapper": inprocess.CallWrapper, "return": dict}  # its Wrapper matches the object
+    wrapper = inprocess.Wrapper(store_kwargs={"port": int(os.environ["MASTER_PORT"]) + 1})
+    result = wrapper(train)()
+    if result is not None:
+        example.record(args, "done", step=result["step"], iteration=result["iteration"])
+
+
+# ---------------------------------------------------------------- steady state
+
+
+def steady_state(args: argparse.Namespace) -> dict[str, Any]:
+    from elastic_ft.testing.local_cluster import ftrun_command
+
+    rounds: list[dict[str, float]] = []
+    for index in range(args.steady_rounds):
+        order = ("plain", "wrapper") if index % 2 == 0 else ("wrapper", "plain")
+        times: dict[str, float] = {}
+        for variant in order:
+            workdir = Path(tempfile.mkdtemp(prefix=f"recovery-steady-{variant}-"))
+            command = [*ftrun_command(), "--nproc-per-node=2", str(SCRIPT), "--workdir", str(workdir), "--steps",
+                       str(args.steady_steps), "--hidden", str(args.hidden), "--pin-cpu", "--checkpoint-every", "100000"]  # fmt: skip
+            if variant == "plain":
+                command.append("--no-wrapper")
+            subprocess.run(command, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            results = [json.loads(p.read_text()) for p in workdir.glob("done-*.json")]
+            times[variant] = statistics.mean(r["step_seconds"] for r in results)
+        rounds.append(times)
+        print(
+            f"  steady round {index}: plain {times['plain'] * 1e3:.2f} ms, wrapper {times['wrapper'] * 1e3:.2f} ms",
+            flush=True,
+        )
+    plain = [r["plain"] for r in rounds]
+    wrapped = [r["wrapper"] for r in rounds]
+    return {
+        "rounds": rounds,
+        "plain_median": statistics.median(plain),
+        "wrapper_median": statistics.median(wrapped),
+        "overhead_paired": statistics.median(r["wrapper"] / r["plain"] - 1 for r in rounds),
+        "overhead_of_medians": statistics.median(wrapped) / statistics.median(plain) - 1,
+    }
+
+
+# ---------------------------------------------------------------- driver
+
+
+def _cell(values: list[float | None], cap: float) -> str:
+    measured = [v for v in values if v is not None]
+    if not measured:
+        return f"> {cap:.0f} (n={len(values)})"
+    median = statistics.median(measured)
+    text = f"{median:.3f} ({min(measured):.3f}-{max(measured):.3f})"
+    return text + (f", {len(values) - len(measured)} > {cap:.0f}" if len(measured) < len(values) else "")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--nvidia-worker":
+        nvidia_worker(sys.argv[2:])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--fault-step", type=int, default=40)
+    parser.add_argument("--hidden", type=int, default=1024, help="model width (1024: about 50 ms steps here)")
+    parser.add_argument("--cap", type=float, default=150.0, help="seconds after which a run counts as not recovered")
+    parser.add_argument("--steady-rounds", type=int, default=6)
+    parser.add_argument("--steady-steps", type=int, default=400)
+    parser.add_argument("--only", choices=("recovery", "steady"))
+    args = parser.parse_args()
+    kinds = args.kinds.split(",")
+    systems = args.systems.split(",")
+    if "nvidia" in systems and importlib.util.find_spec("nvidia_resiliency_ext") is None:
+        print("nvidia-resiliency-ext is not installed: no NVIDIA rows (pip install nvidia-resiliency-ext==0.4.1)")
+        systems.remove("nvidia")
+    report: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "args": vars(args),
+    }
+    if args.only != "steady":
+        from elastic_ft.etcd.server import EtcdServer
+
+        latencies: dict[str, dict[str, list[float | None]]] = {s: {k: [] for k in kinds} for s in systems}
+        runs: list[dict[str, Any]] = []
+        with EtcdServer() as etcd:
+            for repeat in range(args.repeats):
+                for kind in kinds:
+                    for system in systems:
+                        if repeat > 0 and latencies[system][kind] and latencies[system][kind][0] is None:
+                            continue  # capped once: it would be capped again
+                        run = run_nvidia(kind, args) if system == "nvidia" else run_nodes(system, kind, args, etcd)
+                        latencies[system][kind].append(run["seconds"])
+                        runs.append({"system": system, "kind": kind, "repeat": repeat, **run})
+                        shown = "capped" if run["seconds"] is None else f"{run['seconds']:.3f} s"
+                        print(f"  {system:<10} {kind:<18} repeat {repeat}: {shown}", flush=True)
+        report["recovery"] = {"latencies": latencies, "runs": runs}
+        names = {
+            "elastic_ft": "elastic-ft (ftrun)",
+            "torchrun": "torchrun full restart",
+            "nvidia": "NVIDIA inprocess 0.4.1",
+        }
+        print(f"\nRecovery, fault -> first step of every surviving rank (seconds; median (min-max) of {args.repeats};"
+              f" 2 nodes x 2 workers; DDP + AdamW, default settings)")  # fmt: skip
+        print("| fault | " + " | ".join(names[s] for s in systems) + " | goal | vs torchrun | vs NVIDIA |")
+        print("| --- | " + " | ".join("---" for _ in systems) + " | --- | --- | --- |")
+        for kind in kinds:
+            cells = [_cell(latencies[s][kind], args.cap) for s in systems]
+            ours = [v for v in latencies.get("elastic_ft", {}).get(kind, []) if v is not None]
+            ratios = []
+            for other in ("torchrun", "nvidia"):
+                theirs = [v for v in latencies.get(other, {}).get(kind, []) if v is not None]
+                if not ours or other not in systems:
+                    ratios.append("-")
+                elif theirs:
+                    ratios.append(f"{statistics.median(theirs) / statistics.median(ours):.1f}x")
+                else:
+                    ratios.append(f"> {args.cap / statistics.median(ours):.0f}x")
+            print(f"| {kind} | " + " | ".join(cells) + f" | < {GOALS[kind]:g} | {ratios[0]} | {ratios[1]} |")
+        if "elastic_ft" in systems:
+            print("\nelastic-ft: the Wrapper's share (fault -> function entered again on every surviving rank), and"
+                  " ranks that finished (4 started; the faulty one is lost for SIGKILL, SIGSTOP and GIL-held hangs)")  # fmt: skip
+            print("| fault | Wrapper's share (s) | ranks that finished, per run |")
+            print("| --- | --- | --- |")
+            for kind in kinds:
+                ours = [r for r in runs if r["system"] == "elastic_ft" and r["kind"] == kind]
+                shares = [r["wrapper_seconds"] for r in ours]
+                print(f"| {kind} | {_cell(shares, args.cap)} | {', '.join(str(r['survivors']) for r in ours)} |")
+    if args.only != "recovery":
+        print(f"\nSteady state: 2 workers pinned to a CPU each, {args.steady_steps} steps, {args.steady_rounds} rounds")
+        steady = steady_state(args)
+        report["steady"] = steady
+        print("| run | median step (ms) | overhead: paired / of medians |")
+        print("| --- | --- | --- |")
+        print(f"| without Wrapper | {steady['plain_median'] * 1e3:.2f} | |")
+        print(f"| elastic_ft.Wrapper, default settings | {steady['wrapper_median'] * 1e3:.2f} | "
+              f"{steady['overhead_paired'] * 100:+.1f} % / {steady['overhead_of_medians'] * 100:+.1f} % |")  # fmt: skip
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    path = RESULTS if args.only is None else RESULTS.with_name(f"recovery_{args.only}.json")
+    path.write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

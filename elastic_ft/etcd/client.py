@@ -1,0 +1,394 @@
+"""The one module that talks to etcd.
+
+Everything elastic-ft stores in etcd goes through :class:`EtcdClient`, a thin
+adapter over the etcd v3 gRPC API as packaged by ``python3-etcd3`` (module
+``etcd3``; only its generated protocol stubs are used).  Keeping every client
+call here means the client library can be swapped without touching the
+rendezvous or the store.
+
+The adapter speaks etcd's own vocabulary -- revisions, leases, transactions
+and watches -- and nothing else: callers build transactions from the small
+``Compare``/``Op`` helpers below.  It counts every request it sends
+(:attr:`EtcdClient.requests`) so benchmarks can report requests per round.
+
+Failure handling follows etcd's rules: a request that could not reach any
+endpoint raises :class:`EtcdUnavailableError` after a bounded time, naming the
+endpoints; a request that timed out has an unknown outcome, so only requests
+the caller marks idempotent are retried.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+from etcd3 import etcdrpc
+
+from elastic_ft.etcd.endpoints import EtcdEndpoint, TlsFiles
+from elastic_ft.etcd.kv import (
+    EtcdCompactedError,
+    EtcdRequestError,
+    EtcdUnavailableError,
+    KeyValue,
+    TxnResult,
+    WatchEvent,
+)
+from elastic_ft.etcd.watch import EtcdWatch, KeepAliveStream, Stream
+
+__all__ = [
+    "EtcdClient",
+    "EtcdCompactedError",
+    "EtcdEndpoint",
+    "EtcdRequestError",
+    "EtcdUnavailableError",
+    "EtcdWatch",
+    "KeyValue",
+    "TlsFiles",
+    "TxnResult",
+    "WatchEvent",
+]
+
+log = logging.getLogger(__name__)
+
+# Pings more often than etcd's --grpc-keepalive-min-time (5 s), or without an
+# active call (etcd does not permit those), make the server hang up with
+# GOAWAY "too_many_pings"; so ping every 10 s, and only while a call (a watch,
+# a keep-alive stream) is open. A dead peer is still noticed within ~15 s on a
+# silent link, and at once when its TCP connection is reset.
+_CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+_RETRYABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def prefix_end(prefix: str) -> bytes:
+    """The exclusive end of the key range that starts with ``prefix``."""
+    raw = bytearray(prefix.encode())
+    while raw:
+        if raw[-1] < 0xFF:
+            raw[-1] += 1
+            return bytes(raw)
+        raw.pop()
+    return b"\0"
+
+
+# ---- transaction building blocks -------------------------------------------
+
+Compare = Any  # etcdrpc.Compare
+Op = Any  # etcdrpc.RequestOp
+
+
+def _compare(key: str, target: Any, result: Any, **value: Any) -> Compare:
+    return etcdrpc.Compare(key=key.encode(), target=target, result=result, **value)
+
+
+def key_missing(key: str) -> Compare:
+    return _compare(key, etcdrpc.Compare.CREATE, etcdrpc.Compare.EQUAL, create_revision=0)
+
+
+def key_created_at(key: str, revision: int) -> Compare:
+    return _compare(key, etcdrpc.Compare.CREATE, etcdrpc.Compare.EQUAL, create_revision=revision)
+
+
+def key_modified_at(key: str, revision: int) -> Compare:
+    return _compare(key, etcdrpc.Compare.MOD, etcdrpc.Compare.EQUAL, mod_revision=revision)
+
+
+def put_op(key: str, value: bytes, lease: int = 0) -> Op:
+    return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease))
+
+
+def delete_op(key: str) -> Op:
+    return etcdrpc.RequestOp(request_delete_range=etcdrpc.DeleteRangeRequest(key=key.encode()))
+
+
+def delete_prefix_op(prefix: str) -> Op:
+    return etcdrpc.RequestOp(
+        request_delete_range=etcdrpc.DeleteRangeRequest(key=prefix.encode(), range_end=prefix_end(prefix))
+    )
+
+
+def get_op(key: str) -> Op:
+    return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))
+
+
+_StreamT = TypeVar("_StreamT", bound=Stream)
+
+
+class EtcdClient:
+    """A connection to one etcd cluster, through any of its endpoints.
+
+    ``request_timeout`` bounds one request on one endpoint; ``connect_timeout``
+    bounds the whole effort of finding an endpoint that answers.  Requests go
+    to the current endpoint and move to the next one when it is unreachable.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[EtcdEndpoint],
+        *,
+        request_timeout: float = 5.0,
+        connect_timeout: float = 10.0,
+        tls: TlsFiles | None = None,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("EtcdClient needs at least one endpoint, got none")
+        self.endpoints = tuple(endpoints)
+        self.request_timeout = request_timeout
+        self.connect_timeout = connect_timeout
+        self._tls = tls or TlsFiles()
+        self._lock = threading.Lock()
+        self._channels: dict[EtcdEndpoint, grpc.Channel] = {}
+        self._current = 0
+        self._closed = False
+        self._streams: set[Stream] = set()
+        self.requests_by_kind: Counter[str] = Counter()
+
+    # ---- connection management ----
+
+    def _channel(self, endpoint: EtcdEndpoint) -> grpc.Channel:
+        with self._lock:
+            if self._closed:
+                raise EtcdRequestError("the etcd client is closed")
+            channel = self._channels.get(endpoint)
+            if channel is None:
+                if endpoint.secure:
+                    channel = grpc.secure_channel(endpoint.target, self._tls.credentials(), _CHANNEL_OPTIONS)
+                else:
+                    channel = grpc.insecure_channel(endpoint.target, _CHANNEL_OPTIONS)
+                self._channels[endpoint] = channel
+            return channel
+
+    def _endpoint_order(self) -> list[EtcdEndpoint]:
+        with self._lock:
+            start = self._current
+        n = len(self.endpoints)
+        return [self.endpoints[(start + i) % n] for i in range(n)]
+
+    def _mark_good(self, endpoint: EtcdEndpoint) -> None:
+        with self._lock:
+            self._current = self.endpoints.index(endpoint)
+
+    def avoid(self, endpoint: EtcdEndpoint) -> None:
+        """A stream on ``endpoint`` broke: send what comes next to the following endpoint."""
+        with self._lock:
+            if self.endpoints[self._current] == endpoint:
+                self._current = (self._current + 1) % len(self.endpoints)
+
+    def describe_endpoints(self) -> str:
+        return ",".join(str(e) for e in self.endpoints)
+
+    @property
+    def requests(self) -> int:
+        """Requests sent so far, retries included."""
+        return sum(self.requests_by_kind.values())
+
+    def _count(self, kind: str) -> None:
+        with self._lock:
+            self.requests_by_kind[kind] += 1
+
+    def _call(self, kind: str, method: Callable[[grpc.Channel], Any], *, idempotent: bool) -> Any:
+        """Run one unary request, moving across endpoints while they are down.
+
+        UNAVAILABLE means the request did not reach a server, so it is always
+        safe to send again.  DEADLINE_EXCEEDED leaves the outcome unknown, so
+        it is retried only for idempotent requests.
+        """
+        deadline = time.monotonic() + self.connect_timeout
+        last_error: grpc.RpcError | None = None
+        while True:
+            for endpoint in self._endpoint_order():
+                self._count(kind)
+                try:
+                    result = method(self._channel(endpoint))
+                except grpc.RpcError as exc:
+                    code = exc.code()
+                    if code not in _RETRYABLE_CODES:
+                        raise EtcdRequestError(f"etcd at {endpoint} refused the request: {exc.details()}") from exc
+                    if code is grpc.StatusCode.DEADLINE_EXCEEDED and not idempotent:
+                        raise EtcdUnavailableError(
+                            f"etcd at {endpoint} did not answer within {self.request_timeout:g} s; "
+                            "the request's outcome is unknown"
+                        ) from exc
+                    last_error = exc
+                    continue
+                self._mark_good(endpoint)
+                return result
+            if time.monotonic() >= deadline:
+                detail = last_error.details() if last_error is not None else "no answer"
+                raise EtcdUnavailableError(
+                    f"cannot reach etcd at {self.describe_endpoints()} within {self.connect_timeout:g} s: {detail}"
+                ) from last_error
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+    def _timeout(self) -> float:
+        return self.request_timeout
+
+    # ---- requests ----
+
+    def check_connection(self) -> str:
+        """Ask a member for its status; returns the server version."""
+        response = self._call(
+            "status",
+            lambda ch: etcdrpc.MaintenanceStub(ch).Status(etcdrpc.StatusRequest(), timeout=self._timeout()),
+            idempotent=True,
+        )
+        return str(response.version)
+
+    def get(self, key: str) -> tuple[KeyValue | None, int]:
+        kvs, revision = self._range(etcdrpc.RangeRequest(key=key.encode()))
+        return (kvs[0] if kvs else None), revision
+
+    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        return self._range(etcdrpc.RangeRequest(key=prefix.encode(), range_end=prefix_end(prefix)))
+
+    def count_prefix(self, prefix: str) -> int:
+        request = etcdrpc.RangeRequest(key=prefix.encode(), range_end=prefix_end(prefix), count_only=True)
+        response = self._call(
+            "range", lambda ch: etcdrpc.KVStub(ch).Range(request, timeout=self._timeout()), idempotent=True
+        )
+        return int(response.count)
+
+    def _range(self, request: Any) -> tuple[list[KeyValue], int]:
+        response = self._call(
+            "range", lambda ch: etcdrpc.KVStub(ch).Range(request, timeout=self._timeout()), idempotent=True
+        )
+        return [KeyValue.from_proto(kv) for kv in response.kvs], response.header.revision
+
+    def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        request = etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease)
+        response = self._call(
+            "put", lambda ch: etcdrpc.KVStub(ch).Put(request, timeout=self._timeout()), idempotent=True
+        )
+        return response.header.revision
+
+    def delete(self, key: str) -> int:
+        """Delete one key; returns how many keys were deleted (0 or 1)."""
+        request = etcdrpc.DeleteRangeRequest(key=key.encode())
+        response = self._call(
+            "delete", lambda ch: etcdrpc.KVStub(ch).DeleteRange(request, timeout=self._timeout()), idempotent=True
+        )
+        return int(response.deleted)
+
+    def txn(
+        self,
+        compare: Sequence[Compare],
+        success: Sequence[Op],
+        failure: Sequence[Op] = (),
+        *,
+        idempotent: bool = True,
+    ) -> TxnResult:
+        request = etcdrpc.TxnRequest(compare=list(compare), success=list(success), failure=list(failure))
+        response = self._call(
+            "txn", lambda ch: etcdrpc.KVStub(ch).Txn(request, timeout=self._timeout()), idempotent=idempotent
+        )
+        ranges: list[list[KeyValue] | None] = []
+        for op in response.responses:
+            if op.WhichOneof("response") == "response_range":
+                ranges.append([KeyValue.from_proto(kv) for kv in op.response_range.kvs])
+            else:
+                ranges.append(None)
+        return TxnResult(response.succeeded, response.header.revision, ranges)
+
+    def grant_lease(self, ttl: int) -> tuple[int, int]:
+        """Create a lease; returns its id and the TTL etcd granted.
+
+        etcd raises TTLs below its minimum (1.5 x election timeout) silently.
+        """
+        request = etcdrpc.LeaseGrantRequest(TTL=ttl)
+        response = self._call(
+            "lease_grant",
+            lambda ch: etcdrpc.LeaseStub(ch).LeaseGrant(request, timeout=self._timeout()),
+            idempotent=True,
+        )
+        if response.error:
+            raise EtcdRequestError(f"etcd refused a lease of {ttl} s: {response.error}")
+        return response.ID, response.TTL
+
+    def keep_alive_stream(self, lease_id: int) -> KeepAliveStream:
+        """Open one long-lived keep-alive stream for ``lease_id`` (see :class:`elastic_ft.etcd.session.Session`)."""
+        endpoint = self._endpoint_order()[0]
+        self._count("keep_alive")
+        return self._track(KeepAliveStream(self._channel(endpoint), endpoint, lease_id))
+
+    def revoke_lease(self, lease_id: int) -> None:
+        """Revoke a lease, deleting every key attached to it; a lease that
+        already expired is not an error."""
+        request = etcdrpc.LeaseRevokeRequest(ID=lease_id)
+        try:
+            self._call(
+                "lease_revoke",
+                lambda ch: etcdrpc.LeaseStub(ch).LeaseRevoke(request, timeout=self._timeout()),
+                idempotent=True,
+            )
+        except EtcdRequestError as exc:
+            if "not found" not in str(exc):
+                raise
+
+    def watch_prefix(
+        self,
+        prefix: str,
+        start_revision: int,
+        on_events: Callable[[list[WatchEvent], int], None],
+        on_error: Callable[[Exception], None],
+    ) -> EtcdWatch:
+        """Stream every change under ``prefix`` from ``start_revision`` on.
+
+        ``on_events(events, revision)`` runs in the watch's own thread for each
+        batch; ``on_error`` runs once if the stream breaks or history was
+        compacted, after which the watch is over and the caller re-lists.
+        """
+        return self._watch(prefix, prefix_end(prefix), start_revision, on_events, on_error)
+
+    def watch_key(
+        self,
+        key: str,
+        start_revision: int,
+        on_events: Callable[[list[WatchEvent], int], None],
+        on_error: Callable[[Exception], None],
+    ) -> EtcdWatch:
+        """As :meth:`watch_prefix`, for the one key ``key``."""
+        return self._watch(key, b"", start_revision, on_events, on_error)
+
+    def _watch(
+        self,
+        key: str,
+        range_end: bytes,
+        start_revision: int,
+        on_events: Callable[[list[WatchEvent], int], None],
+        on_error: Callable[[Exception], None],
+    ) -> EtcdWatch:
+        request = etcdrpc.WatchRequest(
+            create_request=etcdrpc.WatchCreateRequest(
+                key=key.encode(), range_end=range_end, start_revision=start_revision
+            )
+        )
+        endpoint = self._endpoint_order()[0]
+        self._count("watch")
+        return self._track(EtcdWatch(self._channel(endpoint), endpoint, request, on_events, on_error))
+
+    def _track(self, stream: _StreamT) -> _StreamT:
+        with self._lock:
+            self._streams = {s for s in self._streams if not s.cancelled}
+            self._streams.add(stream)
+        return stream
+
+    def close(self) -> None:
+        """Close every stream (joining its reader thread), then the channels."""
+        with self._lock:
+            self._closed = True
+            streams, self._streams = self._streams, set()
+            channels = list(self._channels.values())
+            self._channels.clear()
+        for stream in streams:
+            stream.close()
+        for channel in channels:
+            channel.close()

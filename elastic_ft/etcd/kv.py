@@ -1,0 +1,62 @@
+"""What etcd gives back: key-values, watch events, transaction results, and its errors.
+
+Plain data, shared by the client and its streams; no gRPC calls here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class EtcdUnavailableError(ConnectionError):
+    """No etcd endpoint answered within the allowed time."""
+
+
+class EtcdRequestError(RuntimeError):
+    """etcd answered, but refused the request."""
+
+
+class EtcdCompactedError(EtcdRequestError):
+    """A watch asked for history that etcd has already compacted away."""
+
+    def __init__(self, compact_revision: int) -> None:
+        super().__init__(f"revision compacted up to {compact_revision}")
+        self.compact_revision = compact_revision
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int
+
+    @classmethod
+    def from_proto(cls, kv: Any) -> KeyValue:
+        return cls(
+            # Keys are untrusted bytes: one that is not UTF-8 must not stop a reader.
+            key=kv.key.decode(errors="replace"),
+            value=bytes(kv.value),
+            create_revision=kv.create_revision,
+            mod_revision=kv.mod_revision,
+            version=kv.version,
+            lease=kv.lease,
+        )
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    deleted: bool
+    kv: KeyValue
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    succeeded: bool
+    revision: int
+    # One entry per operation of the branch taken; a range op gives its
+    # key-values, other ops give None.
+    ranges: list[list[KeyValue] | None]

@@ -1,0 +1,126 @@
+"""The node -> worker hand-off: what ``ftrun``'s agent tells its workers, in their environment.
+
+Two variables, each JSON, encoded and decoded here only:
+
+``ELASTIC_FT_STORE``       the round's etcd store (:class:`StoreHandoff`): the
+                           Wrapper's default ``store_factory`` builds it, so
+                           no worker hosts the job's coordination
+``ELASTIC_FT_JOB_CONFIG``  the job config: the Wrapper takes from it the
+                           timeouts and the rank assignment the code leaves
+                           unset
+
+Decoding checks every field and raises a ``ValueError`` naming the variable
+and the problem; nothing here touches etcd or torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from elastic_ft.etcd.endpoints import EndpointError, EtcdEndpoint, TlsFiles, parse_endpoints
+from elastic_ft.job_config import JobConfig, JobConfigError, parse_job_config
+from elastic_ft.timeouts import check_seconds
+
+STORE_ENV = "ELASTIC_FT_STORE"
+JOB_CONFIG_ENV = "ELASTIC_FT_JOB_CONFIG"
+
+
+@dataclass(frozen=True)
+class StoreHandoff:
+    """Where the round's etcd store is, and how to reach it."""
+
+    endpoints: tuple[EtcdEndpoint, ...]
+    prefix: str
+    tls: TlsFiles
+    connect_timeout: float
+    request_timeout: float
+    timeout: float
+
+    def to_env(self) -> dict[str, str]:
+        document = {
+            "endpoints": [str(endpoint) for endpoint in self.endpoints],
+            "prefix": self.prefix,
+            "cacert": self.tls.cacert,
+            "cert": self.tls.cert,
+            "key": self.tls.key,
+            "connect_timeout": self.connect_timeout,
+            "request_timeout": self.request_timeout,
+            "timeout": self.timeout,
+        }
+        return {STORE_ENV: json.dumps(document)}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> StoreHandoff | None:
+        """The hand-off in ``environ``, ``None`` when there is none.
+
+        Raises:
+            ValueError: the variable is set but does not describe a store.
+        """
+        text = environ.get(STORE_ENV)
+        if not text:
+            return None
+        try:
+            return cls._decode(json.loads(text))
+        except (ValueError, TypeError, KeyError) as error:
+            raise ValueError(f"{STORE_ENV}={text!r} is not a valid etcd store description: {error}") from None
+
+    @classmethod
+    def _decode(cls, document: Any) -> StoreHandoff:
+        if not isinstance(document, dict):
+            raise TypeError("expected a JSON object")
+        endpoints = document["endpoints"]
+        if not isinstance(endpoints, list) or not endpoints or not all(isinstance(e, str) for e in endpoints):
+            raise ValueError(f"endpoints={endpoints!r}: expected a non-empty list of strings")
+        try:
+            parsed = parse_endpoints(",".join(endpoints))
+        except EndpointError as error:
+            raise ValueError(str(error)) from None
+        prefix = document["prefix"]
+        if not isinstance(prefix, str) or not prefix.startswith("/") or not prefix.endswith("/"):
+            raise ValueError(f"prefix={prefix!r}: expected an absolute key prefix ending with '/'")
+        tls = TlsFiles(*(_optional_text(document, name) for name in ("cacert", "cert", "key")))
+        return cls(
+            endpoints=parsed,
+            prefix=prefix,
+            tls=tls,
+            connect_timeout=_seconds(document, "connect_timeout"),
+            request_timeout=_seconds(document, "request_timeout"),
+            timeout=_seconds(document, "timeout"),
+        )
+
+
+def _optional_text(document: dict[str, Any], name: str) -> str | None:
+    value = document.get(name)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{name}={value!r}: expected a file path or null")
+    return value
+
+
+def _seconds(document: dict[str, Any], name: str) -> float:
+    value = document[name]
+    try:
+        return check_seconds(value, may_be_zero=False)
+    except ValueError as error:
+        raise ValueError(f"{name}={value!r} {error}") from None
+
+
+def job_config_to_env(config: JobConfig) -> dict[str, str]:
+    return {JOB_CONFIG_ENV: config.to_json().decode()}
+
+
+def job_config_from_env(environ: Mapping[str, str]) -> JobConfig | None:
+    """The job config in ``environ``, ``None`` when there is none.
+
+    Raises:
+        ValueError: the variable is set but holds no valid job config.
+    """
+    text = environ.get(JOB_CONFIG_ENV)
+    if not text:
+        return None
+    try:
+        return parse_job_config(json.loads(text))
+    except (ValueError, JobConfigError) as error:
+        raise ValueError(f"{JOB_CONFIG_ENV} holds an invalid job config: {error}") from error

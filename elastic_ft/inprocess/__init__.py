@@ -1,0 +1,72 @@
+"""The worker side: in-process restart, its hooks and monitors, rank assignment.
+
+Mirrors ``nvidia_resiliency_ext.inprocess`` so that a migration is an
+import swap: one small module per concern, one error family
+(:mod:`.exception`). Names are imported on first use.
+
+* :mod:`.wrapper`: :class:`Wrapper` and :class:`CallWrapper`, the restart loop;
+  :mod:`.arguments`: their defaults and checks;
+* :mod:`.store`: the coordination protocol over a store (barriers, fault
+  records) and the default store;
+* :mod:`.monitor_thread`, :mod:`.monitor_process`, :mod:`.progress_watchdog`,
+  :mod:`.sibling_monitor`: fault propagation, heartbeats, timeouts;
+* :mod:`.initialize`, :mod:`.abort`, :mod:`.finalize`, :mod:`.health_check`:
+  the composable hooks; :mod:`.compose`, :mod:`.state`;
+* :mod:`.rank_assignment`: renumbering and spare activation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from elastic_ft.lazy import lazy_exports
+
+__all__ = [
+    "CallWrapper",
+    "Compose",
+    "Mode",
+    "State",
+    "Wrapper",
+    "abort",
+    "exception",
+    "finalize",
+    "health_check",
+    "initialize",
+    "monitor_process",
+    "monitor_thread",
+    "progress_watchdog",
+    "rank_assignment",
+    "state",
+    "store",
+]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "CallWrapper": "elastic_ft.inprocess.wrapper:CallWrapper",
+        "Wrapper": "elastic_ft.inprocess.wrapper:Wrapper",
+        "Compose": "elastic_ft.inprocess.compose:Compose",
+        "Mode": "elastic_ft.inprocess.state:Mode",
+        "State": "elastic_ft.inprocess.state:State",
+        **{name: f"elastic_ft.inprocess.{name}" for name in __all__ if name[0].islower()},
+    },
+    globals(),
+)
+
+if TYPE_CHECKING:
+    from elastic_ft.inprocess import (
+        abort,
+        exception,
+        finalize,
+        health_check,
+        initialize,
+        monitor_process,
+        monitor_thread,
+        progress_watchdog,
+        rank_assignment,
+        state,
+        store,
+    )
+    from elastic_ft.inprocess.compose import Compose
+    from elastic_ft.inprocess.state import Mode, State
+    from elastic_ft.inprocess.wrapper import CallWrapper, Wrapper

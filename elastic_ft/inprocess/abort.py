@@ -1,0 +1,62 @@
+"""Abort: unblock the main thread when the wrapped function must restart.
+
+The monitor thread calls the ``abort`` of the Wrapper while the main thread
+may be blocked, typically inside a collective waiting for a rank that died
+or hung. The Wrapper calls it a second time from the main thread once the
+wrapped function has unwound, to catch a process group created while the
+first call ran; implementations must therefore be idempotent.
+
+Before either call the Wrapper has already released the function's gloo
+connections (:mod:`elastic_ft.inprocess.sockets`), which is what unblocks a
+gloo collective; an abort hook only adds what a backend needs beyond that.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+
+import torch
+import torch.distributed as dist
+
+from elastic_ft.inprocess.state import State
+
+
+class Abort(abc.ABC):
+    """Base class of the ``abort`` argument; compose several with :class:`elastic_ft.Compose`."""
+
+    @abc.abstractmethod
+    def __call__(self, state: State) -> State:
+        """Unblock the main thread; return ``state`` unchanged."""
+
+
+class AbortTorchDistributed(Abort):
+    """Abort NCCL communicators; destroy every ``torch.distributed`` process group once the function unwound.
+
+    From the monitor thread (the main thread may be blocked in a
+    collective) it aborts the NCCL communicators, which ends their pending
+    kernels and calls. It destroys the process groups only when called from
+    the main thread, after the function has unwound: destroying a group
+    under a main thread that still uses it strands the work the group had
+    queued (DDP's reducer then waits forever for a bucket's all-reduce),
+    whereas left alone that work fails at once on the released connections.
+    """
+
+    def __call__(self, state: State) -> State:
+        if not dist.is_available():
+            return state
+        if dist.is_initialized() and torch.cuda.is_available():
+            for group in list(dist.distributed_c10d._world.pg_names):
+                backend = group._get_backend(torch.device("cuda"))
+                if isinstance(backend, getattr(dist, "ProcessGroupNCCL", ())):
+                    backend.abort()
+        if threading.current_thread() is not threading.main_thread():
+            return state
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        # An init_process_group interrupted before it registered its group still
+        # took a number for the group's name; destroy_process_group never saw it.
+        # Forget it as destroy_process_group would, or the next init on this rank
+        # would name its group differently from the ranks whose init succeeded.
+        dist.distributed_c10d._world.group_count = 0
+        return state

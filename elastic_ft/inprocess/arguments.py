@@ -1,0 +1,95 @@
+"""The Wrapper's arguments: their defaults, their checks, and the defaults ``ftrun`` passes down.
+
+The durations, their defaults and their orderings are the table of
+:mod:`elastic_ft.timeouts`, which the job config checks against too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pathlib
+import signal
+from typing import Any
+
+from elastic_ft.handoff import job_config_from_env
+from elastic_ft.inprocess.hang_detection import AdaptiveTimeouts
+from elastic_ft.inprocess.rank_assignment.from_config import policy_from_config
+from elastic_ft.timeouts import MAY_BE_ZERO, WRAPPER_DEFAULTS, WRAPPER_ORDER
+
+#: The default of each duration argument. The Wrapper's signature uses these
+#: very objects, so an argument still identical to one was not given in code.
+DEFAULT_DURATIONS: dict[str, datetime.timedelta] = {
+    name: datetime.timedelta(seconds=seconds) for name, seconds in WRAPPER_DEFAULTS.items()
+}
+
+
+def validate_arguments(arguments: dict[str, Any]) -> None:
+    """Check the Wrapper's arguments and the relations between its timeouts.
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: a value out of range, or timeouts in the wrong order,
+            naming the arguments involved.
+    """
+    for name in WRAPPER_DEFAULTS:
+        value = arguments[name]
+        if not isinstance(value, datetime.timedelta):
+            raise TypeError(f"Wrapper {name} must be a datetime.timedelta, got {value!r}")
+        may_be_zero = name in MAY_BE_ZERO
+        zero = datetime.timedelta(0)
+        if value < zero or (value == zero and not may_be_zero):
+            raise ValueError(f"Wrapper {name} must be {'>= 0' if may_be_zero else 'positive'}, got {value}")
+    for name in ("store_factory", "rank_assignment"):
+        if not callable(arguments[name]):
+            raise TypeError(f"Wrapper {name} must be callable, got {arguments[name]!r}")
+    for name in ("initialize", "abort", "finalize", "health_check"):
+        if arguments[name] is not None and not callable(arguments[name]):
+            raise TypeError(f"Wrapper {name} must be callable or None, got {arguments[name]!r}")
+    if arguments["store_kwargs"] is not None and not isinstance(arguments["store_kwargs"], dict):
+        raise TypeError(f"Wrapper store_kwargs must be a dict or None, got {arguments['store_kwargs']!r}")
+    if not isinstance(arguments["enabled"], bool):
+        raise TypeError(f"Wrapper enabled must be a bool, got {arguments['enabled']!r}")
+    adaptive = arguments["adaptive_timeouts"]
+    if adaptive is not None and not isinstance(adaptive, AdaptiveTimeouts):
+        raise TypeError(f"Wrapper adaptive_timeouts must be an AdaptiveTimeouts or None, got {adaptive!r}")
+    interrupt = arguments["interrupt_signal"]
+    if interrupt is not None and interrupt not in signal.valid_signals():
+        raise ValueError(f"Wrapper interrupt_signal must be a signal (e.g. signal.SIGUSR2) or None, got {interrupt!r}")
+    if interrupt in (signal.SIGKILL, signal.SIGSTOP):
+        raise ValueError(f"Wrapper interrupt_signal cannot be {interrupt!r}: it cannot be handled")
+    logfile = arguments["monitor_process_logfile"]
+    if logfile is not None:
+        if not isinstance(logfile, str) or not pathlib.Path(logfile).is_absolute():
+            raise ValueError(f"Wrapper monitor_process_logfile must be an absolute path, got {logfile!r}")
+        try:
+            logfile.format(rank=0)
+        except (KeyError, IndexError, ValueError) as error:
+            raise ValueError(
+                f"Wrapper monitor_process_logfile may only contain the {{rank}} placeholder, got {logfile!r}"
+            ) from error
+    for smaller, larger in WRAPPER_ORDER:
+        if not arguments[smaller] < arguments[larger]:
+            raise ValueError(
+                f"Wrapper needs {smaller} < {larger}, got {smaller}={arguments[smaller]} and {larger}={arguments[larger]}"
+            )
+
+
+def job_config_defaults() -> dict[str, Any]:
+    """Defaults from the job config ``ftrun`` passed down; arguments given in code take precedence."""
+    config = job_config_from_env(os.environ)
+    if config is None:
+        return {}
+    defaults: dict[str, Any] = {name: datetime.timedelta(seconds=value) for name, value in config.wrapper.items()}
+    policy = policy_from_config(config)
+    if policy is not None:
+        defaults["rank_assignment"] = policy
+    return defaults
+
+
+def apply_job_config_defaults(arguments: dict[str, Any]) -> None:
+    """Replace, in ``arguments``, the defaults the code left alone by the job config's values."""
+    for name, value in job_config_defaults().items():
+        given = arguments[name]
+        if given is DEFAULT_DURATIONS.get(name) or (name == "rank_assignment" and given is None):
+            arguments[name] = value

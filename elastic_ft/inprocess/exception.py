@@ -1,0 +1,105 @@
+"""Exceptions of the in-process restart :class:`~elastic_ft.inprocess.wrapper.Wrapper`.
+
+Two families, because they end in different places:
+
+* :class:`RestartError` and its subclasses are ordinary ``Exception`` s: a
+  problem the Wrapper (or a rank assignment) reports on the rank that hit it.
+  Every error of the worker side derives from it.
+* :class:`RankShouldRestart` and :class:`RestartAbort` derive from
+  ``BaseException`` directly, so that the ``except Exception`` handlers of
+  training code let them through: the first unwinds the wrapped function so
+  that it can be called again, the second ends the Wrapper.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class RestartError(Exception):
+    """Base class of the errors the Wrapper raises on the rank where they happen."""
+
+
+class InternalError(RestartError):
+    """The Wrapper's own machinery failed; the rank leaves the job."""
+
+
+class HealthCheckError(RestartError):
+    """The health check failed on this rank; its ``__cause__`` is the check's exception."""
+
+
+class BarrierTimeout(RestartError, TimeoutError):
+    """Not every rank reached a Wrapper barrier within its timeout."""
+
+
+class BarrierOverflow(RestartError):
+    """More ranks arrived at a Wrapper barrier than it was built for."""
+
+
+class RankDiscarded(RestartError):
+    """This rank takes no further part in the job: it was terminated or discarded by the rank assignment."""
+
+
+class RankAssignmentTimeout(RestartError, TimeoutError):
+    """Ranks did not all publish their rank-assignment data to the store in time."""
+
+
+class RestartAbort(BaseException):
+    """Raised (for example by :class:`~elastic_ft.inprocess.initialize.RetryController`) to stop restarting.
+
+    A ``BaseException`` so that it leaves the Wrapper instead of starting
+    another restart iteration.
+    """
+
+
+class RankShouldRestart(BaseException):
+    """Raised asynchronously in the main thread to unwind the wrapped function.
+
+    The function must let it propagate (handlers, ``finally`` blocks and
+    context managers still run on the way out). When an instance is
+    destroyed outside this package, the function caught and dropped it: the
+    monitor thread then raises it again (:attr:`delivery`), and at
+    ``DEBUG`` level the place where that happened is logged, since a
+    swallowed restart stalls the job until the exception is raised again.
+    """
+
+    #: Set by the monitor thread while a restart is being delivered: told when an
+    #: instance is raised (created) and when one is swallowed.
+    delivery: RestartDelivery | None = None
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        delivery = RankShouldRestart.delivery
+        if delivery is not None:
+            delivery.delivered.set()
+
+    def __del__(self) -> None:
+        if sys.is_finalizing():
+            return
+        frame = sys._getframe(1)
+        if os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIR:
+            return
+        delivery = RankShouldRestart.delivery
+        if delivery is not None:
+            delivery.swallowed.set()
+        log = logging.getLogger("elastic_ft.inprocess.exception")
+        if not log.isEnabledFor(logging.DEBUG):
+            return
+        locations = []
+        while frame is not None and len(locations) < 8:
+            locations.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+            frame = frame.f_back
+        log.debug("RankShouldRestart suppressed at %s", " <- ".join(locations))
+
+
+class RestartDelivery:
+    """Where one restart's delivery to the main thread stands (see ``monitor_thread``)."""
+
+    def __init__(self) -> None:
+        self.delivered = threading.Event()
+        self.swallowed = threading.Event()

@@ -1,0 +1,221 @@
+"""Hang detection: timeouts that follow the job's step times, and the monitor process's verdict on a stall.
+
+Both are pure: :func:`adaptive_timeouts` turns the step intervals a rank
+observed into its soft and hard timeouts; :func:`judge_stall` turns what the
+monitor process sees of its rank (and, through the store, of the other
+ranks) into an action with its reason.
+
+**Timeouts.** A training job's steps take about the same time, so a rank
+that makes no progress for many step times is hung. The soft timeout is
+``multiplier`` times a high ``percentile`` of the recent step intervals, no
+less than ``soft_floor``; the hard timeout is ``hard_multiplier`` times that.
+The Wrapper's ``soft_timeout`` and ``hard_timeout`` are the ceilings, and
+apply alone while there are too few samples: before the first
+``warmup_steps`` steps of each iteration (process groups, data loaders,
+compilation) and inside sections marked long (``CallWrapper.long_section()``,
+``CallWrapper.atomic()``, typically a checkpoint).
+
+**Stalls.** A rank is *active* when its main thread executes Python code
+(the automatic heartbeat), reports a step, or burns CPU (itself or its data
+loader workers: a long computation in C is work, not a hang). The configured
+``soft_timeout`` and ``hard_timeout`` keep their plain meaning (no progress
+for that long restarts, kills, whatever the rank does). A rank none of
+whose Python threads ran for the adaptive soft timeout (the GIL held, or
+the process stopped), without progress, is **killed**, busy or not: no
+restart can reach it (a computation that holds the GIL that long belongs in
+a long section). Once a rank has been inactive for the adaptive soft
+timeout:
+
+1. a process that is stopped (SIGSTOP), or whose GIL has been held so long
+   that none of its threads could run, cannot take part in an in-process
+   restart: it is **killed** at once, and the others go on without it;
+2. if another rank was active within the soft timeout, the job is not hung:
+   this rank waits for a slow peer (**no action** yet);
+3. otherwise the rank asks for a **restart** of every rank, once per
+   iteration; a rank that still makes no progress at the hard timeout is
+   **killed**.
+
+**Fresh enough evidence.** Ranks learn of each other's activity from
+heartbeats, sent every ``heartbeat_interval`` (1 s by default) to keep the
+store's load low. That is too coarse for rule 2 when the soft timeout is
+about as short: a peer busy in a long computation would look inactive for up
+to two intervals. So a rank that is active but has made no progress for half
+its soft timeout heartbeats every quarter of it (:func:`heartbeat_period`),
+and a rank near its soft timeout re-reads its peers as often
+(:func:`peer_read_period`): the evidence is then at most half a soft
+timeout old when it is judged. Only ranks in a slow step pay for this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import math
+from collections.abc import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveTimeouts:
+    """How the soft and hard timeouts follow the step times (see the module docstring).
+
+    Args:
+        multiplier: soft timeout = ``multiplier`` x the ``percentile`` of step intervals.
+        percentile: which percentile of the recent step intervals (0-100).
+        soft_floor: the shortest soft timeout.
+        hard_multiplier: hard timeout = ``hard_multiplier`` x the soft timeout.
+        warmup_steps: steps at the start of each iteration that are not sampled.
+        min_samples: samples needed before the timeouts adapt.
+        window: how many recent step intervals are kept.
+    """
+
+    multiplier: float = 20.0
+    percentile: float = 99.0
+    soft_floor: datetime.timedelta = datetime.timedelta(seconds=1.5)
+    hard_multiplier: float = 2.0
+    warmup_steps: int = 3
+    min_samples: int = 8
+    window: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("multiplier", "hard_multiplier"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 1:
+                raise ValueError(f"AdaptiveTimeouts {name} must be a number >= 1, got {value!r}")
+        if isinstance(self.percentile, bool) or not isinstance(self.percentile, int | float):
+            raise TypeError(f"AdaptiveTimeouts percentile must be a number, got {self.percentile!r}")
+        if not 0 < self.percentile <= 100:
+            raise ValueError(f"AdaptiveTimeouts percentile must be in (0, 100], got {self.percentile!r}")
+        if not isinstance(self.soft_floor, datetime.timedelta) or self.soft_floor <= datetime.timedelta(0):
+            raise ValueError(f"AdaptiveTimeouts soft_floor must be a positive timedelta, got {self.soft_floor!r}")
+        for name, minimum in (("warmup_steps", 0), ("min_samples", 1), ("window", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"AdaptiveTimeouts {name} must be an integer >= {minimum}, got {value!r}")
+        if self.min_samples > self.window:
+            raise ValueError(f"AdaptiveTimeouts min_samples={self.min_samples} exceeds window={self.window}")
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (nearest rank) of non-empty ``samples``."""
+    ordered = sorted(samples)
+    index = max(0, math.ceil(q / 100 * len(ordered)) - 1)
+    return ordered[index]
+
+
+def adaptive_timeouts(
+    samples: Sequence[float], config: AdaptiveTimeouts | None, soft_ceiling: float, hard_ceiling: float
+) -> tuple[float, float]:
+    """(soft, hard) timeouts in seconds from the step intervals ``samples``; the ceilings without enough samples."""
+    if config is None or len(samples) < config.min_samples:
+        return soft_ceiling, hard_ceiling
+    typical = percentile(samples, config.percentile)
+    soft = min(soft_ceiling, max(config.soft_floor.total_seconds(), config.multiplier * typical))
+    hard = min(hard_ceiling, max(soft, config.hard_multiplier * soft))
+    return soft, hard
+
+
+class StallAction(enum.Enum):
+    NONE = "none"
+    RESTART = "restart"
+    KILL = "kill"
+
+
+@dataclasses.dataclass(frozen=True)
+class StallVerdict:
+    action: StallAction
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankActivity:
+    """What the monitor process sees of its rank, in seconds ago."""
+
+    progress_age: float  # since the main thread ran Python code or reported a step
+    cpu_idle_for: float  # since the rank (or its data loader workers) last used CPU
+    stopped: bool  # the process is stopped (SIGSTOP, or traced)
+    threads_silent_for: float  # since any of its Python threads last ran (the GIL held throughout)
+
+    @property
+    def inactive_for(self) -> float:
+        return min(self.progress_age, self.cpu_idle_for)
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    """The timeouts in effect, in seconds: adaptive (``soft``, ``hard``) and configured (the limits)."""
+
+    soft: float
+    hard: float
+    soft_limit: float
+    hard_limit: float
+
+
+def heartbeat_period(rank: RankActivity, soft: float, interval: float) -> float:
+    """Seconds until the next heartbeat: a quarter of ``soft`` while the rank works without progress."""
+    working_without_progress = rank.progress_age >= soft / 2 and rank.cpu_idle_for < soft / 4
+    return min(interval, soft / 4) if working_without_progress else interval
+
+
+def peer_read_period(soft: float, interval: float) -> float:
+    """How stale the peers' heartbeats read by a rank at its soft timeout may be, at most (see the module docstring)."""
+    return min(interval, soft / 4)
+
+
+def judge_stall(
+    rank: RankActivity,
+    timeouts: Timeouts,
+    gil_held_limit: float,
+    peers_inactive_for: float | None,
+    restart_requested: bool,
+) -> StallVerdict:
+    """What the monitor process does about its rank now (see the module docstring).
+
+    The configured limits keep their plain meaning, whatever the rank does:
+    no progress for ``soft_limit`` restarts, for ``hard_limit`` kills. The
+    adaptive timeouts act on ranks that are *inactive* (no progress and no CPU).
+
+    Args:
+        rank: the rank's activity.
+        timeouts: the timeouts in effect.
+        gil_held_limit: silence of every Python thread beyond which the GIL is held for good.
+        peers_inactive_for: seconds since any other rank was last active; ``None`` if not known.
+        restart_requested: this rank already asked for a restart in this iteration.
+    """
+    if rank.progress_age >= timeouts.hard_limit:
+        return StallVerdict(StallAction.KILL, f"no progress for {rank.progress_age:.1f} s (hard_timeout)")
+    if rank.progress_age >= timeouts.soft_limit and not restart_requested:
+        return StallVerdict(StallAction.RESTART, f"no progress for {rank.progress_age:.1f} s (soft_timeout)")
+    if rank.progress_age >= timeouts.soft and rank.threads_silent_for >= timeouts.soft:
+        # Not even the rank's own threads ran: whatever its CPU use, nothing can
+        # restart it (a gloo destructor spinning under the GIL was seen here).
+        state = "the process is stopped" if rank.stopped else "the GIL is held"
+        return StallVerdict(
+            StallAction.KILL,
+            f"no Python thread ran for {rank.threads_silent_for:.1f} s ({state}) "
+            f"and no progress for {rank.progress_age:.1f} s",
+        )
+    if rank.inactive_for < timeouts.soft:
+        return StallVerdict(StallAction.NONE)
+    if rank.stopped:
+        return StallVerdict(
+            StallAction.KILL, f"the process is stopped and made no progress for {rank.progress_age:.1f} s"
+        )
+    if rank.threads_silent_for > gil_held_limit:
+        return StallVerdict(
+            StallAction.KILL,
+            f"no Python thread ran for {rank.threads_silent_for:.1f} s (the GIL is held) "
+            f"and no progress for {rank.progress_age:.1f} s",
+        )
+    if restart_requested:
+        if rank.inactive_for >= timeouts.hard:
+            return StallVerdict(
+                StallAction.KILL,
+                f"inactive for {rank.inactive_for:.1f} s after a restart request (hard {timeouts.hard:.1f} s)",
+            )
+        return StallVerdict(StallAction.NONE)
+    if peers_inactive_for is not None and peers_inactive_for < timeouts.soft:
+        return StallVerdict(StallAction.NONE, f"another rank was active {peers_inactive_for:.1f} s ago")
+    return StallVerdict(
+        StallAction.RESTART, f"inactive for {rank.inactive_for:.1f} s (adaptive soft timeout {timeouts.soft:.1f} s)"
+    )

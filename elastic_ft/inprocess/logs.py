@@ -1,0 +1,69 @@
+"""Logging of the in-process restart machinery.
+
+Every in-process module logs under ``elastic_ft.inprocess``. That logger
+does not propagate to the root logger, so an application's handlers (files,
+log shippers) do not receive the Wrapper's messages twice or unexpectedly;
+instead it gets one ``logging.StreamHandler`` modelled on the nearest
+stream handler among its ancestors (same stream, formatter and level), or a
+plain stderr handler when there is none. The monitor process replaces all of
+this with a file handler (:func:`log_to_file`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+LOGGER_NAME = "elastic_ft.inprocess"
+_DEFAULT_FORMAT = "%(asctime)s %(levelname)s %(name)s [pid %(process)d] %(message)s"
+
+
+def get_logger(module: str) -> logging.Logger:
+    """The logger of one in-process module, e.g. ``get_logger("wrapper")``."""
+    return logging.getLogger(f"{LOGGER_NAME}.{module}")
+
+
+def _nearest_stream_handler(logger: logging.Logger) -> logging.StreamHandler | None:
+    current: logging.Logger | None = logger.parent
+    while current is not None:
+        for handler in current.handlers:
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                return handler
+        current = current.parent if current.propagate else None
+    return None
+
+
+def configure_logging() -> logging.Logger:
+    """Give the package logger its own stream handler, once, and stop propagation."""
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.propagate = False
+    if logger.handlers:
+        return logger
+    template = _nearest_stream_handler(logger)
+    handler = logging.StreamHandler(template.stream if template is not None else sys.stderr)
+    handler.setFormatter(
+        template.formatter
+        if template is not None and template.formatter is not None
+        else logging.Formatter(_DEFAULT_FORMAT)
+    )
+    if template is not None:
+        handler.setLevel(template.level)
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    return logger
+
+
+def log_to_file(path: str | None, level: int) -> None:
+    """Send the package's logs only to ``path`` (nowhere when ``None``); for the monitor process."""
+    logger = logging.getLogger(LOGGER_NAME)
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    logger.propagate = False
+    logger.setLevel(level)
+    if path is None:
+        logger.addHandler(logging.NullHandler())
+        return
+    handler = logging.FileHandler(path, mode="w")
+    handler.setFormatter(logging.Formatter(_DEFAULT_FORMAT))
+    logger.addHandler(handler)

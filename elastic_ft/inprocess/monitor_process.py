@@ -1,0 +1,454 @@
+"""The monitor process: a per-rank guardian that outlives the rank's main process.
+
+The Wrapper forks it at entry, before any thread or process group exists.
+It runs in its own session, with its standard streams on ``/dev/null`` and
+its log only in ``monitor_process_logfile``, and talks to the job only
+through its own connection to the store. It
+
+* heartbeats the rank into the store and watches the heartbeats of the other
+  ranks (:mod:`elastic_ft.inprocess.sibling_monitor`), reporting silent ones;
+* reports the rank as terminated the moment its main process dies (it waits
+  on a ``pidfd``, not a timer), arriving at the barriers on its behalf so
+  that the other ranks restart without it;
+* judges stalls (:mod:`elastic_ft.inprocess.hang_detection`) from the
+  heartbeats and timeouts in shared memory
+  (:mod:`elastic_ft.inprocess.progress_watchdog`), the rank's CPU use and
+  process state, and the other ranks' activity published with their
+  heartbeats: a restart records an interruption (every rank restarts); a
+  kill reports the rank terminated and stops the process with
+  SIGCONT+SIGTERM, then after ``termination_grace_time`` SIGCONT+SIGTERM+SIGKILL.
+
+The main process drives it with JSON lines on a pipe: ``store_ready``,
+``iteration`` (number, rank, world size) and ``stop``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import select
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from elastic_ft.inprocess.hang_detection import (
+    RankActivity,
+    StallAction,
+    Timeouts,
+    heartbeat_period,
+    judge_stall,
+    peer_read_period,
+)
+from elastic_ft.inprocess.logs import get_logger, log_to_file
+from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps
+from elastic_ft.inprocess.sibling_monitor import ring_successor, silent_ranks
+from elastic_ft.inprocess.store import (
+    COMPLETED,
+    NO_WAIT,
+    PrefixStore,
+    forbid_hosting,
+    iteration_store,
+    job_store,
+    poll,
+    report_process_gone,
+    report_rank_gone,
+)
+from elastic_ft.keys import EXIT_BARRIER
+
+log = get_logger("monitor_process")
+
+
+@dataclasses.dataclass(frozen=True)
+class MonitorConfig:
+    """What the monitor process needs to know; times in seconds."""
+
+    initial_rank: int
+    initial_world_size: int
+    interval: float
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    soft_timeout: float
+    hard_timeout: float
+    termination_grace_time: float
+    #: Silence of every Python thread of the rank after which its GIL is held for good.
+    gil_held_limit: float
+    logfile: str | None
+    log_level: int
+
+
+#: Makes the rank write every thread's stack to its stderr (``faulthandler``) before it is terminated.
+STACK_DUMP_SIGNAL = signal.SIGRTMIN + 1
+
+#: A rank (with its data loader workers) using more than this share of a core is working.
+BUSY_CPU_SHARE = 0.1
+_CPU_SAMPLE_PERIOD = 0.2
+_STACK_DUMP_PAUSE = 0.05
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name; None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def process_is_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie waiting to be reaped."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] not in ("Z", "X")
+
+
+def process_is_stopped(pid: int) -> bool:
+    """True while ``pid`` is stopped by a signal (SIGSTOP, SIGTSTP) or a tracer."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] in ("T", "t")
+
+
+def cpu_seconds(pid: int, exclude: int) -> float:
+    """CPU time used by ``pid`` and the children its main thread started (data loader workers), but ``exclude``."""
+    total = 0.0
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as children:
+            pids = [pid, *(int(child) for child in children.read().split() if int(child) != exclude)]
+    except OSError:
+        pids = [pid]
+    for process in pids:
+        fields = _stat_fields(process)
+        if fields is not None:
+            total += (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    return total
+
+
+def terminate_process(pid: int, grace_time: float) -> None:
+    """SIGCONT+SIGTERM; if still alive after ``grace_time``, SIGCONT+SIGTERM+SIGKILL."""
+    for signals in ((signal.SIGCONT, signal.SIGTERM), (signal.SIGCONT, signal.SIGTERM, signal.SIGKILL)):
+        for sig in signals:
+            log.info("sending %s to %d", sig.name, pid)
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                return
+        if poll(lambda: not process_is_alive(pid), grace_time, interval_max=0.01):
+            return
+    poll(lambda: not process_is_alive(pid), None, interval_max=0.01)
+
+
+def after_store_ready(messages: list[dict[str, Any]]) -> tuple[bool, list[dict[str, Any]] | None]:
+    """Before the store is ready: (stop requested, the messages that followed ``store_ready``, None if none came).
+
+    The messages after ``store_ready`` in the same read (an ``iteration``,
+    when the monitor process woke late) must be kept, or the monitor would
+    never learn which iteration its rank is in.
+    """
+    for index, message in enumerate(messages):
+        if message["type"] == "stop":
+            return True, None
+        if message["type"] == "store_ready":
+            return False, messages[index + 1 :]
+    return False, None
+
+
+class MonitorProcess:
+    """Handle, in the main process, on the forked monitor process.
+
+    Args:
+        config: see :class:`MonitorConfig`.
+        timestamps: the progress heartbeats shared with the main process.
+        store_factory: builds the monitor's own store connection.
+        store_kwargs: keyword arguments of ``store_factory``.
+    """
+
+    def __init__(
+        self,
+        config: MonitorConfig,
+        timestamps: ProgressTimestamps,
+        store_factory: Callable[..., dist.Store],
+        store_kwargs: dict[str, Any],
+    ) -> None:
+        target_pid = os.getpid()
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                _detach(keep=read_end)
+                _Monitor(config, timestamps, store_factory, store_kwargs, target_pid, read_end).run()
+            except BaseException:
+                log.exception("monitor process failed")
+                code = 1
+            finally:
+                logging.shutdown()
+                os._exit(code)
+        os.close(read_end)
+        self.pid = pid
+        self._pipe = os.fdopen(write_end, "w", buffering=1)
+
+    def _send(self, message: dict[str, Any]) -> None:
+        try:
+            self._pipe.write(json.dumps(message) + "\n")
+        except (BrokenPipeError, ValueError):
+            log.warning("monitor process %d is gone; message %s dropped", self.pid, message)
+
+    def store_ready(self) -> None:
+        """The store exists (its host is up): the monitor may connect."""
+        self._send({"type": "store_ready"})
+
+    def start_iteration(self, iteration: int, rank: int, world_size: int) -> None:
+        self._send({"type": "iteration", "iteration": iteration, "rank": rank, "world_size": world_size})
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask the monitor to exit and reap it."""
+        self._send({"type": "stop"})
+        self._pipe.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                pid, _ = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid:
+                return
+            time.sleep(0.005)
+        log.warning("monitor process %d did not exit in %g s", self.pid, timeout)
+
+
+def _detach(keep: int) -> None:
+    """Leave the parent's session and drop every inherited descriptor but ``keep``."""
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.closerange(3, keep)
+    os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@dataclasses.dataclass
+class _Iteration:
+    number: int
+    rank: int
+    world_size: int
+    store: PrefixStore
+    restart_requested: bool = False
+
+
+class _CpuMeter:
+    """When the rank last used CPU, sampled every ``_CPU_SAMPLE_PERIOD`` (``time.monotonic()``)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._sampled_at = time.monotonic()
+        self._used = cpu_seconds(pid, os.getpid())
+        self.busy_at = self._sampled_at
+
+    def sample(self, now: float) -> None:
+        elapsed = now - self._sampled_at
+        if elapsed < _CPU_SAMPLE_PERIOD:
+            return
+        used = cpu_seconds(self.pid, os.getpid())
+        if (used - self._used) / elapsed > BUSY_CPU_SHARE:
+            self.busy_at = now
+        self._used, self._sampled_at = used, now
+
+
+class _Monitor:
+    """The loop of the monitor process."""
+
+    def __init__(
+        self,
+        config: MonitorConfig,
+        timestamps: ProgressTimestamps,
+        store_factory: Callable[..., dist.Store],
+        store_kwargs: dict[str, Any],
+        target_pid: int,
+        pipe: int,
+    ) -> None:
+        self.config = config
+        self.timestamps = timestamps
+        self.store_factory = store_factory
+        self.store_kwargs = store_kwargs
+        self.target_pid = target_pid
+        self.pipe = pipe
+        self.buffer = b""
+        self.pipe_open = True
+        self.iteration: _Iteration | None = None
+        self.reported_silent: set[int] = set()
+        self.pidfd = self._open_pidfd(target_pid)
+        self.cpu = _CpuMeter(target_pid)
+        self._peers: tuple[float, float | None] = (-float("inf"), None)  # (read at, inactive for then)
+
+    @staticmethod
+    def _open_pidfd(pid: int) -> int | None:
+        """A descriptor that becomes readable when ``pid`` exits (Linux 5.3+), else None (polling)."""
+        try:
+            return os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            return None
+
+    def run(self) -> None:
+        config = self.config
+        logfile = config.logfile.format(rank=config.initial_rank) if config.logfile else None
+        log_to_file(logfile, config.log_level)
+        log.info("monitoring pid %d as initial rank %d", self.target_pid, config.initial_rank)
+        while True:
+            stopped, early = after_store_ready(self._receive(config.interval))
+            if stopped:
+                return
+            if early is not None:
+                break
+            if not process_is_alive(self.target_pid):
+                log.info("target died before the store was ready")
+                return
+        forbid_hosting()
+        base_store = self.store_factory(**self.store_kwargs)
+        job = job_store(base_store)
+        watching_since = time.time()
+        next_heartbeat = next_check = 0.0
+        while True:
+            messages, early = [*early, *self._receive(0.0 if early else config.interval)], []
+            for message in messages:
+                if message["type"] == "stop":
+                    log.info("stopped by the main process")
+                    return
+                if message["type"] == "iteration":
+                    number = message["iteration"]
+                    self.iteration = _Iteration(
+                        number,
+                        message["rank"],
+                        message["world_size"],
+                        iteration_store(base_store, number),
+                    )
+                    log.info("iteration %d: rank %d of %d", number, message["rank"], message["world_size"])
+            if not process_is_alive(self.target_pid):
+                self._report_terminated(base_store, "terminated", f"process {self.target_pid} died")
+                return
+            monotonic_now, now = time.monotonic(), time.time()
+            self.cpu.sample(monotonic_now)
+            activity = self._activity(monotonic_now)
+            timeouts = self._timeouts()
+            if now >= next_heartbeat:
+                job.send_heartbeat(config.initial_rank, now - activity.inactive_for)
+                next_heartbeat = now + heartbeat_period(activity, timeouts.soft, config.heartbeat_interval)
+            if now >= next_check:
+                self._check_heartbeats(job, now, watching_since)
+                next_check = now + config.heartbeat_interval
+            if self.iteration is not None and self._judge(base_store, job, self.iteration, activity, timeouts):
+                return
+
+    def _activity(self, now: float) -> RankActivity:
+        stopped = process_is_stopped(self.target_pid)
+        return RankActivity(
+            progress_age=self.timestamps.age(),
+            cpu_idle_for=now - self.cpu.busy_at,
+            stopped=stopped,
+            threads_silent_for=self.timestamps.threads_silent_for(),
+        )
+
+    def _timeouts(self) -> Timeouts:
+        config = self.config
+        soft, hard = self.timestamps.timeouts()
+        if self.timestamps.in_long_section():
+            soft, hard = config.soft_timeout, config.hard_timeout
+        return Timeouts(soft, hard, config.soft_timeout, config.hard_timeout)
+
+    def _judge(
+        self, base_store: dist.Store, job: PrefixStore, iteration: _Iteration, activity: RankActivity, timeouts: Timeouts
+    ) -> bool:
+        """Act on a stall of the rank; True once the rank was terminated."""
+        config = self.config
+        peers = None
+        if activity.inactive_for >= timeouts.soft and not iteration.restart_requested:
+            peers = self._peers_inactive_for(job, peer_read_period(timeouts.soft, config.heartbeat_interval))
+        verdict = judge_stall(activity, timeouts, config.gil_held_limit, peers, iteration.restart_requested)
+        if verdict.action is StallAction.RESTART:
+            iteration.restart_requested = True
+            log.warning("soft timeout: %s", verdict.reason)
+            iteration.store.record_interruption(iteration.rank, "soft_timeout", verdict.reason)
+        elif verdict.action is StallAction.KILL:
+            log.warning(
+                "hard timeout: %s; terminating %d (its stacks go to its stderr)", verdict.reason, self.target_pid
+            )
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.target_pid, STACK_DUMP_SIGNAL)
+            time.sleep(_STACK_DUMP_PAUSE)
+            self._report_terminated(base_store, "hard_timeout", verdict.reason)
+            terminate_process(self.target_pid, config.termination_grace_time)
+            log.info("target %d terminated", self.target_pid)
+            return True
+        return False
+
+    def _peers_inactive_for(self, job: PrefixStore, read_period: float) -> float | None:
+        """Seconds since any other rank was last active, from their heartbeats (read once per ``read_period``)."""
+        read_at, inactive_for = self._peers
+        now = time.time()
+        if now - read_at < read_period:
+            return None if inactive_for is None else inactive_for + (now - read_at)
+        config = self.config
+        latest = None
+        for rank in range(config.initial_world_size):
+            if rank == config.initial_rank or rank in self.reported_silent or job.has_arrived(EXIT_BARRIER, rank):
+                continue
+            active = job.last_activity(rank)
+            if active is not None and (latest is None or active > latest):
+                latest = active
+        inactive_for = None if latest is None else max(0.0, now - latest)
+        self._peers = (now, inactive_for)
+        return inactive_for
+
+    def _receive(self, timeout: float) -> list[dict[str, Any]]:
+        """Messages from the main process, waiting up to ``timeout``; returns early when the target exits."""
+        watched = ([self.pipe] if self.pipe_open else []) + ([self.pidfd] if self.pidfd is not None else [])
+        if not watched:
+            time.sleep(timeout)
+            return []
+        readable, _, _ = select.select(watched, [], [], timeout)
+        if self.pipe not in readable or not self.pipe_open:
+            return []
+        chunk = os.read(self.pipe, 65536)
+        if not chunk:
+            self.pipe_open = False
+            return []
+        self.buffer += chunk
+        *lines, self.buffer = self.buffer.split(b"\n")
+        return [json.loads(line) for line in lines if line]
+
+    def _report_terminated(self, base_store: dist.Store, kind: str, message: str) -> None:
+        """Record this rank as gone and arrive at the barriers in its place."""
+        log.warning("rank leaves the job: %s (%s)", kind, message)
+        # The same report ftrun's agent makes from outside (idempotent if both do).
+        report_process_gone(base_store, self.config.initial_rank, self.config.initial_world_size, kind, message)
+
+    def _check_heartbeats(self, job: PrefixStore, now: float, watching_since: float) -> None:
+        config = self.config
+        skip = self.reported_silent | {config.initial_rank}
+        successor = ring_successor(config.initial_rank, config.initial_world_size, skip)
+        if successor is None or job.has_arrived(EXIT_BARRIER, successor):
+            return
+        if not silent_ranks({successor: job.last_heartbeat(successor)}, now, watching_since, config.heartbeat_timeout):
+            return
+        others = [rank for rank in range(config.initial_world_size) if rank not in skip]
+        heartbeats = {rank: job.last_heartbeat(rank) for rank in others if not job.has_arrived(EXIT_BARRIER, rank)}
+        for initial_rank in silent_ranks(heartbeats, now, watching_since, config.heartbeat_timeout):
+            self.reported_silent.add(initial_rank)
+            log.warning("initial rank %d sent no heartbeat for %g s", initial_rank, config.heartbeat_timeout)
+            iteration = self.iteration
+            if iteration is not None and iteration.store.outcome() != COMPLETED:
+                rank = iteration.store.rank_of_initial(initial_rank)
+                if rank is not None:
+                    report_rank_gone(iteration.store, rank, iteration.world_size, "unresponsive", "heartbeat timeout")
+            job.arrive_and_wait(EXIT_BARRIER, [initial_rank], config.initial_world_size, NO_WAIT)

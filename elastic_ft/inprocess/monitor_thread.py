@@ -1,0 +1,260 @@
+"""The monitor thread: turns a fault recorded anywhere in the job into a restart here.
+
+One thread per restart iteration waits for the iteration's outcome in the
+store: through a watch on an etcd store (the fault reaches it within
+milliseconds), by polling every ``interval`` elsewhere. When some rank
+recorded an interruption, it waits ``last_call_wait`` so that concurrent
+faults on other ranks get recorded too, then, holding the lock of
+``CallWrapper.atomic()`` (so it never starts while the main thread is
+inside an atomic block):
+
+1. releases the wrapped function's connections
+   (:func:`elastic_ft.inprocess.sockets.release_connections`): every peer
+   blocked in a collective with this rank fails at once, whatever still
+   holds the process group;
+2. calls ``abort`` (by default, NCCL communicators aborted and process
+   groups destroyed);
+3. sends the main thread the interrupt signal, whose handler raises
+   :class:`~elastic_ft.inprocess.exception.RankShouldRestart`: at the next
+   bytecode instruction, or out of a blocking call such as ``time.sleep`` or
+   a lock wait, but never inside a finalizer (a data loader's shutdown, say),
+   where the exception would be dropped with the cleanup half done. One
+   exception is delivered; while it unwinds the function nothing else is
+   raised. Until the main thread acknowledges the restart, the signal is
+   sent again every ``interval`` as long as nothing was delivered (after a
+   few tries the exception is also scheduled asynchronously, with
+   ``PyThreadState_SetAsyncExc``, as it is from the start when no signal is
+   installed), and the exception is raised again if the function swallowed
+   it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+
+from elastic_ft.inprocess.exception import RankShouldRestart, RestartDelivery
+from elastic_ft.inprocess.logs import get_logger
+from elastic_ft.inprocess.state import State
+from elastic_ft.inprocess.store import COMPLETED, StoreMixin
+
+log = get_logger("monitor_thread")
+
+#: Signal intervals without delivery after which the asynchronous exception is scheduled as well.
+_SCHEDULE_AFTER = 4
+
+_set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+_set_async_exc.argtypes = (ctypes.c_ulong, ctypes.py_object)
+_set_async_exc.restype = ctypes.c_int
+
+# The same C function, declared so that None is passed as NULL: "clear the pending exception".
+_clear_async_exc = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p)(
+    ("PyThreadState_SetAsyncExc", ctypes.pythonapi)
+)
+
+
+def _main_thread_ident() -> int:
+    ident = threading.main_thread().ident
+    if ident is None:  # only before the interpreter started its main thread
+        raise RuntimeError("the main thread has no identifier")
+    return ident
+
+
+def raise_in_main_thread(exc_type: type[BaseException]) -> None:
+    """Make the main thread raise ``exc_type`` at its next bytecode instruction."""
+    if _set_async_exc(_main_thread_ident(), exc_type) != 1:
+        raise RuntimeError("could not schedule an asynchronous exception in the main thread")
+
+
+def clear_main_thread_pending_exception() -> None:
+    """Drop an asynchronous exception scheduled for the main thread but not yet raised."""
+    _clear_async_exc(_main_thread_ident(), None)
+
+
+def _in_finalizer(frame: FrameType | None) -> bool:
+    """True when ``frame`` runs inside an object's ``__del__``."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+class InterruptSignal:
+    """A signal whose handler raises ``RankShouldRestart`` in the main thread while a restart is pending.
+
+    Installed by the Wrapper (from the main thread) for the duration of a
+    call. Outside a pending restart the handler passes the signal on to the
+    handler it replaced, so an application's own use of the signal keeps
+    working.
+    """
+
+    def __init__(self, signum: signal.Signals) -> None:
+        self.signum = signum
+        self.pending = threading.Event()
+        self._previous: Callable[[int, FrameType | None], object] | int | None = None
+
+    def install(self) -> None:
+        self._previous = signal.signal(self.signum, self._handle)
+
+    def uninstall(self) -> None:
+        signal.signal(self.signum, self._previous if self._previous is not None else signal.SIG_DFL)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        delivery = RankShouldRestart.delivery
+        if self.pending.is_set() and delivery is not None:
+            # Not inside a finalizer (a data loader's shutdown, say), where the exception
+            # would be dropped with the cleanup half done; the next signal comes soon.
+            if not delivery.delivered.is_set() and not _in_finalizer(frame):
+                clear_main_thread_pending_exception()  # this raise takes the place of the scheduled one
+                raise RankShouldRestart()
+            return
+        if callable(self._previous):
+            self._previous(signum, frame)
+
+    def send(self) -> None:
+        signal.pthread_kill(_main_thread_ident(), self.signum)
+
+
+class MonitorThread(threading.Thread):
+    """Watches one restart iteration; see the module docstring.
+
+    Args:
+        store: the iteration's store view.
+        state: this rank's state, handed to ``abort``.
+        abort: callable unblocking the main thread, or ``None``.
+        release: releases the wrapped function's connections.
+        interval: seconds between two polls of a store that cannot watch,
+            and between two raises of an unacknowledged restart.
+        last_call_wait: seconds to wait for concurrent faults.
+        atomic_lock: the lock of ``CallWrapper.atomic()``.
+        interrupt: the interrupt signal, or ``None`` to rely on the
+            asynchronous exception alone.
+    """
+
+    #: How long one wait for the outcome lasts before the thread checks whether it was stopped.
+    WAIT_SLICE = 1.0
+
+    def __init__(
+        self,
+        store: StoreMixin,
+        state: State,
+        abort: Callable[[State], object] | None,
+        release: Callable[[], object],
+        interval: float,
+        last_call_wait: float,
+        atomic_lock: threading.RLock,
+        interrupt: InterruptSignal | None,
+    ) -> None:
+        super().__init__(name=f"elastic_ft-monitor-thread-{state.rank}", daemon=True)
+        self.store = store
+        self.state = state
+        self.abort = abort
+        self.release = release
+        self.interval = interval
+        self.last_call_wait = last_call_wait
+        self.atomic_lock = atomic_lock
+        self.interrupt = interrupt
+        self._stop_requested = threading.Event()
+        self._acknowledged = threading.Event()
+        self._raise_lock = threading.Lock()
+        self.restart_started = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self._stop_requested.is_set():
+                outcome = self.store.wait_for_outcome(self.WAIT_SLICE, self.interval)
+                if self._stop_requested.is_set() or outcome == COMPLETED:
+                    return
+                if outcome is not None:
+                    self._restart()
+                    return
+        except Exception:
+            if not self._stop_requested.is_set():
+                log.exception("rank %s: monitor thread failed", self.state.rank)
+
+    def _restart(self) -> None:
+        if self._stop_requested.wait(self.last_call_wait):
+            return
+        records = self.store.interruptions()
+        log.info("rank %s: restarting after interruptions %s", self.state.rank, records)
+        with self.atomic_lock:
+            if self._stop_requested.is_set():
+                return
+            self.restart_started.set()
+            try:
+                released = self.release()
+                log.debug("rank %s: released %s connection(s)", self.state.rank, released)
+            except Exception:
+                log.exception("rank %s: releasing connections failed", self.state.rank)
+            if self.abort is not None:
+                try:
+                    self.abort(self.state)
+                except Exception:
+                    log.exception("rank %s: abort failed", self.state.rank)
+            delivery = RestartDelivery()
+            RankShouldRestart.delivery = delivery
+            if self.interrupt is not None:
+                self.interrupt.pending.set()
+            started = time.monotonic()
+            scheduled = self._deliver(schedule=self.interrupt is None)
+            blocked_logged = False
+            while not self._acknowledged.wait(self.interval):
+                if self._stop_requested.is_set():
+                    return
+                if delivery.swallowed.is_set():
+                    log.warning("rank %s: the wrapped function swallowed RankShouldRestart; raising it again",
+                                self.state.rank)  # fmt: skip
+                    delivery.delivered.clear()
+                    delivery.swallowed.clear()
+                    started = time.monotonic()
+                    scheduled = self._deliver(schedule=self.interrupt is None)
+                elif not delivery.delivered.is_set():
+                    # Inside a blocking call or a finalizer: signal again; after a few tries schedule the
+                    # exception too (a handler replaced by the application, a call deaf to signals).
+                    if not blocked_logged:
+                        log.warning("rank %s: restart not delivered yet (main thread blocked in C code); "
+                                    "signalling it every %g s", self.state.rank, self.interval)  # fmt: skip
+                        blocked_logged = True
+                    late = time.monotonic() - started > _SCHEDULE_AFTER * self.interval
+                    scheduled = self._deliver(schedule=late and not scheduled) or scheduled
+
+    def _deliver(self, schedule: bool) -> bool:
+        """Signal the main thread; with ``schedule``, schedule the exception too. True if it was scheduled."""
+        with self._raise_lock:
+            if self._acknowledged.is_set() or self._stop_requested.is_set():
+                return False
+            if schedule:
+                raise_in_main_thread(RankShouldRestart)
+            if self.interrupt is not None:
+                self.interrupt.send()
+            return schedule
+
+    def acknowledge(self) -> None:
+        """Called by the main thread once it caught the restart exception."""
+        self._close(self._acknowledged)
+
+    def stop(self) -> None:
+        """Stop watching: the iteration ended without a restart, or the rank leaves."""
+        self._close(self._stop_requested)
+
+    def _close(self, event: threading.Event) -> None:
+        # A restart exception already scheduled may hit the main thread anywhere in
+        # here; retry until the flag is set under the raise lock and nothing is pending.
+        while True:
+            try:
+                with self._raise_lock:
+                    event.set()
+                    if self.interrupt is not None:
+                        self.interrupt.pending.clear()
+                    RankShouldRestart.delivery = None
+                    clear_main_thread_pending_exception()
+                self.join()
+                clear_main_thread_pending_exception()
+                return
+            except RankShouldRestart:
+                continue

@@ -1,0 +1,258 @@
+"""Progress heartbeats of the main thread, shared with the monitor process.
+
+Three heartbeats say that the wrapped function makes progress:
+
+* automatic: a watchdog thread regularly asks the interpreter, through
+  ``Py_AddPendingCall``, to have the main thread post a semaphore. The
+  interpreter runs pending calls only between bytecode instructions of the
+  main thread, so the heartbeat stops as soon as the main thread is stuck in
+  C code, whether that code holds the GIL (then the watchdog thread itself
+  cannot run either) or released it. The pending call is libc's
+  ``sem_post``, not a Python callback: an asynchronous restart exception
+  delivered inside a Python callback would be swallowed by ctypes;
+* manual: :meth:`ProgressWatchdog.ping`, called by the wrapped function
+  through ``CallWrapper.ping()``. Once a rank pings in an iteration, it must
+  keep pinging, which catches livelocks that keep executing bytecode. A ping
+  is also evidence of progress for the automatic heartbeat, so a helper
+  thread that pings keeps alive a main thread that is legitimately busy in
+  one long C call.
+
+The timestamps live in a small shared-memory block created before the
+monitor process is forked, so the monitor process reads them without any
+message passing, even when the main process is frozen.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import math
+import mmap
+import threading
+import time
+from collections.abc import Callable
+
+from elastic_ft.inprocess.hang_detection import AdaptiveTimeouts, adaptive_timeouts
+from elastic_ft.inprocess.logs import get_logger
+
+log = get_logger("progress_watchdog")
+
+# Slots of the shared block, each one aligned 8-byte double; times are time.monotonic() seconds.
+_AUTOMATIC, _MANUAL, _THREADS, _SOFT, _HARD, _LONG = range(6)
+_Slots = ctypes.c_double * 6
+
+
+def progress_age(automatic: float, manual: float, now: float) -> float:
+    """Seconds since the staler of the two heartbeats; the manual one counts only once used."""
+    age = now - automatic
+    if not math.isnan(manual):
+        age = max(age, now - manual)
+    return age
+
+
+class ProgressTimestamps:
+    """The heartbeats and timeouts in memory shared by the main and the monitor process.
+
+    Both processes use ``time.monotonic()``, a system-wide clock on Linux.
+    ``MANUAL`` is NaN until the first ping of an iteration; ``SOFT`` and
+    ``HARD`` are the timeouts in effect, in seconds; ``LONG`` counts the
+    sections marked long the main thread is in.
+    """
+
+    def __init__(self, soft: float = math.inf, hard: float = math.inf) -> None:
+        self._memory = mmap.mmap(-1, ctypes.sizeof(_Slots), flags=mmap.MAP_SHARED)
+        # Each value is one aligned 8-byte store, which the other process
+        # never sees half-written. (struct.pack_into zero-fills its target
+        # before packing, so a concurrent reader could see 0: an age of the
+        # whole uptime.)
+        self._slots = _Slots.from_buffer(self._memory)
+        self.set_timeouts(soft, hard)
+        self.reset()
+
+    def reset(self) -> None:
+        now = time.monotonic()
+        self._slots[_MANUAL] = math.nan
+        self._slots[_AUTOMATIC] = now
+        self._slots[_THREADS] = now
+
+    def beat_automatic(self) -> None:
+        self._slots[_AUTOMATIC] = time.monotonic()
+
+    def beat_manual(self) -> None:
+        now = time.monotonic()
+        self._slots[_MANUAL] = now
+        self._slots[_AUTOMATIC] = now
+
+    def beat_threads(self) -> None:
+        self._slots[_THREADS] = time.monotonic()
+
+    def set_timeouts(self, soft: float, hard: float) -> None:
+        self._slots[_SOFT] = soft
+        self._slots[_HARD] = hard
+
+    def timeouts(self) -> tuple[float, float]:
+        return self._slots[_SOFT], self._slots[_HARD]
+
+    def enter_long_section(self) -> None:
+        self._slots[_LONG] += 1  # only the main thread writes it
+
+    def exit_long_section(self) -> None:
+        self._slots[_LONG] = max(0.0, self._slots[_LONG] - 1)
+
+    def in_long_section(self) -> bool:
+        return self._slots[_LONG] > 0
+
+    def read(self) -> tuple[float, float]:
+        return self._slots[_AUTOMATIC], self._slots[_MANUAL]
+
+    def age(self) -> float:
+        return progress_age(*self.read(), time.monotonic())
+
+    def threads_silent_for(self) -> float:
+        return time.monotonic() - self._slots[_THREADS]
+
+
+class StepClock:
+    """Turns step events into adaptive timeouts, written to the shared block for the monitor process.
+
+    Runs in the main thread (the optimizer hook, ``ping()``, section
+    markers). Step intervals are sampled except the first ``warmup_steps``
+    of each iteration and those that overlap a section marked long; until
+    enough samples exist, the configured timeouts apply.
+    """
+
+    _RECOMPUTE_EVERY = 8
+
+    def __init__(
+        self, timestamps: ProgressTimestamps, config: AdaptiveTimeouts | None, soft_limit: float, hard_limit: float
+    ) -> None:
+        self.timestamps = timestamps
+        self.config = config
+        self.soft_limit = soft_limit
+        self.hard_limit = hard_limit
+        self.samples: collections.deque[float] = collections.deque(maxlen=config.window if config else 1)
+        self._last_step: float | None = None
+        self._steps_in_iteration = 0
+        self._adapted: tuple[float, float] = (soft_limit, hard_limit)
+
+    def start_iteration(self) -> None:
+        """A new iteration warms up again; the configured timeouts hold until it has."""
+        self._last_step = None
+        self._steps_in_iteration = 0
+        self.timestamps.set_timeouts(self.soft_limit, self.hard_limit)
+
+    def step(self) -> None:
+        now = time.monotonic()
+        self._steps_in_iteration += 1
+        if self.config is None:
+            return
+        if self._last_step is not None and self._steps_in_iteration > self.config.warmup_steps:
+            self.samples.append(now - self._last_step)
+            if len(self.samples) % self._RECOMPUTE_EVERY == 0 or len(self.samples) == self.config.min_samples:
+                self._adapted = adaptive_timeouts(self.samples, self.config, self.soft_limit, self.hard_limit)
+        self._last_step = now
+        if self._steps_in_iteration > self.config.warmup_steps and not self.timestamps.in_long_section():
+            self.timestamps.set_timeouts(*self._adapted)
+
+    def enter_long_section(self) -> None:
+        self.timestamps.enter_long_section()
+        self.timestamps.set_timeouts(self.soft_limit, self.hard_limit)
+
+    def exit_long_section(self) -> None:
+        self.timestamps.exit_long_section()
+        self._last_step = None  # the interval across the section says nothing of step times
+        if not self.timestamps.in_long_section() and self._steps_in_iteration > (
+            self.config.warmup_steps if self.config else 0
+        ):
+            self.timestamps.set_timeouts(*self._adapted)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_SEM_T_SIZE = 64  # larger than sem_t on every Linux ABI
+
+_add_pending_call = ctypes.pythonapi.Py_AddPendingCall
+_add_pending_call.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+_add_pending_call.restype = ctypes.c_int
+# The pending call is libc's sem_post itself: it returns 0 and runs no Python code,
+# so an asynchronous exception can never be raised inside it and lost.
+_SEM_POST = ctypes.cast(_libc.sem_post, ctypes.c_void_p)
+
+
+class _MainThreadProbe:
+    """A semaphore that the main thread posts, via a pending call, when it executes bytecode."""
+
+    def __init__(self) -> None:
+        self._semaphore = ctypes.create_string_buffer(_SEM_T_SIZE)
+        if _libc.sem_init(self._semaphore, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "sem_init failed")
+        self.pending = False
+
+    def schedule(self) -> bool:
+        self.pending = _add_pending_call(_SEM_POST, ctypes.addressof(self._semaphore)) == 0
+        return self.pending
+
+    def answered(self) -> bool:
+        """True once the scheduled call ran; consumes the answer."""
+        if self.pending and _libc.sem_trywait(self._semaphore) == 0:
+            self.pending = False
+        return not self.pending
+
+
+_probe: _MainThreadProbe | None = None
+
+
+def _main_thread_probe() -> _MainThreadProbe:
+    """The process's one probe; never freed, since a pending call may still point to it."""
+    global _probe
+    if _probe is None:
+        _probe = _MainThreadProbe()
+    return _probe
+
+
+class ProgressWatchdog(threading.Thread):
+    """Takes the automatic heartbeat every ``interval`` seconds.
+
+    Each round checks whether the main thread ran the call scheduled in the
+    previous round; if it did, that is progress, and a new call is
+    scheduled. The heartbeat is therefore at most one interval late.
+
+    Args:
+        timestamps: where the heartbeats are written.
+        interval: seconds between two rounds.
+        each_round: also called every round, from this thread (must be cheap; dropped if it raises).
+    """
+
+    def __init__(
+        self, timestamps: ProgressTimestamps, interval: float, each_round: Callable[[], None] | None = None
+    ) -> None:
+        super().__init__(name="elastic_ft-progress-watchdog", daemon=True)
+        self.timestamps = timestamps
+        self.interval = interval
+        self.each_round = each_round
+        self._probe = _main_thread_probe()
+        self._stop_requested = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_requested.wait(self.interval):
+            self.timestamps.beat_threads()
+            if self.each_round is not None:
+                try:
+                    self.each_round()
+                except Exception:  # the heartbeat must go on
+                    log.exception("the watchdog's per-round call failed")
+                    self.each_round = None
+            if not self._probe.answered():
+                continue  # the main thread executed no bytecode since the last round
+            self.timestamps.beat_automatic()
+            if not self._probe.schedule():
+                log.debug("Py_AddPendingCall refused the probe; retrying next round")
+
+    def ping(self) -> None:
+        self.timestamps.beat_manual()
+
+    def reset(self) -> None:
+        self.timestamps.reset()
+
+    def shutdown(self) -> None:
+        self._stop_requested.set()
+        self.join()

@@ -1,0 +1,142 @@
+"""Release the wrapped function's connections, so that peers blocked in a collective fail at once.
+
+Gloo cannot cancel a pending operation, and a process group's connections
+close only when the group is freed, which user code, DDP's reducer, a
+traceback or ``torch._dynamo`` (imported by the first ``torch.optim`` step)
+can prevent indefinitely. This module works one level below: it shuts down
+the TCP connections themselves (``shutdown(2)``, which ends every blocked
+read and write on both sides; the file descriptors stay owned by gloo).
+
+Which connections: every process group connects each pair of ranks once,
+one side connecting to the other side's listener. A rank releases the
+connections **accepted on listeners it created after the Wrapper's entry**.
+Each live pair has exactly one such acceptor, so when every live rank
+releases its own, every connection between live ranks is cut; a dead rank's
+connections were closed by its kernel. Listeners themselves are never
+touched (gloo ends the process when its listener fails), nor is anything
+that existed at entry (the Wrapper's store connections), nor connections
+the process initiated (an HTTP client, a store client).
+
+A process forked while the function runs (a ``DataLoader`` worker) inherits
+the function's sockets; if the rank then dies, those copies would keep its
+connections open, and its peers blocked on them, until the orphaned worker
+exits. :func:`close_inherited_in_child`, run after every fork while a
+Wrapper is active, closes the child's copies (the child never uses them).
+
+Linux only: sockets are read from ``/proc``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from dataclasses import dataclass
+
+from elastic_ft.inprocess.logs import get_logger
+
+log = get_logger("sockets")
+
+_LISTEN = "0A"
+_ESTABLISHED = "01"
+
+
+@dataclass(frozen=True)
+class TcpSocket:
+    inode: int
+    fd: int
+    local_port: int
+    remote_port: int
+    state: str
+
+
+def _own_socket_inodes() -> dict[int, int]:
+    """inode -> one file descriptor of it, for every socket this process holds."""
+    found: dict[int, int] = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            found.setdefault(int(target[8:-1]), int(name))
+    return found
+
+
+def _tcp_entries() -> dict[int, tuple[int, int, str]]:
+    """inode -> (local port, remote port, state) of the TCP sockets of this network namespace."""
+    entries: dict[int, tuple[int, int, str]] = {}
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/self/net/{table}") as lines:
+                next(lines, None)
+                for line in lines:
+                    fields = line.split()
+                    local, remote, state, inode = fields[1], fields[2], fields[3], int(fields[9])
+                    entries[inode] = (int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16), state)
+        except OSError:  # no IPv6 in this namespace
+            continue
+    return entries
+
+
+def tcp_sockets() -> list[TcpSocket]:
+    """The TCP sockets this process holds."""
+    entries = _tcp_entries()
+    return [
+        TcpSocket(inode, fd, *entries[inode]) for inode, fd in _own_socket_inodes().items() if inode in entries
+    ]
+
+
+def socket_inodes() -> frozenset[int]:
+    """The sockets this process holds now: the baseline that :func:`release_connections` spares."""
+    return frozenset(_own_socket_inodes())
+
+
+def accepted_connections(sockets: list[TcpSocket], baseline: frozenset[int]) -> list[TcpSocket]:
+    """The established connections accepted on listeners created after ``baseline`` was taken (pure)."""
+    listener_ports = {s.local_port for s in sockets if s.state == _LISTEN and s.inode not in baseline}
+    return [
+        s
+        for s in sockets
+        if s.state == _ESTABLISHED and s.inode not in baseline and s.local_port in listener_ports
+    ]
+
+
+_fork_baseline: frozenset[int] | None = None
+_fork_handler_registered = False
+
+
+def close_inherited_in_child(baseline: frozenset[int] | None) -> None:
+    """From now on, close in every forked child the sockets created since ``baseline`` (``None``: stop)."""
+    global _fork_baseline, _fork_handler_registered
+    _fork_baseline = baseline
+    if baseline is not None and not _fork_handler_registered:
+        os.register_at_fork(after_in_child=_close_inherited)
+        _fork_handler_registered = True
+
+
+def _close_inherited() -> None:
+    baseline = _fork_baseline
+    if baseline is None:
+        return
+    for connection in tcp_sockets():
+        if connection.inode not in baseline:
+            with contextlib.suppress(OSError):
+                os.close(connection.fd)
+
+
+def release_connections(baseline: frozenset[int]) -> int:
+    """Shut down the connections accepted on listeners created since ``baseline``; returns how many."""
+    released = 0
+    for connection in accepted_connections(tcp_sockets(), baseline):
+        try:
+            # A duplicate of the descriptor reaches the same socket; closing the duplicate
+            # leaves gloo's descriptor open, so gloo never acts on a reused number.
+            with socket.socket(fileno=os.dup(connection.fd)) as duplicate:
+                if os.fstat(duplicate.fileno()).st_ino != connection.inode:
+                    continue  # the descriptor was closed and reused since it was listed
+                duplicate.shutdown(socket.SHUT_RDWR)
+            released += 1
+        except OSError as error:  # closed or already shut meanwhile
+            log.debug("could not shut down socket %d: %s", connection.inode, error)
+    return released

@@ -1,0 +1,396 @@
+"""The coordination store of the in-process restart Wrapper.
+
+Ranks coordinate only through a ``torch.distributed.Store``: barriers,
+fault records, the list of terminated ranks, heartbeats. The Wrapper gets
+its store from ``store_factory(**store_kwargs)``; any ``Store`` with
+TCPStore's semantics works (``set``, ``get``, ``add``, ``append``,
+``compare_set``, ``check``), for example
+:class:`elastic_ft.etcd.store.EtcdStore`, so that no single rank has to host
+the job's coordination. The default, :class:`TCPStore`, is hosted by the
+process of initial rank 0, which therefore must outlive the job.
+
+The protocol itself lives in :class:`StoreMixin` and only uses those
+primitives. The Wrapper applies it through :class:`PrefixStore` views: one
+job-wide view and one per restart iteration, so that the keys of an
+iteration never collide with those of the previous one.
+
+The job-wide view also tells the node side (``ftrun``'s agent) what each
+process is doing, keyed by initial rank: ``wrapped/<r>`` once it entered the
+Wrapper, ``position/<r>`` (iteration, rank, world size) at the start of each
+iteration, and ``left/<r>`` (how it left: completed, gave up, or left the
+job alone). With these, the agent can tell a fault the Wrapper absorbs from
+one it cannot, and can report a dead process without waiting for a
+heartbeat timeout (:func:`report_process_gone`).
+
+Under ``ftrun`` the default store (:func:`default_store`) is the etcd store
+of the current rendezvous round, described in the environment
+(:class:`elastic_ft.handoff.StoreHandoff`), so that no rank hosts the
+coordination. Every key name comes from :mod:`elastic_ft.keys`.
+
+Every value is plain text or JSON; nothing is pickled.
+
+Waiting is done by polling ``check`` with a short back-off rather than with
+``Store.wait``: a TCPStore client holds its connection lock for the whole of
+a ``wait``, which would stall the other threads of the process sharing the
+connection, and the polling loop executes Python bytecode, so an
+asynchronous restart exception can interrupt it at any time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch.distributed as dist
+
+from elastic_ft import keys
+from elastic_ft.handoff import StoreHandoff
+from elastic_ft.inprocess.exception import BarrierOverflow, BarrierTimeout
+from elastic_ft.keys import COMPLETION_BARRIER, EXIT_BARRIER, ITERATION_BARRIER, TERMINATION_BARRIER
+
+#: The per-iteration outcome: exactly one of these wins the ``compare_set``.
+COMPLETED = "completed"
+INTERRUPTED = "interrupted"
+
+#: A barrier timeout meaning "arrive, do not wait".
+NO_WAIT = datetime.timedelta(0)
+_POLL_FIRST = 0.0005
+_POLL_MAX = 0.02
+
+
+def poll(predicate: Callable[[], bool], timeout: float | None, interval_max: float = _POLL_MAX) -> bool:
+    """Call ``predicate`` with a growing pause until it is true; False on timeout (``None``: never)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = _POLL_FIRST
+    while not predicate():
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, interval_max)
+    return True
+
+
+def _text(value: bytes) -> str:
+    return value.decode() if isinstance(value, bytes | bytearray) else str(value)
+
+
+def _underlying(store: object) -> object:
+    """The store below any number of prefix views."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+class StoreMixin:
+    """The Wrapper's coordination protocol, on top of a store's primitive operations.
+
+    Mix it into any ``torch.distributed.Store`` subclass. ``critical_ranks``
+    lists the initial ranks whose process must stay alive until every rank
+    has left the Wrapper (the ranks hosting the store).
+    """
+
+    # Provided by the torch.distributed.Store this is mixed into.
+    set: Callable[..., None]
+    get: Callable[[str], bytes]
+    add: Callable[[str, int], int]
+    append: Callable[[str, str], None]
+    check: Callable[[list[str]], bool]
+    compare_set: Callable[[str, str, str], bytes]
+
+    @property
+    def critical_ranks(self) -> tuple[int, ...]:
+        return ()
+
+    # ---- barriers ----
+
+    def arrive_and_wait(
+        self,
+        name: str,
+        ranks: Iterable[int],
+        world_size: int,
+        timeout: datetime.timedelta,
+    ) -> str | None:
+        """Arrive at barrier ``name`` for ``ranks`` and wait until ``world_size`` ranks arrived.
+
+        Arrival is idempotent per rank, so a monitor process or another rank
+        may arrive on behalf of a rank that died, before or after it arrived
+        itself. Whoever arrives last publishes the barrier's result
+        (:meth:`barrier_result`), which every waiting rank gets back: a
+        snapshot all ranks agree on. A zero ``timeout`` arrives without
+        waiting and returns ``None``; ``timedelta.max`` waits forever.
+
+        Raises:
+            BarrierTimeout: the barrier did not complete in time.
+            BarrierOverflow: more than ``world_size`` distinct ranks arrived.
+        """
+        done_key = keys.barrier_done(name)
+        for rank in ranks:
+            token = uuid.uuid4().hex
+            if _text(self.compare_set(keys.barrier_arrived(name, rank), "", token)) != token:
+                continue  # this rank had already arrived
+            count = self.add(keys.barrier_count(name), 1)
+            if count > world_size:
+                raise BarrierOverflow(f"{name}: rank {rank} arrived as number {count} of {world_size}")
+            if count == world_size:
+                self.set(done_key, self.barrier_result(name))
+        if timeout <= datetime.timedelta(0):
+            return None
+        limit = None if timeout == datetime.timedelta.max else timeout.total_seconds()
+        if not poll(lambda: self.check([done_key]), limit):
+            arrived = self.add(keys.barrier_count(name), 0)
+            raise BarrierTimeout(f"{name}: {arrived} of {world_size} ranks arrived within {limit:g} s")
+        return _text(self.get(done_key))
+
+    def barrier_result(self, name: str) -> str:
+        """What the last rank arriving at barrier ``name`` publishes.
+
+        The completion barrier decides the iteration's outcome (completed,
+        unless an interruption came first); the termination barrier freezes
+        the list of terminated ranks that the rank assignment gets.
+        """
+        if name == COMPLETION_BARRIER:
+            return self.decide_outcome(COMPLETED)
+        if name == TERMINATION_BARRIER:
+            return json.dumps(self.terminated_ranks())
+        return ""
+
+    def has_arrived(self, name: str, rank: int) -> bool:
+        return self.check([keys.barrier_arrived(name, rank)])
+
+    # ---- the iteration's outcome and the fault records ----
+
+    def decide_outcome(self, outcome: str) -> str:
+        """Propose the iteration's outcome; returns the one that won (the first proposed)."""
+        return _text(self.compare_set(keys.OUTCOME, "", outcome))
+
+    def outcome(self) -> str | None:
+        return _text(self.get(keys.OUTCOME)) if self.check([keys.OUTCOME]) else None
+
+    def wait_for_outcome(self, timeout: float, poll_interval: float) -> str | None:
+        """The iteration's outcome once decided, or None after ``timeout`` seconds.
+
+        Event-driven on a store that waits without polling (an etcd store
+        watches the key); elsewhere polled every ``poll_interval``, since a
+        TCPStore client holds its connection for the whole of a ``wait``.
+        """
+        if getattr(_underlying(self), "waits_without_polling", False):
+            try:
+                self.wait([keys.OUTCOME], datetime.timedelta(seconds=timeout))
+            except dist.DistStoreError:
+                return None
+            return self.outcome()
+        deadline = time.monotonic() + timeout
+        while (outcome := self.outcome()) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            time.sleep(min(poll_interval, remaining))
+        return outcome
+
+    def record_interruption(self, rank: int, kind: str, message: str = "") -> str:
+        """Record why ``rank`` interrupts the iteration (and when), then propose :data:`INTERRUPTED`."""
+        record = {"rank": rank, "kind": kind, "message": message[:500], "time": time.time()}
+        self.append(keys.INTERRUPTIONS, json.dumps(record) + "\n")
+        return self.decide_outcome(INTERRUPTED)
+
+    def interruptions(self) -> list[dict[str, object]]:
+        if not self.check([keys.INTERRUPTIONS]):
+            return []
+        return [json.loads(line) for line in _text(self.get(keys.INTERRUPTIONS)).splitlines() if line]
+
+    def record_terminated(self, ranks: Iterable[int]) -> None:
+        """Record ranks (current ``state.rank`` values) that leave the job."""
+        lines = "".join(f"{int(rank)}\n" for rank in ranks)
+        if lines:
+            self.append(keys.TERMINATED, lines)
+
+    def terminated_ranks(self) -> list[int]:
+        if not self.check([keys.TERMINATED]):
+            return []
+        return sorted({int(line) for line in _text(self.get(keys.TERMINATED)).split()})
+
+    def mark_any_completed(self) -> None:
+        self.set(keys.ANY_COMPLETED, "")
+
+    def any_completed(self) -> bool:
+        return self.check([keys.ANY_COMPLETED])
+
+    # ---- identity and liveness ----
+
+    def set_initial_rank(self, rank: int, initial_rank: int) -> None:
+        """Publish which initial rank holds ``rank`` in this iteration."""
+        self.set(f"{keys.RANK_OF_INITIAL}{initial_rank}", str(rank))
+
+    def rank_of_initial(self, initial_rank: int) -> int | None:
+        key = f"{keys.RANK_OF_INITIAL}{initial_rank}"
+        return int(_text(self.get(key))) if self.check([key]) else None
+
+    def send_heartbeat(self, rank: int, active_at: float | None = None) -> None:
+        """A heartbeat for initial rank ``rank``: now, and when (wall clock) the rank was last active."""
+        now = time.time()
+        record = {"t": now, "active": now if active_at is None else active_at}
+        self.set(f"{keys.HEARTBEAT}{rank}", json.dumps(record))
+
+    def _heartbeat(self, rank: int) -> dict[str, float] | None:
+        key = f"{keys.HEARTBEAT}{rank}"
+        if not self.check([key]):
+            return None
+        try:
+            record = json.loads(_text(self.get(key)))
+            return {"t": float(record["t"]), "active": float(record["active"])}
+        except (ValueError, KeyError, TypeError):
+            return None  # written by something else: as good as no heartbeat
+
+    def last_heartbeat(self, rank: int) -> float | None:
+        record = self._heartbeat(rank)
+        return None if record is None else record["t"]
+
+    def last_activity(self, rank: int) -> float | None:
+        """When (wall clock) initial rank ``rank`` was last active, per its last heartbeat."""
+        record = self._heartbeat(rank)
+        return None if record is None else record["active"]
+
+    # ---- what the node side reads (job-wide view) ----
+
+    def record_wrapped(self, initial_rank: int, pid: int) -> None:
+        self.set(f"{keys.WRAPPED}{initial_rank}", json.dumps({"pid": pid}))
+
+    def is_wrapped(self, initial_rank: int) -> bool:
+        return self.check([f"{keys.WRAPPED}{initial_rank}"])
+
+    def record_position(self, initial_rank: int, iteration: int, rank: int, world_size: int) -> None:
+        self.set(
+            f"{keys.POSITION}{initial_rank}", json.dumps({"iteration": iteration, "rank": rank, "world_size": world_size})
+        )
+
+    def position(self, initial_rank: int) -> dict[str, int] | None:
+        key = f"{keys.POSITION}{initial_rank}"
+        return json.loads(_text(self.get(key))) if self.check([key]) else None
+
+    def record_left(self, initial_rank: int, kind: str, gave_up: bool, message: str = "") -> None:
+        record = {"kind": kind, "gave_up": gave_up, "message": message[:500]}
+        self.set(f"{keys.LEFT}{initial_rank}", json.dumps(record))
+
+    def left(self, initial_rank: int) -> dict[str, object] | None:
+        key = f"{keys.LEFT}{initial_rank}"
+        return json.loads(_text(self.get(key))) if self.check([key]) else None
+
+
+class PrefixStore(dist.PrefixStore, StoreMixin):
+    """A namespaced view of another store, with the coordination protocol."""
+
+
+def job_store(base: dist.Store) -> PrefixStore:
+    """The view holding the job-wide keys (initial and exit barriers)."""
+    return PrefixStore(keys.WRAPPER_JOB, base)
+
+
+def iteration_store(base: dist.Store, iteration: int) -> PrefixStore:
+    """The view holding the keys of one restart iteration."""
+    return PrefixStore(keys.wrapper_iteration(iteration), base)
+
+
+def report_rank_gone(store: PrefixStore, rank: int, world_size: int, kind: str, message: str) -> None:
+    """Record ``rank`` of an iteration as gone and arrive at its barriers in its place."""
+    store.record_interruption(rank, kind, message)
+    store.record_terminated([rank])
+    store.arrive_and_wait(ITERATION_BARRIER, [rank], world_size, NO_WAIT)
+    store.arrive_and_wait(TERMINATION_BARRIER, [rank], world_size, NO_WAIT)
+
+
+def report_process_gone(base: dist.Store, initial_rank: int, initial_world_size: int, kind: str, message: str) -> bool:
+    """Report, from outside, that the process of ``initial_rank`` died inside the Wrapper.
+
+    Uses the position the process published last, so the other ranks restart
+    without it at once. Idempotent (barrier arrivals are per rank), so the
+    process's own monitor process may report it too. Returns False when
+    there is nothing to report: the process never entered the Wrapper, or
+    left it already.
+    """
+    job = job_store(base)
+    if not job.is_wrapped(initial_rank) or job.left(initial_rank) is not None:
+        return False
+    position = job.position(initial_rank)
+    if position is not None:
+        iteration = iteration_store(base, position["iteration"])
+        if iteration.outcome() != COMPLETED:
+            report_rank_gone(iteration, position["rank"], position["world_size"], kind, message)
+    job.arrive_and_wait(EXIT_BARRIER, [initial_rank], initial_world_size, NO_WAIT)
+    return True
+
+
+def default_store(**kwargs: Any) -> dist.Store:
+    """The Wrapper's default ``store_factory``.
+
+    Under ``ftrun`` (a :class:`~elastic_ft.handoff.StoreHandoff` in the
+    environment), the etcd store of the current rendezvous round, which no
+    rank hosts: the job survives the loss of any process. ``timeout`` is then
+    the only keyword accepted; any other keyword configures a TCPStore, so
+    the TCPStore is used as asked. Otherwise a :class:`TCPStore` hosted by
+    initial rank 0, with ``kwargs``.
+    """
+    handoff = StoreHandoff.from_env(os.environ)
+    if handoff is not None and set(kwargs) <= {"timeout"}:
+        from elastic_ft.etcd.client import EtcdClient
+        from elastic_ft.etcd.store import EtcdStore
+
+        client = EtcdClient(
+            handoff.endpoints,
+            connect_timeout=handoff.connect_timeout,
+            request_timeout=handoff.request_timeout,
+            tls=handoff.tls,
+        )
+        return EtcdStore(client, handoff.prefix, kwargs.get("timeout") or datetime.timedelta(seconds=handoff.timeout))
+    return TCPStore(**kwargs)
+
+
+_hosting_forbidden = False
+
+
+def forbid_hosting() -> None:
+    """Make :class:`TCPStore` connect as a client only: for processes that must not host it."""
+    global _hosting_forbidden
+    _hosting_forbidden = True
+
+
+class TCPStore(dist.TCPStore, StoreMixin):
+    """The default ``store_factory``: a TCPStore hosted by the process of initial rank ``host_rank``.
+
+    Args:
+        host_name: host of the store; default ``MASTER_ADDR``.
+        port: port of the store; default ``MASTER_PORT + 1``, leaving
+            ``MASTER_PORT`` to the wrapped function's own
+            ``init_process_group``.
+        timeout: timeout of the store's own blocking operations.
+        host_rank: the initial ``RANK`` whose process hosts the store.
+        use_libuv: use TCPStore's libuv server.
+    """
+
+    def __init__(
+        self,
+        host_name: str | None = None,
+        port: int | None = None,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+        host_rank: int = 0,
+        use_libuv: bool = True,
+    ) -> None:
+        self.host_rank = host_rank
+        hosts = int(os.environ["RANK"]) == host_rank and not _hosting_forbidden
+        super().__init__(
+            host_name if host_name is not None else os.environ["MASTER_ADDR"],
+            port if port is not None else int(os.environ["MASTER_PORT"]) + 1,
+            None,
+            hosts,
+            timeout,
+            wait_for_workers=False,
+            use_libuv=use_libuv,
+        )
+
+    @property
+    def critical_ranks(self) -> tuple[int, ...]:
+        return (self.host_rank,)

@@ -1,0 +1,589 @@
+"""In-process restart: :class:`Wrapper` and the per-call :class:`CallWrapper`.
+
+``Wrapper(...)(train)`` returns a function that runs ``train`` on every rank
+and, when any rank fails, unwinds it on every rank and calls it again in the
+same processes, without the ranks that died or turned unhealthy. A restart
+costs a few store round trips and the function's own re-initialisation,
+instead of new processes, imports and a rendezvous.
+
+One call goes through these steps (seed pseudocode order)::
+
+    store = store_factory(**store_kwargs)       # + monitor process, watchdog
+    initial barrier; rank assignment
+    loop:
+        iteration barrier; initialize; health check
+        active ranks: fn(*args, **kwargs)        spares: wait for completion
+        completion barrier                       -> return
+      on a fault anywhere:
+        abort (monitor thread); RankShouldRestart raised in the main thread
+        finalize; health check; termination barrier; rank assignment
+
+Every iteration keeps its keys under its own store prefix, and exactly one
+outcome, ``completed`` or ``interrupted``, is ever decided per iteration
+(``compare_set``), so ranks cannot disagree on whether to restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import faulthandler
+import functools
+import gc
+import inspect
+import json
+import os
+import re
+import signal
+import threading
+import time
+import typing
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from elastic_ft.inprocess.abort import AbortTorchDistributed
+from elastic_ft.inprocess.arguments import DEFAULT_DURATIONS, apply_job_config_defaults, validate_arguments
+from elastic_ft.inprocess.compose import Compose
+from elastic_ft.inprocess.exception import (
+    BarrierOverflow,
+    BarrierTimeout,
+    HealthCheckError,
+    InternalError,
+    RankAssignmentTimeout,
+    RankShouldRestart,
+    RestartAbort,
+)
+from elastic_ft.inprocess.hang_detection import AdaptiveTimeouts
+from elastic_ft.inprocess.logs import configure_logging, get_logger
+from elastic_ft.inprocess.monitor_process import STACK_DUMP_SIGNAL, MonitorConfig, MonitorProcess
+from elastic_ft.inprocess.monitor_thread import InterruptSignal, MonitorThread
+from elastic_ft.inprocess.process_groups import ProcessGroupKeeper
+from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps, ProgressWatchdog, StepClock
+from elastic_ft.inprocess.rank_assignment.base import RankAssignmentCtx
+from elastic_ft.inprocess.rank_assignment.policies import ActivateAllRanks, ShiftRanks
+from elastic_ft.inprocess.sockets import close_inherited_in_child, release_connections, socket_inodes
+from elastic_ft.inprocess.state import Mode, State
+from elastic_ft.inprocess.store import (
+    COMPLETED,
+    NO_WAIT,
+    PrefixStore,
+    default_store,
+    iteration_store,
+    job_store,
+    poll,
+    report_rank_gone,
+)
+from elastic_ft.keys import COMPLETION_BARRIER, EXIT_BARRIER, INITIAL_BARRIER, ITERATION_BARRIER, TERMINATION_BARRIER
+
+log = get_logger("wrapper")
+
+F = TypeVar("F", bound=Callable[..., Any])
+StateHook = Callable[[State], Any]
+
+#: Exceptions with which the in-process layer gives up on the whole job (every
+#: rank gets them alike, or the protocol itself broke), as opposed to a rank
+#: leaving alone (failed health check or finalize, discarded by the rank
+#: assignment) while the others go on. The node side escalates on these.
+GIVE_UP_ERRORS: tuple[type[BaseException], ...] = (
+    RestartAbort,
+    BarrierTimeout,
+    BarrierOverflow,
+    InternalError,
+    RankAssignmentTimeout,
+)
+
+
+class Wrapper:
+    """Adds in-process restart to a distributed training function.
+
+    Use as a decorator (``@Wrapper(...)``) or call it on a function. Under
+    ``ftrun`` with a job config, the config's ``wrapper`` timeouts and
+    ``rank_assignment`` replace the defaults of the arguments not given. The
+    wrapped function returns the function's result on the active ranks and
+    ``None`` on spares, once every rank has completed in the same iteration.
+    On a rank that leaves the job (terminated, unhealthy, discarded), it
+    raises the reason there.
+
+    Args:
+        store_factory: builds the coordination store, ``store_factory(**store_kwargs)``;
+            called by the main process and by the monitor process of every rank.
+            The default, :func:`elastic_ft.inprocess.store.default_store`, is the etcd
+            store of the rendezvous round under ``ftrun``, else a TCPStore
+            hosted by initial rank 0.
+        store_kwargs: keyword arguments of ``store_factory``.
+        initialize: run at the start of every iteration (:mod:`elastic_ft.inprocess.initialize`).
+        abort: unblocks the main thread on a fault (:mod:`elastic_ft.inprocess.abort`).
+        finalize: cleans up after a fault (:mod:`elastic_ft.inprocess.finalize`).
+        health_check: local health check (:mod:`elastic_ft.inprocess.health_check`).
+        rank_assignment: renumbers ranks and picks the active ones after a
+            fault; default ``Compose(ActivateAllRanks(), ShiftRanks())``.
+        monitor_thread_interval: how often the monitor thread polls a store
+            that cannot watch (an etcd store is watched: no polling).
+        monitor_process_interval: how often the monitor process checks the
+            rank's progress (its death it learns at once).
+        progress_watchdog_interval: how often the automatic heartbeat is taken.
+        heartbeat_interval: how often the monitor process heartbeats into the store.
+        heartbeat_timeout: silence after which a rank is reported unresponsive.
+        soft_timeout: no progress for this long restarts every rank; the
+            ceiling of the adaptive soft timeout.
+        hard_timeout: no progress for this long terminates the rank's process;
+            the ceiling of the adaptive hard timeout.
+        barrier_timeout: timeout of the initial, iteration and termination barriers.
+        completion_timeout: how long ranks that finished wait for the others.
+        last_call_wait: how long to wait for concurrent faults before restarting.
+        termination_grace_time: time between SIGTERM and SIGKILL at a hard timeout.
+        monitor_process_logfile: absolute path of the monitor process's log;
+            may contain ``{rank}`` (the initial rank); no log when ``None``.
+        enabled: when false, ``Wrapper(...)(fn)`` returns ``fn`` itself.
+        adaptive_timeouts: how the soft and hard timeouts follow the job's
+            step times (:class:`~elastic_ft.inprocess.hang_detection.AdaptiveTimeouts`);
+            ``None`` keeps them at ``soft_timeout`` and ``hard_timeout``.
+        interrupt_signal: the signal that breaks the main thread out of a
+            blocking call at a restart (its handler passes the signal on to
+            the previous handler otherwise); ``None`` relies on the
+            asynchronous exception alone, which waits for the call to return.
+    """
+
+    def __init__(
+        self,
+        *,
+        store_factory: Callable[..., dist.Store] = default_store,
+        store_kwargs: dict[str, Any] | None = None,
+        initialize: StateHook | None = None,
+        abort: StateHook | None = None,
+        finalize: StateHook | None = None,
+        health_check: StateHook | None = None,
+        rank_assignment: Callable[[RankAssignmentCtx], RankAssignmentCtx] | None = None,
+        monitor_thread_interval: datetime.timedelta = DEFAULT_DURATIONS["monitor_thread_interval"],
+        monitor_process_interval: datetime.timedelta = DEFAULT_DURATIONS["monitor_process_interval"],
+        progress_watchdog_interval: datetime.timedelta = DEFAULT_DURATIONS["progress_watchdog_interval"],
+        heartbeat_interval: datetime.timedelta = DEFAULT_DURATIONS["heartbeat_interval"],
+        heartbeat_timeout: datetime.timedelta = DEFAULT_DURATIONS["heartbeat_timeout"],
+        soft_timeout: datetime.timedelta = DEFAULT_DURATIONS["soft_timeout"],
+        hard_timeout: datetime.timedelta = DEFAULT_DURATIONS["hard_timeout"],
+        barrier_timeout: datetime.timedelta = DEFAULT_DURATIONS["barrier_timeout"],
+        completion_timeout: datetime.timedelta = DEFAULT_DURATIONS["completion_timeout"],
+        last_call_wait: datetime.timedelta = DEFAULT_DURATIONS["last_call_wait"],
+        termination_grace_time: datetime.timedelta = DEFAULT_DURATIONS["termination_grace_time"],
+        monitor_process_logfile: str | None = None,
+        enabled: bool = True,
+        adaptive_timeouts: AdaptiveTimeouts | None = AdaptiveTimeouts(),  # noqa: B008 - immutable
+        interrupt_signal: signal.Signals | None = signal.SIGUSR2,
+    ) -> None:
+        arguments = dict(locals())
+        del arguments["self"]
+        apply_job_config_defaults(arguments)
+        if arguments["abort"] is None:
+            arguments["abort"] = AbortTorchDistributed()
+        if arguments["rank_assignment"] is None:
+            arguments["rank_assignment"] = Compose(ActivateAllRanks(), ShiftRanks())
+        validate_arguments(arguments)
+        arguments["store_kwargs"] = dict(arguments["store_kwargs"] or {})
+        for name, value in arguments.items():
+            setattr(self, name, value)
+
+    def __call__(self, fn: F) -> F:
+        if not self.enabled:
+            return fn
+
+        @functools.wraps(fn)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with CallWrapper(self) as call_wrapper:
+                return call_wrapper(fn, args, kwargs)
+
+        return typing.cast(F, wrapped)
+
+
+def _secs(value: datetime.timedelta) -> float:
+    return value.total_seconds()
+
+
+class _RankLeaves(BaseException):
+    """Internal: this rank leaves the job; ``error`` is what the Wrapper raises to the caller."""
+
+    def __init__(self, error: BaseException, kind: str) -> None:
+        super().__init__(kind)
+        self.error = error
+        self.kind = kind
+
+
+def _is_call_wrapper_annotation(annotation: Any) -> bool:
+    if annotation is CallWrapper:
+        return True
+    if isinstance(annotation, str):
+        # An annotation that could not be resolved (say, CallWrapper imported inside a function).
+        words = set(re.findall(r"[A-Za-z_.]+", annotation))
+        names = {"CallWrapper", "elastic_ft.CallWrapper", "elastic_ft.inprocess.CallWrapper", f"{__name__}.CallWrapper"}
+        return bool(words & names) and words <= names | {
+            "None",
+            "Optional",
+            "typing.Optional",
+        }
+    return CallWrapper in typing.get_args(annotation) and type(None) in typing.get_args(annotation)
+
+
+def _call_wrapper_parameters(fn: Callable[..., Any]) -> list[str]:
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: fall back to the raw ones
+        hints = getattr(fn, "__annotations__", {})
+    return [name for name, annotation in hints.items() if name != "return" and _is_call_wrapper_annotation(annotation)]
+
+
+def _export_distributed_env(state: State) -> None:
+    """Expose the active rank and world size as the usual ``RANK`` and ``WORLD_SIZE``."""
+    if state.mode is Mode.ACTIVE:
+        os.environ["RANK"] = str(state.active_rank)
+        os.environ["WORLD_SIZE"] = str(state.active_world_size)
+
+
+class CallWrapper:
+    """The restart machinery of one call of a wrapped function.
+
+    The wrapped function receives it in any parameter annotated
+    ``CallWrapper`` or ``CallWrapper | None``, to use :meth:`atomic` and
+    :meth:`ping` and to read :attr:`iteration` and :attr:`state`.
+    """
+
+    def __init__(self, wrapper: Wrapper) -> None:
+        configure_logging()
+        if dist.is_available() and dist.is_initialized():
+            raise RuntimeError("enter the Wrapper before torch.distributed.init_process_group, not after")
+        self.wrapper = wrapper
+        self.state = State(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+        #: The exception that interrupted the last iteration on this rank, if it was local.
+        self.fn_exception: BaseException | None = None
+        self.atomic_lock = threading.RLock()
+        self._timestamps = ProgressTimestamps(_secs(wrapper.soft_timeout), _secs(wrapper.hard_timeout))
+        self._steps = StepClock(
+            self._timestamps, wrapper.adaptive_timeouts, _secs(wrapper.soft_timeout), _secs(wrapper.hard_timeout)
+        )
+        # Forked first, while this process has no other thread.
+        self._monitor_process = MonitorProcess(
+            MonitorConfig(
+                initial_rank=self.state.rank or 0,
+                initial_world_size=self.state.world_size,
+                interval=_secs(wrapper.monitor_process_interval),
+                heartbeat_interval=_secs(wrapper.heartbeat_interval),
+                heartbeat_timeout=_secs(wrapper.heartbeat_timeout),
+                soft_timeout=_secs(wrapper.soft_timeout),
+                hard_timeout=_secs(wrapper.hard_timeout),
+                termination_grace_time=_secs(wrapper.termination_grace_time),
+                gil_held_limit=max(1.0, 10 * _secs(wrapper.progress_watchdog_interval)),
+                logfile=wrapper.monitor_process_logfile,
+                log_level=log.getEffectiveLevel(),
+            ),
+            self._timestamps,
+            wrapper.store_factory,
+            wrapper.store_kwargs,
+        )
+        self._groups = ProcessGroupKeeper()
+        self._watchdog = ProgressWatchdog(
+            self._timestamps, _secs(wrapper.progress_watchdog_interval), self._groups.observe
+        )
+        self._job_store: PrefixStore | None = None
+        self._interrupt: InterruptSignal | None = None
+        self._step_hook: Any = None
+        try:
+            self.base_store = wrapper.store_factory(**wrapper.store_kwargs)
+            self._job_store = job_store(self.base_store)
+            self._job_store.record_wrapped(self.state.rank or 0, os.getpid())
+            self._job_store.arrive_and_wait(
+                INITIAL_BARRIER, [self.state.rank or 0], self.state.world_size, wrapper.barrier_timeout
+            )
+            self._monitor_process.store_ready()
+            # What exists now (the store's connections above all) is the process's own; what the
+            # wrapped function connects later is released at a restart (elastic_ft.inprocess.sockets).
+            self._socket_baseline = socket_inodes()
+            close_inherited_in_child(self._socket_baseline)
+            self._install_interrupt(wrapper.interrupt_signal)
+            # The monitor process sends this before it terminates the rank: every thread's stack goes to
+            # stderr, from a C handler that runs even when the GIL is held.
+            faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
+            self._step_hook = register_optimizer_step_post_hook(lambda *_: self._steps.step())
+            self._watchdog.start()
+            # Everything that exists now (imports, the store's client, the caller's
+            # set-up) outlives every iteration: move it out of the collector's way, so
+            # the full collection after a fault scans only what iterations created.
+            gc.freeze()
+        except BaseException:
+            self._release_hooks()
+            self._monitor_process.stop()
+            raise
+
+    def _install_interrupt(self, signum: signal.Signals | None) -> None:
+        if signum is None:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("the Wrapper runs outside the main thread: no interrupt signal, blocking calls end a restart late")
+            return
+        self._interrupt = InterruptSignal(signum)
+        self._interrupt.install()
+
+    def _release_hooks(self) -> None:
+        close_inherited_in_child(None)
+        faulthandler.unregister(STACK_DUMP_SIGNAL)
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        if self._interrupt is not None:
+            self._interrupt.uninstall()
+            self._interrupt = None
+
+    @property
+    def job_store(self) -> PrefixStore:
+        if self._job_store is None:
+            raise InternalError("the Wrapper's store is not set up")
+        return self._job_store
+
+    @property
+    def iteration(self) -> int:
+        """Index of the current restart iteration (0 for the first call)."""
+        return self.state.iteration
+
+    def ping(self) -> None:
+        """Report progress by hand: a step, for loops without a ``torch.optim`` optimizer.
+
+        After the first ping of an iteration the rank must keep pinging
+        within the soft (and hard) timeout, which catches livelocks. A ping
+        also counts as automatic progress, so a helper thread may keep a
+        main thread that is busy in one long C call alive. Pings, like
+        optimizer steps, time the steps the adaptive timeouts follow.
+        """
+        self._watchdog.ping()
+        self._steps.step()
+
+    @contextmanager
+    def long_section(self) -> Iterator[None]:
+        """A stretch that may take much longer than a step (a checkpoint, an evaluation).
+
+        Inside it the configured ``soft_timeout`` and ``hard_timeout`` apply
+        instead of the adaptive ones, and its duration is not taken for a
+        step time. ``atomic()`` is a long section too.
+        """
+        self._steps.enter_long_section()
+        try:
+            yield
+        finally:
+            self._steps.exit_long_section()
+
+    @contextmanager
+    def atomic(self) -> Iterator[None]:
+        """A block the restart never interrupts, and that never starts while a restart is under way.
+
+        The lock is shared with the monitor thread's termination procedure.
+        Waiting for it is done in short steps, so that a restart already
+        under way can still interrupt the waiting thread. The block is a
+        :meth:`long_section`: typically a checkpoint.
+        """
+        while not self.atomic_lock.acquire(timeout=0.001):
+            pass
+        try:
+            with self.long_section():
+                yield
+        finally:
+            self.atomic_lock.release()
+
+    def __enter__(self) -> CallWrapper:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, error: BaseException | None, *_: object) -> None:
+        try:
+            if self._job_store is not None:
+                gave_up = isinstance(error, GIVE_UP_ERRORS)
+                kind = "completed" if error is None else type(error).__name__
+                self._job_store.record_left(
+                    self.state.initial_rank or 0, kind, gave_up, "" if error is None else repr(error)
+                )
+        finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        """Leave the job: the store's hosts wait until every rank has left it."""
+        try:
+            if self._job_store is not None:
+                initial_rank = self.state.initial_rank or 0
+                hosts_store = initial_rank in getattr(self.base_store, "critical_ranks", ())
+                self._job_store.arrive_and_wait(
+                    EXIT_BARRIER,
+                    [initial_rank],
+                    self.state.initial_world_size or 1,
+                    datetime.timedelta.max if hosts_store else NO_WAIT,
+                )
+        finally:
+            gc.unfreeze()
+            self._release_hooks()
+            self._watchdog.shutdown()
+            self._monitor_process.stop()
+
+    # ---- the restart loop ----
+
+    def __call__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        wrapper = self.wrapper
+        kwargs = dict(kwargs)
+        bound = inspect.signature(fn).bind_partial(*args, **kwargs)
+        for name in _call_wrapper_parameters(fn):
+            if bound.arguments.get(name) is None:
+                bound.arguments[name] = self
+        args, kwargs = bound.args, bound.kwargs
+        store = iteration_store(self.base_store, 0)
+        state = wrapper.rank_assignment(RankAssignmentCtx(self.state, store, set())).state
+        while True:
+            self.state = state
+            store = iteration_store(self.base_store, state.iteration)
+            store.set_initial_rank(state.rank or 0, state.initial_rank or 0)
+            self.job_store.record_position(state.initial_rank or 0, state.iteration, state.rank or 0, state.world_size)
+            self._watchdog.reset()
+            self._steps.start_iteration()
+            self._monitor_process.start_iteration(state.iteration, state.rank or 0, state.world_size)
+            _export_distributed_env(state)
+            store.arrive_and_wait(ITERATION_BARRIER, [state.rank or 0], state.world_size, wrapper.barrier_timeout)
+            log.debug("rank %s: iteration %d starts as %s", state.rank, state.iteration, state.mode.name)
+            completed, result = self._run_iteration(fn, args, kwargs, store, state)
+            if completed:
+                log.debug("rank %s: iteration %d completed", state.rank, state.iteration)
+                return result
+            state = self._prepare_restart(store, state)
+
+    def _run_iteration(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], store: PrefixStore, state: State
+    ) -> tuple[bool, Any]:
+        """One iteration; returns ``(True, result)`` on completion, ``(False, None)`` to restart."""
+        wrapper = self.wrapper
+        rank = state.rank or 0
+        monitor = MonitorThread(
+            store,
+            state,
+            wrapper.abort,
+            self._release_connections,
+            _secs(wrapper.monitor_thread_interval),
+            _secs(wrapper.last_call_wait),
+            self.atomic_lock,
+            self._interrupt,
+        )
+        try:
+            try:
+                monitor.start()
+                if wrapper.initialize is not None:
+                    wrapper.initialize(state)
+                self._check_health(state)
+                result = None
+                if state.mode is Mode.ACTIVE:
+                    result = fn(*args, **kwargs)
+                    store.mark_any_completed()
+                else:
+                    poll(store.any_completed, None, interval_max=_secs(wrapper.progress_watchdog_interval) / 4)
+                outcome = store.arrive_and_wait(
+                    COMPLETION_BARRIER,
+                    [rank],
+                    state.world_size,
+                    wrapper.completion_timeout,
+                )
+                if outcome == COMPLETED:
+                    monitor.stop()
+                    self._groups.forget()
+                    return True, result
+                raise InternalError("the iteration was interrupted while this rank waited to complete")
+            except Exception as error:  # noqa: BLE001 - any failure of the iteration restarts it
+                # The iteration is lost: cut its connections first, here. Dropping the
+                # traceback below can free the frames' process group, whose destructor
+                # waits for its pending work while holding the GIL; the monitor thread
+                # could then never cut them, and a peer's blocked collective never ends.
+                self._abort(state)
+                # Without its traceback: the frames it holds would keep the failed
+                # iteration's process group, and so its connections, alive.
+                self.fn_exception = error.with_traceback(None)
+                log.error("rank %s: iteration %d failed: %r", rank, state.iteration, error)
+                store.record_interruption(rank, type(error).__name__, repr(error))
+                self._await_restart(monitor)
+        except RankShouldRestart:
+            monitor.acknowledge()
+            log.info("rank %s: iteration %d interrupted, restarting", rank, state.iteration)
+            return False, None
+        except BaseException as error:  # noqa: BLE001 - any other exit makes this rank leave, then re-raises
+            monitor.stop()
+            leaving = error if isinstance(error, _RankLeaves) else _RankLeaves(error, type(error).__name__)
+            self._leave(store, state, leaving)
+            raise leaving.error from None
+        raise InternalError("unreachable")
+
+    def _await_restart(self, monitor: MonitorThread) -> None:
+        """Wait in Python code for the monitor thread's RankShouldRestart (the fault recorded here reaches it)."""
+        wrapper = self.wrapper
+        patience = _secs(wrapper.last_call_wait) + 3 * _secs(wrapper.monitor_thread_interval) + 30.0
+        deadline = time.monotonic() + patience
+        while time.monotonic() < deadline or monitor.restart_started.is_set():
+            time.sleep(0.001)
+        raise InternalError(f"the monitor thread did not start a restart within {patience:g} s")
+
+    def _check_health(self, state: State) -> None:
+        if self.wrapper.health_check is None:
+            return
+        try:
+            self.wrapper.health_check(state)
+        except Exception as error:
+            health_error = HealthCheckError(f"rank {state.rank} failed its health check: {error!r}")
+            health_error.__cause__ = error
+            raise _RankLeaves(health_error, "health_check") from error
+
+    def _leave(self, store: PrefixStore, state: State, leaving: _RankLeaves) -> None:
+        """Record this rank as gone from the iteration, so the others restart without it."""
+        rank = state.rank or 0
+        log.error("rank %s leaves the job in iteration %d: %r", rank, state.iteration, leaving.error)
+        try:
+            report_rank_gone(store, rank, state.world_size, leaving.kind, repr(leaving.error))
+        finally:
+            self._abort(state)
+
+    def _release_connections(self) -> int:
+        """The iteration is lost: keep its gloo groups from being destroyed, then cut their connections."""
+        self._groups.retire()
+        return release_connections(self._socket_baseline)
+
+    def _abort(self, state: State) -> None:
+        """Release the function's connections, then the ``abort`` hook (idempotent; the monitor thread ran both)."""
+        try:
+            self._release_connections()
+        except Exception:
+            log.exception("rank %s: releasing connections failed", state.rank)
+        if self.wrapper.abort is None:
+            return
+        try:
+            self.wrapper.abort(state)
+        except Exception:
+            log.exception("rank %s: abort failed", state.rank)
+
+    def _prepare_restart(self, store: PrefixStore, state: State) -> State:
+        """After an interruption: abort, finalize, health check, termination barrier, rank assignment."""
+        wrapper = self.wrapper
+        rank = state.rank or 0
+        self._abort(state)
+        # Free what the unwound function left in reference cycles, above all its process
+        # groups: a group's connections close only when it is freed, and peers blocked in
+        # a collective with this rank unblock only then.
+        gc.collect()
+        try:
+            try:
+                if wrapper.finalize is not None:
+                    wrapper.finalize(state)
+            except Exception as error:
+                raise _RankLeaves(error, "finalize") from error
+            self._check_health(state)
+        except _RankLeaves as leaving:
+            self._leave(store, state, leaving)
+            raise leaving.error from None
+        payload = store.arrive_and_wait(
+            TERMINATION_BARRIER,
+            [rank],
+            state.world_size,
+            wrapper.barrier_timeout,
+        )
+        terminated = set(json.loads(payload or "[]"))
+        if terminated:
+            log.info("rank %s: ranks %s left the job in iteration %d", rank, sorted(terminated), state.iteration)
+        next_state = dataclasses.replace(state, iteration=state.iteration + 1)
+        return wrapper.rank_assignment(RankAssignmentCtx(next_state, store, terminated)).state

@@ -1,0 +1,210 @@
+"""Every key elastic-ft keeps in etcd or in a store, spelled in this module only.
+
+All of a run's etcd keys live under its *run prefix*, ``<etcd_prefix>/<run_id>/``
+(:class:`RunKeys`)::
+
+    config                          the job config (JSON)
+    rdzv/closed                     the job is over
+    rdzv/alive/<node>               on the node's lease: its agent is alive
+    rdzv/round/<n>/join/<node>      on the node's lease: it asks to be in round n
+    rdzv/round/<n>/result           round n's members in rank order (written once)
+    rdzv/round/<n>/left/<node>      a member left round n cleanly
+    round/<n>/store/<key>           round n's torch.distributed.Store
+    ftrun/escalations/<n>           ftrun escalated from round n (job-wide count)
+
+Inside a round's store (relative to the store, so the same names serve a
+TCPStore) the node side and the worker side keep their records::
+
+    ftrun/nodes/<node>              an agent's global ranks and worker pids
+    ftrun/exits/<rank>              how a worker ended
+    ftrun/exit_barrier/<node>       an agent finished
+    elastic_ft/inprocess/job/...    the Wrapper's job-wide keys (WRAPPER_JOB)
+    elastic_ft/inprocess/iteration/<n>/...   one restart iteration's keys
+    elastic_ft/rank_assignment/<policy>/<call>/...   grouping-key exchanges
+
+The parsers are total: a key that does not have the expected shape gives
+``None``, never an exception, since anything read from etcd is untrusted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# ---- the run's etcd keys ------------------------------------------------------
+
+RDZV = "rdzv/"
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """The etcd keys of one run, ``<etcd_prefix>/<run_id>/...``."""
+
+    etcd_prefix: str
+    run_id: str
+
+    @property
+    def root(self) -> str:
+        """``<etcd_prefix>/<run_id>/``: every key of the run starts with it."""
+        return f"{self.etcd_prefix.rstrip('/')}/{self.run_id}/"
+
+    @property
+    def config(self) -> str:
+        return self.root + "config"
+
+    @property
+    def rdzv(self) -> str:
+        """The prefix every rendezvous key lives under; :func:`parse_rdzv_key` reads keys relative to it."""
+        return self.root + RDZV
+
+    @property
+    def closed(self) -> str:
+        return self.rdzv + "closed"
+
+    def alive(self, node: str) -> str:
+        return f"{self.rdzv}alive/{node}"
+
+    def join(self, number: int, node: str) -> str:
+        return f"{self.rdzv}round/{number}/join/{node}"
+
+    def result(self, number: int) -> str:
+        return f"{self.rdzv}round/{number}/result"
+
+    def left(self, number: int, node: str) -> str:
+        return f"{self.rdzv}round/{number}/left/{node}"
+
+    def rdzv_round(self, number: int) -> str:
+        """Prefix of round ``number``'s rendezvous keys."""
+        return f"{self.rdzv}round/{number}/"
+
+    def round_data(self, number: int) -> str:
+        """Prefix of round ``number``'s data (its store)."""
+        return f"{self.root}round/{number}/"
+
+    def round_store(self, number: int) -> str:
+        """Prefix of round ``number``'s ``torch.distributed.Store``."""
+        return f"{self.root}round/{number}/store/"
+
+    @property
+    def escalations(self) -> str:
+        return self.root + "ftrun/escalations/"
+
+    def escalation(self, number: int) -> str:
+        return f"{self.escalations}{number}"
+
+
+@dataclass(frozen=True)
+class RdzvKey:
+    """What a key relative to ``rdzv/`` names; ``kind`` is closed, alive, join, result or left."""
+
+    kind: str
+    round: int = -1
+    node: str = ""
+
+
+def parse_rdzv_key(relative: str) -> RdzvKey | None:
+    """Read a key relative to :attr:`RunKeys.rdzv`; ``None`` for a key of no known shape."""
+    parts = relative.split("/")
+    if parts == ["closed"]:
+        return RdzvKey("closed")
+    if len(parts) == 2 and parts[0] == "alive" and parts[1]:
+        return RdzvKey("alive", node=parts[1])
+    if len(parts) < 3 or parts[0] != "round":
+        return None
+    number = parse_count(parts[1])
+    if number is None:
+        return None
+    if parts[2] == "result" and len(parts) == 3:
+        return RdzvKey("result", round=number)
+    if parts[2] in ("join", "left") and len(parts) == 4 and parts[3]:
+        return RdzvKey(parts[2], round=number, node=parts[3])
+    return None
+
+
+# ---- names inside a round's store ------------------------------------------------
+
+FTRUN_NODES = "ftrun/nodes/"
+FTRUN_EXITS = "ftrun/exits/"
+FTRUN_EXIT_BARRIER = "ftrun/exit_barrier/"
+
+WRAPPER_NAMESPACE = "elastic_ft/inprocess"
+#: The Wrapper's job-wide view; inside it, the records below (by initial rank).
+WRAPPER_JOB = f"{WRAPPER_NAMESPACE}/job"
+WRAPPED = "wrapped/"
+POSITION = "position/"
+LEFT = "left/"
+HEARTBEAT = "heartbeat/"
+
+#: The Wrapper's barriers (names of key groups, see :func:`barrier_arrived`).
+INITIAL_BARRIER = "initial_barrier"
+ITERATION_BARRIER = "iteration_barrier"
+COMPLETION_BARRIER = "completion_barrier"
+TERMINATION_BARRIER = "termination_barrier"
+EXIT_BARRIER = "exit_barrier"
+
+#: Keys of one restart iteration's view.
+OUTCOME = "outcome"
+INTERRUPTIONS = "interruptions"
+TERMINATED = "terminated"
+ANY_COMPLETED = "any_completed"
+RANK_OF_INITIAL = "rank_of_initial/"
+
+RANK_ASSIGNMENT = "elastic_ft/rank_assignment"
+
+
+def wrapper_iteration(number: int) -> str:
+    """The store prefix of the Wrapper's restart iteration ``number``."""
+    return f"{WRAPPER_NAMESPACE}/iteration/{number}"
+
+
+def barrier_arrived(name: str, rank: int) -> str:
+    return f"{name}/arrived/{rank}"
+
+
+def barrier_count(name: str) -> str:
+    return f"{name}/count"
+
+
+def barrier_done(name: str) -> str:
+    return f"{name}/done"
+
+
+def rank_assignment_exchange(policy: str, call: int) -> str:
+    """Prefix of one grouping-key exchange of a rank-assignment policy."""
+    return f"{RANK_ASSIGNMENT}/{policy}/{call}"
+
+
+def exchange_published(exchange: str, rank: int) -> str:
+    return f"{exchange}/keys/{rank}"
+
+
+def exchange_arrived(exchange: str) -> str:
+    return f"{exchange}/arrived"
+
+
+def exchange_table(exchange: str) -> str:
+    return f"{exchange}/table"
+
+
+# ---- parsers ---------------------------------------------------------------------
+
+_MAX_COUNT_DIGITS = 18  # beyond any round, rank or iteration a job reaches; keeps int() cheap
+
+
+def parse_count(text: str) -> int | None:
+    """A non-negative decimal integer (a round, rank or iteration), else ``None``."""
+    if not text or len(text) > _MAX_COUNT_DIGITS or not text.isascii() or not text.isdigit():
+        return None
+    return int(text)
+
+
+def suffix(key: str, prefix: str) -> str | None:
+    """The part of ``key`` after ``prefix``, or ``None`` if ``key`` is not under it (or is it)."""
+    if not key.startswith(prefix) or len(key) == len(prefix):
+        return None
+    return key[len(prefix) :]
+
+
+def count_suffix(key: str, prefix: str) -> int | None:
+    """The number that ends ``key`` right after ``prefix`` (``.../exits/3`` -> 3), else ``None``."""
+    rest = suffix(key, prefix)
+    return None if rest is None else parse_count(rest)

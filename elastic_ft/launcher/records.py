@@ -1,0 +1,119 @@
+"""ftrun's records: what each agent publishes about its workers, and the escalations.
+
+In the round's store (names from :mod:`elastic_ft.keys`):
+
+``ftrun/nodes/<node>``        :class:`NodeRecord`: the node's global ranks and worker pids
+``ftrun/exits/<rank>``        :class:`ExitRecord`: how a worker ended, as the agent classified it
+``ftrun/exit_barrier/<node>`` the node's workers finished
+
+In etcd, job-wide: ``ftrun/escalations/<round>`` (:class:`EscalationRecord`),
+one per escalated round, whose count is the job's process-level restarts.
+
+Values are JSON. Decoding checks every field and raises :class:`RecordError`
+naming what is wrong: records are read back from etcd, so they are untrusted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+class RecordError(ValueError):
+    """A record read back does not have the expected shape."""
+
+
+def _document(raw: bytes | str, what: str) -> dict[str, Any]:
+    try:
+        document = json.loads(raw)
+    except ValueError as error:
+        raise RecordError(f"{what} is not JSON: {error}") from None
+    if not isinstance(document, dict):
+        raise RecordError(f"{what} is not a JSON object: {document!r:.200}")
+    return document
+
+
+def _field(document: dict[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
+    value = document.get(name)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise RecordError(f"{what} has {name}={value!r:.100}; expected {getattr(kind, '__name__', kind)}")
+    return value
+
+
+def _int_list(document: dict[str, Any], name: str, what: str) -> tuple[int, ...]:
+    value = _field(document, name, list, what)
+    if not all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+        raise RecordError(f"{what} has {name}={value!r:.100}; expected a list of integers")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    host: str
+    group_rank: int
+    round: int
+    global_ranks: tuple[int, ...]
+    pids: tuple[int, ...]
+    world_size: int
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "global_ranks": list(self.global_ranks), "pids": list(self.pids)})
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> NodeRecord:
+        what = "node record"
+        document = _document(raw, what)
+        record = cls(
+            host=_field(document, "host", str, what),
+            group_rank=_field(document, "group_rank", int, what),
+            round=_field(document, "round", int, what),
+            global_ranks=_int_list(document, "global_ranks", what),
+            pids=_int_list(document, "pids", what),
+            world_size=_field(document, "world_size", int, what),
+        )
+        if len(record.global_ranks) != len(record.pids):
+            raise RecordError(f"{what} lists {len(record.global_ranks)} ranks but {len(record.pids)} pids")
+        return record
+
+
+@dataclass(frozen=True)
+class ExitRecord:
+    node: str
+    pid: int
+    exitcode: int
+    kind: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> ExitRecord:
+        what = "exit record"
+        document = _document(raw, what)
+        return cls(
+            node=_field(document, "node", str, what),
+            pid=_field(document, "pid", int, what),
+            exitcode=_field(document, "exitcode", int, what),
+            kind=_field(document, "kind", str, what),
+        )
+
+
+@dataclass(frozen=True)
+class EscalationRecord:
+    node: str
+    reason: str
+    time: float
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> EscalationRecord:
+        what = "escalation record"
+        document = _document(raw, what)
+        return cls(
+            node=_field(document, "node", str, what),
+            reason=_field(document, "reason", str, what),
+            time=float(_field(document, "time", (int, float), what)),
+        )

@@ -1,0 +1,279 @@
+"""What ``elastic-ft status`` shows: the run's rounds, members, workers and restarts, read from etcd.
+
+:func:`collect_status` reads a few key ranges and returns plain data (what
+``--json`` prints); :func:`render_status` turns it into the table. Records
+that do not decode are skipped, not fatal: the status of a job is exactly
+when a reader must cope with whatever is in etcd.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from elastic_ft.etcd.client import EtcdClient
+from elastic_ft.keys import (
+    FTRUN_EXITS,
+    FTRUN_NODES,
+    INTERRUPTIONS,
+    OUTCOME,
+    POSITION,
+    RANK_OF_INITIAL,
+    TERMINATION_BARRIER,
+    WRAPPER_JOB,
+    RunKeys,
+    barrier_arrived,
+    barrier_done,
+    count_suffix,
+    parse_count,
+    suffix,
+    wrapper_iteration,
+)
+from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, RecordError
+from elastic_ft.rendezvous.model import RoundResult, parse_state
+
+log = logging.getLogger(__name__)
+
+
+def collect_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
+    """Everything ``elastic-ft status`` shows."""
+    kvs, revision = client.get_prefix(keys.rdzv)
+    config_kv, _ = client.get(keys.config)
+    raw = {kv.key[len(keys.rdzv) :]: kv for kv in kvs}
+    state = parse_state(raw)
+    hosts = {}
+    for key, kv in raw.items():
+        node = suffix(key, "alive/")
+        if node is not None:
+            hosts[node] = json.loads(kv.value)
+    config = json.loads(config_kv.value) if config_kv else None
+    current = state.last_closed
+    members = _members(current, state, hosts)
+    open_round = state.round(state.open_round)
+    member_nodes = {m["node"] for m in members}
+    # Without a stored config, max_nodes is unknown: nodes waiting are not called spares.
+    full = current is not None and config is not None and len(current.members) >= int(config["nodes"]["max"])
+    joined = []
+    for node in sorted(open_round.joins, key=lambda n: open_round.joins[n].create_revision):
+        role = "rejoined" if node in member_nodes else ("spare" if full else "waiting")
+        joined.append({"node": node, "role": role, "host": hosts.get(node, {}).get("host")})
+    workers: list[dict[str, Any]] = []
+    terminated: list[int] = []
+    iteration = None
+    restart = None
+    if current is not None:
+        dead_nodes = {m["node"] for m in members if m["state"] == "dead"}
+        store = keys.round_store(current.round)
+        workers, terminated, iteration = _worker_status(client, store, dead_nodes)
+        if iteration is not None:
+            restart = _restart_in_progress(client, store, iteration)
+    escalations = _escalations(client, keys)
+    return {
+        "run": keys.run_id,
+        "revision": revision,
+        "closed": state.closed,
+        "round": None if current is None else current.round,
+        "rounds_completed": 0 if current is None else current.round + 1,
+        "master": None if current is None else f"{current.master_addr}:{current.master_port}",
+        "members": members,
+        "next_round": state.open_round,
+        "joined_next_round": joined,
+        "config": config,
+        "workers": workers,
+        "terminated_ranks": terminated,
+        "in_process_restarts": iteration,
+        "restart_in_progress": restart,
+        "process_restarts": len(escalations),
+        "escalations": escalations,
+    }
+
+
+def _members(current: RoundResult | None, state: Any, hosts: dict[str, Any]) -> list[dict[str, Any]]:
+    if current is None:
+        return []
+    members = []
+    left = state.round(current.round).left
+    for rank, member in enumerate(current.members):
+        if member.node in left:
+            health = "left"
+        elif state.is_alive(member):
+            health = "alive"
+        else:
+            health = "dead"
+        info = hosts.get(member.node, {})
+        members.append(
+            {"rank": rank, "node": member.node, "host": info.get("host"), "pid": info.get("pid"), "state": health}
+        )
+    return members
+
+
+def _escalations(client: EtcdClient, keys: RunKeys) -> list[dict[str, Any]]:
+    records = _records(client, keys.escalations, parse_count, EscalationRecord.from_json)
+    return [
+        {"round": number, "node": record.node, "reason": record.reason, "time": record.time}
+        for number, record in sorted(records.items())
+    ]
+
+
+KeyT = TypeVar("KeyT")
+RecordT = TypeVar("RecordT")
+
+
+def _records(
+    client: EtcdClient,
+    prefix: str,
+    parse_key: Callable[[str], KeyT | None],
+    decode: Callable[[bytes], RecordT],
+) -> dict[KeyT, RecordT]:
+    """The records under ``prefix`` by key suffix; malformed keys and records are skipped (and logged)."""
+    found: dict[KeyT, RecordT] = {}
+    for kv in client.get_prefix(prefix)[0]:
+        rest = suffix(kv.key, prefix)
+        key = None if rest is None else parse_key(rest)
+        if key is None:
+            continue
+        try:
+            found[key] = decode(kv.value)
+        except RecordError as error:
+            log.warning("skipping %s: %s", kv.key, error)
+    return found
+
+
+def _worker_status(
+    client: EtcdClient, store_prefix: str, dead_nodes: set[str]
+) -> tuple[list[dict[str, Any]], list[int], int | None]:
+    """The workers of the round from ftrun's and the Wrappers' records in the round's store.
+
+    Returns the workers by global rank, the ranks that left the job (failed
+    or on a dead node), and the highest in-process restart iteration reached.
+    """
+    nodes = _records(client, store_prefix + FTRUN_NODES, lambda rest: rest, NodeRecord.from_json)
+    exits = _records(client, store_prefix + FTRUN_EXITS, parse_count, ExitRecord.from_json)
+    positions_prefix = f"{store_prefix}{WRAPPER_JOB}/{POSITION}"
+    positions = {}
+    for kv in client.get_prefix(positions_prefix)[0]:
+        rank = count_suffix(kv.key, positions_prefix)
+        if rank is not None:
+            positions[rank] = json.loads(kv.value)
+    workers = []
+    for node, record in nodes.items():
+        for rank, pid in zip(record.global_ranks, record.pids, strict=True):
+            exit_record = exits.get(rank)
+            if exit_record is not None:
+                state = f"{exit_record.kind} ({exit_record.exitcode})"
+            elif node in dead_nodes:
+                state = "node dead"
+            else:
+                state = "running"
+            position = positions.get(rank, {})
+            workers.append(
+                {
+                    "rank": rank,
+                    "node": node,
+                    "pid": pid,
+                    "state": state,
+                    "iteration": position.get("iteration"),
+                    "rank_in_iteration": position.get("rank"),
+                }
+            )
+    workers.sort(key=lambda worker: worker["rank"])
+    terminated = sorted(
+        w["rank"]
+        for w in workers
+        if w["state"] == "node dead" or (w["rank"] in exits and exits[w["rank"]].kind != "succeeded")
+    )
+    iterations = [position["iteration"] for position in positions.values()]
+    return workers, terminated, max(iterations) if iterations else None
+
+
+def _restart_in_progress(client: EtcdClient, store_prefix: str, iteration: int) -> dict[str, Any] | None:
+    """The restart of ``iteration`` if one is under way: when and why it was interrupted, whom it waits for.
+
+    An iteration is being restarted from the moment its outcome is
+    ``interrupted`` until its termination barrier completes; meanwhile the
+    ranks that have not arrived at that barrier are the ones it waits for.
+    """
+    prefix = f"{store_prefix}{wrapper_iteration(iteration)}/"
+    kvs, _ = client.get_prefix(prefix)
+    found = {kv.key[len(prefix) :]: kv.value for kv in kvs}
+    if found.get(OUTCOME) != b"interrupted" or barrier_done(TERMINATION_BARRIER) in found:
+        return None
+    initial_of: dict[int, int] = {}
+    for key, value in found.items():
+        initial = count_suffix(key, RANK_OF_INITIAL)
+        rank = parse_count(value.decode(errors="replace"))
+        if initial is not None and rank is not None:
+            initial_of[rank] = initial
+    interruptions = []
+    for line in found.get(INTERRUPTIONS, b"").decode(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+            interruptions.append({"rank": int(record["rank"]), "initial_rank": initial_of.get(int(record["rank"])),
+                                  "kind": str(record["kind"]), "message": str(record.get("message", "")),
+                                  "time": float(record["time"]) if "time" in record else None})  # fmt: skip
+        except (ValueError, KeyError, TypeError):
+            log.warning("skipping a malformed interruption record of iteration %d: %.200s", iteration, line)
+    arrived = {rank for rank in initial_of if barrier_arrived(TERMINATION_BARRIER, rank) in found}
+    times = [record["time"] for record in interruptions if record["time"] is not None]
+    return {
+        "iteration": iteration,
+        "interrupted_at": min(times) if times else None,
+        "interruptions": interruptions,
+        "waiting_for": sorted(initial_of[rank] for rank in initial_of if rank not in arrived),
+    }
+
+
+def render_status(status: dict[str, Any]) -> str:
+    lines = [f"run {status['run']}: " + ("closed" if status["closed"] else "open")]
+    if status["round"] is None:
+        lines.append("no round has completed yet")
+    else:
+        lines.append(
+            f"round {status['round']} ({status['rounds_completed']} completed), "
+            f"{len(status['members'])} member(s), MASTER {status['master']}"
+        )
+        lines.append(f"  {'rank':>4}  {'state':<6}  {'host':<20}  {'pid':>7}  node")
+        for m in status["members"]:
+            lines.append(
+                f"  {m['rank']:>4}  {m['state']:<6}  {m['host'] or '-':<20}  {m['pid'] or '-':>7}  {m['node']}"
+            )
+    if status["workers"]:
+        lines.append(f"  workers: {'rank':>4}  {'state':<16}  {'iteration':>9}  {'pid':>7}  node")
+        for w in status["workers"]:
+            iteration = "-" if w["iteration"] is None else f"{w['iteration']} (rank {w['rank_in_iteration']})"
+            lines.append(f"           {w['rank']:>4}  {w['state']:<16}  {iteration:>9}  {w['pid']:>7}  {w['node']}")
+    lines.append(
+        f"terminated ranks: {status['terminated_ranks'] or 'none'}; "
+        f"in-process restarts: {status['in_process_restarts'] or 0}; "
+        f"process-level restarts: {status['process_restarts']}"
+    )
+    restart = status.get("restart_in_progress")
+    if restart is not None:
+        when = (
+            "?"
+            if restart["interrupted_at"] is None
+            else time.strftime("%H:%M:%S", time.localtime(restart["interrupted_at"]))
+        )
+        lines.append(f"restart in progress: iteration {restart['iteration']} interrupted at {when}")
+        for record in restart["interruptions"]:
+            lines.append(f"  by rank {record['initial_rank']} ({record['kind']}): {record['message'][:120]}")
+        lines.append(f"  waiting for ranks: {restart['waiting_for'] or 'none'}")
+    for escalation in status["escalations"]:
+        lines.append(f"  escalated round {escalation['round']} on {escalation['node']}: {escalation['reason']}")
+    joined = status["joined_next_round"]
+    lines.append(f"round {status['next_round']} (next): {len(joined)} node(s) joined")
+    for j in joined:
+        lines.append(f"        {j['role']:<8}  {j['host'] or '-':<20}  {j['node']}")
+    config = status["config"]
+    if config is None:
+        lines.append("config: none stored (elastic-ft config put)")
+    else:
+        nodes = config["nodes"]
+        lines.append(
+            f"config: nodes {nodes['min']}..{nodes['max']} (+{nodes['spares']} spare), "
+            f"nproc_per_node {config['nproc_per_node']}, max_restarts {config['max_restarts']}"
+        )
+    return "\n".join(lines)

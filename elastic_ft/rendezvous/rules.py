@@ -1,0 +1,312 @@
+"""Every rendezvous decision, as a pure function of the state.
+
+Nothing here does I/O. :func:`next_action` decides what a node in
+``next_rendezvous()`` does next; :func:`close_verdict` whether a round may
+close, with the reason; :func:`assign_ranks` orders a closing round;
+:func:`num_nodes_waiting` and :func:`membership_change` answer torch's and
+ftrun's agents. The handler (``handler.py``) only carries these decisions
+out against etcd; the state they read is :mod:`elastic_ft.rendezvous.model`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+from elastic_ft.rendezvous.model import Join, Member, RendezvousState, RoundResult
+
+#: A closing transaction checks every member's join key is still there; etcd
+#: caps a transaction at 128 operations (``--max-txn-ops``), so beyond this
+#: many members the check is skipped and a member lost during the close is
+#: handled as a death after completion instead.
+MAX_CHECKED_MEMBERS = 120
+
+
+# ---- closing a round --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Limits:
+    min_nodes: int
+    max_nodes: int
+    last_call_timeout: float
+
+
+def pending_members(state: RendezvousState, number: int) -> list[Member]:
+    """Members of round ``number - 1`` that are alive but have not joined round ``number``.
+
+    While any exist, the previous group may still be training, so round
+    ``number`` must not close (exclusivity).
+    """
+    previous = state.round(number - 1).result
+    if previous is None:
+        return []
+    joined = state.round(number).joins
+    gone = state.round(number - 1).left
+    return [m for m in previous.members if state.is_alive(m) and m.node not in gone and m.node not in joined]
+
+
+def previous_fully_accounted(state: RendezvousState, number: int) -> bool:
+    """True when every member of round ``number - 1`` has rejoined or is gone.
+
+    This is the fast re-rendezvous rule (TorchFT's fast quorum): when the
+    previous group is complete again, or its missing members are known to be
+    dead or departed, no one else is expected, so waiting for last call would
+    only delay recovery.  At least one previous member must be back: nodes of
+    a new job started under an old run id gather with last call as usual.
+    The first round has no previous group.
+    """
+    previous = state.round(number - 1).result
+    if previous is None:
+        return False
+    joined = state.round(number).joins
+    if not any(m.node in joined for m in previous.members):
+        return False
+    return all(m.node in joined or not state.is_alive(m) for m in previous.members)
+
+
+def assign_ranks(previous: RoundResult | None, joins: Iterable[Join], max_nodes: int) -> list[Join]:
+    """Choose the members of a closing round, in rank order.
+
+    Admission: members of the previous round first, then the others in the
+    order they joined (create revision); at most ``max_nodes``.  Ranks: an
+    admitted node keeps its previous rank if that rank still exists; the
+    remaining ranks go, lowest first, to the rest in admission order.
+    """
+    previous_rank = {m.node: r for r, m in enumerate(previous.members)} if previous else {}
+    by_join_order = sorted(joins, key=lambda j: (j.create_revision, j.node))
+    returning = [j for j in by_join_order if j.node in previous_rank]
+    returning.sort(key=lambda j: previous_rank[j.node])
+    newcomers = [j for j in by_join_order if j.node not in previous_rank]
+    admitted = (returning + newcomers)[:max_nodes]
+    size = len(admitted)
+    ranks: list[Join | None] = [None] * size
+    unplaced = []
+    for join in admitted:
+        rank = previous_rank.get(join.node)
+        if rank is not None and rank < size and ranks[rank] is None:
+            ranks[rank] = join
+        else:
+            unplaced.append(join)
+    free = iter(r for r in range(size) if ranks[r] is None)
+    for join in unplaced:
+        ranks[next(free)] = join
+    return [j for j in ranks if j is not None]
+
+
+class CloseVerdict(Enum):
+    CLOSE = "close"
+    WAIT_FOR_PREVIOUS = "wait for the previous round's members"
+    WAIT_FOR_MIN = "wait for min_nodes"
+    WAIT_FOR_LAST_CALL = "wait for last call"
+
+
+@dataclass(frozen=True)
+class CloseDecision:
+    """Whether a round may close; ``until``: when a last-call wait ends; ``reason``: why, for the log."""
+
+    verdict: CloseVerdict
+    until: float | None
+    reason: str
+
+
+def close_verdict(
+    state: RendezvousState, number: int, limits: Limits, now: float, last_call_since: float | None
+) -> CloseDecision:
+    """Whether round ``number`` may close now; if it must wait for last call,
+    also when that wait ends (``last_call_since + last_call_timeout``)."""
+    pending = pending_members(state, number)
+    if pending:
+        names = ", ".join(m.node for m in pending[:8]) + (", ..." if len(pending) > 8 else "")
+        return CloseDecision(
+            CloseVerdict.WAIT_FOR_PREVIOUS,
+            None,
+            f"{len(pending)} member(s) of round {number - 1} still run and have not re-joined: {names}",
+        )
+    joined = len(state.round(number).joins)
+    if joined >= limits.max_nodes:
+        return CloseDecision(CloseVerdict.CLOSE, None, f"{joined} node(s) joined, max_nodes={limits.max_nodes}")
+    if joined < limits.min_nodes:
+        return CloseDecision(
+            CloseVerdict.WAIT_FOR_MIN, None, f"{joined} of min_nodes={limits.min_nodes} node(s) joined"
+        )
+    if previous_fully_accounted(state, number):
+        return CloseDecision(
+            CloseVerdict.CLOSE,
+            None,
+            f"every member of round {number - 1} re-joined or is gone ({joined} node(s) joined)",
+        )
+    if last_call_since is None:
+        ends = now + limits.last_call_timeout
+    else:
+        ends = last_call_since + limits.last_call_timeout
+        if now >= ends:
+            return CloseDecision(CloseVerdict.CLOSE, None, f"last call ended with {joined} node(s) joined")
+    return CloseDecision(
+        CloseVerdict.WAIT_FOR_LAST_CALL,
+        ends,
+        f"{joined} node(s) joined (min_nodes={limits.min_nodes}, max_nodes={limits.max_nodes}); "
+        f"last call for {ends - now:.1f} s more",
+    )
+
+
+def closer_of(joins: Mapping[str, Join]) -> str | None:
+    """The node that writes the round's result: the earliest joiner (lowest
+    create revision), as in etcd's elections.  If it dies its join key goes
+    with its lease and the next earliest takes over."""
+    if not joins:
+        return None
+    return min(joins.values(), key=lambda j: (j.create_revision, j.node)).node
+
+
+# ---- what a node in next_rendezvous() does next ------------------------------
+
+
+@dataclass(frozen=True)
+class Done:
+    result: RoundResult
+    rank: int
+
+
+@dataclass(frozen=True)
+class Closed:
+    pass
+
+
+@dataclass(frozen=True)
+class JoinRound:
+    number: int
+
+
+@dataclass(frozen=True)
+class CloseRound:
+    number: int
+    members: tuple[Join, ...]
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Wait:
+    number: int
+    verdict: CloseVerdict
+    until: float | None  # None: until the state changes
+    standby: bool  # behind a full, healthy round: a spare, not short of nodes
+    reason: str = ""
+
+
+Action = Done | Closed | JoinRound | CloseRound | Wait
+
+
+def next_action(
+    state: RendezvousState,
+    node: str,
+    lease: int,
+    joined_round: int | None,
+    limits: Limits,
+    now: float,
+    last_call_since: float | None,
+) -> Action:
+    """Decide the next step of ``node`` (holding ``lease``) in next_rendezvous().
+
+    ``joined_round`` is the round this call has asked to join, if any.
+    """
+    if state.closed:
+        return Closed()
+    if joined_round is not None:
+        result = state.round(joined_round).result
+        if result is not None:
+            rank = result.rank_of(node)
+            if rank is not None and result.members[rank].lease == lease:
+                return Done(result, rank)
+    number = state.open_round
+    record = state.round(number)
+    mine = record.joins.get(node)
+    if mine is None or mine.lease != lease:
+        return JoinRound(number)
+    decision = close_verdict(state, number, limits, now, last_call_since)
+    if decision.verdict is CloseVerdict.CLOSE:
+        if closer_of(record.joins) == node:
+            members = assign_ranks(state.round(number - 1).result, record.joins.values(), limits.max_nodes)
+            return CloseRound(number, tuple(members), decision.reason)
+        return Wait(number, decision.verdict, None, standby=False, reason=decision.reason)
+    standby = decision.verdict is CloseVerdict.WAIT_FOR_PREVIOUS and is_spare(state, number, node, limits)
+    return Wait(number, decision.verdict, decision.until, standby, decision.reason)
+
+
+def is_spare(state: RendezvousState, number: int, node: str, limits: Limits) -> bool:
+    """``node`` waits behind a running round that is full and whose members
+    are all alive: it is held in reserve, not short of nodes."""
+    previous = state.round(number - 1).result
+    if previous is None or node in {m.node for m in previous.members}:
+        return False
+    return len(previous.members) >= limits.max_nodes and all(state.is_alive(m) for m in previous.members)
+
+
+def last_call_started(
+    state: RendezvousState, number: int, limits: Limits, now: float, since: float | None
+) -> float | None:
+    """Track, locally, since when round ``number`` has had ``min_nodes`` eligible joins."""
+    enough = not pending_members(state, number) and len(state.round(number).joins) >= limits.min_nodes
+    if not enough:
+        return None
+    return since if since is not None else now
+
+
+# ---- what torch's agent polls ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MembershipChange:
+    """How the rendezvous moved on around the round a node belongs to.
+
+    ``rejoined``: members that joined the next round (their node restarts
+    its workers); ``dead``: members whose lease is gone without a clean
+    ``shutdown()``; ``left``: members that left it through ``shutdown()``
+    (finished, or failed and gave up); ``admissible``: nodes waiting in the
+    next round for which the round has room (fewer members than
+    ``max_nodes``, or a dead one); ``moved_on``: a later round closed
+    without this node.
+    """
+
+    rejoined: tuple[str, ...] = ()
+    dead: tuple[str, ...] = ()
+    left: tuple[str, ...] = ()
+    admissible: tuple[str, ...] = ()
+    moved_on: bool = False
+
+
+def membership_change(state: RendezvousState, member_of: RoundResult | None, max_nodes: int) -> MembershipChange:
+    """What changed since ``member_of`` closed (nothing when not a member of any round)."""
+    if member_of is None:
+        return MembershipChange()
+    next_joins = state.round(member_of.round + 1).joins
+    members = {m.node for m in member_of.members}
+    left = state.round(member_of.round).left
+    dead = tuple(m.node for m in member_of.members if not state.is_alive(m) and m.node not in left)
+    # A dead member frees its place; one that left cleanly has finished the job.
+    has_room = len(member_of.members) < max_nodes or bool(dead)
+    last = state.last_closed
+    return MembershipChange(
+        rejoined=tuple(sorted(n for n in next_joins if n in members)),
+        dead=dead,
+        left=tuple(sorted(m.node for m in member_of.members if m.node in left)),
+        admissible=tuple(sorted(n for n in next_joins if n not in members)) if has_room else (),
+        moved_on=last is not None and last.round > member_of.round,
+    )
+
+
+def num_nodes_waiting(state: RendezvousState, member_of: RoundResult | None, max_nodes: int) -> int:
+    """How many nodes the round this node belongs to is holding back.
+
+    torch's agent restarts its workers (and re-rendezvouses) whenever this is
+    positive, so it counts: nodes that joined the next round while the round
+    has room for them (spares behind a full round do not count), members of
+    the round that already re-joined (their workers failed), members that
+    died (lease gone without a clean ``shutdown()``), since the round can no
+    longer make progress without them, and 1 when the job moved on to a
+    later round without this node.
+    """
+    change = membership_change(state, member_of, max_nodes)
+    waiting = len(change.rejoined) + len(change.dead) + len(change.admissible)
+    return max(waiting, 1) if change.moved_on else waiting

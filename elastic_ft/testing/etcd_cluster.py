@@ -1,0 +1,55 @@
+"""Several etcd members on loopback, for tests that kill and restart them."""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+from elastic_ft.etcd.server import EtcdServer, find_etcd_binary
+
+
+@dataclass
+class EtcdCluster(EtcdServer):
+    """An etcd cluster of ``members`` processes on 127.0.0.1, with member faults."""
+
+    members: int = 3
+
+    @property
+    def member_count(self) -> int:
+        return self.members
+
+    def kill_member(self, index: int) -> None:
+        """SIGKILL one member (its data stays, for :meth:`restart_member`)."""
+        member = self._members[index]
+        if member.process is not None and member.process.poll() is None:
+            member.process.send_signal(signal.SIGCONT)  # a paused member dies too
+            member.process.kill()
+            member.process.wait()
+
+    def pause_member(self, index: int) -> None:
+        """SIGSTOP one member: it keeps its connections open and answers nothing (a frozen server)."""
+        self._signal(index, signal.SIGSTOP)
+
+    def resume_member(self, index: int) -> None:
+        self._signal(index, signal.SIGCONT)
+
+    def _signal(self, index: int, sig: signal.Signals) -> None:
+        process = self._members[index].process
+        if process is None or process.poll() is not None:
+            raise RuntimeError(f"etcd member {index} is not running")
+        process.send_signal(sig)
+
+    def restart_member(self, index: int, ready_timeout: float = 20.0) -> None:
+        """Start a killed member again on its old data and ports."""
+        self.kill_member(index)
+        self._spawn(self._members[index], new_cluster=False)
+        self.wait_ready(ready_timeout)
+
+
+def etcd_binaries() -> list[str]:
+    """The etcd binaries to test against: the default one, plus ``ETCD_EXTRA_BINARIES`` (comma-separated)."""
+    binaries = [find_etcd_binary()]
+    extra = os.environ.get("ETCD_EXTRA_BINARIES", "")
+    binaries += [b for b in extra.split(",") if b.strip()]
+    return binaries

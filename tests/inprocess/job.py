@@ -1,0 +1,104 @@
+"""Start a test job as independent rank processes and collect what each rank reported.
+
+Ranks are plain processes with the standard ``RANK``/``WORLD_SIZE``/
+``MASTER_ADDR``/``MASTER_PORT`` environment, not torchrun workers: torchrun
+would kill every worker when one fails, which is the very situation the
+Wrapper must survive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from elastic_ft.net import port_is_free
+
+WORKER = Path(__file__).with_name("worker.py")
+
+
+@dataclasses.dataclass
+class RankOutcome:
+    """How one rank ended: exit code, its report (if it wrote one) and its output."""
+
+    returncode: int
+    report: dict[str, Any] | None
+    output: str
+
+    @property
+    def result(self) -> dict[str, Any] | None:
+        return None if self.report is None else self.report.get("result")
+
+    @property
+    def error(self) -> str | None:
+        return None if self.report is None else self.report.get("error")
+
+
+def free_port_pair() -> int:
+    """A port P such that P and P + 1 are free (torch's store, the Wrapper's store)."""
+    for _ in range(200):
+        port = random.randint(20000, 60000)
+        if port_is_free(port) and port_is_free(port + 1):
+            return port
+    raise RuntimeError("no free pair of ports")
+
+
+def run_job(scenario: dict[str, Any], world_size: int, out: Path, timeout: float = 90) -> list[RankOutcome]:
+    """Run ``world_size`` ranks of ``worker.py`` and wait for all of them."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port_pair()
+    processes = []
+    for rank in range(world_size):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "EFT_SCENARIO": json.dumps(scenario),
+            "EFT_OUT": str(out),
+        }
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    deadline = time.monotonic() + timeout
+    outputs = []
+    for process in processes:
+        try:
+            output, _ = process.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            for other in processes:
+                other.kill()
+            output, _ = process.communicate()
+            output += "\n<killed by the test: job timeout>"
+        outputs.append(output)
+    outcomes = []
+    for rank, (process, output) in enumerate(zip(processes, outputs, strict=True)):
+        report_path = out / f"rank{rank}.json"
+        report = json.loads(report_path.read_text()) if report_path.exists() else None
+        outcomes.append(RankOutcome(process.returncode, report, output))
+    return outcomes
+
+
+def describe(outcomes: list[RankOutcome], out: Path) -> str:
+    """Everything about a job, for assertion messages."""
+    parts = []
+    for rank, outcome in enumerate(outcomes):
+        parts.append(f"--- rank {rank}: exit {outcome.returncode}, report {outcome.report}\n{outcome.output[-3000:]}")
+        log = out / f"monitor{rank}.log"
+        if log.exists():
+            parts.append(f"--- monitor {rank} log:\n{log.read_text()[-2000:]}")
+    return "\n".join(parts)

@@ -1,0 +1,214 @@
+"""Hang detection as pure functions: adaptive timeouts, the monitor's stall verdicts, which sockets a restart cuts."""
+
+from __future__ import annotations
+
+import datetime
+import math
+
+import pytest
+
+from elastic_ft.inprocess.hang_detection import (
+    AdaptiveTimeouts,
+    RankActivity,
+    StallAction,
+    Timeouts,
+    adaptive_timeouts,
+    heartbeat_period,
+    judge_stall,
+    peer_read_period,
+    percentile,
+)
+from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps, StepClock
+from elastic_ft.inprocess.sockets import TcpSocket, accepted_connections
+
+CONFIG = AdaptiveTimeouts()
+
+
+def test_percentile_is_nearest_rank() -> None:
+    samples = [float(i) for i in range(1, 101)]
+    assert percentile(samples, 99) == 99.0
+    assert percentile(samples, 100) == 100.0
+    assert percentile([5.0], 50) == 5.0
+
+
+def test_timeouts_follow_step_times_between_floor_and_ceiling() -> None:
+    fast = [0.05] * 100
+    assert adaptive_timeouts(fast, CONFIG, 60, 90) == (1.5, 3.0)  # 20 x 50 ms is under the 1.5 s floor
+    slow = [2.0] * 100
+    assert adaptive_timeouts(slow, CONFIG, 60, 90) == (40.0, 80.0)
+    very_slow = [10.0] * 100
+    assert adaptive_timeouts(very_slow, CONFIG, 60, 90) == (60, 90)  # the configured values are the ceiling
+
+
+def test_one_outlier_does_not_move_the_high_percentile_much() -> None:
+    samples = [0.1] * 199 + [30.0]  # one 30 s checkpoint that was not marked long
+    soft, _ = adaptive_timeouts(samples, CONFIG, 60, 90)
+    assert soft == pytest.approx(2.0)
+
+
+def test_too_few_samples_or_no_adaptation_keep_the_configured_timeouts() -> None:
+    assert adaptive_timeouts([0.05] * (CONFIG.min_samples - 1), CONFIG, 60, 90) == (60, 90)
+    assert adaptive_timeouts([0.05] * 100, None, 60, 90) == (60, 90)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("multiplier", 0.5),
+        ("multiplier", math.inf),
+        ("percentile", 0),
+        ("percentile", 101),
+        ("soft_floor", datetime.timedelta(0)),
+        ("warmup_steps", -1),
+        ("min_samples", 0),
+        ("window", 4),
+    ],
+)
+def test_bad_adaptive_settings_are_rejected(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        AdaptiveTimeouts(**{field: value})  # type: ignore[arg-type]
+
+
+def test_step_clock_warms_up_per_iteration_and_skips_long_sections(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr("elastic_ft.inprocess.progress_watchdog.time.monotonic", lambda: now[0])
+    timestamps = ProgressTimestamps(60, 90)
+    clock = StepClock(timestamps, AdaptiveTimeouts(warmup_steps=2, min_samples=4), 60, 90)
+
+    def steps(count: int, seconds: float) -> None:
+        for _ in range(count):
+            now[0] += seconds
+            clock.step()
+
+    clock.start_iteration()
+    steps(2, 5.0)  # warm-up (compilation): not sampled
+    assert not clock.samples and timestamps.timeouts() == (60, 90)
+    steps(5, 0.05)
+    assert list(clock.samples) == pytest.approx([0.05] * 5)
+    assert timestamps.timeouts() == (1.5, 3.0)
+    clock.enter_long_section()
+    assert timestamps.timeouts() == (60, 90)  # a checkpoint may take long
+    now[0] += 30
+    clock.exit_long_section()
+    steps(1, 0.05)  # the step after the section closes no interval
+    assert len(clock.samples) == 5 and timestamps.timeouts() == (1.5, 3.0)
+    clock.start_iteration()  # after a restart: warm-up again, the configured timeouts meanwhile
+    assert timestamps.timeouts() == (60, 90)
+    steps(3, 0.05)
+    assert timestamps.timeouts() == (1.5, 3.0)
+
+
+TIMEOUTS = Timeouts(soft=1.5, hard=3.0, soft_limit=60, hard_limit=90)
+
+
+def activity(progress: float, cpu_idle: float | None = None, stopped: bool = False, silent: float = 0.1) -> RankActivity:
+    return RankActivity(progress, progress if cpu_idle is None else cpu_idle, stopped, silent)
+
+
+def test_an_active_rank_is_left_alone() -> None:
+    assert judge_stall(activity(0.5), TIMEOUTS, 1.0, None, False).action is StallAction.NONE
+
+
+def test_a_busy_rank_is_slow_not_hung() -> None:
+    # No Python progress for 10 s, but the rank burns CPU: a long computation in C.
+    verdict = judge_stall(activity(10, cpu_idle=0.1), TIMEOUTS, 1.0, 20.0, False)
+    assert verdict.action is StallAction.NONE
+
+
+def test_a_rank_waiting_on_a_busy_peer_waits() -> None:
+    verdict = judge_stall(activity(5), TIMEOUTS, 1.0, peers_inactive_for=0.4, restart_requested=False)
+    assert verdict.action is StallAction.NONE and "another rank was active" in verdict.reason
+
+
+def test_an_idle_job_restarts() -> None:
+    verdict = judge_stall(activity(2), TIMEOUTS, 1.0, peers_inactive_for=2.0, restart_requested=False)
+    assert verdict.action is StallAction.RESTART and "adaptive soft timeout 1.5 s" in verdict.reason
+
+
+@pytest.mark.parametrize(
+    ("rank", "reason"),
+    [(activity(2, stopped=True), "stopped"), (activity(2, silent=1.6), "GIL is held")],
+)
+def test_a_stopped_or_gil_holding_rank_is_killed_at_the_soft_timeout(rank: RankActivity, reason: str) -> None:
+    verdict = judge_stall(rank, TIMEOUTS, 1.0, peers_inactive_for=0.1, restart_requested=False)
+    assert verdict.action is StallAction.KILL and reason in verdict.reason
+
+
+def test_a_busy_rank_holding_the_gil_is_killed_at_the_soft_timeout() -> None:
+    # Seen here: a gloo destructor spinning at 100 % of a core under the GIL. CPU use alone
+    # must not make it "work": none of its threads can run, so no restart reaches it.
+    spinning = activity(1.6, cpu_idle=0.0, silent=1.6)
+    verdict = judge_stall(spinning, TIMEOUTS, 1.0, peers_inactive_for=0.1, restart_requested=False)
+    assert verdict.action is StallAction.KILL and "GIL is held" in verdict.reason
+    # The same silence for less than the soft timeout is left alone while the rank is busy.
+    assert judge_stall(activity(1.6, cpu_idle=0.0, silent=1.2), TIMEOUTS, 1.0, 0.1, False).action is StallAction.NONE
+
+
+def test_a_rank_that_does_not_restart_is_killed_at_the_hard_timeout() -> None:
+    assert judge_stall(activity(2.5), TIMEOUTS, 1.0, None, True).action is StallAction.NONE
+    assert judge_stall(activity(3.1), TIMEOUTS, 1.0, None, True).action is StallAction.KILL
+
+
+def test_the_configured_limits_keep_their_meaning_even_for_a_busy_rank() -> None:
+    busy = activity(61, cpu_idle=0.0)
+    assert judge_stall(busy, TIMEOUTS, 1.0, 0.0, False).action is StallAction.RESTART
+    busy = activity(91, cpu_idle=0.0)
+    assert judge_stall(busy, TIMEOUTS, 1.0, 0.0, True).action is StallAction.KILL
+
+
+def sock(inode: int, local: int, remote: int, state: str) -> TcpSocket:
+    return TcpSocket(inode, inode + 100, local, remote, state)
+
+
+@pytest.mark.parametrize("soft", [1.5, 3.0, 40.0])
+def test_a_waiting_rank_sees_a_busy_peer_within_its_soft_timeout(soft: float) -> None:
+    # A peer starts a long computation at t=0 (no progress from then on, CPU busy) and sends
+    # heartbeats on the schedule heartbeat_period gives it; a rank waiting for it since t=0
+    # reaches its soft timeout at t=soft and reads its peers' heartbeats at most
+    # peer_read_period ago. Whatever the phases, the activity it sees must be < soft old,
+    # or the busy peer would be taken for a hung job (CI saw a 4 s step restart the job).
+    interval = 1.0
+    for first_beat in (0.0, 0.3, 0.99):
+        beats, t = [], first_beat - interval
+        while t <= soft:
+            beats.append(t)
+            busy = RankActivity(progress_age=max(0.0, t), cpu_idle_for=0.0, stopped=False, threads_silent_for=0.0)
+            t += heartbeat_period(busy, soft, interval)
+        latest_read = soft - peer_read_period(soft, interval)
+        seen = max(beat for beat in beats if beat <= latest_read)
+        assert soft - seen < soft, (soft, first_beat, beats)
+
+
+def test_only_ranks_working_without_progress_heartbeat_faster() -> None:
+    stepping = RankActivity(progress_age=0.01, cpu_idle_for=0.0, stopped=False, threads_silent_for=0.0)
+    hung = RankActivity(progress_age=5.0, cpu_idle_for=5.0, stopped=False, threads_silent_for=0.0)
+    busy = RankActivity(progress_age=5.0, cpu_idle_for=0.0, stopped=False, threads_silent_for=0.0)
+    assert heartbeat_period(stepping, 2.0, 1.0) == 1.0
+    assert heartbeat_period(hung, 2.0, 1.0) == 1.0
+    assert heartbeat_period(busy, 2.0, 1.0) == 0.5
+    assert heartbeat_period(busy, 40.0, 1.0) == 1.0  # the regular interval is fresh enough for long timeouts
+
+
+def test_only_connections_accepted_on_new_listeners_are_cut() -> None:
+    sockets = [
+        sock(1, 2379, 0, "0A"),  # the store's listener: existed at entry
+        sock(2, 2379, 50001, "01"),  # a store client accepted after entry: spared (old listener)
+        sock(3, 41000, 0, "0A"),  # the process group's listener
+        sock(4, 41000, 50002, "01"),  # a peer connected to it: cut
+        sock(5, 50003, 42000, "01"),  # this rank connected to a peer's listener: the peer cuts it
+        sock(6, 50004, 443, "01"),  # an HTTP client: spared
+        sock(7, 41000, 50005, "06"),  # TIME_WAIT: nothing to cut
+    ]
+    assert [s.inode for s in accepted_connections(sockets, frozenset({1}))] == [4]
+
+
+def test_messages_after_store_ready_in_the_same_read_are_kept() -> None:
+    # Regression: a monitor process that woke late read store_ready and the first iteration
+    # together, dropped the iteration, and never judged its rank's stalls.
+    from elastic_ft.inprocess.monitor_process import after_store_ready
+
+    iteration = {"type": "iteration", "iteration": 0, "rank": 1, "world_size": 4}
+    assert after_store_ready([{"type": "store_ready"}, iteration]) == (False, [iteration])
+    assert after_store_ready([{"type": "store_ready"}]) == (False, [])
+    assert after_store_ready([]) == (False, None)
+    assert after_store_ready([{"type": "stop"}, {"type": "store_ready"}]) == (True, None)

@@ -1,0 +1,56 @@
+"""ProcessGroupKeeper: an interrupted iteration's gloo groups are never destroyed; a completed one's are."""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import torch.distributed as dist
+
+from elastic_ft.inprocess.process_groups import ProcessGroupKeeper
+
+
+def _gloo_group() -> dist.ProcessGroup:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return dist.group.WORLD
+
+
+def test_an_interrupted_iterations_gloo_group_outlives_every_reference() -> None:
+    keeper = ProcessGroupKeeper()
+    group = _gloo_group()
+    keeper.observe()  # as the watchdog does while the iteration runs
+    dist.destroy_process_group()  # the user's own clean-up, before the Wrapper sees the fault
+    before = sys.getrefcount(group)
+    assert keeper.retire() == 1
+    assert sys.getrefcount(group) == before  # the keeper's own note is gone, one lasting reference instead
+    assert keeper.retire() == 0  # kept once, however often a restart path retires
+    keeper.forget()  # a later completed iteration does not give it back
+    gc.collect()
+    assert sys.getrefcount(group) == before
+
+
+def test_a_completed_iterations_group_is_freed_as_usual() -> None:
+    keeper = ProcessGroupKeeper()
+    group = _gloo_group()
+    keeper.observe()
+    dist.destroy_process_group()
+    before = sys.getrefcount(group)
+    keeper.forget()
+    assert sys.getrefcount(group) == before - 1
+    assert keeper.retire() == 0
+
+
+def test_only_the_interrupted_iterations_groups_are_kept() -> None:
+    keeper = ProcessGroupKeeper()
+    assert keeper.retire() == 0  # nothing seen
+    completed = _gloo_group()
+    keeper.observe()
+    dist.destroy_process_group()
+    keeper.forget()  # iteration 0 completed
+    interrupted = _gloo_group()
+    keeper.observe()
+    dist.destroy_process_group()
+    completed_refs, interrupted_refs = sys.getrefcount(completed), sys.getrefcount(interrupted)
+    assert keeper.retire() == 1
+    assert sys.getrefcount(completed) == completed_refs
+    assert sys.getrefcount(interrupted) == interrupted_refs

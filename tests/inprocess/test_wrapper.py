@@ -1,0 +1,271 @@
+"""End-to-end tests of the in-process restart Wrapper: real processes, gloo on CPU, real faults.
+
+Each test starts a job of 2 to 4 independent rank processes running
+``tests/inprocess/worker.py`` (see that file for the scenarios) and asserts
+the job's outcome: what the function returned on every rank and in which
+iteration, which ranks finished, and how the others exited.
+"""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.inprocess.job import RankOutcome, describe, run_job
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def job(scenario: dict[str, Any], world_size: int, tmp_path: Path, timeout: float = 90) -> list[RankOutcome]:
+    outcomes = run_job(scenario, world_size, tmp_path, timeout)
+    job.details = describe(outcomes, tmp_path)  # type: ignore[attr-defined]
+    return outcomes
+
+
+def details() -> str:
+    return job.details  # type: ignore[attr-defined]
+
+
+def assert_finished(outcome: RankOutcome, iteration: int, rank: int, world_size: int) -> None:
+    """The rank returned the function's result from ``iteration`` as ``rank`` of ``world_size``."""
+    assert outcome.returncode == 0, details()
+    assert outcome.result is not None, details()
+    assert (outcome.result["iteration"], outcome.result["rank"], outcome.result["world_size"]) == (
+        iteration,
+        rank,
+        world_size,
+    ), details()
+    # Every rank of the final iteration summed the same ones through 5 all-reduces.
+    assert outcome.result["value"] == world_size**5, details()
+
+
+def fault(rank: int, kind: str, step: int | str = 2, iteration: int = 0) -> dict[str, Any]:
+    return {"rank": rank, "kind": kind, "step": step, "iteration": iteration}
+
+
+def test_exception_on_one_rank_restarts_all_ranks(tmp_path: Path) -> None:
+    outcomes = job({"faults": [fault(1, "raise")]}, 3, tmp_path)
+    for rank, outcome in enumerate(outcomes):
+        assert_finished(outcome, iteration=1, rank=rank, world_size=3)
+        # Called once per iteration, with the same arguments.
+        assert [call["iteration"] for call in outcome.report["calls"]] == [0, 1], details()
+    assert outcomes[1].report["calls"][0]["fault"] == "raise"
+
+
+@pytest.mark.parametrize("kind, exit_code", [("exit", 17), ("sigkill", -signal.SIGKILL)])
+def test_dead_rank_is_dropped_and_ranks_shift(tmp_path: Path, kind: str, exit_code: int) -> None:
+    outcomes = job({"faults": [fault(1, kind)]}, 3, tmp_path)
+    assert outcomes[1].returncode == exit_code, details()
+    assert outcomes[1].report is None
+    assert_finished(outcomes[0], iteration=1, rank=0, world_size=2)
+    assert_finished(outcomes[2], iteration=1, rank=1, world_size=2)  # shifted down from 2
+    assert "terminated" in (tmp_path / "monitor1.log").read_text()
+
+
+def test_hang_with_gil_released_hits_soft_timeout_and_all_ranks_restart(tmp_path: Path) -> None:
+    # Rank 1 sits in a C sleep (GIL released) while ranks 0 and 2 wait for it in an
+    # all-reduce: nobody executes bytecode, the soft timeout fires, the abort closes
+    # rank 1's connections, and when its sleep returns it restarts with the others.
+    scenario = {
+        "faults": [fault(1, "sleep_gil_released")],
+        "hang_seconds": 3,
+        "soft_timeout": 1,
+        "hard_timeout": 10,
+    }
+    outcomes = job(scenario, 3, tmp_path)
+    for rank, outcome in enumerate(outcomes):
+        assert_finished(outcome, iteration=1, rank=rank, world_size=3)
+    assert "soft timeout" in (tmp_path / "monitor1.log").read_text()
+
+
+def test_hang_with_gil_held_hits_hard_timeout_sigterm_then_sigkill(tmp_path: Path) -> None:
+    # Ranks 1 and 2 hang in C with the GIL held; rank 2 also ignores SIGTERM. Their
+    # monitor processes terminate them: SIGTERM is enough for rank 1, rank 2 needs the
+    # SIGKILL after the grace time. Rank 0 (blocked in gloo until its short timeout)
+    # carries on alone.
+    scenario = {
+        "faults": [fault(1, "sleep_gil_held"), fault(2, "sleep_gil_held_ignoring_sigterm")],
+        "soft_timeout": 1,
+        "hard_timeout": 4,
+        "termination_grace_time": 1,
+        "gloo_timeout": 2,
+    }
+    outcomes = job(scenario, 3, tmp_path)
+    assert outcomes[1].returncode == -signal.SIGTERM, details()
+    assert outcomes[2].returncode == -signal.SIGKILL, details()
+    assert_finished(outcomes[0], iteration=1, rank=0, world_size=1)
+    log2 = (tmp_path / "monitor2.log").read_text()
+    assert log2.index("SIGTERM") < log2.index("SIGKILL")
+    assert "SIGKILL" not in (tmp_path / "monitor1.log").read_text()
+
+
+def test_completion_timeout_restarts(tmp_path: Path) -> None:
+    # Rank 0 dawdles after its last collective in iteration 0 longer than the others
+    # are willing to wait at the completion barrier.
+    scenario = {"faults": [fault(0, "slow_python", step="end")], "slow_seconds": 4, "completion_timeout": 1}
+    outcomes = job(scenario, 2, tmp_path)
+    for rank, outcome in enumerate(outcomes):
+        assert_finished(outcome, iteration=1, rank=rank, world_size=2)
+
+
+def test_initialize_raising_exception_restarts(tmp_path: Path) -> None:
+    # The other rank waits in init_process_group for rank 1, which never comes: only
+    # gloo's timeout can unblock that wait (no abort reaches it), so keep it short.
+    scenario = {"failing_hooks": [{"hook": "initialize", "ranks": [1], "error": "Exception"}], "gloo_timeout": 3}
+    outcomes = job(scenario, 2, tmp_path)
+    for rank, outcome in enumerate(outcomes):
+        assert_finished(outcome, iteration=1, rank=rank, world_size=2)
+        # Initialize failed before the function's first call: it only ran in iteration 1.
+        assert [call["iteration"] for call in outcome.report["calls"]] in ([0, 1], [1]), details()
+    assert [call["iteration"] for call in outcomes[1].report["calls"]] == [1]
+
+
+def test_initialize_raising_base_exception_ends_the_wrapper_on_that_rank(tmp_path: Path) -> None:
+    scenario = {"failing_hooks": [{"hook": "initialize", "ranks": [1], "error": "BaseException"}], "gloo_timeout": 3}
+    outcomes = job(scenario, 3, tmp_path)
+    assert outcomes[1].returncode != 0, details()
+    assert outcomes[1].error == "KeyboardInterrupt", details()
+    assert outcomes[1].report["calls"] == []
+    assert_finished(outcomes[0], iteration=1, rank=0, world_size=2)
+    assert_finished(outcomes[2], iteration=1, rank=1, world_size=2)
+
+
+@pytest.mark.parametrize("hook, error", [("health_check", "HealthCheckError"), ("finalize", "RuntimeError")])
+def test_failing_health_check_or_finalize_drops_the_rank(tmp_path: Path, hook: str, error: str) -> None:
+    # Rank 2 raises in iteration 0; during the restart, rank 1's hook fails (the health
+    # check runs twice per iteration: before the function and after the fault).
+    calls = [2] if hook == "health_check" else [1]
+    scenario = {
+        "faults": [fault(2, "raise")],
+        "failing_hooks": [{"hook": hook, "ranks": [1], "error": "Exception", "calls": calls}],
+    }
+    outcomes = job(scenario, 3, tmp_path)
+    assert outcomes[1].returncode == 1, details()
+    assert outcomes[1].error == error, details()
+    assert_finished(outcomes[0], iteration=1, rank=0, world_size=2)
+    assert_finished(outcomes[2], iteration=1, rank=1, world_size=2)
+
+
+def test_health_check_failing_before_the_function_drops_the_rank(tmp_path: Path) -> None:
+    scenario = {
+        "failing_hooks": [{"hook": "health_check", "ranks": [0], "error": "Exception", "calls": [1]}],
+        "gloo_timeout": 3,
+    }
+    outcomes = job(scenario, 3, tmp_path)
+    assert outcomes[0].error == "HealthCheckError", details()
+    assert outcomes[0].returncode == 1
+    # Rank 0 hosts the store: it stays until the others are done.
+    assert_finished(outcomes[1], iteration=1, rank=0, world_size=2)
+    assert_finished(outcomes[2], iteration=1, rank=1, world_size=2)
+
+
+def test_retry_controller_limits_iterations(tmp_path: Path) -> None:
+    scenario = {
+        "faults": [fault(1, "raise", iteration=0), fault(1, "raise", iteration=1)],
+        "retry": {"max_iterations": 2},
+    }
+    outcomes = job(scenario, 2, tmp_path)
+    for outcome in outcomes:
+        assert outcome.returncode == 1, details()
+        assert outcome.error == "RestartAbort", details()
+        assert [call["iteration"] for call in outcome.report["calls"]] == [0, 1]
+
+
+def test_retry_controller_stops_below_min_world_size(tmp_path: Path) -> None:
+    scenario = {"faults": [fault(2, "exit")], "retry": {"min_world_size": 3}}
+    outcomes = job(scenario, 3, tmp_path)
+    assert outcomes[2].returncode == 17, details()
+    for outcome in outcomes[:2]:
+        assert outcome.error == "RestartAbort", details()
+        assert "min_world_size" in outcome.report["error_message"]
+
+
+def test_atomic_block_defers_termination(tmp_path: Path) -> None:
+    # Rank 0 writes a "checkpoint" inside atomic() when rank 1 raises; the restart
+    # must wait for the block to finish, so the checkpoint is complete.
+    scenario = {
+        "faults": [fault(1, "raise", step=2), fault(0, "atomic_checkpoint", step=2)],
+        "checkpoint_lines": 100,
+    }
+    outcomes = job(scenario, 2, tmp_path)
+    for rank, outcome in enumerate(outcomes):
+        assert_finished(outcome, iteration=1, rank=rank, world_size=2)
+    lines = (tmp_path / "checkpoint.txt").read_text().splitlines()
+    assert lines == [f"line {line}" for line in range(100)]
+    first_call = outcomes[0].report["calls"][0]
+    assert first_call["atomic_left"] <= first_call["restart_received"], details()
+
+
+def test_ping_keeps_a_rank_busy_in_c_code_alive(tmp_path: Path) -> None:
+    # Rank 1 spends 3 s in one C call (no bytecode, so no automatic heartbeat) while
+    # a helper thread pings; the soft timeout is 1 s, yet nothing restarts.
+    scenario = {
+        "faults": [fault(1, "slow_c_call_with_pings", step="end")],
+        "slow_seconds": 3,
+        "soft_timeout": 1,
+        "hard_timeout": 2,
+    }
+    outcomes = job(scenario, 2, tmp_path)
+    for rank, outcome in enumerate(outcomes):
+        assert_finished(outcome, iteration=0, rank=rank, world_size=2)
+
+
+def test_missing_pings_after_the_first_restart_a_livelock(tmp_path: Path) -> None:
+    # Once rank 1 pinged, a busy loop (executing bytecode, so automatic heartbeats
+    # continue) without pings is caught by the soft timeout.
+    scenario = {"faults": [fault(1, "livelock_after_ping", step="end")], "soft_timeout": 1, "hard_timeout": 10}
+    outcomes = job(scenario, 2, tmp_path)
+    for rank, outcome in enumerate(outcomes):
+        assert_finished(outcome, iteration=1, rank=rank, world_size=2)
+
+
+def test_swallowed_restart_is_raised_again_and_logged_with_its_location(tmp_path: Path) -> None:
+    scenario = {"faults": [fault(0, "raise"), fault(1, "swallow_once")], "debug_log": True}
+    outcomes = job(scenario, 2, tmp_path)
+    for rank, outcome in enumerate(outcomes):
+        assert_finished(outcome, iteration=1, rank=rank, world_size=2)
+    assert "RankShouldRestart suppressed at" in outcomes[1].output, details()
+    assert "worker.py" in outcomes[1].output.split("RankShouldRestart suppressed at", 1)[1].splitlines()[0]
+
+
+def test_spare_rank_is_activated_after_a_failure(tmp_path: Path) -> None:
+    scenario = {"faults": [fault(1, "exit")], "max_active_world_size": 3}
+    outcomes = job(scenario, 4, tmp_path)
+    assert outcomes[1].returncode == 17, details()
+    # Rank 3 was a spare in iteration 0 (never called), active in iteration 1.
+    assert [call["iteration"] for call in outcomes[3].report["calls"]] == [1], details()
+    assert_finished(outcomes[0], iteration=1, rank=0, world_size=3)
+    assert_finished(outcomes[2], iteration=1, rank=1, world_size=3)
+    assert_finished(outcomes[3], iteration=1, rank=2, world_size=3)
+
+
+def test_spare_returns_none_when_no_fault(tmp_path: Path) -> None:
+    outcomes = job({"max_active_world_size": 2}, 3, tmp_path)
+    assert_finished(outcomes[0], iteration=0, rank=0, world_size=2)
+    assert_finished(outcomes[1], iteration=0, rank=1, world_size=2)
+    assert outcomes[2].returncode == 0 and outcomes[2].report == {"calls": [], "result": None}, details()
+
+
+def test_two_faults_at_once_cause_one_restart(tmp_path: Path) -> None:
+    scenario = {"faults": [fault(1, "raise"), fault(2, "exit")], "last_call_wait": 0.3}
+    outcomes = job(scenario, 4, tmp_path)
+    assert outcomes[2].returncode == 17, details()
+    assert_finished(outcomes[0], iteration=1, rank=0, world_size=3)
+    assert_finished(outcomes[1], iteration=1, rank=1, world_size=3)
+    assert_finished(outcomes[3], iteration=1, rank=2, world_size=3)
+    assert [call["iteration"] for call in outcomes[1].report["calls"]] == [0, 1]
+
+
+def test_etcd_store_factory(tmp_path: Path, etcd: Any) -> None:
+    scenario = {
+        "faults": [fault(1, "raise")],
+        "etcd_endpoints": [[endpoint.host, endpoint.port] for endpoint in etcd.endpoints],
+        "etcd_prefix": f"/elastic_ft/wrapper-test-{uuid.uuid4().hex}/store/",
+    }
+    outcomes = job(scenario, 2, tmp_path)
+    for rank, outcome in enumerate(outcomes):
+        assert_finished(outcome, iteration=1, rank=rank, world_size=2)

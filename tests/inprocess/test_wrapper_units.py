@@ -1,0 +1,296 @@
+"""Fast tests of the Wrapper's pieces that need no job: arguments, pure decisions, store protocol."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from elastic_ft.etcd.server import EtcdServer
+from elastic_ft.inprocess.exception import BarrierOverflow, BarrierTimeout, RestartAbort
+from elastic_ft.inprocess.initialize import RetryController
+from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps, ProgressWatchdog, progress_age
+from elastic_ft.inprocess.sibling_monitor import ring_successor, silent_ranks
+from elastic_ft.inprocess.state import Mode, State
+from elastic_ft.inprocess.store import (
+    COMPLETED,
+    COMPLETION_BARRIER,
+    INTERRUPTED,
+    TERMINATION_BARRIER,
+    iteration_store,
+)
+from elastic_ft.inprocess.wrapper import Wrapper
+
+
+def seconds(value: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=value)
+
+
+def test_disabled_wrapper_returns_the_function_itself() -> None:
+    def train() -> int:
+        return 1
+
+    assert Wrapper(enabled=False)(train) is train
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"soft_timeout": seconds(10), "hard_timeout": seconds(10)}, "soft_timeout < hard_timeout"),
+        ({"hard_timeout": seconds(200)}, "hard_timeout < barrier_timeout"),
+        ({"heartbeat_interval": seconds(40)}, "heartbeat_interval < heartbeat_timeout"),
+        ({"monitor_thread_interval": seconds(61)}, "monitor_thread_interval < soft_timeout"),
+        ({"progress_watchdog_interval": seconds(60)}, "progress_watchdog_interval < soft_timeout"),
+        ({"monitor_process_interval": seconds(31)}, "monitor_process_interval < heartbeat_timeout"),
+        ({"heartbeat_timeout": seconds(130)}, "heartbeat_timeout < barrier_timeout"),
+        ({"completion_timeout": seconds(0)}, "completion_timeout must be positive"),
+        ({"last_call_wait": seconds(-1)}, "last_call_wait must be >= 0"),
+        ({"monitor_process_logfile": "relative/{rank}.log"}, "absolute path"),
+        ({"monitor_process_logfile": "/tmp/{node}.log"}, "only contain the {rank} placeholder"),
+    ],
+)
+def test_bad_argument_combinations_are_rejected(arguments: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("{", r"\{").replace("}", r"\}")):
+        Wrapper(**arguments)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [{"soft_timeout": 60}, {"initialize": 3}, {"store_kwargs": [1]}, {"enabled": 1}, {"store_factory": None}],
+)
+def test_bad_argument_types_are_rejected(arguments: dict[str, object]) -> None:
+    with pytest.raises(TypeError):
+        Wrapper(**arguments)  # type: ignore[arg-type]
+
+
+def test_zero_last_call_wait_and_grace_time_are_allowed() -> None:
+    Wrapper(last_call_wait=seconds(0), termination_grace_time=seconds(0))
+
+
+def state(iteration: int = 0, world_size: int = 4, active_world_size: int = 4) -> State:
+    return State(
+        0, world_size, active_rank=0, active_world_size=active_world_size, iteration=iteration, mode=Mode.ACTIVE
+    )
+
+
+def test_retry_controller() -> None:
+    controller = RetryController(max_iterations=3, min_world_size=2, min_active_world_size=2)
+    assert controller(state(iteration=2)) == state(iteration=2)
+    with pytest.raises(RestartAbort, match="max_iterations"):
+        controller(state(iteration=3))
+    with pytest.raises(RestartAbort, match="min_world_size"):
+        controller(state(world_size=1, active_world_size=1))
+    with pytest.raises(RestartAbort, match="min_active_world_size"):
+        controller(state(world_size=4, active_world_size=1))
+    assert issubclass(RestartAbort, BaseException) and not issubclass(RestartAbort, Exception)
+
+
+def test_progress_age_uses_the_manual_heartbeat_only_once_used() -> None:
+    assert progress_age(automatic=10.0, manual=math.nan, now=12.0) == 2.0
+    assert progress_age(automatic=11.5, manual=9.0, now=12.0) == 3.0
+    assert progress_age(automatic=9.0, manual=11.0, now=12.0) == 3.0
+
+
+def test_ping_counts_for_both_heartbeats() -> None:
+    timestamps = ProgressTimestamps()
+    time.sleep(0.05)
+    assert timestamps.age() >= 0.05
+    timestamps.beat_manual()
+    assert timestamps.age() < 0.05
+
+
+def test_watchdog_heartbeat_stops_while_the_main_thread_is_in_c_code() -> None:
+    timestamps = ProgressTimestamps()
+    watchdog = ProgressWatchdog(timestamps, 0.01)
+    watchdog.start()
+    try:
+        for _ in range(30):  # executing bytecode: the heartbeat keeps up
+            time.sleep(0.01)
+        assert timestamps.age() < 0.1
+        threading.Event().wait(0.3)  # blocked in C: no bytecode, no heartbeat
+        assert timestamps.age() >= 0.2
+    finally:
+        watchdog.shutdown()
+
+
+def test_ring_successor_skips_gone_ranks() -> None:
+    assert ring_successor(1, 4, skip=set()) == 2
+    assert ring_successor(3, 4, skip=set()) == 0
+    assert ring_successor(1, 4, skip={2, 3}) == 0
+    assert ring_successor(0, 2, skip={1}) is None
+
+
+def test_silent_ranks() -> None:
+    heartbeats = {0: 100.0, 1: 95.0, 2: None}
+    assert silent_ranks(heartbeats, now=101.0, watching_since=99.0, timeout=3.0) == [1]
+    assert silent_ranks(heartbeats, now=103.0, watching_since=99.0, timeout=3.0) == [1, 2]
+
+
+@pytest.fixture
+def tcp_store() -> dist.Store:
+    return dist.TCPStore("127.0.0.1", 0, None, True, seconds(10), wait_for_workers=False)
+
+
+def test_barrier_arrival_is_idempotent_and_on_behalf(tcp_store: dist.Store) -> None:
+    store = iteration_store(tcp_store, 0)
+    store.record_terminated([2])
+    # A monitor arrives for the dead rank 2, twice; rank 1 arrives twice too.
+    store.arrive_and_wait(TERMINATION_BARRIER, [2], 3, seconds(0))
+    store.arrive_and_wait(TERMINATION_BARRIER, [2, 1], 3, seconds(0))
+    with pytest.raises(BarrierTimeout, match="2 of 3"):
+        store.arrive_and_wait(TERMINATION_BARRIER, [1], 3, seconds(0.05))
+    # The last arrival publishes the terminated ranks for everyone.
+    assert store.arrive_and_wait(TERMINATION_BARRIER, [0], 3, seconds(1)) == "[2]"
+    assert store.arrive_and_wait(TERMINATION_BARRIER, [1], 3, seconds(1)) == "[2]"
+
+
+def test_barrier_overflow(tcp_store: dist.Store) -> None:
+    store = iteration_store(tcp_store, 0)
+    store.arrive_and_wait("some_barrier", [0, 1], 2, seconds(0))
+    with pytest.raises(BarrierOverflow):
+        store.arrive_and_wait("some_barrier", [5], 2, seconds(0))
+
+
+def test_one_outcome_per_iteration(tcp_store: dist.Store) -> None:
+    interrupted = iteration_store(tcp_store, 0)
+    assert interrupted.record_interruption(1, "RuntimeError", "boom") == INTERRUPTED
+    # A completion barrier finishing afterwards cannot overturn it.
+    assert interrupted.arrive_and_wait(COMPLETION_BARRIER, [0], 1, seconds(1)) == INTERRUPTED
+    (record,) = interrupted.interruptions()
+    assert abs(record.pop("time") - time.time()) < 60  # when it was recorded: what elastic-ft status shows
+    assert record == {"rank": 1, "kind": "RuntimeError", "message": "boom"}
+
+    completed = iteration_store(tcp_store, 1)
+    assert completed.arrive_and_wait(COMPLETION_BARRIER, [0], 1, seconds(1)) == COMPLETED
+    assert completed.record_interruption(0, "late", "") == COMPLETED
+    assert completed.outcome() == COMPLETED
+
+
+def test_iterations_do_not_share_keys(tcp_store: dist.Store) -> None:
+    iteration_store(tcp_store, 0).record_terminated([3])
+    assert iteration_store(tcp_store, 0).terminated_ranks() == [3]
+    assert iteration_store(tcp_store, 1).terminated_ranks() == []
+
+
+def test_call_wrapper_parameters_found_by_annotation_even_as_strings() -> None:
+    from elastic_ft.inprocess.wrapper import CallWrapper, _call_wrapper_parameters
+
+    def train(
+        data: int,
+        plain: CallWrapper,
+        optional: CallWrapper | None = None,
+        postponed: "Optional[CallWrapper]" = None,  # noqa: F821, UP037 - deliberately unresolvable
+        other: "int | None" = None,  # noqa: UP037 - a string on purpose
+    ) -> None:
+        pass
+
+    assert _call_wrapper_parameters(train) == ["plain", "optional", "postponed"]
+
+
+def test_progress_timestamps_are_never_read_half_written() -> None:
+    """The monitor process reads while the main process writes: a torn read
+    (struct.pack_into zero-fills before packing) looked like no progress for
+    the machine's whole uptime and hard-killed a healthy rank."""
+    import math
+    import os
+    import time
+
+    from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps
+
+    timestamps = ProgressTimestamps()
+    writer = os.fork()
+    if writer == 0:
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            timestamps.reset()
+            timestamps.beat_automatic()
+            timestamps.beat_manual()
+        os._exit(0)
+    worst = 0.0
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        automatic, _ = timestamps.read()
+        assert not math.isnan(automatic)
+        worst = max(worst, timestamps.age())
+    os.waitpid(writer, 0)
+    assert worst < 5.0, f"read an age of {worst:.1f} s from timestamps written moments ago"
+
+
+# ---- defaults that ftrun passes down -------------------------------------------
+
+
+def test_job_config_supplies_wrapper_defaults_but_code_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic_ft.handoff import JOB_CONFIG_ENV
+    from elastic_ft.inprocess.rank_assignment import Tree
+    from elastic_ft.job_config import load_job_config
+
+    config = load_job_config(
+        "wrapper: {soft_timeout: 7, hard_timeout: 9}\n"
+        "rank_assignment: {tree: [{min_ranks: 1, key: job}, {min_ranks: 1, max_ranks: 2, key: host}]}\n"
+    )
+    monkeypatch.setenv(JOB_CONFIG_ENV, config.to_json().decode())
+    wrapper = Wrapper()
+    assert (wrapper.soft_timeout, wrapper.hard_timeout) == (
+        datetime.timedelta(seconds=7),
+        datetime.timedelta(seconds=9),
+    )
+    assert isinstance(wrapper.rank_assignment, Tree)
+    explicit = Wrapper(soft_timeout=datetime.timedelta(seconds=60), hard_timeout=datetime.timedelta(seconds=61))
+    assert explicit.soft_timeout == datetime.timedelta(seconds=60)  # given in code: the config does not override
+    monkeypatch.setenv(JOB_CONFIG_ENV, '{"wrapper": {"soft_timeout": -1}}')
+    with pytest.raises(ValueError, match="ELASTIC_FT_JOB_CONFIG holds an invalid job config: .*wrapper.soft_timeout"):
+        Wrapper()
+
+
+def test_default_store_is_the_etcd_round_store_under_ftrun(monkeypatch: pytest.MonkeyPatch, etcd: EtcdServer) -> None:
+    import json
+
+    from elastic_ft.etcd.store import EtcdStore
+    from elastic_ft.handoff import STORE_ENV
+    from elastic_ft.inprocess.store import default_store
+
+    described = {
+        "endpoints": [str(e) for e in etcd.endpoints],
+        "prefix": "/elastic_ft/unit/round/0/store/",
+        "connect_timeout": 5,
+        "request_timeout": 5,
+        "timeout": 30,
+    }
+    monkeypatch.setenv(STORE_ENV, json.dumps(described))
+    store = default_store()
+    assert isinstance(store, EtcdStore) and store.prefix == described["prefix"]
+    monkeypatch.setenv(STORE_ENV, '{"endpoints": ["127.0.0.1:1"]}')
+    with pytest.raises(ValueError, match="ELASTIC_FT_STORE=.* is not a valid etcd store description"):
+        default_store()
+
+
+def test_report_process_gone_uses_the_last_position(etcd: EtcdServer) -> None:
+    from elastic_ft.etcd.client import EtcdClient
+    from elastic_ft.etcd.store import EtcdStore
+    from elastic_ft.inprocess.store import (
+        ITERATION_BARRIER,
+        TERMINATION_BARRIER,
+        iteration_store,
+        job_store,
+        report_process_gone,
+    )
+
+    client = EtcdClient(etcd.endpoints)
+    base = EtcdStore(client, f"/elastic_ft/unit-{time.monotonic_ns()}/store/")
+    job = job_store(base)
+    assert not report_process_gone(base, 5, 8, "terminated", "never wrapped")
+    job.record_wrapped(5, 1234)
+    job.record_position(5, iteration=2, rank=3, world_size=7)
+    assert report_process_gone(base, 5, 8, "terminated", "pid 1234: signal SIGKILL")
+    iteration = iteration_store(base, 2)
+    assert iteration.terminated_ranks() == [3]
+    assert iteration.has_arrived(ITERATION_BARRIER, 3) and iteration.has_arrived(TERMINATION_BARRIER, 3)
+    assert iteration.interruptions()[0]["kind"] == "terminated"
+    job.record_left(6, "completed", gave_up=False)
+    job.record_wrapped(6, 99)
+    assert not report_process_gone(base, 6, 8, "terminated", "left already")
+    client.close()

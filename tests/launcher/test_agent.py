@@ -1,0 +1,286 @@
+"""ftrun's agent with real processes: simulated nodes of gloo workers on one real etcd.
+
+Each node is a real ``ftrun`` process; the workers run ``tests/launcher/worker.py``
+under ``elastic_ft.Wrapper`` with its default store (the round's etcd store).
+Faults are real: an exception, SIGKILL of a worker, SIGKILL of a whole node
+(agent, workers and their monitor processes), every worker of a node exiting.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic_ft.etcd.client import EtcdClient
+from elastic_ft.etcd.server import EtcdServer
+from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command
+
+WORKER = Path(__file__).resolve().parent / "worker.py"
+CONF = "last_call_timeout=0.5,lease_ttl=1,join_timeout=60"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def nodes() -> Iterator[list[TorchrunNode]]:
+    started: list[TorchrunNode] = []
+    yield started
+    for node in started:
+        node.terminate()
+
+
+def start(
+    nodes: list[TorchrunNode],
+    tmp_path: Path,
+    etcd: EtcdServer,
+    run_id: str,
+    tag: str,
+    scenario: dict[str, Any],
+    *,
+    nnodes: str = "2:2",
+    nproc: int = 2,
+    max_restarts: int = 2,
+) -> TorchrunNode:
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    node = TorchrunNode(
+        tag,
+        endpoint=etcd.endpoint,
+        run_id=run_id,
+        script=[str(WORKER)],
+        nnodes=nnodes,
+        nproc_per_node=nproc,
+        rdzv_conf=CONF,
+        max_restarts=max_restarts,
+        log_path=tmp_path / f"{tag}.log",
+        extra_env={
+            "EFT_SCENARIO": json.dumps(scenario),
+            "EFT_OUT": str(out),
+            "OMP_NUM_THREADS": "1",
+            "LOGLEVEL": "INFO",
+        },
+        launcher=ftrun_command(),
+    )
+    nodes.append(node)
+    return node
+
+
+def read(tmp_path: Path, pattern: str) -> dict[str, dict[str, Any]]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted((tmp_path / "out").glob(pattern))}
+
+
+def wait_for(tmp_path: Path, pattern: str, count: int, timeout: float) -> dict[str, dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while len(found := read(tmp_path, pattern)) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{count} x {pattern} not seen within {timeout} s: {sorted(found)}")
+        time.sleep(0.1)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def logs(nodes: list[TorchrunNode]) -> str:
+    return "\n".join(f"==== {n.tag}\n{n.log()[-6000:]}" for n in nodes)
+
+
+def escalations(etcd: EtcdServer, run_id: str) -> list[dict[str, Any]]:
+    client = EtcdClient(etcd.endpoints)
+    try:
+        kvs, _ = client.get_prefix(f"/elastic_ft/{run_id}/ftrun/escalations/")
+        return [json.loads(kv.value) for kv in kvs]
+    finally:
+        client.close()
+
+
+def status_of(etcd: EtcdServer, run_id: str) -> dict[str, Any]:
+    command = [sys.executable, "-m", "elastic_ft.launcher.cli", "status", "--json"]
+    done = subprocess.run(
+        [*command, f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(done.stdout)
+
+
+def finish(nodes: list[TorchrunNode], timeout: float = 120) -> list[int]:
+    return [node.wait(timeout) for node in nodes]
+
+
+@pytest.mark.parametrize(("kind", "victim"), [("sigkill", 3), ("sigkill", 0), ("raise", 3)])
+def test_worker_fault_keeps_the_healthy_workers(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode], kind: str, victim: int
+) -> None:
+    """2 nodes x 2 workers; one worker fails at step 5: the other processes keep their PIDs.
+
+    Killing initial rank 0 shows that no rank hosts the coordination: the
+    Wrapper's store and the process groups' bootstrap live in etcd.
+    """
+    scenario = {"steps": 20, "faults": [{"rank": victim, "kind": kind, "step": 5}]}
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
+    assert finish([a, b]) == [0, 0], logs(nodes)
+    started = read(tmp_path, "start-*.json")
+    assert sorted(started) == ["start-A-0-0", "start-A-1-0", "start-B-0-0", "start-B-1-0"]  # never restarted
+    done = read(tmp_path, "done-*.json")
+    if kind == "sigkill":
+        # The three survivors finished in the same processes, without rank 3.
+        assert sorted(done) == [f"done-{rank}-0" for rank in range(4) if rank != victim]
+        for record in done.values():
+            assert record["result"]["world_size"] == 3 and record["result"]["value"] == 3.0
+            assert record["result"]["iteration"] == 1
+        both = a.log() + b.log()
+        assert f"rank {victim} (pid " in both and "ended with signal SIGKILL inside elastic_ft.Wrapper" in both
+        # The node of the dead worker succeeds, and says which failure was absorbed.
+        assert f"failures absorbed by in-process restart: {{{victim}: 'pid " in both
+    else:
+        # Everyone restarted in-process; the exception did not end any process.
+        assert sorted(done) == ["done-0-0", "done-1-0", "done-2-0", "done-3-0"]
+        for record in done.values():
+            assert record["result"]["world_size"] == 4 and record["result"]["iteration"] == 1
+    assert {r["result"]["store"] for r in done.values()} == {"EtcdStore"}
+    pids = {(r["node"], r["initial_rank"]): r["pid"] for r in done.values()}
+    by_rank = {record["rank"]: record["pid"] for record in started.values()}
+    assert all(by_rank[rank] == pid for (_, rank), pid in pids.items())
+    assert escalations(etcd, run_id) == []
+    assert "restarting the workers" not in a.log() + b.log()
+    status = status_of(etcd, run_id)
+    assert status["in_process_restarts"] == 1 and status["process_restarts"] == 0
+    assert [w["rank"] for w in status["workers"]] == [0, 1, 2, 3]
+    if kind == "sigkill":
+        assert status["terminated_ranks"] == [victim]
+        assert status["workers"][victim]["state"] == "absorbed (-9)"
+    else:
+        assert status["terminated_ranks"] == []
+        assert {w["state"] for w in status["workers"]} == {"succeeded (0)"}
+
+
+def test_killed_node_is_absorbed_in_process(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
+) -> None:
+    """SIGKILL a whole node (agent, workers, monitors): the survivors go on in-process without it."""
+    scenario = {"steps": 120, "step_seconds": 0.05}
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
+    started = wait_for(tmp_path, "start-*.json", 4, 90)
+    time.sleep(2)  # training
+    killed = b.kill()
+    assert a.wait(120) == 0, logs(nodes)
+    done = read(tmp_path, "done-*.json")
+    a_ranks = sorted(r["rank"] for name, r in started.items() if name.startswith("start-A"))
+    assert sorted(r["initial_rank"] for r in done.values()) == a_ranks
+    for record in done.values():
+        assert record["result"]["world_size"] == 2 and record["result"]["iteration"] == 1
+        assert record["restart"] == 0  # same processes
+    assert not any(alive(pid) for pid in killed)
+    assert "reported its rank(s)" in a.log()
+    assert escalations(etcd, run_id) == []
+
+
+def test_node_lost_before_its_workers_entered_the_wrapper_is_followed(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
+) -> None:
+    """In-process restart cannot absorb ranks that never entered the Wrapper: the survivor re-rendezvouses."""
+    scenario = {"steps": 20, "slow_start_group_rank": 1}
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, nnodes="1:2") for tag in "AB")
+    started = wait_for(tmp_path, "start-*.json", 4, 90)
+    slow_tag = next(name.split("-")[1] for name, record in started.items() if record["rank"] >= 2)  # group rank 1
+    slow = a if slow_tag == "A" else b
+    time.sleep(1)
+    slow.kill()
+    survivor = a if slow is b else b
+    assert survivor.wait(120) == 0, logs(nodes)
+    assert "died before all its workers entered elastic_ft.Wrapper" in survivor.log()
+    done = read(tmp_path, "done-*.json")
+    assert len(done) == 2 and {r["result"]["world_size"] for r in done.values()} == {2}
+    assert {r["node"] for r in done.values()} == {survivor.tag}
+
+
+def test_every_worker_of_a_node_failing_escalates(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
+) -> None:
+    """Both workers of node group rank 1 exit: that node escalates; the job restarts at the process level."""
+    scenario = {"steps": 20, "node_exit": {"group_rank": 1, "restart": 0}}
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
+    assert finish([a, b]) == [0, 0], logs(nodes)
+    done = read(tmp_path, "done-*.json")
+    # Everyone finished in the restarted processes (TORCHELASTIC_RESTART_COUNT 1 on both nodes).
+    assert sorted(done) == ["done-0-1", "done-1-1", "done-2-1", "done-3-1"]
+    for record in done.values():
+        assert record["result"]["world_size"] == 4
+    recorded = escalations(etcd, run_id)
+    assert len(recorded) == 1 and "every local worker exited" in recorded[0]["reason"]
+    table = subprocess.run(
+        [sys.executable, "-m", "elastic_ft.launcher.cli", "status", f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}"],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    assert "process-level restarts: 1" in table and "every local worker exited with an error" in table
+    assert "escalating to a process-level restart (2 of 2 left)" in a.log() + b.log()
+
+
+def test_wrapper_giving_up_escalates(etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]) -> None:
+    """RetryController allows one iteration; a fault makes every Wrapper give up: a process-level restart follows."""
+    scenario = {"steps": 20, "retry": {"max_iterations": 1}, "faults": [{"rank": 2, "kind": "raise", "step": 3}]}
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
+    assert finish([a, b]) == [0, 0], logs(nodes)
+    done = read(tmp_path, "done-*.json")
+    assert sorted(done) == ["done-0-1", "done-1-1", "done-2-1", "done-3-1"]
+    recorded = escalations(etcd, run_id)
+    assert len(recorded) == 1 and "the in-process restart layer gave up" in recorded[0]["reason"]
+
+
+def test_failure_outside_the_wrapper_behaves_like_torchrun(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
+) -> None:
+    """Without the Wrapper nothing can absorb a fault: the node escalates, and with no restarts left fails."""
+    scenario = {"steps": 20, "no_wrapper": True, "faults": [{"rank": 1, "kind": "exit", "step": 3}]}
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, max_restarts=0) for tag in "AB")
+    assert finish([a, b]) == [1, 1], logs(nodes)
+    # The node of rank 1 fails on its exit; the other on its workers' broken collectives.
+    assert a.log().count("failed outside elastic_ft.Wrapper, and no restarts are left") == 1, a.log()
+    assert b.log().count("failed outside elastic_ft.Wrapper, and no restarts are left") == 1, b.log()
+    assert "ChildFailedError" in a.log() and "ChildFailedError" in b.log()
+
+
+def test_spare_node_waits_without_error_and_exits_with_the_job(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
+) -> None:
+    scenario = {"steps": 100, "step_seconds": 0.05}
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
+    wait_for(tmp_path, "start-*.json", 4, 90)
+    spare = start(nodes, tmp_path, etcd, run_id, "C", scenario)
+    time.sleep(3)
+    assert spare.process.poll() is None, spare.log()  # waiting, not crashed
+    assert finish([a, b]) == [0, 0], logs(nodes)
+    assert spare.wait(30) == 0, spare.log()  # the job finished without it: a clean exit
+    assert not read(tmp_path, "start-C-*.json")
+    assert "restarting the workers" not in a.log() + b.log()
+    assert len(read(tmp_path, "done-*.json")) == 4
+
+
+def test_spare_replaces_a_killed_node(etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]) -> None:
+    scenario = {"steps": 120, "step_seconds": 0.05}
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
+    wait_for(tmp_path, "start-*.json", 4, 90)
+    spare = start(nodes, tmp_path, etcd, run_id, "C", scenario)
+    time.sleep(2)
+    b.kill()
+    assert a.wait(150) == 0, logs(nodes)
+    assert spare.wait(150) == 0, logs(nodes)
+    done = read(tmp_path, "done-*.json")
+    assert sorted(r["node"] for r in done.values()) == ["A", "A", "C", "C"]
+    assert {r["result"]["world_size"] for r in done.values()} == {4}
+    assert "wait to join and the round has room: restarting the workers" in a.log()
+    assert escalations(etcd, run_id) == []  # a membership change, not counted as a restart

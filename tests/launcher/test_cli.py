@@ -1,0 +1,162 @@
+"""``elastic-ft config`` and ``elastic-ft status`` against a real etcd."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from elastic_ft.etcd.client import EtcdClient
+from elastic_ft.etcd.server import EtcdServer
+from elastic_ft.inprocess.rank_assignment import LayerFlag, Tree
+from elastic_ft.inprocess.rank_assignment.from_config import policy_from_config
+from elastic_ft.job_config import JobConfigError, load_job_config, parse_job_config
+from elastic_ft.net import free_port
+from elastic_ft.rendezvous import EtcdftRendezvousHandler, make_settings
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CLI = [sys.executable, "-m", "elastic_ft.launcher.cli"]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], check=False, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("name", ["job.yaml", "single-host.yaml"])
+def test_example_configs_are_valid_and_round_trip(name: str) -> None:
+    config = load_job_config((CONFIGS / name).read_text())
+    assert parse_job_config(config.to_document()) == config
+    done = cli("config", "validate", str(CONFIGS / name))
+    assert done.returncode == 0 and "valid" in done.stdout
+
+
+def test_config_builds_the_rank_assignment_policy() -> None:
+    policy = policy_from_config(load_job_config((CONFIGS / "job.yaml").read_text()))
+    assert isinstance(policy, Tree)
+    assert [layer.flag for layer in policy.layers] == [LayerFlag.RESERVE, LayerFlag.RESERVE | LayerFlag.BACKFILL]
+    assert [(layer.min_ranks, layer.max_ranks) for layer in policy.layers] == [(8, None), (1, 8)]
+    assert policy.world_size_filter is not None and policy.world_size_filter(30) == 24
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("nodes: [1, 2", "not valid YAML"),
+        ("- just a list", r"field \(top level\)=\['just a list'\] is invalid; expected a mapping"),
+        ("nodez: {}", "unknown field.*'nodez'"),
+        ("nodes: {min: 3, max: 2}", "nodes.min=3 exceeds nodes.max=2"),
+        ("nodes: {min: 0}", r"nodes.min=0 is invalid; expected an integer >= 1"),
+        ("nproc_per_node: two", "nproc_per_node='two' is invalid"),
+        ("rendezvous: {lease_ttl: 1.5}", "rendezvous.lease_ttl=1.5 is invalid; expected whole seconds"),
+        ("rendezvous: {join_timeout: -1}", r"rendezvous.join_timeout=-1 is invalid; expected seconds > 0"),
+        ("wrapper: {soft_timeout: 90, hard_timeout: 60}", "wrapper.soft_timeout=90 must be less than"),
+        ("wrapper: {soft_timeout: 100}", r"less than wrapper.hard_timeout=90 \(the Wrapper's default\)"),
+        ("wrapper: {soft_timout: 1}", "unknown field.*'soft_timout'"),
+        ("rank_assignment: {tree: [{key: host}]}", r"tree\[0\].key='host' is invalid; expected 'job'"),
+        ("rank_assignment: {tree: [{key: job, flags: [SPARE]}]}", r"tree\[0\].flags=\['SPARE'\] is invalid"),
+        ("rank_assignment: {tree: [{key: job, min_ranks: 4, max_ranks: 2}]}", "min_ranks=4 exceeds"),
+        ("rank_assignment: {active_world_size_divisible_by: 0}", "divisible_by=0 is invalid"),
+    ],
+)
+def test_invalid_configs_name_the_field(text: str, message: str) -> None:
+    with pytest.raises(JobConfigError, match=message):
+        load_job_config(text)
+
+
+def test_put_get_round_trip(etcd: EtcdServer, run_id: str) -> None:
+    put = cli("config", "put", str(CONFIGS / "job.yaml"), f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}")
+    assert put.returncode == 0, put.stderr
+    got = cli("config", "get", "--json", f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}")
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout) == load_job_config((CONFIGS / "job.yaml").read_text()).to_document()
+    as_yaml = cli("config", "get", f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}")
+    assert load_job_config(as_yaml.stdout) == load_job_config((CONFIGS / "job.yaml").read_text())
+
+
+def test_invalid_put_writes_nothing(etcd: EtcdServer, run_id: str, tmp_path: Path, etcd_client: EtcdClient) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nodes: {min: 5, max: 2}\n")
+    done = cli("config", "put", str(bad), f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}")
+    assert done.returncode == 2 and "nodes.min=5 exceeds nodes.max=2" in done.stderr
+    assert etcd_client.get_prefix(f"/elastic_ft/{run_id}/")[0] == []
+    missing = cli("config", "get", f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}")
+    assert missing.returncode == 1 and "no job config stored" in missing.stderr
+
+
+def test_unreachable_etcd_is_a_bounded_error(run_id: str) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    done = cli("status", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", "--connect-timeout=1")
+    assert done.returncode == 3 and endpoint in done.stderr
+    assert time.monotonic() - start < 20
+
+
+def test_status_shows_round_members_and_waiting_nodes(etcd: EtcdServer, run_id: str) -> None:
+    put = cli("config", "put", str(CONFIGS / "job.yaml"), f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}")
+    assert put.returncode == 0, put.stderr
+    handlers = [
+        EtcdftRendezvousHandler(
+            make_settings(run_id=run_id, endpoint=etcd.endpoint, min_nodes=2, max_nodes=2, local_addr="127.0.0.1")
+        )
+        for _ in range(3)
+    ]
+    with ThreadPoolExecutor(3) as pool:
+        infos = [f.result(30) for f in [pool.submit(h.next_rendezvous) for h in handlers[:2]]]
+        late = pool.submit(handlers[2].next_rendezvous)
+        time.sleep(0.5)
+        done = cli("status", "--json", f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}")
+        assert done.returncode == 0, done.stderr
+        status = json.loads(done.stdout)
+        assert status["round"] == 0 and status["rounds_completed"] == 1
+        by_node = {m["node"]: m for m in status["members"]}
+        assert {by_node[h.node]["rank"] for h in handlers[:2]} == {i.rank for i in infos}
+        assert all(m["state"] == "alive" and m["host"] for m in status["members"])
+        assert [(j["node"], j["role"]) for j in status["joined_next_round"]] == [(handlers[2].node, "waiting")]
+        assert status["config"]["nodes"]["max"] == 4
+        handlers[1].shutdown()
+        table = cli("status", f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}").stdout
+        assert "round 0 (1 completed), 2 member(s)" in table
+        assert "left" in table and "waiting" in table and "config: nodes 2..4 (+1 spare)" in table
+        handlers[0].set_closed()
+        with pytest.raises(Exception, match="closed"):
+            late.result(10)
+    for handler in handlers:
+        handler.shutdown()
+
+
+def test_status_shows_a_restart_in_progress(etcd: EtcdServer, etcd_client: EtcdClient, run_id: str) -> None:
+    """Iteration 2 was interrupted by initial rank 3 (rank 2 there); ranks 0 and 1 arrived at its termination barrier."""
+    from elastic_ft.etcd.store import EtcdStore
+    from elastic_ft.inprocess.store import NO_WAIT, iteration_store
+    from elastic_ft.keys import TERMINATION_BARRIER, RunKeys
+    from elastic_ft.launcher.status import _restart_in_progress, render_status
+
+    prefix = RunKeys("/elastic_ft", run_id).round_store(0)
+    base = EtcdStore(etcd_client, prefix)  # kept: the C++ prefix view does not keep the Python store alive
+    iteration = iteration_store(base, 2)
+    for initial, rank in ((0, 0), (1, 1), (3, 2)):  # initial rank 2 left in an earlier iteration
+        iteration.set_initial_rank(rank, initial)
+    assert _restart_in_progress(etcd_client, prefix, 2) is None  # nothing interrupted yet
+    iteration.record_interruption(2, "soft_timeout", "inactive for 1.6 s")
+    iteration.arrive_and_wait(TERMINATION_BARRIER, [0, 1], 3, NO_WAIT)
+    restart = _restart_in_progress(etcd_client, prefix, 2)
+    assert restart is not None
+    assert restart["waiting_for"] == [3]
+    assert [(r["initial_rank"], r["kind"]) for r in restart["interruptions"]] == [(3, "soft_timeout")]
+    assert abs(restart["interrupted_at"] - time.time()) < 60
+    shown = render_status({**EMPTY_STATUS, "restart_in_progress": restart})
+    assert "restart in progress: iteration 2 interrupted at" in shown
+    assert "by rank 3 (soft_timeout): inactive for 1.6 s" in shown and "waiting for ranks: [3]" in shown
+    iteration.arrive_and_wait(TERMINATION_BARRIER, [2], 3, NO_WAIT)  # the last arrival: the restart goes on
+    assert _restart_in_progress(etcd_client, prefix, 2) is None
+
+
+EMPTY_STATUS = {
+    "run": "r", "closed": False, "round": None, "workers": [], "terminated_ranks": [], "in_process_restarts": None,
+    "process_restarts": 0, "escalations": [], "joined_next_round": [], "next_round": 0, "config": None,
+}  # fmt: skip

@@ -1,0 +1,139 @@
+"""ftrun: torchrun's flags, etcdft by default, an embedded etcd on one host."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic_ft.etcd.server import EtcdServer
+from elastic_ft.job_config import load_job_config
+from elastic_ft.launcher.ftrun import apply_job_config, build_parser, parse_args
+
+TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train.py"
+FTRUN = [sys.executable, "-m", "elastic_ft.launcher.ftrun"]
+
+
+def test_parser_takes_torchrun_flags_and_defaults_to_etcdft() -> None:
+    args = build_parser().parse_args(["--nnodes=1:2", "--nproc-per-node=3", "--max-restarts=2", "train.py", "--x"])
+    assert args.rdzv_backend == "etcdft"
+    assert (args.nnodes, args.nproc_per_node, args.max_restarts) == ("1:2", "3", 2)
+    assert args.training_script == "train.py" and args.training_script_args == ["--x"]
+    assert build_parser().parse_args(["--rdzv-backend=c10d", "t.py"]).rdzv_backend == "c10d"
+
+
+def test_help_lists_ftrun_and_torchrun_flags() -> None:
+    text = build_parser().format_help()
+    for flag in ("--etcd-binary", "--rdzv-endpoint", "--nproc-per-node", "--max-restarts"):
+        assert flag in text
+
+
+def test_multi_node_without_endpoint_is_a_clear_error() -> None:
+    command = [*FTRUN, "--nnodes=1:2", str(TRAIN), "--workdir", "/tmp/unused"]
+    done = subprocess.run(command, check=False, capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "--rdzv-endpoint is required for a multi-node job (--nnodes=1:2)" in done.stderr
+
+
+@pytest.mark.slow
+def test_single_host_job_runs_on_an_embedded_etcd(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    done = subprocess.run(
+        [*FTRUN, "--nproc-per-node=2", "--monitor-interval=0.1", str(TRAIN), "--workdir", str(work), "--steps", "5"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(p.read_text()) for p in sorted(work.glob("done-*.json"))]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert {r["world_size"] for r in results} == {2}
+    # The embedded etcd served the job and is gone with it.
+    match = re.search(r"ftrun: embedded etcd at 127\.0\.0\.1:(\d+)", done.stderr)
+    assert match, done.stderr[-2000:]
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", int(match.group(1)))) != 0
+
+
+def test_job_config_fills_what_the_command_line_leaves_unset() -> None:
+    config = load_job_config(
+        "nodes: {min: 2, max: 3}\nnproc_per_node: 4\nmax_restarts: 5\nrendezvous: {lease_ttl: 3, last_call_timeout: 2}"
+    )
+    parser = build_parser()
+    args, given = parse_args(parser, ["--nproc-per-node=2", "--rdzv-conf=lease_ttl=7", "train.py"])
+    apply_job_config(args, given, config)
+    assert args.nnodes == "2:3"  # from the config
+    assert args.nproc_per_node == "2"  # the command line wins
+    assert args.max_restarts == 5
+    assert sorted(args.rdzv_conf.split(",")) == ["last_call_timeout=2", "lease_ttl=7"]
+
+
+def test_bad_job_config_file_fails_before_anything_starts(tmp_path: Path) -> None:
+    bad = tmp_path / "job.yaml"
+    bad.write_text("nodes: {min: 1, max: 1}\nwrapper: {soft_timeout: 0}\n")
+    done = subprocess.run([*FTRUN, f"--job-config={bad}", str(TRAIN)], check=False, capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "wrapper.soft_timeout=0 is invalid; expected seconds > 0" in done.stderr
+    assert "embedded etcd" not in done.stderr
+
+
+@pytest.mark.slow
+def test_stored_job_config_sets_the_worker_count(etcd: EtcdServer, run_id: str, tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text("nodes: {min: 1, max: 1}\nnproc_per_node: 2\nrendezvous: {last_call_timeout: 0}\n")
+    put = subprocess.run(
+        [sys.executable, "-m", "elastic_ft.launcher.cli", "config", "put", str(config),
+         f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}"],
+        check=False, capture_output=True, text=True,
+    )  # fmt: skip
+    assert put.returncode == 0, put.stderr
+    work = tmp_path / "work"
+    command = [*FTRUN, f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}", "--monitor-interval=0.1",
+               str(TRAIN), "--workdir", str(work), "--steps", "3"]  # fmt: skip
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(p.read_text()) for p in sorted(work.glob("done-*.json"))]
+    assert {r["world_size"] for r in results} == {2} and len(results) == 2
+
+
+WRAPPER_DEFAULTS_SCRIPT = """
+import json, os, sys
+from elastic_ft import CallWrapper, Wrapper
+
+def fn(call_wrapper: CallWrapper | None = None):
+    return call_wrapper.state.active_rank
+
+wrapper = Wrapper()
+result = wrapper(fn)()
+record = {"soft_timeout": wrapper.soft_timeout.total_seconds(), "result": result,
+          "store": type(wrapper.store_factory()).__name__}
+with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as file:
+    json.dump(record, file)
+"""
+
+
+@pytest.mark.slow
+def test_workers_get_wrapper_defaults_from_the_job_config(etcd: EtcdServer, run_id: str, tmp_path: Path) -> None:
+    """The stored config's Wrapper timeouts and rank assignment reach the workers' Wrapper() defaults."""
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        "nodes: {min: 1, max: 1}\nnproc_per_node: 2\nrendezvous: {last_call_timeout: 0}\n"
+        "wrapper: {soft_timeout: 45, hard_timeout: 50}\nrank_assignment: {max_active_world_size: 1}\n"
+    )
+    script = tmp_path / "worker.py"
+    script.write_text(WRAPPER_DEFAULTS_SCRIPT)
+    command = [*FTRUN, f"--job-config={config}", f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}",
+               "--monitor-interval=0.1", str(script), str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert {r["soft_timeout"] for r in records} == {45.0}
+    assert sorted(r["result"] for r in records if r["result"] is not None) == [0]  # one active rank, one spare
+    assert sum(r["result"] is None for r in records) == 1
+    assert {r["store"] for r in records} == {"EtcdStore"}

@@ -1,0 +1,159 @@
+"""Real training recovers from every fault kind in-process: ``examples/train_ftrun.py`` under two ``ftrun`` nodes.
+
+Each test runs the reference script (DDP, ``torch.optim.AdamW``, a
+``DataLoader`` with ``DistributedSampler``, an atomic checkpoint every 20
+steps, default Wrapper settings) on 2 nodes x 2 workers against a real etcd,
+injects one real fault at step 30, and checks from what the script recorded:
+the surviving workers kept their processes, resumed from the checkpoint of
+step 20, finished every step, and did so within a loose bound (the
+benchmark, ``benchmarks/recovery.py``, carries the figures).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic_ft.etcd.server import EtcdServer
+from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_ftrun.py"
+CONF = "last_call_timeout=0.5,lease_ttl=2,join_timeout=60"
+STEPS = 80
+FAULT_STEP = 30
+CHECKPOINT_STEP = 20
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def nodes() -> Iterator[list[TorchrunNode]]:
+    started: list[TorchrunNode] = []
+    yield started
+    for node in started:
+        node.terminate()
+
+
+def run_job(nodes: list[TorchrunNode], tmp_path: Path, etcd: EtcdServer, run_id: str, *script_args: str) -> list[int]:
+    workdir = tmp_path / "work"
+    for tag in "AB":
+        nodes.append(
+            TorchrunNode(
+                tag,
+                endpoint=etcd.endpoint,
+                run_id=run_id,
+                script=[str(SCRIPT), "--workdir", str(workdir), "--steps", str(STEPS), "--fault-step",
+                        str(FAULT_STEP), "--monitor-logs", *script_args],
+                nnodes="2:2",
+                nproc_per_node=2,
+                rdzv_conf=CONF,
+                max_restarts=0,
+                log_path=tmp_path / f"{tag}.log",
+                extra_env={"OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO"},
+                launcher=ftrun_command(),
+            )
+        )
+    return [node.wait(240) for node in nodes]
+
+
+def events(tmp_path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for path in (tmp_path / "work").glob("events-*.jsonl") for line in path.open()]
+
+
+def results(tmp_path: Path) -> dict[int, dict[str, Any]]:
+    found = (json.loads(path.read_text()) for path in (tmp_path / "work").glob("done-*.json"))
+    return {result["initial_rank"]: result for result in found}
+
+
+def logs(nodes: list[TorchrunNode], workdir: Path | None = None) -> str:
+    text = "\n".join(f"==== {node.tag}\n{node.log()[-8000:]}" for node in nodes)
+    for path in sorted(workdir.glob("monitor-*.log")) if workdir else ():
+        text += f"\n==== {path.name}\n{path.read_text(errors='replace')[-3000:]}"
+    return text
+
+
+def recovery_seconds(tmp_path: Path) -> float:
+    """From the fault to the first completed step of the last surviving rank in the next iteration."""
+    recorded = events(tmp_path)
+    (fault,) = [e for e in recorded if e["event"] == "fault"]
+    firsts: dict[int, float] = {}
+    for event in sorted(recorded, key=lambda e: e["t"]):
+        if event["event"] == "first_step" and event["t"] > fault["t"]:
+            firsts.setdefault(event["rank"], event["t"])
+    return max(firsts.values()) - fault["t"]
+
+
+def assert_recovered(
+    tmp_path: Path, nodes: list[TorchrunNode], codes: list[int], survivors: list[int], *, may_lose: int = 0
+) -> None:
+    """``survivors`` finished in their own processes, from the checkpoint; ``may_lose`` of them may be
+    missing, each only if its own monitor terminated it when it could not restart (a gloo race, see
+    docs/inprocess.md), never by a crash."""
+    assert codes == [0, 0], logs(nodes, tmp_path / "work")
+    done = results(tmp_path)
+    missing = set(survivors) - set(done)
+    assert set(done) <= set(survivors) and len(missing) <= may_lose, logs(nodes, tmp_path / "work")
+    for rank in missing:
+        monitor_log = (tmp_path / "work" / f"monitor-{rank}.log").read_text()
+        assert "after a restart request" in monitor_log, logs(nodes, tmp_path / "work")
+    survivors = sorted(done)
+    first_pids = {e["rank"]: e["pid"] for e in sorted(events(tmp_path), key=lambda e: e["t"]) if e["event"] == "start"}
+    for rank, result in done.items():
+        assert result["pid"] == first_pids[rank], f"rank {rank} was restarted as a new process: {result}"
+        assert (result["step"], result["iteration"], result["world_size"]) == (STEPS, 1, len(survivors)), result
+        assert result["resumed_at"] == CHECKPOINT_STEP, result
+        assert result["process_restarts"] == 0
+    # Every survivor ends with the same model: the same steps, on the same data.
+    assert len({round(result["checksum"], 6) for result in done.values()}) == 1, done
+
+
+@pytest.mark.parametrize(
+    ("fault", "survivors", "bound", "may_lose"),
+    [
+        ("raise", [0, 1, 2, 3], 5.0, 0),
+        ("sigkill", [0, 2, 3], 5.0, 0),
+        ("hang_gil_released", [0, 1, 2, 3], 10.0, 0),
+        # A peer blocked in DDP's backward sometimes never sees its gloo send fail (measured:
+        # 2 to 5 runs in 20); its monitor then terminates it too, and the job goes on at 2.
+        ("hang_gil_held", [0, 2, 3], 10.0, 1),
+        ("sigstop", [0, 2, 3], 10.0, 0),
+    ],
+)
+def test_every_fault_kind_recovers_in_process(
+    nodes: list[TorchrunNode],
+    tmp_path: Path,
+    etcd: EtcdServer,
+    run_id: str,
+    fault: str,
+    survivors: list[int],
+    bound: float,
+    may_lose: int,
+) -> None:
+    codes = run_job(nodes, tmp_path, etcd, run_id, "--fault", fault, "--fault-rank", "1")
+    assert_recovered(tmp_path, nodes, codes, survivors, may_lose=may_lose)
+    assert recovery_seconds(tmp_path) < bound, logs(nodes, tmp_path / "work")
+
+
+def test_a_group_held_by_user_code_does_not_stall_recovery(
+    nodes: list[TorchrunNode], tmp_path: Path, etcd: EtcdServer, run_id: str
+) -> None:
+    codes = run_job(nodes, tmp_path, etcd, run_id, "--fault", "raise", "--fault-rank", "2", "--hold-group")
+    assert_recovered(tmp_path, nodes, codes, [0, 1, 2, 3])
+    assert recovery_seconds(tmp_path) < 5.0, logs(nodes, tmp_path / "work")
+
+
+def test_a_slow_but_healthy_step_is_not_a_hang(
+    nodes: list[TorchrunNode], tmp_path: Path, etcd: EtcdServer, run_id: str
+) -> None:
+    # Rank 1 spends 4 s in one C call (no Python code runs, no step): 80 times the step
+    # time, well past the adaptive soft timeout. It burns CPU, so it is working, and the
+    # other ranks, waiting for it, see it active through its heartbeats.
+    codes = run_job(nodes, tmp_path, etcd, run_id, "--fault", "slow_step", "--fault-rank", "1", "--slow-seconds", "4")
+    assert codes == [0, 0], logs(nodes, tmp_path / "work")
+    done = results(tmp_path)
+    assert sorted(done) == [0, 1, 2, 3], logs(nodes, tmp_path / "work")
+    assert all((r["iteration"], r["step"], r["resumed_at"]) == (0, STEPS, 0) for r in done.values()), done

@@ -1,0 +1,121 @@
+"""One worker of an ``ftrun`` test job; the scenario comes as JSON in ``EFT_SCENARIO``.
+
+Trains a tiny all-reduce loop with gloo under ``elastic_ft.Wrapper`` with its
+default store, which under ``ftrun`` is the etcd store of the rendezvous
+round; the process group bootstraps from a prefix of that store too, so no
+rank hosts anything. Writes ``$EFT_OUT/start-<node>-<local rank>-<restart>.json``
+when it starts and ``$EFT_OUT/done-<initial rank>-<restart>.json`` with the
+result, keyed by ``TORCHELASTIC_RESTART_COUNT``.
+
+Faults (``faults``: list of ``{"rank", "kind", "restart", "iteration", "step"}``,
+``rank`` the initial global rank): ``raise``, ``exit`` (``os._exit(17)``),
+``sigkill``. ``node_exit``: ``{"group_rank", "restart"}`` makes every worker
+of that node exit with code 19 at step 2 of its first iteration.
+``slow_start_group_rank``: the workers of that node sleep 60 s before entering
+the Wrapper. ``no_wrapper``: run the loop without the Wrapper; ``retry``: keyword arguments
+of a ``RetryController``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_ft.inprocess.initialize import RetryController
+from elastic_ft.inprocess.wrapper import CallWrapper, Wrapper
+from elastic_ft.testing.workers import init_gloo
+
+SCENARIO: dict[str, Any] = json.loads(os.environ["EFT_SCENARIO"])
+OUT = os.environ["EFT_OUT"]
+INITIAL_RANK = int(os.environ["RANK"])
+RESTART = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+NODE = os.environ["NODE_TAG"]
+GROUP_RANK = int(os.environ["GROUP_RANK"])
+
+
+def write(name: str, record: dict[str, Any]) -> None:
+    path = os.path.join(OUT, name)
+    with open(path + ".tmp", "w") as file:
+        json.dump(record, file)
+    os.replace(path + ".tmp", path)
+
+
+def inject(iteration: int, step: int) -> None:
+    node_exit = SCENARIO.get("node_exit")
+    if node_exit and (node_exit["group_rank"], node_exit["restart"], iteration, step) == (GROUP_RANK, RESTART, 0, 2):
+        os._exit(19)
+    for fault in SCENARIO.get("faults", []):
+        if (fault["rank"], fault.get("restart", 0), fault.get("iteration", 0), fault.get("step", 2)) != (
+            INITIAL_RANK,
+            RESTART,
+            iteration,
+            step,
+        ):
+            continue
+        if fault["kind"] == "raise":
+            raise RuntimeError(f"injected fault on initial rank {INITIAL_RANK}")
+        if fault["kind"] == "exit":
+            os._exit(17)
+        if fault["kind"] == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train(store: dist.Store | None, iteration: int) -> dict[str, Any]:
+    rank, world_size = init_gloo(store, iteration, datetime.timedelta(seconds=30))
+    try:
+        value = torch.ones(1)
+        for step in range(SCENARIO.get("steps", 20)):
+            inject(iteration, step)
+            value = torch.ones(1)
+            dist.all_reduce(value)
+            time.sleep(SCENARIO.get("step_seconds", 0.05))
+        return {"iteration": iteration, "rank": rank, "world_size": world_size, "value": value.item()}
+    finally:
+        dist.destroy_process_group()
+
+
+def wrapped(call_wrapper: CallWrapper | None = None) -> dict[str, Any]:
+    assert call_wrapper is not None
+    result = train(call_wrapper.base_store, call_wrapper.iteration)
+    return {**result, "store": type(call_wrapper.base_store).__name__}
+
+
+def main() -> None:
+    local_rank = int(os.environ["LOCAL_RANK"])
+    write(f"start-{NODE}-{local_rank}-{RESTART}.json", {"pid": os.getpid(), "rank": INITIAL_RANK})
+    if SCENARIO.get("slow_start_group_rank") == GROUP_RANK:
+        time.sleep(60)  # set-up work before the Wrapper: the node may die meanwhile
+    if SCENARIO.get("no_wrapper"):
+        result = train(None, 0)
+    else:
+        seconds = {name: datetime.timedelta(seconds=value) for name, value in SCENARIO.get("wrapper", {}).items()}
+        hooks: dict[str, Any] = {}
+        if "retry" in SCENARIO:
+            hooks["initialize"] = RetryController(**SCENARIO["retry"])
+        result = Wrapper(
+            **hooks,
+            monitor_thread_interval=datetime.timedelta(seconds=0.05),
+            last_call_wait=datetime.timedelta(seconds=0.05),
+            heartbeat_interval=datetime.timedelta(seconds=0.5),
+            heartbeat_timeout=datetime.timedelta(seconds=20),
+            soft_timeout=datetime.timedelta(seconds=30),
+            hard_timeout=datetime.timedelta(seconds=40),
+            barrier_timeout=datetime.timedelta(seconds=60),
+            completion_timeout=datetime.timedelta(seconds=60),
+            **seconds,
+        )(wrapped)()
+    write(
+        f"done-{INITIAL_RANK}-{RESTART}.json",
+        {"pid": os.getpid(), "node": NODE, "initial_rank": INITIAL_RANK, "restart": RESTART, "result": result},
+    )
+
+
+if __name__ == "__main__":
+    main()

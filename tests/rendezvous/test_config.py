@@ -1,0 +1,83 @@
+"""Configuration parsing and bad input: clear errors before any etcd traffic."""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from elastic_ft.rendezvous.config import (
+    CONF_KEYS,
+    EtcdftSettings,
+    RendezvousConfigError,
+    make_settings,
+    settings_from_parameters,
+)
+from elastic_ft.rendezvous.handler import EtcdftRendezvousHandler
+
+
+def settings(**overrides: object) -> EtcdftSettings:
+    values = {"run_id": "job", "endpoint": "127.0.0.1:2379", "min_nodes": 1, "max_nodes": 2, **overrides}
+    return make_settings(**values)  # type: ignore[arg-type]
+
+
+def test_defaults_are_documented_and_applied() -> None:
+    s = settings()
+    assert s.join_timeout == CONF_KEYS["join_timeout"][0] == 600
+    assert s.last_call_timeout == CONF_KEYS["last_call_timeout"][0]
+    assert s.lease_ttl == CONF_KEYS["lease_ttl"][0]
+    assert s.run_prefix == "/elastic_ft/job/"
+    assert all(description for _, description in CONF_KEYS.values())
+
+
+def test_torchrun_timeout_key_and_precedence() -> None:
+    assert settings(timeout="900").join_timeout == 900
+    # torchrun always passes timeout; an explicit join_timeout wins.
+    assert settings(timeout="900", join_timeout="30").join_timeout == 30
+
+
+def test_from_torchrun_parameters() -> None:
+    params = RendezvousParameters(
+        "etcdft",
+        "h1:2379,h2:2379",
+        "job42",
+        2,
+        4,
+        local_addr="10.1.1.1",
+        timeout="900",
+        last_call_timeout="5",
+        lease_ttl="5",
+    )
+    s = settings_from_parameters(params)
+    assert (s.min_nodes, s.max_nodes, s.last_call_timeout, s.lease_ttl, s.local_addr) == (2, 4, 5, 5, "10.1.1.1")
+    assert [e.host for e in s.endpoints] == ["h1", "h2"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"bogus_key": "1"}, "unknown etcdft rdzv conf key.*'bogus_key'"),
+        ({"last_call_timeout": "soon"}, "last_call_timeout='soon' is not a number"),
+        ({"join_timeout": "-5"}, "join_timeout='-5' is out of range"),
+        ({"join_timeout": "0"}, "join_timeout='0' is out of range"),
+        ({"timeout": "nan"}, "timeout='nan' is not finite"),
+        ({"lease_ttl": "1.5"}, "lease_ttl='1.5' is not whole"),
+        ({"lease_ttl": "0"}, "lease_ttl='0' is out of range"),
+        ({"min_nodes": 3, "max_nodes": 2}, "min_nodes=3 exceeds max_nodes=2"),
+        ({"min_nodes": 0}, "min_nodes=0 is invalid"),
+        ({"run_id": ""}, "rdzv id '' is invalid"),
+        ({"run_id": "a/b"}, "rdzv id 'a/b' is invalid"),
+        ({"etcd_prefix": "relative"}, "etcd_prefix='relative' is invalid"),
+        ({"endpoint": "a:b"}, "port 'b'"),
+        ({"cacert": "/ca.pem"}, "no endpoint uses https"),
+    ],
+)
+def test_bad_settings(overrides: dict[str, object], message: str) -> None:
+    with pytest.raises(RendezvousConfigError, match=message):
+        settings(**overrides)
+
+
+def test_bad_input_fails_before_contacting_etcd() -> None:
+    """An unknown key must fail at once, even with an endpoint nobody listens on."""
+    params = RendezvousParameters("etcdft", "192.0.2.1:1", "job", 1, 1, typo_key="1")
+    with pytest.raises(RendezvousConfigError, match="typo_key"):
+        EtcdftRendezvousHandler.from_parameters(params)
