@@ -49,8 +49,16 @@ from typing import Any
 import torch.distributed as dist
 
 from elastic_ft import keys
+from elastic_ft.fault_records import (
+    encode_heartbeat,
+    encode_interruption,
+    interruption_dict,
+    parse_heartbeat,
+    parse_interruptions,
+)
 from elastic_ft.handoff import StoreHandoff
 from elastic_ft.inprocess.exception import BarrierOverflow, BarrierTimeout
+from elastic_ft.inprocess.logs import get_logger
 from elastic_ft.keys import COMPLETION_BARRIER, EXIT_BARRIER, ITERATION_BARRIER, TERMINATION_BARRIER
 
 #: The per-iteration outcome: exactly one of these wins the ``compare_set``.
@@ -61,6 +69,8 @@ INTERRUPTED = "interrupted"
 NO_WAIT = datetime.timedelta(0)
 _POLL_FIRST = 0.0005
 _POLL_MAX = 0.02
+
+log = get_logger("store")
 
 
 def poll(predicate: Callable[[], bool], timeout: float | None, interval_max: float = _POLL_MAX) -> bool:
@@ -194,14 +204,17 @@ class StoreMixin:
 
     def record_interruption(self, rank: int, kind: str, message: str = "") -> str:
         """Record why ``rank`` interrupts the iteration (and when), then propose :data:`INTERRUPTED`."""
-        record = {"rank": rank, "kind": kind, "message": message[:500], "time": time.time()}
-        self.append(keys.INTERRUPTIONS, json.dumps(record) + "\n")
+        self.append(keys.INTERRUPTIONS, encode_interruption(rank, kind, message, time.time()))
         return self.decide_outcome(INTERRUPTED)
 
     def interruptions(self) -> list[dict[str, object]]:
+        """The iteration's well-formed interruption records (a malformed line is logged and skipped)."""
         if not self.check([keys.INTERRUPTIONS]):
             return []
-        return [json.loads(line) for line in _text(self.get(keys.INTERRUPTIONS)).splitlines() if line]
+        records, malformed = parse_interruptions(_text(self.get(keys.INTERRUPTIONS)))
+        for line in malformed:
+            log.warning("skipping a malformed interruption record: %.200s", line)
+        return [interruption_dict(record) for record in records]
 
     def record_terminated(self, ranks: Iterable[int]) -> None:
         """Record ranks (current ``state.rank`` values) that leave the job."""
@@ -233,27 +246,23 @@ class StoreMixin:
     def send_heartbeat(self, rank: int, active_at: float | None = None) -> None:
         """A heartbeat for initial rank ``rank``: now, and when (wall clock) the rank was last active."""
         now = time.time()
-        record = {"t": now, "active": now if active_at is None else active_at}
-        self.set(f"{keys.HEARTBEAT}{rank}", json.dumps(record))
+        self.set(f"{keys.HEARTBEAT}{rank}", encode_heartbeat(now, now if active_at is None else active_at))
 
-    def _heartbeat(self, rank: int) -> dict[str, float] | None:
+    def _heartbeat(self, rank: int) -> tuple[float, float] | None:
+        """(sent at, last active at); None without a heartbeat or with one that is not well-formed."""
         key = f"{keys.HEARTBEAT}{rank}"
         if not self.check([key]):
             return None
-        try:
-            record = json.loads(_text(self.get(key)))
-            return {"t": float(record["t"]), "active": float(record["active"])}
-        except (ValueError, KeyError, TypeError):
-            return None  # written by something else: as good as no heartbeat
+        return parse_heartbeat(_text(self.get(key)))
 
     def last_heartbeat(self, rank: int) -> float | None:
         record = self._heartbeat(rank)
-        return None if record is None else record["t"]
+        return None if record is None else record[0]
 
     def last_activity(self, rank: int) -> float | None:
         """When (wall clock) initial rank ``rank`` was last active, per its last heartbeat."""
         record = self._heartbeat(rank)
-        return None if record is None else record["active"]
+        return None if record is None else record[1]
 
     # ---- what the node side reads (job-wide view) ----
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from elastic_ft.etcd.client import EtcdClient
+from elastic_ft.fault_records import parse_interruptions
 from elastic_ft.keys import (
     FTRUN_EXITS,
     FTRUN_NODES,
@@ -207,15 +208,13 @@ def _restart_in_progress(client: EtcdClient, store_prefix: str, iteration: int) 
         rank = parse_count(value.decode(errors="replace"))
         if initial is not None and rank is not None:
             initial_of[rank] = initial
-    interruptions = []
-    for line in found.get(INTERRUPTIONS, b"").decode(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-            interruptions.append({"rank": int(record["rank"]), "initial_rank": initial_of.get(int(record["rank"])),
-                                  "kind": str(record["kind"]), "message": str(record.get("message", "")),
-                                  "time": float(record["time"]) if "time" in record else None})  # fmt: skip
-        except (ValueError, KeyError, TypeError):
-            log.warning("skipping a malformed interruption record of iteration %d: %.200s", iteration, line)
+    records, malformed = parse_interruptions(found.get(INTERRUPTIONS, b"").decode(errors="replace"))
+    for line in malformed:
+        log.warning("skipping a malformed interruption record of iteration %d: %.200s", iteration, line)
+    interruptions = [
+        {"rank": r.rank, "initial_rank": initial_of.get(r.rank), "kind": r.kind, "message": r.message, "time": r.time}
+        for r in records
+    ]
     arrived = {rank for rank in initial_of if barrier_arrived(TERMINATION_BARRIER, rank) in found}
     times = [record["time"] for record in interruptions if record["time"] is not None]
     return {

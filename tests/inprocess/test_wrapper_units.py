@@ -164,6 +164,11 @@ def test_one_outcome_per_iteration(tcp_store: dist.Store) -> None:
     assert abs(record.pop("time") - time.time()) < 60  # when it was recorded: what elastic-ft status shows
     assert record == {"rank": 1, "kind": "RuntimeError", "message": "boom"}
 
+    # A corrupt line (another writer, a forged value) is skipped: the monitor thread reads
+    # these records on its way to a restart, so one bad line must not stop it.
+    interrupted.append("interruptions", '{"rank": -1, "kind": "x"}\n{"rank": 2\n')
+    assert [r["rank"] for r in interrupted.interruptions()] == [1]
+
     completed = iteration_store(tcp_store, 1)
     assert completed.arrive_and_wait(COMPLETION_BARRIER, [0], 1, seconds(1)) == COMPLETED
     assert completed.record_interruption(0, "late", "") == COMPLETED
