@@ -19,6 +19,7 @@ import pytest
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.testing.etcd_cluster import EtcdCluster
+from elastic_ft.testing.local_cluster import TorchrunNode
 
 
 @pytest.fixture(scope="session")
@@ -58,3 +59,12 @@ def reap_pids() -> Iterator[list[int]]:
         for kill in (os.killpg, os.kill):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def nodes() -> Iterator[list[TorchrunNode]]:
+    """Simulated torchrun/ftrun nodes a test started; terminated (with their workers) at the end."""
+    started: list[TorchrunNode] = []
+    yield started
+    for node in started:
+        node.terminate()

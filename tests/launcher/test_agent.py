@@ -12,7 +12,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +25,6 @@ WORKER = Path(__file__).resolve().parent / "worker.py"
 CONF = "last_call_timeout=0.5,lease_ttl=1,join_timeout=60"
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def nodes() -> Iterator[list[TorchrunNode]]:
-    started: list[TorchrunNode] = []
-    yield started
-    for node in started:
-        node.terminate()
 
 
 def start(

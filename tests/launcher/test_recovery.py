@@ -12,7 +12,6 @@ benchmark, ``benchmarks/recovery.py``, carries the figures).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +27,6 @@ FAULT_STEP = 30
 CHECKPOINT_STEP = 20
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def nodes() -> Iterator[list[TorchrunNode]]:
-    started: list[TorchrunNode] = []
-    yield started
-    for node in started:
-        node.terminate()
 
 
 def run_job(nodes: list[TorchrunNode], tmp_path: Path, etcd: EtcdServer, run_id: str, *script_args: str) -> list[int]:

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,14 +37,6 @@ def test_torch_registry_creates_etcdft_handler(etcd: EtcdServer, run_id: str) ->
     handler = handler_registry.create_handler(params)
     assert handler.get_backend() == "etcdft"
     handler.shutdown()
-
-
-@pytest.fixture
-def nodes(tmp_path: Path) -> Iterator[list[TorchrunNode]]:
-    started: list[TorchrunNode] = []
-    yield started
-    for node in started:
-        node.terminate()
 
 
 def start(
