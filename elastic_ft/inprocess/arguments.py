@@ -54,7 +54,7 @@ def validate_arguments(arguments: dict[str, Any]) -> None:
     if adaptive is not None and not isinstance(adaptive, AdaptiveTimeouts):
         raise TypeError(f"Wrapper adaptive_timeouts must be an AdaptiveTimeouts or None, got {adaptive!r}")
     interrupt = arguments["interrupt_signal"]
-    if interrupt is not None and interrupt not in signal.valid_signals():
+    if interrupt is not None and (isinstance(interrupt, bool) or interrupt not in signal.valid_signals()):
         raise ValueError(f"Wrapper interrupt_signal must be a signal (e.g. signal.SIGUSR2) or None, got {interrupt!r}")
     if interrupt in (signal.SIGKILL, signal.SIGSTOP):
         raise ValueError(f"Wrapper interrupt_signal cannot be {interrupt!r}: it cannot be handled")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import signal
 import threading
 import time
 
@@ -51,6 +52,10 @@ def test_disabled_wrapper_returns_the_function_itself() -> None:
         ({"last_call_wait": seconds(-1)}, "last_call_wait must be >= 0"),
         ({"monitor_process_logfile": "relative/{rank}.log"}, "absolute path"),
         ({"monitor_process_logfile": "/tmp/{node}.log"}, "only contain the {rank} placeholder"),
+        ({"interrupt_signal": 9999}, "interrupt_signal must be a signal"),
+        ({"interrupt_signal": "SIGUSR2"}, "interrupt_signal must be a signal"),
+        ({"interrupt_signal": True}, "interrupt_signal must be a signal"),
+        ({"interrupt_signal": signal.SIGKILL}, "cannot be handled"),
     ],
 )
 def test_bad_argument_combinations_are_rejected(arguments: dict[str, object], message: str) -> None:
@@ -60,7 +65,8 @@ def test_bad_argument_combinations_are_rejected(arguments: dict[str, object], me
 
 @pytest.mark.parametrize(
     "arguments",
-    [{"soft_timeout": 60}, {"initialize": 3}, {"store_kwargs": [1]}, {"enabled": 1}, {"store_factory": None}],
+    [{"soft_timeout": 60}, {"initialize": 3}, {"store_kwargs": [1]}, {"enabled": 1}, {"store_factory": None},
+     {"adaptive_timeouts": "fast"}],
 )
 def test_bad_argument_types_are_rejected(arguments: dict[str, object]) -> None:
     with pytest.raises(TypeError):
