@@ -151,6 +151,7 @@ def train(args: argparse.Namespace, state: dict[str, Any], call_wrapper: CallWra
         step, epoch, batch = position["step"], position["epoch"], position["batch"]
         loss = torch.zeros(())
         first_step_done = time.perf_counter()
+        first_step_cpu = (time.thread_time(), time.process_time())
         while step < args.steps:
             sampler.set_epoch(epoch)
             sampler.skip = batch * local_batch  # the batches of this epoch done before the checkpoint
@@ -164,6 +165,7 @@ def train(args: argparse.Namespace, state: dict[str, Any], call_wrapper: CallWra
                 if step == position["step"] + 1:
                     record(args, "first_step", iteration=iteration, step=step)
                     first_step_done = time.perf_counter()
+                    first_step_cpu = (time.thread_time(), time.process_time())
                 if step % args.checkpoint_every == 0 and rank == 0:
                     with call_wrapper.atomic() if call_wrapper is not None else contextlib.nullcontext():
                         save_checkpoint(
@@ -176,9 +178,13 @@ def train(args: argparse.Namespace, state: dict[str, Any], call_wrapper: CallWra
         checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
         steps_timed = step - position["step"] - 1
         step_seconds = (time.perf_counter() - first_step_done) / steps_timed if steps_timed > 0 else None
+        # CPU seconds per step of the main thread, and of this process's other threads (gloo's, the Wrapper's).
+        main_cpu = time.thread_time() - first_step_cpu[0]
+        other_cpu = time.process_time() - first_step_cpu[1] - main_cpu
+        step_cpu = {"main": main_cpu / steps_timed, "other_threads": other_cpu / steps_timed} if steps_timed > 0 else None
         return {"step": step, "iteration": iteration, "world_size": world_size, "rank": rank,
                 "loss": float(loss.detach()), "checksum": checksum, "resumed_at": position["step"],
-                "step_seconds": step_seconds}  # fmt: skip
+                "step_seconds": step_seconds, "step_cpu_seconds": step_cpu}  # fmt: skip
     finally:
         dist.destroy_process_group()
 

@@ -227,9 +227,15 @@ class MonitorProcess:
         log.warning("monitor process %d did not exit in %g s", self.pid, timeout)
 
 
+MONITOR_PROCESS_NAME = "eft-monitor"
+
+
 def _detach(keep: int) -> None:
-    """Leave the parent's session and drop every inherited descriptor but ``keep``."""
+    """Leave the parent's session, take the name ``eft-monitor`` and drop every inherited descriptor but ``keep``."""
     os.setsid()
+    # The name ps and top show, so operators (and benchmarks/recovery.py) can tell it from the rank.
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
+        comm.write(MONITOR_PROCESS_NAME)
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
