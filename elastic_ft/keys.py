@@ -10,6 +10,7 @@ All of a run's etcd keys live under its *run prefix*, ``<etcd_prefix>/<run_id>/`
     rdzv/round/<n>/result           round n's members in rank order (written once)
     rdzv/round/<n>/left/<node>      a member left round n cleanly
     round/<n>/store/<key>           round n's torch.distributed.Store
+    round/<n>/store.writes/<token>  on a short lease: a store write that committed
     ftrun/escalations/<n>           ftrun escalated from round n (job-wide count)
 
 Inside a round's store (relative to the store, so the same names serve a
@@ -90,6 +91,15 @@ class RunKeys:
 
     def escalation(self, number: int) -> str:
         return f"{self.escalations}{number}"
+
+
+def store_write_token(store_prefix: str, token: str) -> str:
+    """The key that records a committed write of the store at ``store_prefix`` (beside it, not inside it).
+
+    Outside the store's own prefix, so ``num_keys`` and the store's watches
+    never see it; inside the round's prefix, so it goes with the round.
+    """
+    return f"{store_prefix.rstrip('/')}.writes/{token}"
 
 
 @dataclass(frozen=True)

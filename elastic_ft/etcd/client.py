@@ -11,10 +11,17 @@ and watches -- and nothing else: callers build transactions from the small
 ``Compare``/``Op`` helpers below.  It counts every request it sends
 (:attr:`EtcdClient.requests`) so benchmarks can report requests per round.
 
-Failure handling follows etcd's rules: a request that could not reach any
-endpoint raises :class:`EtcdUnavailableError` after a bounded time, naming the
-endpoints; a request that timed out has an unknown outcome, so only requests
-the caller marks idempotent are retried.
+Failure handling follows etcd's rules. A request is resent, on the next
+endpoint, after UNAVAILABLE or DEADLINE_EXCEEDED -- and neither proves that
+the first send was not applied (a connection can break after the server
+committed). So every request sent here must be safe to apply twice: reads,
+leases, puts of a key with a single writer, and transactions whose guards
+make a second application a no-op (the rendezvous's, and
+:class:`~elastic_ft.etcd.store.EtcdStore`'s, which carry a per-request
+token). Each request ends, one way or another, within ``connect_timeout +
+request_timeout``: every send is capped by the time left, and a request that
+no endpoint answered raises :class:`EtcdUnavailableError` naming the
+endpoints.
 """
 
 from __future__ import annotations
@@ -60,7 +67,14 @@ log = logging.getLogger(__name__)
 # GOAWAY "too_many_pings"; so ping every 10 s, and only while a call (a watch,
 # a keep-alive stream) is open. A dead peer is still noticed within ~15 s on a
 # silent link, and at once when its TCP connection is reset.
+#
+# gRPC backs off reconnecting for up to 120 s by default; a coordination
+# client must be back within its request bound once a member answers again,
+# so reconnect attempts stay between 0.1 and 1 s apart.
 _CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 0),
@@ -195,42 +209,41 @@ class EtcdClient:
         with self._lock:
             self.requests_by_kind[kind] += 1
 
-    def _call(self, kind: str, method: Callable[[grpc.Channel], Any], *, idempotent: bool) -> Any:
-        """Run one unary request, moving across endpoints while they are down.
+    def _call(self, kind: str, method: Callable[[grpc.Channel, float], Any]) -> Any:
+        """Run one unary request, ``method(channel, timeout)``, moving across endpoints while they fail.
 
-        UNAVAILABLE means the request did not reach a server, so it is always
-        safe to send again.  DEADLINE_EXCEEDED leaves the outcome unknown, so
-        it is retried only for idempotent requests.
+        The request is resent after UNAVAILABLE or DEADLINE_EXCEEDED, so it
+        must be safe to apply twice (see the module docstring). The whole
+        call takes at most ``connect_timeout + request_timeout``: each send
+        gets ``request_timeout`` or the time left, whichever is shorter.
         """
-        deadline = time.monotonic() + self.connect_timeout
+        start = time.monotonic()
+        deadline = start + self.connect_timeout + self.request_timeout
         last_error: grpc.RpcError | None = None
         while True:
             for endpoint in self._endpoint_order():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
                 self._count(kind)
                 try:
-                    result = method(self._channel(endpoint))
+                    result = method(self._channel(endpoint), min(self.request_timeout, left))
                 except grpc.RpcError as exc:
-                    code = exc.code()
-                    if code not in _RETRYABLE_CODES:
+                    if exc.code() not in _RETRYABLE_CODES:
                         raise EtcdRequestError(f"etcd at {endpoint} refused the request: {exc.details()}") from exc
-                    if code is grpc.StatusCode.DEADLINE_EXCEEDED and not idempotent:
-                        raise EtcdUnavailableError(
-                            f"etcd at {endpoint} did not answer within {self.request_timeout:g} s; "
-                            "the request's outcome is unknown"
-                        ) from exc
                     last_error = exc
                     continue
                 self._mark_good(endpoint)
                 return result
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 detail = last_error.details() if last_error is not None else "no answer"
                 raise EtcdUnavailableError(
-                    f"cannot reach etcd at {self.describe_endpoints()} within {self.connect_timeout:g} s: {detail}"
+                    f"no answer from etcd at {self.describe_endpoints()} within "
+                    f"{time.monotonic() - start:.1f} s (connect_timeout={self.connect_timeout:g} s, "
+                    f"request_timeout={self.request_timeout:g} s): {detail}"
                 ) from last_error
-            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-
-    def _timeout(self) -> float:
-        return self.request_timeout
+            time.sleep(min(0.2, left))
 
     # ---- requests ----
 
@@ -238,10 +251,17 @@ class EtcdClient:
         """Ask a member for its status; returns the server version."""
         response = self._call(
             "status",
-            lambda ch: etcdrpc.MaintenanceStub(ch).Status(etcdrpc.StatusRequest(), timeout=self._timeout()),
-            idempotent=True,
+            lambda ch, timeout: etcdrpc.MaintenanceStub(ch).Status(etcdrpc.StatusRequest(), timeout=timeout),
         )
         return str(response.version)
+
+    def member_status(self) -> tuple[int, int]:
+        """(this member's id, its leader's id) from the first endpoint that answers; equal on the leader."""
+        response = self._call(
+            "status",
+            lambda ch, timeout: etcdrpc.MaintenanceStub(ch).Status(etcdrpc.StatusRequest(), timeout=timeout),
+        )
+        return int(response.header.member_id), int(response.leader)
 
     def get(self, key: str) -> tuple[KeyValue | None, int]:
         kvs, revision = self._range(etcdrpc.RangeRequest(key=key.encode()))
@@ -252,30 +272,22 @@ class EtcdClient:
 
     def count_prefix(self, prefix: str) -> int:
         request = etcdrpc.RangeRequest(key=prefix.encode(), range_end=prefix_end(prefix), count_only=True)
-        response = self._call(
-            "range", lambda ch: etcdrpc.KVStub(ch).Range(request, timeout=self._timeout()), idempotent=True
-        )
+        response = self._call("range", lambda ch, timeout: etcdrpc.KVStub(ch).Range(request, timeout=timeout))
         return int(response.count)
 
     def _range(self, request: Any) -> tuple[list[KeyValue], int]:
-        response = self._call(
-            "range", lambda ch: etcdrpc.KVStub(ch).Range(request, timeout=self._timeout()), idempotent=True
-        )
+        response = self._call("range", lambda ch, timeout: etcdrpc.KVStub(ch).Range(request, timeout=timeout))
         return [KeyValue.from_proto(kv) for kv in response.kvs], response.header.revision
 
     def put(self, key: str, value: bytes, lease: int = 0) -> int:
         request = etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease)
-        response = self._call(
-            "put", lambda ch: etcdrpc.KVStub(ch).Put(request, timeout=self._timeout()), idempotent=True
-        )
+        response = self._call("put", lambda ch, timeout: etcdrpc.KVStub(ch).Put(request, timeout=timeout))
         return response.header.revision
 
     def delete(self, key: str) -> int:
         """Delete one key; returns how many keys were deleted (0 or 1)."""
         request = etcdrpc.DeleteRangeRequest(key=key.encode())
-        response = self._call(
-            "delete", lambda ch: etcdrpc.KVStub(ch).DeleteRange(request, timeout=self._timeout()), idempotent=True
-        )
+        response = self._call("delete", lambda ch, timeout: etcdrpc.KVStub(ch).DeleteRange(request, timeout=timeout))
         return int(response.deleted)
 
     def txn(
@@ -283,13 +295,10 @@ class EtcdClient:
         compare: Sequence[Compare],
         success: Sequence[Op],
         failure: Sequence[Op] = (),
-        *,
-        idempotent: bool = True,
     ) -> TxnResult:
+        """One transaction; it may be sent twice, so its guards must make a second application a no-op."""
         request = etcdrpc.TxnRequest(compare=list(compare), success=list(success), failure=list(failure))
-        response = self._call(
-            "txn", lambda ch: etcdrpc.KVStub(ch).Txn(request, timeout=self._timeout()), idempotent=idempotent
-        )
+        response = self._call("txn", lambda ch, timeout: etcdrpc.KVStub(ch).Txn(request, timeout=timeout))
         ranges: list[list[KeyValue] | None] = []
         for op in response.responses:
             if op.WhichOneof("response") == "response_range":
@@ -306,8 +315,7 @@ class EtcdClient:
         request = etcdrpc.LeaseGrantRequest(TTL=ttl)
         response = self._call(
             "lease_grant",
-            lambda ch: etcdrpc.LeaseStub(ch).LeaseGrant(request, timeout=self._timeout()),
-            idempotent=True,
+            lambda ch, timeout: etcdrpc.LeaseStub(ch).LeaseGrant(request, timeout=timeout),
         )
         if response.error:
             raise EtcdRequestError(f"etcd refused a lease of {ttl} s: {response.error}")
@@ -326,8 +334,7 @@ class EtcdClient:
         try:
             self._call(
                 "lease_revoke",
-                lambda ch: etcdrpc.LeaseStub(ch).LeaseRevoke(request, timeout=self._timeout()),
-                idempotent=True,
+                lambda ch, timeout: etcdrpc.LeaseStub(ch).LeaseRevoke(request, timeout=timeout),
             )
         except EtcdRequestError as exc:
             if "not found" not in str(exc):

@@ -10,6 +10,14 @@ torch's ``TCPStore`` (the tests run the same assertions against both):
   Blocking uses an etcd watch, never polling.
 * ``add`` keeps the counter as a decimal string, as TCPStore does, and is
   atomic (compare-and-swap on the key's mod revision).
+* Every write commits at most once, whatever the transport does. The client
+  resends a request whose answer it did not get, and the first send may have
+  committed; so each write is a transaction that also creates a *token* key
+  unique to the write (:func:`elastic_ft.keys.store_write_token`, on a lease
+  that outlives any resend) and requires it to be absent. A resend of a write
+  that had committed finds its token and reports the first outcome instead
+  of applying the write again. When no answer comes at all within the
+  client's bound, the write raises :class:`StoreWriteOutcomeUnknown`.
 * ``compare_set(key, expected, desired)`` sets ``desired`` when the current
   value equals ``expected`` (or when the key is missing and ``expected`` is
   empty) and returns the value the key holds afterwards; a missing key with a
@@ -21,26 +29,38 @@ Values are opaque bytes; etcd limits one value to 1.5 MiB by default.
 
 from __future__ import annotations
 
+import math
 import queue
+import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from elastic_ft.etcd.client import (
+    Compare,
     EtcdClient,
+    EtcdUnavailableError,
     EtcdWatch,
     KeyValue,
+    Op,
     WatchEvent,
+    delete_op,
     get_op,
     key_missing,
     key_modified_at,
     put_op,
 )
+from elastic_ft.keys import store_write_token
 
 # etcd's default --max-txn-ops.
 _TXN_OPS = 128
+
+
+class StoreWriteOutcomeUnknown(dist.DistStoreError):
+    """etcd did not answer a write within the client's bound: it may or may not have committed (once)."""
 
 
 def _as_bytes(value: str | bytes | bytearray | Sequence[int]) -> bytes:
@@ -62,6 +82,10 @@ class EtcdStore(dist.Store):
         self._client = client
         self.prefix = prefix
         self.set_timeout(timeout)
+        #: Writes whose commit was learnt from their token: a resend after an earlier send had committed.
+        self.writes_recovered = 0
+        self._token_lease: tuple[int, float] | None = None  # lease id, when to replace it (time.monotonic())
+        self._token_lease_lock = threading.Lock()
 
     def _key(self, key: str) -> str:
         return self.prefix + key
@@ -150,32 +174,82 @@ class EtcdStore(dist.Store):
 
     # ---- writes ----
 
+    def _write_lease(self) -> int:
+        """The lease write tokens go on: granted lazily, replaced once half its TTL has passed.
+
+        The TTL is at least four times the longest a request can take, so a
+        token outlives every resend of its write.
+        """
+        with self._token_lease_lock:
+            now = time.monotonic()
+            if self._token_lease is None or now >= self._token_lease[1]:
+                longest = self._client.connect_timeout + self._client.request_timeout
+                lease, ttl = self._client.grant_lease(max(60, math.ceil(4 * longest)))
+                self._token_lease = (lease, now + ttl / 2)
+            return self._token_lease[0]
+
+    def _commit_once(self, what: str, guards: list[Compare], ops: list[Op], token: str, result: bytes) -> bytes | None:
+        """Apply ``ops`` if ``guards`` hold, at most once per ``token``.
+
+        Returns the ``result`` recorded by the write that committed with this
+        token (this send or an earlier one whose answer was lost), or None
+        when the guards failed and nothing was written.
+        """
+        token_key = store_write_token(self.prefix, token)
+        try:
+            outcome = self._client.txn(
+                [*guards, key_missing(token_key)],
+                [*ops, put_op(token_key, result, self._write_lease())],
+                [get_op(token_key)],
+            )
+        except EtcdUnavailableError as exc:
+            raise StoreWriteOutcomeUnknown(f"{what}: etcd did not answer, the write may have committed: {exc}") from exc
+        if outcome.succeeded:
+            return result
+        committed = outcome.ranges[-1]
+        if not committed:
+            return None
+        self.writes_recovered += 1
+        return committed[0].value
+
+    def _write(self, what: str, ops: list[Op]) -> None:
+        """Unconditional writes, committed exactly once."""
+        token = uuid.uuid4().hex
+        if self._commit_once(what, [], ops, token, b"") is None:
+            raise dist.DistStoreError(f"{what}: etcd refused an unconditional write")
+
     def set(self, key: str, value: str | bytes) -> None:
-        self._client.put(self._key(key), _as_bytes(value))
+        self._write(f"set({key!r})", [put_op(self._key(key), _as_bytes(value))])
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         if len(keys) != len(values):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
         ops = [put_op(self._key(k), _as_bytes(v)) for k, v in zip(keys, values, strict=True)]
-        for start in range(0, len(ops), _TXN_OPS):
-            self._client.txn([], ops[start : start + _TXN_OPS])
+        for start in range(0, len(ops), _TXN_OPS - 1):  # one op of each transaction is its token
+            self._write(f"multi_set({keys[start]!r}, ...)", ops[start : start + _TXN_OPS - 1])
 
     def delete_key(self, key: str) -> bool:
-        return self._client.delete(self._key(key)) > 0
-
-    def _read_modify_write(self, key: str, change: Callable[[bytes | None], bytes]) -> bytes:
-        """Atomically replace the value with ``change(current or None)``.
-
-        Not retried on an unknown outcome (the change may not be idempotent):
-        a timed-out request surfaces as an error instead of being applied twice.
-        """
         full = self._key(key)
+        token = uuid.uuid4().hex
+        while True:
+            kv, _ = self._client.get(full)
+            if kv is None:
+                return False
+            guard = key_modified_at(full, kv.mod_revision)
+            if self._commit_once(f"delete_key({key!r})", [guard], [delete_op(full)], token, b"1") is not None:
+                return True
+
+    def _read_modify_write(self, what: str, key: str, change: Callable[[bytes | None], bytes]) -> bytes:
+        """Atomically replace the value with ``change(current or None)``, exactly once; returns the new value."""
+        full = self._key(key)
+        token = uuid.uuid4().hex
         while True:
             kv, _ = self._client.get(full)
             new = change(kv.value if kv else None)
             guard = key_modified_at(full, kv.mod_revision) if kv else key_missing(full)
-            if self._client.txn([guard], [put_op(full, new)], idempotent=False).succeeded:
-                return new
+            committed = self._commit_once(what, [guard], [put_op(full, new)], token, new)
+            if committed is not None:
+                return committed
 
     def add(self, key: str, amount: int) -> int:
         def increment(current: bytes | None) -> bytes:
@@ -185,15 +259,16 @@ class EtcdStore(dist.Store):
                 raise dist.DistStoreError(f"add({key!r}): the value {current!r} is not an integer") from None
             return str(base + amount).encode()
 
-        return int(self._read_modify_write(key, increment))
+        return int(self._read_modify_write(f"add({key!r}, {amount})", key, increment))
 
     def append(self, key: str, value: str | bytes) -> None:
         data = _as_bytes(value)
-        self._read_modify_write(key, lambda current: (current or b"") + data)
+        self._read_modify_write(f"append({key!r})", key, lambda current: (current or b"") + data)
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         full = self._key(key)
         expected, desired = _as_bytes(expected_value), _as_bytes(desired_value)
+        token = uuid.uuid4().hex
         while True:
             kv, _ = self._client.get(full)
             if kv is None:
@@ -204,9 +279,7 @@ class EtcdStore(dist.Store):
                 return kv.value
             else:
                 guard = key_modified_at(full, kv.mod_revision)
-            # Safe to resend after an unknown outcome: if the first attempt
-            # landed, the retry sees ``desired`` and returns it.
-            if self._client.txn([guard], [put_op(full, desired)]).succeeded:
+            if self._commit_once(f"compare_set({key!r})", [guard], [put_op(full, desired)], token, desired) is not None:
                 return desired
 
     def __repr__(self) -> str:

@@ -132,7 +132,9 @@ class KeepAliveStream(Stream):
         try:
             answer = self._answers.get(timeout=timeout)
         except queue.Empty:
-            raise EtcdUnavailableError(f"no keep-alive answer for lease {self.lease_id:x} within {timeout:g} s") from None
+            raise EtcdUnavailableError(
+                f"no keep-alive answer for lease {self.lease_id:x} within {timeout:g} s"
+            ) from None
         if isinstance(answer, Exception):
             raise answer
         return answer

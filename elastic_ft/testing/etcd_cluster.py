@@ -6,6 +6,8 @@ import os
 import signal
 from dataclasses import dataclass
 
+from elastic_ft.etcd.client import EtcdClient
+from elastic_ft.etcd.kv import EtcdUnavailableError
 from elastic_ft.etcd.server import EtcdServer, find_etcd_binary
 
 
@@ -39,6 +41,23 @@ class EtcdCluster(EtcdServer):
         if process is None or process.poll() is not None:
             raise RuntimeError(f"etcd member {index} is not running")
         process.send_signal(sig)
+
+    def leader(self) -> int:
+        """Index of the member that leads the cluster now (asked of each running member)."""
+        for index, endpoint in enumerate(self.endpoints):
+            process = self._members[index].process
+            if process is None or process.poll() is not None:
+                continue
+            client = EtcdClient([endpoint], request_timeout=1.0, connect_timeout=1.0)
+            try:
+                member, leader = client.member_status()
+            except EtcdUnavailableError:
+                continue
+            finally:
+                client.close()
+            if member == leader:
+                return index
+        raise RuntimeError("no etcd member reports itself the leader")
 
     def restart_member(self, index: int, ready_timeout: float = 20.0) -> None:
         """Start a killed member again on its old data and ports."""

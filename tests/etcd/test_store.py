@@ -161,7 +161,12 @@ def test_etcd_store_keys_stay_under_prefix(etcd: EtcdServer, run_id: str) -> Non
     store.append("c", "x")
     store.multi_set(["d"], ["1"])
     kvs, _ = client.get_prefix(f"/elastic_ft/{run_id}/")
-    assert sorted(kv.key for kv in kvs) == [prefix + k for k in "abcd"]
+    data = sorted(kv.key for kv in kvs if kv.key.startswith(prefix))
+    tokens = [kv for kv in kvs if not kv.key.startswith(prefix)]
+    assert data == [prefix + k for k in "abcd"]
+    # One write token per write, beside the store and inside the round, each on the store's lease.
+    assert len(tokens) == 4
+    assert all(kv.key.startswith(f"/elastic_ft/{run_id}/round/7/store.writes/") and kv.lease for kv in tokens)
     client.close()
 
 

@@ -101,7 +101,9 @@ def test_step_clock_warms_up_per_iteration_and_skips_long_sections(monkeypatch: 
 TIMEOUTS = Timeouts(soft=1.5, hard=3.0, soft_limit=60, hard_limit=90)
 
 
-def activity(progress: float, cpu_idle: float | None = None, stopped: bool = False, silent: float = 0.1) -> RankActivity:
+def activity(
+    progress: float, cpu_idle: float | None = None, stopped: bool = False, silent: float = 0.1
+) -> RankActivity:
     return RankActivity(progress, progress if cpu_idle is None else cpu_idle, stopped, silent)
 
 

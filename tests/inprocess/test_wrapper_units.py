@@ -65,8 +65,14 @@ def test_bad_argument_combinations_are_rejected(arguments: dict[str, object], me
 
 @pytest.mark.parametrize(
     "arguments",
-    [{"soft_timeout": 60}, {"initialize": 3}, {"store_kwargs": [1]}, {"enabled": 1}, {"store_factory": None},
-     {"adaptive_timeouts": "fast"}],
+    [
+        {"soft_timeout": 60},
+        {"initialize": 3},
+        {"store_kwargs": [1]},
+        {"enabled": 1},
+        {"store_factory": None},
+        {"adaptive_timeouts": "fast"},
+    ],
 )
 def test_bad_argument_types_are_rejected(arguments: dict[str, object]) -> None:
     with pytest.raises(TypeError):

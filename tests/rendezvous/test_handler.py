@@ -410,7 +410,9 @@ def test_everything_is_json_under_the_run_prefix(make_handler: HandlerFactory, e
             json.loads(kv.value)
     other_runs = {kv.key.split("/")[2] for kv in kvs}
     assert a.settings.run_id in other_runs
-    assert all(kv.key.startswith("/elastic_ft/") for kv in kvs), sorted({kv.key for kv in kvs if not kv.key.startswith("/elastic_ft/")})[:5]
+    assert all(kv.key.startswith("/elastic_ft/") for kv in kvs), sorted(
+        {kv.key for kv in kvs if not kv.key.startswith("/elastic_ft/")}
+    )[:5]
 
 
 def test_etcd_lost_during_rendezvous_fails_within_bounds(run_id: str) -> None:

@@ -61,7 +61,9 @@ def test_max_nodes_close_at_once() -> None:
 
 def test_close_decisions_say_why() -> None:
     one = make_state(rounds=[RoundRecord(0, joins(join("a", 1)))])
-    assert rules.close_verdict(one, 0, LIMITS, now=0.0, last_call_since=None).reason == "1 of min_nodes=2 node(s) joined"
+    assert (
+        rules.close_verdict(one, 0, LIMITS, now=0.0, last_call_since=None).reason == "1 of min_nodes=2 node(s) joined"
+    )
     two = make_state(rounds=[RoundRecord(0, joins(join("a", 1), join("b", 2)))])
     waiting = rules.close_verdict(two, 0, LIMITS, now=12.0, last_call_since=10.0)
     assert "2 node(s) joined" in waiting.reason and "last call for 3.0 s more" in waiting.reason

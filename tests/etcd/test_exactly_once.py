@@ -1,0 +1,257 @@
+"""Store writes commit at most once, whatever the transport does.
+
+A fault-injecting proxy sits between the clients and etcd (lost answers,
+reset connections, a frozen path), and on a 3-member cluster members and
+leaders are killed; concurrent clients record every operation, and the
+history checks of :mod:`elastic_ft.testing.history` read it with the final
+state.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from elastic_ft.etcd.client import EtcdClient
+from elastic_ft.etcd.endpoints import parse_endpoints
+from elastic_ft.etcd.server import EtcdServer
+from elastic_ft.etcd.store import EtcdStore, StoreWriteOutcomeUnknown
+from elastic_ft.testing.etcd_cluster import EtcdCluster
+from elastic_ft.testing.fault_proxy import FaultProxy
+from elastic_ft.testing.history import FAILED, OK, UNKNOWN, History, check_appends, check_cas_chain, check_counter
+
+
+@pytest.fixture
+def proxy(etcd: EtcdServer) -> Iterator[FaultProxy]:
+    endpoint = etcd.endpoints[0]
+    with FaultProxy((endpoint.host, endpoint.port)) as running:
+        yield running
+
+
+def _store(endpoints: str, prefix: str, **client: float) -> tuple[EtcdClient, EtcdStore]:
+    etcd_client = EtcdClient(parse_endpoints(endpoints), **client)
+    return etcd_client, EtcdStore(etcd_client, prefix, timedelta(seconds=10))
+
+
+def _direct(etcd: EtcdServer, prefix: str) -> EtcdStore:
+    return EtcdStore(EtcdClient(etcd.endpoints), prefix, timedelta(seconds=10))
+
+
+# (operation, answers before the write's: the read of a read-modify-write, expected value)
+@pytest.mark.parametrize(
+    ("operation", "reads", "expected"),
+    [
+        (lambda s: s.add("k", 1), 1, b"2"),
+        (lambda s: s.append("k", "A"), 1, b"1A"),
+        (lambda s: s.compare_set("k", "1", "won"), 1, b"won"),
+        (lambda s: s.set("k", "v"), 0, b"v"),
+    ],
+    ids=["add", "append", "compare_set", "set"],
+)
+def test_a_write_whose_answer_is_lost_commits_once(
+    etcd: EtcdServer, proxy: FaultProxy, operation: Callable[[EtcdStore], object], reads: int, expected: bytes
+) -> None:
+    prefix = f"/test/{uuid.uuid4().hex}/store/"
+    client, store = _store(proxy.endpoint, prefix)
+    try:
+        store.set("k", "1")  # the connection and the token lease exist: the next answers are the operation's
+        requests = client.requests_by_kind["txn"]
+        proxy.lose_next_reply(after=reads)
+        operation(store)
+        assert proxy.replies_lost == 1
+        assert client.requests_by_kind["txn"] == requests + 2  # the write was sent twice
+        assert store.writes_recovered == 1  # and the second send found the first committed
+        assert _direct(etcd, prefix).get("k") == expected
+    finally:
+        client.close()
+
+
+def test_add_returns_the_count_of_its_own_commit_after_a_lost_answer(etcd: EtcdServer, proxy: FaultProxy) -> None:
+    prefix = f"/test/{uuid.uuid4().hex}/store/"
+    client, store = _store(proxy.endpoint, prefix)
+    try:
+        assert store.add("k", 5) == 5
+        proxy.lose_next_reply(after=1)
+        assert store.add("k", 2) == 7
+        assert store.writes_recovered == 1
+        _direct(etcd, prefix).add("k", 100)  # another writer moves on meanwhile
+        assert store.add("k", 1) == 108
+    finally:
+        client.close()
+
+
+def test_a_delete_whose_answer_is_lost_does_not_delete_a_later_value(etcd: EtcdServer, proxy: FaultProxy) -> None:
+    prefix = f"/test/{uuid.uuid4().hex}/store/"
+    client, store = _store(proxy.endpoint, prefix)
+    try:
+        store.set("k", "old")
+        proxy.lose_next_reply(after=1)
+        assert store.delete_key("k") is True
+        assert store.writes_recovered == 1
+        other = _direct(etcd, prefix)
+        other.set("k", "new")
+        assert other.get("k") == b"new"
+    finally:
+        client.close()
+
+
+def test_write_tokens_stay_out_of_the_store(etcd: EtcdServer) -> None:
+    store = _direct(etcd, f"/test/{uuid.uuid4().hex}/store/")
+    store.set("a", "1")
+    store.add("b", 1)
+    store.compare_set("c", "", "x")
+    assert store.num_keys() == 3
+
+
+def test_a_frozen_path_gives_outcome_unknown_within_the_bound(proxy: FaultProxy) -> None:
+    client, store = _store(proxy.endpoint, f"/test/{uuid.uuid4().hex}/store/", request_timeout=0.5, connect_timeout=1)
+    try:
+        store.set("warm-up", "1")
+        proxy.freeze()
+        started = time.monotonic()
+        with pytest.raises(StoreWriteOutcomeUnknown, match=r"set\('k'\).*may have committed"):
+            store.set("k", "v")
+        assert time.monotonic() - started < 1.5 + 1.0  # connect_timeout + request_timeout, plus slack
+        started = time.monotonic()
+        with pytest.raises(ConnectionError, match="no answer from etcd"):  # a read: nothing to be unsure of
+            store.add("k", 1)
+        assert time.monotonic() - started < 1.5 + 1.0
+    finally:
+        proxy.thaw()
+        client.close()
+
+
+# ---- histories ---------------------------------------------------------------------
+
+
+class Workload:
+    """Concurrent clients doing add, append and compare_set increments on one store, recording a history."""
+
+    def __init__(self, endpoints: list[str], prefix: str) -> None:
+        self.prefix = prefix
+        self.history = History()
+        self.endpoints = endpoints
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.writes_recovered = 0  # over every client: resends that found their write committed
+
+    def run_client(self, index: int) -> None:
+        client, store = _store(self.endpoints[index % len(self.endpoints)], self.prefix, request_timeout=1.0)
+        rng = random.Random(index)
+        try:
+            while not self.stop.is_set():
+                kind = rng.choice(("add", "append", "compare_set"))
+                start = time.monotonic()
+                argument: object = None
+                try:
+                    if kind == "add":
+                        result: object = store.add("counter", 1)
+                    elif kind == "append":
+                        argument = f"c{index}-{uuid.uuid4().hex[:8]}"
+                        store.append("log", argument + ",")
+                        result = None
+                    else:
+                        # Values are "<count>:<writer>", so a swap tells its own success from another's.
+                        current = store.compare_set("register", "", "0:init").decode()
+                        argument = int(current.split(":")[0])
+                        desired = f"{argument + 1}:{uuid.uuid4().hex[:8]}"
+                        returned = store.compare_set("register", current, desired).decode()
+                        result = (int(returned.split(":")[0]), returned == desired)
+                except StoreWriteOutcomeUnknown:
+                    self.history.record(index, kind, argument, start, UNKNOWN)
+                    continue
+                except (dist.DistStoreError, ConnectionError):
+                    # a read failed before any write was sent: certainly not applied
+                    self.history.record(index, kind, argument, start, FAILED)
+                    time.sleep(0.05)
+                    continue
+                self.history.record(index, kind, argument, start, OK, result)
+        finally:
+            with self.lock:
+                self.writes_recovered += store.writes_recovered
+            client.close()
+
+    def check(self, reader: EtcdStore) -> dict[str, int]:
+        operations = self.history.operations
+        counter = int(reader.get("counter")) if reader.check(["counter"]) else 0
+        log = reader.get("log").decode() if reader.check(["log"]) else ""
+        register = int(reader.get("register").decode().split(":")[0]) if reader.check(["register"]) else 0
+        problems = (
+            check_counter([op for op in operations if op.kind == "add"], counter)
+            + check_appends([op for op in operations if op.kind == "append"], log)
+            + check_cas_chain(
+                [op for op in operations if op.kind == "compare_set" and op.argument is not None], register
+            )
+        )
+        assert problems == []
+        return {f"{kind}/{outcome}": n for (kind, outcome), n in self.history.counts().items()}
+
+
+def _run(
+    workload: Workload,
+    clients: int,
+    chaos: Callable[[], None],
+    minimum_operations: int,
+    limit: float,
+    enough_chaos: Callable[[], bool] = lambda: True,
+) -> None:
+    threads = [threading.Thread(target=workload.run_client, args=(i,), daemon=True) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + limit
+    try:
+        while time.monotonic() < deadline and not (
+            len(workload.history.operations) >= minimum_operations and enough_chaos()
+        ):
+            chaos()
+    finally:
+        workload.stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+    assert len(workload.history.operations) >= minimum_operations
+
+
+def test_history_with_lost_answers_and_resets(etcd: EtcdServer, proxy: FaultProxy) -> None:
+    workload = Workload([proxy.endpoint], f"/test/{uuid.uuid4().hex}/store/")
+    rng = random.Random(0)
+
+    def chaos() -> None:
+        time.sleep(rng.uniform(0.2, 0.5))
+        if rng.random() < 0.05:
+            proxy.reset_all()
+        elif proxy.replies_to_lose == 0:
+            proxy.lose_next_reply()
+
+    _run(workload, clients=4, chaos=chaos, minimum_operations=1200, limit=120)
+    counts = workload.check(_direct(etcd, workload.prefix))
+    # The faults did hit writes in flight: some resends found their first send committed.
+    assert proxy.replies_lost > 20 and workload.writes_recovered > 0, (proxy.replies_lost, counts)
+
+
+@pytest.mark.slow
+def test_history_through_member_and_leader_kills(etcd_cluster: EtcdCluster) -> None:
+    endpoints = ",".join(e.target for e in etcd_cluster.endpoints)
+    workload = Workload([endpoints], f"/test/{uuid.uuid4().hex}/store/")
+    kills = {"leader": 0, "member": 0}
+
+    def chaos() -> None:
+        time.sleep(1.0)
+        leader = etcd_cluster.leader()
+        victim = leader if sum(kills.values()) % 2 == 0 else (leader + 1) % etcd_cluster.member_count
+        kills["leader" if victim == leader else "member"] += 1
+        etcd_cluster.kill_member(victim)
+        time.sleep(1.0)
+        etcd_cluster.restart_member(victim)
+
+    _run(workload, 4, chaos, 1000, limit=240, enough_chaos=lambda: kills["leader"] >= 2 and kills["member"] >= 2)
+    reader = EtcdStore(EtcdClient(etcd_cluster.endpoints), workload.prefix, timedelta(seconds=10))
+    counts = workload.check(reader)
+    print(counts, kills, "writes recovered:", workload.writes_recovered)
+    assert kills["leader"] >= 2 and kills["member"] >= 2
