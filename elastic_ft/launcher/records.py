@@ -16,6 +16,7 @@ naming what is wrong: records are read back from etcd, so they are untrusted.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -27,8 +28,8 @@ class RecordError(ValueError):
 def _document(raw: bytes | str, what: str) -> dict[str, Any]:
     try:
         document = json.loads(raw)
-    except ValueError as error:
-        raise RecordError(f"{what} is not JSON: {error}") from None
+    except (ValueError, RecursionError) as error:  # RecursionError: nesting deeper than the parser's stack
+        raise RecordError(f"{what} is not JSON: {type(error).__name__}") from None
     if not isinstance(document, dict):
         raise RecordError(f"{what} is not a JSON object: {document!r:.200}")
     return document
@@ -115,5 +116,17 @@ class EscalationRecord:
         return cls(
             node=_field(document, "node", str, what),
             reason=_field(document, "reason", str, what),
-            time=float(_field(document, "time", (int, float), what)),
+            time=_time(document, what),
         )
+
+
+def _time(document: dict[str, Any], what: str) -> float:
+    """A finite UNIX time (an integer beyond a float, or inf from 1e400, is not one)."""
+    value = _field(document, "time", (int, float), what)
+    try:
+        seconds = float(value)
+    except OverflowError:
+        seconds = math.inf
+    if not math.isfinite(seconds) or seconds < 0:
+        raise RecordError(f"{what} has time={value!r:.40}; expected a finite number of seconds since the epoch")
+    return seconds

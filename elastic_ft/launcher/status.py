@@ -3,7 +3,8 @@
 :func:`collect_status` reads a few key ranges and returns plain data (what
 ``--json`` prints); :func:`render_status` turns it into the table. Records
 that do not decode are skipped, not fatal: the status of a job is exactly
-when a reader must cope with whatever is in etcd.
+when a reader must cope with whatever is in etcd. Each skipped key is
+listed, with the reason, under ``malformed``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, TypeVar
 
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.fault_records import parse_interruptions
+from elastic_ft.job_config import JobConfig, parse_job_config
 from elastic_ft.keys import (
     FTRUN_EXITS,
     FTRUN_NODES,
@@ -39,24 +41,61 @@ from elastic_ft.rendezvous.model import RoundResult, parse_state
 log = logging.getLogger(__name__)
 
 
+def _json_object(raw: bytes) -> dict[str, Any] | None:
+    """``raw`` as a JSON object, or None for anything else (untrusted input: never raises)."""
+    try:
+        document = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return document if isinstance(document, dict) else None
+
+
+def _alive_info(raw: bytes) -> dict[str, Any] | None:
+    """An alive key's {"host": str, "pid": int}, or None."""
+    document = _json_object(raw)
+    if document is None:
+        return None
+    host, pid = document.get("host"), document.get("pid")
+    if not isinstance(host, str) or isinstance(pid, bool) or not isinstance(pid, int):
+        return None
+    return {"host": host[:255], "pid": pid}
+
+
+def _stored_config(raw: bytes) -> tuple[JobConfig | None, str | None]:
+    """The stored job config, or None and why it cannot be used."""
+    try:
+        return parse_job_config(json.loads(raw)), None
+    except (ValueError, RecursionError) as error:  # JobConfigError is a ValueError, as is bad JSON
+        return None, str(error)[:300]
+
+
 def collect_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
     """Everything ``elastic-ft status`` shows."""
     kvs, revision = client.get_prefix(keys.rdzv)
     config_kv, _ = client.get(keys.config)
     raw = {kv.key[len(keys.rdzv) :]: kv for kv in kvs}
     state = parse_state(raw)
+    malformed = [{"key": keys.rdzv + key, "reason": reason} for key, reason in sorted(state.malformed.items())]
     hosts = {}
     for key, kv in raw.items():
         node = suffix(key, "alive/")
         if node is not None:
-            hosts[node] = json.loads(kv.value)
-    config = json.loads(config_kv.value) if config_kv else None
+            info = _alive_info(kv.value)
+            if info is None:
+                malformed.append({"key": kv.key, "reason": 'expected {"host": <text>, "pid": <integer>}'})
+            else:
+                hosts[node] = info
+    config: JobConfig | None = None
+    if config_kv is not None:
+        config, problem = _stored_config(config_kv.value)
+        if problem is not None:
+            malformed.append({"key": config_kv.key, "reason": problem})
     current = state.last_closed
     members = _members(current, state, hosts)
     open_round = state.round(state.open_round)
     member_nodes = {m["node"] for m in members}
     # Without a stored config, max_nodes is unknown: nodes waiting are not called spares.
-    full = current is not None and config is not None and len(current.members) >= int(config["nodes"]["max"])
+    full = current is not None and config is not None and len(current.members) >= config.max_nodes
     joined = []
     for node in sorted(open_round.joins, key=lambda n: open_round.joins[n].create_revision):
         role = "rejoined" if node in member_nodes else ("spare" if full else "waiting")
@@ -68,10 +107,10 @@ def collect_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
     if current is not None:
         dead_nodes = {m["node"] for m in members if m["state"] == "dead"}
         store = keys.round_store(current.round)
-        workers, terminated, iteration = _worker_status(client, store, dead_nodes)
+        workers, terminated, iteration = _worker_status(client, store, dead_nodes, malformed)
         if iteration is not None:
             restart = _restart_in_progress(client, store, iteration)
-    escalations = _escalations(client, keys)
+    escalations = _escalations(client, keys, malformed)
     return {
         "run": keys.run_id,
         "revision": revision,
@@ -82,13 +121,14 @@ def collect_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
         "members": members,
         "next_round": state.open_round,
         "joined_next_round": joined,
-        "config": config,
+        "config": None if config is None else config.to_document(),
         "workers": workers,
         "terminated_ranks": terminated,
         "in_process_restarts": iteration,
         "restart_in_progress": restart,
         "process_restarts": len(escalations),
         "escalations": escalations,
+        "malformed": malformed,
     }
 
 
@@ -111,8 +151,8 @@ def _members(current: RoundResult | None, state: Any, hosts: dict[str, Any]) -> 
     return members
 
 
-def _escalations(client: EtcdClient, keys: RunKeys) -> list[dict[str, Any]]:
-    records = _records(client, keys.escalations, parse_count, EscalationRecord.from_json)
+def _escalations(client: EtcdClient, keys: RunKeys, malformed: list[dict[str, str]]) -> list[dict[str, Any]]:
+    records = _records(client, keys.escalations, parse_count, EscalationRecord.from_json, malformed)
     return [
         {"round": number, "node": record.node, "reason": record.reason, "time": record.time}
         for number, record in sorted(records.items())
@@ -128,8 +168,9 @@ def _records(
     prefix: str,
     parse_key: Callable[[str], KeyT | None],
     decode: Callable[[bytes], RecordT],
+    malformed: list[dict[str, str]],
 ) -> dict[KeyT, RecordT]:
-    """The records under ``prefix`` by key suffix; malformed keys and records are skipped (and logged)."""
+    """The records under ``prefix`` by key suffix; malformed keys and records are skipped (and listed)."""
     found: dict[KeyT, RecordT] = {}
     for kv in client.get_prefix(prefix)[0]:
         rest = suffix(kv.key, prefix)
@@ -139,26 +180,31 @@ def _records(
         try:
             found[key] = decode(kv.value)
         except RecordError as error:
-            log.warning("skipping %s: %s", kv.key, error)
+            malformed.append({"key": kv.key, "reason": str(error)[:300]})
     return found
 
 
 def _worker_status(
-    client: EtcdClient, store_prefix: str, dead_nodes: set[str]
+    client: EtcdClient, store_prefix: str, dead_nodes: set[str], malformed: list[dict[str, str]]
 ) -> tuple[list[dict[str, Any]], list[int], int | None]:
     """The workers of the round from ftrun's and the Wrappers' records in the round's store.
 
     Returns the workers by global rank, the ranks that left the job (failed
     or on a dead node), and the highest in-process restart iteration reached.
     """
-    nodes = _records(client, store_prefix + FTRUN_NODES, lambda rest: rest, NodeRecord.from_json)
-    exits = _records(client, store_prefix + FTRUN_EXITS, parse_count, ExitRecord.from_json)
+    nodes = _records(client, store_prefix + FTRUN_NODES, lambda rest: rest, NodeRecord.from_json, malformed)
+    exits = _records(client, store_prefix + FTRUN_EXITS, parse_count, ExitRecord.from_json, malformed)
     positions_prefix = f"{store_prefix}{WRAPPER_JOB}/{POSITION}"
     positions = {}
     for kv in client.get_prefix(positions_prefix)[0]:
         rank = count_suffix(kv.key, positions_prefix)
-        if rank is not None:
-            positions[rank] = json.loads(kv.value)
+        if rank is None:
+            continue
+        position = _position(kv.value)
+        if position is None:
+            malformed.append({"key": kv.key, "reason": 'expected {"iteration": <integer>, "rank": <integer>}'})
+        else:
+            positions[rank] = position
     workers = []
     for node, record in nodes.items():
         for rank, pid in zip(record.global_ranks, record.pids, strict=True):
@@ -188,6 +234,17 @@ def _worker_status(
     )
     iterations = [position["iteration"] for position in positions.values()]
     return workers, terminated, max(iterations) if iterations else None
+
+
+def _position(raw: bytes) -> dict[str, int] | None:
+    """A Wrapper's position record, {"iteration": int >= 0, "rank": int >= 0}, or None."""
+    document = _json_object(raw)
+    if document is None:
+        return None
+    values = [document.get("iteration"), document.get("rank")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63 for v in values):
+        return None
+    return {"iteration": values[0], "rank": values[1]}
 
 
 def _restart_in_progress(client: EtcdClient, store_prefix: str, iteration: int) -> dict[str, Any] | None:
@@ -266,9 +323,11 @@ def render_status(status: dict[str, Any]) -> str:
     lines.append(f"round {status['next_round']} (next): {len(joined)} node(s) joined")
     for j in joined:
         lines.append(f"        {j['role']:<8}  {j['host'] or '-':<20}  {j['node']}")
+    for entry in status["malformed"]:
+        lines.append(f"malformed, ignored: {entry['key']}: {entry['reason']}")
     config = status["config"]
     if config is None:
-        lines.append("config: none stored (elastic-ft config put)")
+        lines.append("config: none stored, or not valid (elastic-ft config put)")
     else:
         nodes = config["nodes"]
         lines.append(

@@ -31,6 +31,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 
 from torch.distributed.elastic.rendezvous import (
@@ -103,6 +104,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         self._member_of: model.RoundResult | None = None
         self._shut_down = False
         self._logged_verdict: tuple[int, rules.CloseVerdict] | None = None
+        self._warned_malformed: Mapping[str, str] = {}
 
     @classmethod
     def from_parameters(cls, params: RendezvousParameters) -> EtcdftRendezvousHandler:
@@ -157,7 +159,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
                 raise EtcdUnavailableError(
                     f"the watch on etcd has been down for more than {settings.connect_timeout:g} s"
                 )
-            state, version = self._view.snapshot()
+            state, version = self._snapshot()
             now = time.monotonic()
             number = state.open_round
             since = last_call[1] if last_call[0] == number else None
@@ -199,6 +201,16 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             return
         self._logged_verdict = (action.number, verdict)
         log.info("round %d of '%s': %s (%s)", action.number, self.settings.run_id, verdict.value, action.reason)
+
+    def _snapshot(self) -> tuple[model.RendezvousState, int]:
+        """The view's state; warns once for each malformed key it left out."""
+        state, version = self._view.snapshot()
+        if state.malformed != self._warned_malformed:
+            for key, reason in state.malformed.items():
+                if self._warned_malformed.get(key) != reason:
+                    log.warning("ignoring malformed etcd key %s%s: %s", self._keys.rdzv, key, reason)
+            self._warned_malformed = state.malformed
+        return state, version
 
     def _ensure_session(self) -> Session:
         """Hold a live session; the node's alive key goes on its lease when it joins."""
@@ -296,7 +308,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         return message
 
     def is_closed(self) -> bool:
-        return self._view.snapshot()[0].closed
+        return self._snapshot()[0].closed
 
     def set_closed(self) -> None:
         try:
@@ -305,12 +317,12 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             raise RendezvousConnectionError(f"cannot close rendezvous '{self.settings.run_id}': {exc}") from exc
 
     def num_nodes_waiting(self) -> int:
-        state, _ = self._view.snapshot()
+        state, _ = self._snapshot()
         return rules.num_nodes_waiting(state, self._member_of, self.settings.max_nodes)
 
     def membership_change(self) -> rules.MembershipChange:
         """What changed around this node's round, from the watch-fed view (no etcd request)."""
-        state, _ = self._view.snapshot()
+        state, _ = self._snapshot()
         return rules.membership_change(state, self._member_of, self.settings.max_nodes)
 
     @property

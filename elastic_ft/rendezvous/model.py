@@ -5,6 +5,12 @@ Nothing here does I/O. :func:`parse_key` reads one key the node sees under
 :func:`build_state` assembles the facts into a :class:`RendezvousState`, the
 immutable input of every decision in :mod:`elastic_ft.rendezvous.rules`.
 
+Every value read from etcd is untrusted: the decoders are total. A value
+that is not the JSON object expected, or holds a number out of range, makes
+a ``malformed`` fact naming the key and the reason; the state leaves the key
+out and lists it in :attr:`RendezvousState.malformed`, so one corrupt or
+forged key cannot stop a node (callers warn once and ``status`` shows it).
+
 Round ``n + 1`` is the only open round once round ``n`` has a result.
 """
 
@@ -17,6 +23,38 @@ from functools import cached_property
 from typing import Protocol
 
 from elastic_ft.keys import parse_rdzv_key
+
+
+class MalformedValue(ValueError):
+    """A value under the run's prefix that is not what elastic-ft writes there."""
+
+
+_MAX_INT = 2**63 - 1  # etcd's revisions and lease ids are int64
+_MAX_TEXT = 1024  # node ids and addresses are far shorter
+
+
+def _document(raw: bytes) -> dict:
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # not JSON, a number beyond int(), nesting beyond the stack
+        raise MalformedValue(f"not JSON ({type(exc).__name__})") from None
+    if not isinstance(data, dict):
+        raise MalformedValue(f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _int(data: dict, name: str, low: int, high: int) -> int:
+    value = data.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise MalformedValue(f"{name} must be an integer in [{low}, {high}], got {str(value)[:40]!r}")
+    return value
+
+
+def _text(data: dict, name: str) -> str:
+    value = data.get(name)
+    if not isinstance(value, str) or not 0 < len(value) <= _MAX_TEXT:
+        raise MalformedValue(f"{name} must be a non-empty string of at most {_MAX_TEXT} characters")
+    return value
 
 
 @dataclass(frozen=True)
@@ -60,12 +98,23 @@ class RoundResult:
 
     @classmethod
     def from_json(cls, raw: bytes) -> RoundResult:
-        data = json.loads(raw)
+        """Decode a result; raises :class:`MalformedValue` for anything :meth:`to_json` does not write."""
+        data = _document(raw)
+        members = data.get("members")
+        if not isinstance(members, list) or not members:
+            raise MalformedValue("members must be a non-empty list")
+        decoded = []
+        for member in members:
+            if not isinstance(member, dict):
+                raise MalformedValue("each member must be a JSON object")
+            decoded.append(Member(_text(member, "node"), _int(member, "lease", 0, _MAX_INT)))
+        if len({m.node for m in decoded}) != len(decoded):
+            raise MalformedValue("a node is listed twice in members")
         return cls(
-            round=int(data["round"]),
-            members=tuple(Member(m["node"], int(m["lease"])) for m in data["members"]),
-            master_addr=str(data["master_addr"]),
-            master_port=int(data["master_port"]),
+            round=_int(data, "round", 0, _MAX_INT),
+            members=tuple(decoded),
+            master_addr=_text(data, "master_addr"),
+            master_port=_int(data, "master_port", 1, 65535),
         )
 
 
@@ -82,6 +131,7 @@ class RendezvousState:
     closed: bool
     alive: Mapping[str, int]  # node -> lease of its live alive/ key
     rounds: Mapping[int, RoundRecord]
+    malformed: Mapping[str, str] = field(default_factory=dict)  # key (relative to rdzv/) -> why it was left out
 
     def round(self, number: int) -> RoundRecord:
         return self.rounds.get(number) or RoundRecord(number)
@@ -128,7 +178,7 @@ def join_value(addr: str, port: int) -> bytes:
 
 @dataclass(frozen=True)
 class Fact:
-    """What one key says; ``kind`` is closed, alive, join, result or left."""
+    """What one key says; ``kind`` is closed, alive, join, result, left or malformed."""
 
     kind: str
     round: int = -1
@@ -136,6 +186,8 @@ class Fact:
     lease: int = 0
     join: Join | None = None
     result: RoundResult | None = None
+    key: str = ""  # of a malformed fact
+    reason: str = ""  # why a malformed fact's value was left out
 
 
 def parse_key(key: str, raw: KeyRecord) -> Fact | None:
@@ -151,12 +203,18 @@ def parse_key(key: str, raw: KeyRecord) -> Fact | None:
         return Fact("closed")
     if shape.kind == "alive":
         return Fact("alive", node=shape.node, lease=raw.lease)
-    if shape.kind == "result":
-        return Fact("result", round=shape.round, result=RoundResult.from_json(raw.value))
-    if shape.kind == "join":
-        data = json.loads(raw.value)
-        join = Join(shape.node, raw.lease, raw.create_revision, str(data["addr"]), int(data["port"]))
-        return Fact("join", round=shape.round, node=shape.node, join=join)
+    try:
+        if shape.kind == "result":
+            result = RoundResult.from_json(raw.value)
+            if result.round != shape.round:
+                raise MalformedValue(f"round {result.round} stored under round {shape.round}")
+            return Fact("result", round=shape.round, result=result)
+        if shape.kind == "join":
+            data = _document(raw.value)
+            join = Join(shape.node, raw.lease, raw.create_revision, _text(data, "addr"), _int(data, "port", 1, 65535))
+            return Fact("join", round=shape.round, node=shape.node, join=join)
+    except MalformedValue as exc:
+        return Fact("malformed", round=shape.round, key=key, reason=str(exc))
     return Fact("left", round=shape.round, node=shape.node)
 
 
@@ -166,8 +224,11 @@ def build_state(facts: Iterable[Fact]) -> RendezvousState:
     joins: dict[int, dict[str, Join]] = {}
     results: dict[int, RoundResult] = {}
     left: dict[int, set[str]] = {}
+    malformed: dict[str, str] = {}
     for fact in facts:
-        if fact.kind == "closed":
+        if fact.kind == "malformed":
+            malformed[fact.key] = fact.reason
+        elif fact.kind == "closed":
             closed = True
         elif fact.kind == "alive":
             alive[fact.node] = fact.lease
@@ -179,7 +240,7 @@ def build_state(facts: Iterable[Fact]) -> RendezvousState:
             left.setdefault(fact.round, set()).add(fact.node)
     numbers = set(joins) | set(results) | set(left)
     rounds = {n: RoundRecord(n, joins.get(n, {}), results.get(n), frozenset(left.get(n, ()))) for n in numbers}
-    return RendezvousState(closed, alive, rounds)
+    return RendezvousState(closed, alive, rounds, malformed)
 
 
 def parse_state(keys: Mapping[str, KeyRecord]) -> RendezvousState:

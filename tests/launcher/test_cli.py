@@ -160,4 +160,5 @@ def test_status_shows_a_restart_in_progress(etcd: EtcdServer, etcd_client: EtcdC
 EMPTY_STATUS = {
     "run": "r", "closed": False, "round": None, "workers": [], "terminated_ranks": [], "in_process_restarts": None,
     "process_restarts": 0, "escalations": [], "joined_next_round": [], "next_round": 0, "config": None,
+    "malformed": [],
 }  # fmt: skip
