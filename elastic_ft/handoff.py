@@ -82,6 +82,10 @@ class StoreHandoff:
         if not isinstance(prefix, str) or not prefix.startswith("/") or not prefix.endswith("/"):
             raise ValueError(f"prefix={prefix!r}: expected an absolute key prefix ending with '/'")
         tls = TlsFiles(*(_optional_text(document, name) for name in ("cacert", "cert", "key")))
+        try:
+            tls.check()
+        except EndpointError as error:
+            raise ValueError(str(error)) from None
         return cls(
             endpoints=parsed,
             prefix=prefix,

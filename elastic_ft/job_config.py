@@ -90,7 +90,10 @@ class JobConfig:
 
 
 def _fail(path: str, value: Any, expected: str) -> JobConfigError:
-    return JobConfigError(f"job config field {path}={value!r} is invalid; expected {expected}")
+    shown = repr(value)
+    if len(shown) > 200:  # the value may be huge (a long list, or an integer of thousands of digits)
+        shown = shown[:200] + f"... ({len(shown)} characters)"
+    return JobConfigError(f"job config field {path}={shown} is invalid; expected {expected}")
 
 
 def _mapping(value: Any, path: str, allowed: tuple[str, ...]) -> dict[str, Any]:
@@ -107,11 +110,15 @@ def _mapping(value: Any, path: str, allowed: tuple[str, ...]) -> dict[str, Any]:
     return dict(value)
 
 
+#: The largest count any field may hold (nodes, processes, ranks, restarts): far beyond any job.
+MAX_COUNT = 1_000_000
+
+
 def _integer(value: Any, path: str, *, minimum: int, default: int | None) -> int | None:
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise _fail(path, value, f"an integer >= {minimum}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_COUNT:
+        raise _fail(path, value, f"an integer from {minimum} to {MAX_COUNT}")
     return value
 
 
@@ -211,10 +218,44 @@ def parse_job_config(document: Any) -> JobConfig:
     )
 
 
+#: Limits on a job config's YAML, far beyond any real config: its size, its nesting, and how many
+#: nodes it holds once aliases are expanded (a 500-byte "billion laughs" document expands to 10^9).
+MAX_YAML_BYTES = 256 * 1024
+MAX_YAML_DEPTH = 32
+MAX_YAML_NODES = 10_000
+
+
+def _check_yaml_shape(node: yaml.Node, source: str) -> None:
+    """Count ``node``'s tree as it would expand (each alias counts again), stopping at the limits."""
+    budget = MAX_YAML_NODES
+    stack: list[tuple[yaml.Node, int]] = [(node, 1)]
+    while stack:
+        current, depth = stack.pop()
+        budget -= 1
+        if budget < 0:
+            raise JobConfigError(f"{source} expands to more than {MAX_YAML_NODES} YAML nodes (aliases included)")
+        if depth > MAX_YAML_DEPTH:
+            raise JobConfigError(f"{source} nests deeper than {MAX_YAML_DEPTH} levels")
+        if isinstance(current, yaml.SequenceNode):
+            stack.extend((child, depth + 1) for child in current.value)
+        elif isinstance(current, yaml.MappingNode):
+            for key, value in current.value:
+                stack.extend(((key, depth + 1), (value, depth + 1)))
+
+
 def load_job_config(text: str, source: str = "job config") -> JobConfig:
-    """Parse YAML (JSON is YAML too) and validate it."""
+    """Parse YAML (JSON is YAML too) within :data:`MAX_YAML_BYTES`, depth and node limits, and validate it."""
+    if len(text.encode(errors="replace")) > MAX_YAML_BYTES:
+        raise JobConfigError(f"{source} is larger than {MAX_YAML_BYTES} bytes")
     try:
-        document = yaml.safe_load(text)
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is None:
+            document = None
+        else:
+            _check_yaml_shape(node, source)
+            document = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise JobConfigError(f"{source} is not valid YAML: {exc}") from None
+        raise JobConfigError(f"{source} is not valid YAML: {str(exc)[:500]}") from None
+    except RecursionError:
+        raise JobConfigError(f"{source} nests deeper than {MAX_YAML_DEPTH} levels") from None
     return parse_job_config(document)

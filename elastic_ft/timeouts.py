@@ -26,6 +26,11 @@ WRAPPER_DEFAULTS: dict[str, float] = {
     "last_call_wait": 0.02,
     "termination_grace_time": 5.0,
 }
+#: The longest duration any setting may take: 30 days. Longer values are
+#: mistakes, and some overflow later (a gRPC deadline, a monotonic clock
+#: plus the timeout, an etcd lease), after a job has already written to etcd.
+MAX_SECONDS = 30 * 24 * 3600.0
+
 #: The only Wrapper durations that may be zero; the others must be positive.
 MAY_BE_ZERO = ("last_call_wait", "termination_grace_time")
 #: Pairs (shorter, longer) of Wrapper durations that must be strictly ordered.
@@ -51,7 +56,7 @@ class SecondsError(ValueError):
 
 
 def check_seconds(value: Any, *, may_be_zero: bool) -> float:
-    """``value`` as a finite number of seconds, positive (or zero when allowed).
+    """``value`` as a number of seconds, positive (or zero when allowed), at most :data:`MAX_SECONDS`.
 
     Accepts numbers and numeric strings (``--rdzv-conf`` values arrive as
     text); rejects booleans.
@@ -59,16 +64,18 @@ def check_seconds(value: Any, *, may_be_zero: bool) -> float:
     Raises:
         SecondsError: e.g. "is out of range; expected seconds > 0".
     """
-    expected = f"expected seconds {'>= 0' if may_be_zero else '> 0'}"
+    expected = f"expected seconds {'>= 0' if may_be_zero else '> 0'} and <= {MAX_SECONDS:.0f} (30 days)"
     try:
         if isinstance(value, bool):
             raise TypeError
         seconds = float(value)
     except (TypeError, ValueError):
         raise SecondsError("is not a number", expected) from None
+    except OverflowError:  # an integer beyond any float
+        raise SecondsError("is out of range", expected) from None
     if not math.isfinite(seconds):
         raise SecondsError("is not finite", expected)
-    if seconds < 0 or (seconds == 0 and not may_be_zero):
+    if seconds < 0 or (seconds == 0 and not may_be_zero) or seconds > MAX_SECONDS:
         raise SecondsError("is out of range", expected)
     return seconds
 

@@ -13,7 +13,7 @@ from elastic_ft.job_config import load_job_config
 HANDOFF = StoreHandoff(
     endpoints=parse_endpoints("10.0.0.1:2379,https://[::1]:2380"),
     prefix="/elastic_ft/job/round/3/store/",
-    tls=TlsFiles(cacert="/ca.pem"),
+    tls=TlsFiles(cacert=__file__),  # any readable file: the hand-off checks that it can be read
     connect_timeout=10.0,
     request_timeout=5.0,
     timeout=300.0,
@@ -41,6 +41,9 @@ def test_job_config_round_trips_through_the_environment() -> None:
         ({"request_timeout": -1}, "request_timeout=-1 is out of range"),
         ({"timeout": "soon"}, "timeout='soon' is not a number"),
         ({"cert": 5}, "cert=5: expected a file path"),
+        ({"cacert": "/no/such/ca.pem"}, "TLS cacert file '/no/such/ca.pem' cannot be read"),
+        ({"timeout": 1e300}, "timeout=1e[+]?300 is out of range"),
+        ({"endpoints": ["etcd host:2379"]}, "is malformed"),
     ],
 )
 def test_bad_store_handoff_names_the_variable_and_the_field(change: dict[str, object], message: str) -> None:

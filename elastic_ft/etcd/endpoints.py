@@ -16,8 +16,9 @@ if TYPE_CHECKING:
 
 DEFAULT_ETCD_PORT = 2379
 
+# A host is a bracketed IPv6 address or a DNS name / IPv4 address (letters, digits, '-', '_', '.').
 _ENDPOINT_RE = re.compile(
-    r"^(?:(?P<scheme>[a-zA-Z]+)://)?(?P<host>\[[0-9a-fA-F:.]+\]|[^:/\[\]]+)(?::(?P<port>[^/]*))?/?$"
+    r"(?:(?P<scheme>[a-zA-Z]+)://)?(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]{1,253})(?::(?P<port>[^/]*))?/?"
 )
 
 
@@ -52,6 +53,19 @@ class TlsFiles:
     def any(self) -> bool:
         return bool(self.cacert or self.cert or self.key)
 
+    def check(self) -> None:
+        """Raise :class:`EndpointError` naming any given file that cannot be read, and a cert without its key."""
+        for name, path in (("cacert", self.cacert), ("cert", self.cert), ("key", self.key)):
+            if path is None:
+                continue
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as error:
+                raise EndpointError(f"TLS {name} file {path!r} cannot be read: {error.strerror}") from None
+        if bool(self.cert) != bool(self.key):
+            raise EndpointError("TLS cert and key go together: give both or neither")
+
     def credentials(self) -> grpc.ChannelCredentials:
         import grpc
 
@@ -79,7 +93,7 @@ def parse_endpoints(text: str) -> tuple[EtcdEndpoint, ...]:
     endpoints = []
     for item in text.split(","):
         item = item.strip()
-        match = _ENDPOINT_RE.match(item)
+        match = _ENDPOINT_RE.fullmatch(item)
         if not item or match is None:
             raise EndpointError(
                 f"rdzv endpoint {item!r} (in {text!r}) is malformed; expected [http://|https://]host[:port]"

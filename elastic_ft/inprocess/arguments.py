@@ -15,7 +15,7 @@ from typing import Any
 from elastic_ft.handoff import job_config_from_env
 from elastic_ft.inprocess.hang_detection import AdaptiveTimeouts
 from elastic_ft.inprocess.rank_assignment.from_config import policy_from_config
-from elastic_ft.timeouts import MAY_BE_ZERO, WRAPPER_DEFAULTS, WRAPPER_ORDER
+from elastic_ft.timeouts import MAX_SECONDS, MAY_BE_ZERO, WRAPPER_DEFAULTS, WRAPPER_ORDER
 
 #: The default of each duration argument. The Wrapper's signature uses these
 #: very objects, so an argument still identical to one was not given in code.
@@ -40,6 +40,8 @@ def validate_arguments(arguments: dict[str, Any]) -> None:
         zero = datetime.timedelta(0)
         if value < zero or (value == zero and not may_be_zero):
             raise ValueError(f"Wrapper {name} must be {'>= 0' if may_be_zero else 'positive'}, got {value}")
+        if value.total_seconds() > MAX_SECONDS:
+            raise ValueError(f"Wrapper {name} must be at most 30 days, got {value}")
     for name in ("store_factory", "rank_assignment"):
         if not callable(arguments[name]):
             raise TypeError(f"Wrapper {name} must be callable, got {arguments[name]!r}")

@@ -35,7 +35,12 @@ CONF_KEYS: dict[str, tuple[Any, str]] = {
     "key": (None, "client private key (PEM) for https endpoints"),
 }
 
-_RUN_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
+#: Key names a run uses right under its root (see elastic_ft.keys). A run id or a prefix segment may
+#: not take one, so a run placed under another run's root can never write that run's keys.
+_RESERVED = frozenset({"config", "rdzv", "round", "ftrun", ".", ".."})
+#: The most nodes a rendezvous admits: far beyond any job, small enough to keep every count cheap.
+MAX_NODES = 100_000
 
 
 class RendezvousConfigError(ValueError):
@@ -108,13 +113,14 @@ def make_settings(
         raise RendezvousConfigError(
             f"unknown etcdft rdzv conf key(s) {', '.join(map(repr, unknown))}; expected some of {', '.join(CONF_KEYS)}"
         )
-    if not isinstance(run_id, str) or not _RUN_ID_RE.match(run_id):
+    if not isinstance(run_id, str) or not _NAME_RE.fullmatch(run_id) or run_id in _RESERVED:
         raise RendezvousConfigError(
-            f"rdzv id {run_id!r} is invalid; expected a non-empty string of letters, digits, '_', '-' or '.'"
+            f"rdzv id {run_id!r:.200} is invalid; expected 1 to 128 letters, digits, '_', '-' or '.', "
+            f"and none of {', '.join(sorted(_RESERVED))}"
         )
     for name, value in (("min_nodes", min_nodes), ("max_nodes", max_nodes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise RendezvousConfigError(f"{name}={value!r} is invalid; expected an integer >= 1")
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_NODES:
+            raise RendezvousConfigError(f"{name}={value!r:.40} is invalid; expected an integer from 1 to {MAX_NODES}")
     if min_nodes > max_nodes:
         raise RendezvousConfigError(f"min_nodes={min_nodes} exceeds max_nodes={max_nodes}; expected min <= max")
 
@@ -132,9 +138,16 @@ def make_settings(
     if lease_seconds != int(lease_seconds):
         raise RendezvousConfigError(f"rdzv conf lease_ttl={lease_value!r} is not whole; etcd leases take whole seconds")
     prefix = str(get("etcd_prefix"))
-    if not prefix.startswith("/") or "//" in prefix or any(c.isspace() for c in prefix):
+    segments = prefix.rstrip("/").split("/")[1:]
+    if (
+        not prefix.startswith("/")
+        or len(prefix) > 256
+        or not all(_NAME_RE.fullmatch(s) and s not in _RESERVED for s in segments)
+    ):
         raise RendezvousConfigError(
-            f"rdzv conf etcd_prefix={prefix!r} is invalid; expected an absolute key path like /elastic_ft"
+            f"rdzv conf etcd_prefix={prefix!r:.300} is invalid; expected an absolute key path like /elastic_ft "
+            f"(at most 256 characters; segments of letters, digits, '_', '-' or '.', none of "
+            f"{', '.join(sorted(_RESERVED))})"
         )
     try:
         endpoints = parse_endpoints(endpoint)
@@ -143,6 +156,10 @@ def make_settings(
     tls = TlsFiles(conf.get("cacert"), conf.get("cert"), conf.get("key"))
     if (tls.cacert or tls.cert or tls.key) and not any(e.secure for e in endpoints):
         raise RendezvousConfigError("rdzv conf cacert/cert/key given but no endpoint uses https://")
+    try:
+        tls.check()
+    except EndpointError as error:
+        raise RendezvousConfigError(f"rdzv conf: {error}") from None
     return EtcdftSettings(
         run_id=run_id,
         endpoints=endpoints,

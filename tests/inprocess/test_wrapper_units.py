@@ -50,6 +50,7 @@ def test_disabled_wrapper_returns_the_function_itself() -> None:
         ({"heartbeat_timeout": seconds(130)}, "heartbeat_timeout < barrier_timeout"),
         ({"completion_timeout": seconds(0)}, "completion_timeout must be positive"),
         ({"last_call_wait": seconds(-1)}, "last_call_wait must be >= 0"),
+        ({"barrier_timeout": datetime.timedelta.max}, "barrier_timeout must be at most 30 days"),
         ({"monitor_process_logfile": "relative/{rank}.log"}, "absolute path"),
         ({"monitor_process_logfile": "/tmp/{node}.log"}, "only contain the {rank} placeholder"),
         ({"interrupt_signal": 9999}, "interrupt_signal must be a signal"),

@@ -50,7 +50,22 @@ def test_config_builds_the_rank_assignment_policy() -> None:
         ("- just a list", r"field \(top level\)=\['just a list'\] is invalid; expected a mapping"),
         ("nodez: {}", "unknown field.*'nodez'"),
         ("nodes: {min: 3, max: 2}", "nodes.min=3 exceeds nodes.max=2"),
-        ("nodes: {min: 0}", r"nodes.min=0 is invalid; expected an integer >= 1"),
+        ("nodes: {min: 0}", r"nodes.min=0 is invalid; expected an integer from 1 to 1000000"),
+        ("nodes: {max: 1000000000000000000000}", r"nodes.max=1000000000000000000000 is invalid"),
+        ("nproc_per_node: 1000000000000000000000", r"nproc_per_node=1000000000000000000000 is invalid"),
+        ("wrapper: {soft_timeout: 1.0e+300}", r"wrapper.soft_timeout=1e\+300 is invalid; expected .* <= 2592000"),
+        ("rendezvous: {lease_ttl: 1.0e+300}", r"rendezvous.lease_ttl=1e\+300 is invalid"),
+        # billion laughs: 487 bytes that expand to 10^9 strings
+        (
+            "a: &a [x,x,x,x,x,x,x,x,x,x]\n"
+            + "".join(
+                f"{c}: &{c} [*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p}]\n"
+                for p, c in zip("abcdefgh", "bcdefghi", strict=True)
+            ),
+            "expands to more than 10000 YAML nodes",
+        ),
+        ("x: " + "[" * 100 + "]" * 100, "nests deeper than 32 levels"),
+        ("x: [" + "1," * 200_000 + "1]", "larger than 262144 bytes"),
         ("nproc_per_node: two", "nproc_per_node='two' is invalid"),
         ("rendezvous: {lease_ttl: 1.5}", "rendezvous.lease_ttl=1.5 is invalid; expected whole seconds"),
         ("rendezvous: {join_timeout: -1}", r"rendezvous.join_timeout=-1 is invalid; expected seconds > 0"),

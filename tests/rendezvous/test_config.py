@@ -69,6 +69,21 @@ def test_from_torchrun_parameters() -> None:
         ({"etcd_prefix": "relative"}, "etcd_prefix='relative' is invalid"),
         ({"endpoint": "a:b"}, "port 'b'"),
         ({"cacert": "/ca.pem"}, "no endpoint uses https"),
+        # Values that used to pass, then crash later (some after writing to etcd).
+        ({"store_timeout": 1e300}, "store_timeout=1e[+]?300 is out of range; expected .* <= 2592000"),
+        ({"lease_ttl": 1e300}, "lease_ttl=1e[+]?300 is out of range"),
+        ({"request_timeout": 1e12}, "request_timeout=1000000000000.0 is out of range"),
+        ({"join_timeout": 10**400}, "join_timeout=1000.* is out of range"),
+        ({"min_nodes": 10**21, "max_nodes": 10**21}, "min_nodes=1000000000000000000000 is invalid"),
+        ({"max_nodes": 100_001}, "max_nodes=100001 is invalid; expected an integer from 1 to 100000"),
+        ({"run_id": "job\n"}, "rdzv id 'job.n' is invalid"),
+        ({"run_id": "j" * 129}, "rdzv id 'jjj.* is invalid; expected 1 to 128"),
+        ({"run_id": "rdzv"}, "rdzv id 'rdzv' is invalid.*none of"),
+        ({"etcd_prefix": "/elastic_ft/other-run/round/0/store"}, "etcd_prefix=.* is invalid"),
+        ({"etcd_prefix": "/a b"}, "etcd_prefix='/a b' is invalid"),
+        ({"endpoint": "etcd host:2379"}, "'etcd host:2379'.* is malformed"),
+        ({"endpoint": "https://localhost:2379", "cacert": "/no/such/ca.pem"}, "cacert file '/no/such/ca.pem' cannot"),
+        ({"endpoint": "https://localhost:2379", "cert": __file__}, "cert and key go together"),
     ],
 )
 def test_bad_settings(overrides: dict[str, object], message: str) -> None:
