@@ -165,6 +165,8 @@ class EtcdClient:
         self._closed = False
         self._streams: set[Stream] = set()
         self.requests_by_kind: Counter[str] = Counter()
+        #: When etcd last answered a request of this client (``time.monotonic()``).
+        self.last_answer = time.monotonic()
 
     # ---- connection management ----
 
@@ -209,16 +211,17 @@ class EtcdClient:
         with self._lock:
             self.requests_by_kind[kind] += 1
 
-    def _call(self, kind: str, method: Callable[[grpc.Channel, float], Any]) -> Any:
+    def _call(self, kind: str, method: Callable[[grpc.Channel, float], Any], budget: float | None = None) -> Any:
         """Run one unary request, ``method(channel, timeout)``, moving across endpoints while they fail.
 
         The request is resent after UNAVAILABLE or DEADLINE_EXCEEDED, so it
         must be safe to apply twice (see the module docstring). The whole
-        call takes at most ``connect_timeout + request_timeout``: each send
-        gets ``request_timeout`` or the time left, whichever is shorter.
+        call takes at most ``budget`` seconds (by default ``connect_timeout +
+        request_timeout``): each send gets ``request_timeout`` or the time
+        left, whichever is shorter.
         """
         start = time.monotonic()
-        deadline = start + self.connect_timeout + self.request_timeout
+        deadline = start + (self.connect_timeout + self.request_timeout if budget is None else budget)
         last_error: grpc.RpcError | None = None
         while True:
             for endpoint in self._endpoint_order():
@@ -234,6 +237,7 @@ class EtcdClient:
                     last_error = exc
                     continue
                 self._mark_good(endpoint)
+                self.last_answer = time.monotonic()
                 return result
             left = deadline - time.monotonic()
             if left <= 0:
@@ -246,6 +250,25 @@ class EtcdClient:
             time.sleep(min(0.2, left))
 
     # ---- requests ----
+
+    def ensure_reachable(self) -> None:
+        """Raise :class:`EtcdUnavailableError` once etcd has not answered for ``connect_timeout + request_timeout``.
+
+        For loops that wait on watches and send nothing: a frozen etcd, or a
+        black hole, breaks no stream for a long while (gRPC's keepalive takes
+        about 15 s to notice). Probes etcd (a status request) only when it
+        has not answered anything for ``request_timeout``; the probe gets
+        what is left of the bound, and at least one ``request_timeout``.
+        """
+        silent = time.monotonic() - self.last_answer
+        if silent < self.request_timeout:
+            return
+        bound = self.connect_timeout + self.request_timeout
+        self._call(
+            "status",
+            lambda ch, timeout: etcdrpc.MaintenanceStub(ch).Status(etcdrpc.StatusRequest(), timeout=timeout),
+            budget=max(self.request_timeout, bound - silent),
+        )
 
     def check_connection(self) -> str:
         """Ask a member for its status; returns the server version."""

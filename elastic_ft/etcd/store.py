@@ -127,8 +127,10 @@ class EtcdStore(dist.Store):
                         + ", ".join(sorted(k[len(self.prefix) :] for k in missing))
                     )
                 try:
-                    item = events.get(timeout=remaining)
+                    item = events.get(timeout=min(remaining, self._client.request_timeout))
                 except queue.Empty:
+                    # A frozen etcd breaks no watch for a long while: fail within the client's bound instead.
+                    self._client.ensure_reachable()
                     continue
                 if isinstance(item, Exception):
                     # The stream broke; fall back to a fresh read, then keep waiting.

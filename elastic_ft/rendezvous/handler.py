@@ -159,6 +159,8 @@ class EtcdftRendezvousHandler(RendezvousHandler):
                 raise EtcdUnavailableError(
                     f"the watch on etcd has been down for more than {settings.connect_timeout:g} s"
                 )
+            # Waiting sends nothing: a frozen etcd would go unnoticed until the lease ran out.
+            self._client.ensure_reachable()
             state, version = self._snapshot()
             now = time.monotonic()
             number = state.open_round
