@@ -43,12 +43,12 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import elastic_launch
 
-from elastic_ft.etcd.client import EtcdClient
+from elastic_ft.etcd.client import EtcdClient, EtcdRequestError, EtcdUnavailableError
 from elastic_ft.etcd.server import EtcdServer, find_etcd_binary
 from elastic_ft.handoff import job_config_to_env
 from elastic_ft.job_config import JobConfig, JobConfigError, load_job_config, parse_job_config
 from elastic_ft.launcher.agent import FtAgent
-from elastic_ft.rendezvous.config import make_settings
+from elastic_ft.rendezvous.config import RendezvousConfigError, make_settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,16 +108,42 @@ def apply_job_config(args: argparse.Namespace, given: set[str], config: JobConfi
         args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, *extra]))
 
 
+#: The ``--rdzv-conf`` keys that say where the run's keys are and how to reach etcd.
+_CONNECTION_CONF = ("etcd_prefix", "connect_timeout", "request_timeout", "cacert", "cert", "key")
+
+
+def _connection_conf(rdzv_conf: str) -> dict[str, str]:
+    """The connection settings among ``--rdzv-conf``'s ``key=value`` items (the rendezvous checks them all)."""
+    items = (item.split("=", 1) for item in rdzv_conf.split(",") if "=" in item)
+    return {key.strip(): value.strip() for key, value in items if key.strip() in _CONNECTION_CONF}
+
+
 def _exchange_job_config(args: argparse.Namespace, file_config: JobConfig | None) -> JobConfig | None:
-    """Store the ``--job-config`` file for the run, or read the stored one."""
-    settings = make_settings(run_id=args.rdzv_id, endpoint=args.rdzv_endpoint, min_nodes=1, max_nodes=1)
-    client = EtcdClient(settings.endpoints, connect_timeout=settings.connect_timeout, tls=settings.tls)
+    """Store the ``--job-config`` file for the run, or read the stored one.
+
+    Under the run's own prefix, over the same TLS as the rendezvous: the
+    connection settings come from ``--rdzv-conf``.
+    """
+    settings = make_settings(
+        run_id=args.rdzv_id, endpoint=args.rdzv_endpoint, min_nodes=1, max_nodes=1, **_connection_conf(args.rdzv_conf)
+    )
+    client = EtcdClient(
+        settings.endpoints,
+        connect_timeout=settings.connect_timeout,
+        request_timeout=settings.request_timeout,
+        tls=settings.tls,
+    )
     try:
         if file_config is not None:
             client.put(settings.keys.config, file_config.to_json())
             return file_config
         stored, _ = client.get(settings.keys.config)
-        return parse_job_config(json.loads(stored.value)) if stored else None
+        if stored is None:
+            return None
+        try:
+            return parse_job_config(json.loads(stored.value))
+        except (ValueError, RecursionError) as error:  # JobConfigError is a ValueError, as is bad JSON
+            raise JobConfigError(f"the job config stored at {stored.key} is not valid: {str(error)[:500]}") from None
     finally:
         client.close()
 
@@ -182,7 +208,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         elif args.standalone:
             parser.error("--standalone starts its own etcd; do not combine it with --rdzv-endpoint")
         if args.rdzv_backend == "etcdft":
-            stored = _exchange_job_config(args, file_config)
+            try:
+                stored = _exchange_job_config(args, file_config)
+            except (RendezvousConfigError, JobConfigError, EtcdUnavailableError, EtcdRequestError) as exc:
+                parser.error(f"cannot exchange the job config through etcd: {exc}")
             if stored is not None and file_config is None:
                 apply_job_config(args, given, stored)
             if stored is not None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.job_config import load_job_config
 from elastic_ft.launcher.ftrun import apply_job_config, build_parser, parse_args
@@ -84,22 +85,36 @@ def test_bad_job_config_file_fails_before_anything_starts(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-def test_stored_job_config_sets_the_worker_count(etcd: EtcdServer, run_id: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("prefix", [None, "/custom/prefix"])
+def test_stored_job_config_sets_the_worker_count(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, prefix: str | None
+) -> None:
     config = tmp_path / "job.yaml"
     config.write_text("nodes: {min: 1, max: 1}\nnproc_per_node: 2\nrendezvous: {last_call_timeout: 0}\n")
     put = subprocess.run(
         [sys.executable, "-m", "elastic_ft.launcher.cli", "config", "put", str(config),
-         f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}"],
+         f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}", *([f"--etcd-prefix={prefix}"] if prefix else [])],
         check=False, capture_output=True, text=True,
     )  # fmt: skip
     assert put.returncode == 0, put.stderr
     work = tmp_path / "work"
-    command = [*FTRUN, f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}", "--monitor-interval=0.1",
+    # The stored config is read from the run's own prefix (etcd_prefix in --rdzv-conf).
+    conf = [f"--rdzv-conf=etcd_prefix={prefix},request_timeout=3"] if prefix else []
+    command = [*FTRUN, f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}", "--monitor-interval=0.1", *conf,
                str(TRAIN), "--workdir", str(work), "--steps", "3"]  # fmt: skip
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(p.read_text()) for p in sorted(work.glob("done-*.json"))]
     assert {r["world_size"] for r in results} == {2} and len(results) == 2
+
+
+def test_a_malformed_stored_job_config_is_a_clear_error(etcd: EtcdServer, run_id: str, tmp_path: Path) -> None:
+    EtcdClient(etcd.endpoints).put(f"/elastic_ft/{run_id}/config", b'{"nodes": {"min": 1e400}}')
+    command = [*FTRUN, f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}", str(TRAIN), "--workdir",
+               str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"the job config stored at /elastic_ft/{run_id}/config is not valid" in done.stderr
 
 
 WRAPPER_DEFAULTS_SCRIPT = """

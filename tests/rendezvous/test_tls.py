@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import ipaddress
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-from elastic_ft.etcd.client import TlsFiles
+from elastic_ft.etcd.client import EtcdClient, TlsFiles
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.rendezvous import EtcdftRendezvousHandler, make_settings
 
@@ -117,3 +118,22 @@ def test_plain_http_to_a_tls_server_fails(tls_etcd: EtcdServer, run_id: str) -> 
         EtcdftRendezvousHandler(
             make_settings(run_id=run_id, endpoint=plain, min_nodes=1, max_nodes=1, connect_timeout=1, request_timeout=1)
         )
+
+
+def test_ftrun_exchanges_the_job_config_over_client_certificate_tls(
+    tls_etcd: EtcdServer, pki: dict[str, TlsFiles], run_id: str
+) -> None:
+    from elastic_ft.job_config import load_job_config
+    from elastic_ft.launcher.ftrun import _exchange_job_config
+
+    tls = pki["client"]
+    conf = f"cacert={tls.cacert},cert={tls.cert},key={tls.key},etcd_prefix=/tls_jobs,last_call_timeout=1"
+    args = argparse.Namespace(rdzv_id=run_id, rdzv_endpoint=tls_etcd.endpoint, rdzv_conf=conf)
+    config = load_job_config("nodes: {min: 2, max: 3}\nnproc_per_node: 4\n")
+    assert _exchange_job_config(args, config) == config  # stored
+    assert _exchange_job_config(args, None) == config  # read back by another node
+    settings = make_settings(run_id=run_id, endpoint=tls_etcd.endpoint, min_nodes=1, max_nodes=1, cacert=tls.cacert,
+                             cert=tls.cert, key=tls.key)  # fmt: skip
+    client = EtcdClient(settings.endpoints, tls=settings.tls)
+    assert client.get(f"/tls_jobs/{run_id}/config")[0] is not None  # under the run's own prefix
+    client.close()
