@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_ft.etcd.endpoints import EndpointError, EtcdEndpoint, TlsFiles, parse_endpoints
+from elastic_ft.etcd.endpoints import EndpointError, EtcdCredentials, EtcdEndpoint, TlsFiles, parse_endpoints
 from elastic_ft.job_config import JobConfig, JobConfigError, parse_job_config
 from elastic_ft.timeouts import check_seconds
 
@@ -38,6 +38,7 @@ class StoreHandoff:
     connect_timeout: float
     request_timeout: float
     timeout: float
+    credentials: EtcdCredentials | None = None  # the password file's path travels, never the password
 
     def to_env(self) -> dict[str, str]:
         document = {
@@ -48,6 +49,8 @@ class StoreHandoff:
             "key": self.tls.key,
             "connect_timeout": self.connect_timeout,
             "request_timeout": self.request_timeout,
+            "user": self.credentials.user if self.credentials else None,
+            "password_file": self.credentials.password_file if self.credentials else None,
             "timeout": self.timeout,
         }
         return {STORE_ENV: json.dumps(document)}
@@ -82,14 +85,21 @@ class StoreHandoff:
         if not isinstance(prefix, str) or not prefix.startswith("/") or not prefix.endswith("/"):
             raise ValueError(f"prefix={prefix!r}: expected an absolute key prefix ending with '/'")
         tls = TlsFiles(*(_optional_text(document, name) for name in ("cacert", "cert", "key")))
+        user, password_file = _optional_text(document, "user"), _optional_text(document, "password_file")
+        if (user is None) != (password_file is None):
+            raise ValueError("user and password_file go together: give both or neither")
+        credentials = None if user is None or password_file is None else EtcdCredentials(user, password_file)
         try:
             tls.check()
+            if credentials is not None:
+                credentials.check()
         except EndpointError as error:
             raise ValueError(str(error)) from None
         return cls(
             endpoints=parsed,
             prefix=prefix,
             tls=tls,
+            credentials=credentials,
             connect_timeout=_seconds(document, "connect_timeout"),
             request_timeout=_seconds(document, "request_timeout"),
             timeout=_seconds(document, "timeout"),

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import grpc
 from etcd3 import etcdrpc
 
-from elastic_ft.etcd.endpoints import EtcdEndpoint, TlsFiles
+from elastic_ft.etcd.endpoints import EndpointError, EtcdCredentials, EtcdEndpoint, TlsFiles
 from elastic_ft.etcd.kv import (
     EtcdCompactedError,
     EtcdRequestError,
@@ -81,6 +81,11 @@ _CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 _RETRYABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def _token_rejected(error: grpc.RpcError) -> bool:
+    """etcd no longer accepts the auth token (it expired, or the member restarted)."""
+    return error.code() is grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in (error.details() or "")
 
 
 def prefix_end(prefix: str) -> bytes:
@@ -152,6 +157,7 @@ class EtcdClient:
         request_timeout: float = 5.0,
         connect_timeout: float = 10.0,
         tls: TlsFiles | None = None,
+        credentials: EtcdCredentials | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("EtcdClient needs at least one endpoint, got none")
@@ -159,6 +165,8 @@ class EtcdClient:
         self.request_timeout = request_timeout
         self.connect_timeout = connect_timeout
         self._tls = tls or TlsFiles()
+        self._credentials = credentials
+        self._token: str | None = None
         self._lock = threading.Lock()
         self._channels: dict[EtcdEndpoint, grpc.Channel] = {}
         self._current = 0
@@ -193,6 +201,44 @@ class EtcdClient:
         with self._lock:
             self._current = self.endpoints.index(endpoint)
 
+    # ---- authentication (etcd RBAC) ----
+
+    def _auth_metadata(self, channel: grpc.Channel, timeout: float) -> tuple[tuple[str, str], ...]:
+        """The token metadata every request carries when the client has credentials (authenticating first)."""
+        if self._credentials is None:
+            return ()
+        with self._lock:
+            token = self._token
+        if token is None:
+            try:
+                password = self._credentials.password()
+            except EndpointError as error:
+                raise EtcdRequestError(str(error)) from None
+            request = etcdrpc.AuthenticateRequest(name=self._credentials.user, password=password)
+            try:
+                token = etcdrpc.AuthStub(channel).Authenticate(request, timeout=timeout).token
+            except grpc.RpcError as exc:
+                if exc.code() in _RETRYABLE_CODES:
+                    raise
+                raise EtcdRequestError(
+                    f"etcd refused user {self._credentials.user!r}: {exc.details()} "
+                    f"(check the user and its password_file {self._credentials.password_file!r})"
+                ) from None  # the request held the password: keep it out of tracebacks
+            with self._lock:
+                self._token = token
+        return (("token", token),)
+
+    def _forget_token(self) -> None:
+        with self._lock:
+            self._token = None
+
+    def _stream_metadata_or_error(self, channel: grpc.Channel) -> tuple[tuple[str, str], ...]:
+        """Metadata for a new stream (a watch, a keep-alive): the auth token, if any."""
+        try:
+            return self._auth_metadata(channel, self.request_timeout)
+        except grpc.RpcError as exc:
+            raise EtcdUnavailableError(f"cannot authenticate to etcd: {exc.details()}") from exc
+
     def avoid(self, endpoint: EtcdEndpoint) -> None:
         """A stream on ``endpoint`` broke: send what comes next to the following endpoint."""
         with self._lock:
@@ -211,8 +257,10 @@ class EtcdClient:
         with self._lock:
             self.requests_by_kind[kind] += 1
 
-    def _call(self, kind: str, method: Callable[[grpc.Channel, float], Any], budget: float | None = None) -> Any:
-        """Run one unary request, ``method(channel, timeout)``, moving across endpoints while they fail.
+    def _call(
+        self, kind: str, method: Callable[[grpc.Channel, dict[str, Any]], Any], budget: float | None = None
+    ) -> Any:
+        """Run one unary request, ``method(channel, {"timeout": ..., "metadata": ...})``, across endpoints.
 
         The request is resent after UNAVAILABLE or DEADLINE_EXCEEDED, so it
         must be safe to apply twice (see the module docstring). The whole
@@ -229,9 +277,21 @@ class EtcdClient:
                 if left <= 0:
                     break
                 self._count(kind)
+                timeout = min(self.request_timeout, left)
                 try:
-                    result = method(self._channel(endpoint), min(self.request_timeout, left))
+                    channel = self._channel(endpoint)
+                    result = method(channel, {"timeout": timeout, "metadata": self._auth_metadata(channel, timeout)})
                 except grpc.RpcError as exc:
+                    if self._credentials is not None and _token_rejected(exc):
+                        self._forget_token()  # expired (etcd's --auth-token-ttl): authenticate again
+                        last_error = exc
+                        continue
+                    if exc.code() is grpc.StatusCode.PERMISSION_DENIED:
+                        who = f"user {self._credentials.user!r}" if self._credentials else "a client without a user"
+                        raise EtcdRequestError(
+                            f"etcd at {endpoint} refused the request: permission denied for {who} "
+                            "(its roles must grant read-write on the run's prefix, <etcd_prefix>/<run_id>/)"
+                        ) from exc
                     if exc.code() not in _RETRYABLE_CODES:
                         raise EtcdRequestError(f"etcd at {endpoint} refused the request: {exc.details()}") from exc
                     last_error = exc
@@ -264,26 +324,20 @@ class EtcdClient:
         if silent < self.request_timeout:
             return
         bound = self.connect_timeout + self.request_timeout
-        self._call(
-            "status",
-            lambda ch, timeout: etcdrpc.MaintenanceStub(ch).Status(etcdrpc.StatusRequest(), timeout=timeout),
-            budget=max(self.request_timeout, bound - silent),
+        self._status(budget=max(self.request_timeout, bound - silent))
+
+    def _status(self, budget: float | None = None) -> Any:
+        return self._call(
+            "status", lambda ch, call: etcdrpc.MaintenanceStub(ch).Status(etcdrpc.StatusRequest(), **call), budget
         )
 
     def check_connection(self) -> str:
         """Ask a member for its status; returns the server version."""
-        response = self._call(
-            "status",
-            lambda ch, timeout: etcdrpc.MaintenanceStub(ch).Status(etcdrpc.StatusRequest(), timeout=timeout),
-        )
-        return str(response.version)
+        return str(self._status().version)
 
     def member_status(self) -> tuple[int, int]:
         """(this member's id, its leader's id) from the first endpoint that answers; equal on the leader."""
-        response = self._call(
-            "status",
-            lambda ch, timeout: etcdrpc.MaintenanceStub(ch).Status(etcdrpc.StatusRequest(), timeout=timeout),
-        )
+        response = self._status()
         return int(response.header.member_id), int(response.leader)
 
     def get(self, key: str) -> tuple[KeyValue | None, int]:
@@ -295,22 +349,22 @@ class EtcdClient:
 
     def count_prefix(self, prefix: str) -> int:
         request = etcdrpc.RangeRequest(key=prefix.encode(), range_end=prefix_end(prefix), count_only=True)
-        response = self._call("range", lambda ch, timeout: etcdrpc.KVStub(ch).Range(request, timeout=timeout))
+        response = self._call("range", lambda ch, call: etcdrpc.KVStub(ch).Range(request, **call))
         return int(response.count)
 
     def _range(self, request: Any) -> tuple[list[KeyValue], int]:
-        response = self._call("range", lambda ch, timeout: etcdrpc.KVStub(ch).Range(request, timeout=timeout))
+        response = self._call("range", lambda ch, call: etcdrpc.KVStub(ch).Range(request, **call))
         return [KeyValue.from_proto(kv) for kv in response.kvs], response.header.revision
 
     def put(self, key: str, value: bytes, lease: int = 0) -> int:
         request = etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease)
-        response = self._call("put", lambda ch, timeout: etcdrpc.KVStub(ch).Put(request, timeout=timeout))
+        response = self._call("put", lambda ch, call: etcdrpc.KVStub(ch).Put(request, **call))
         return response.header.revision
 
     def delete(self, key: str) -> int:
         """Delete one key; returns how many keys were deleted (0 or 1)."""
         request = etcdrpc.DeleteRangeRequest(key=key.encode())
-        response = self._call("delete", lambda ch, timeout: etcdrpc.KVStub(ch).DeleteRange(request, timeout=timeout))
+        response = self._call("delete", lambda ch, call: etcdrpc.KVStub(ch).DeleteRange(request, **call))
         return int(response.deleted)
 
     def txn(
@@ -321,7 +375,7 @@ class EtcdClient:
     ) -> TxnResult:
         """One transaction; it may be sent twice, so its guards must make a second application a no-op."""
         request = etcdrpc.TxnRequest(compare=list(compare), success=list(success), failure=list(failure))
-        response = self._call("txn", lambda ch, timeout: etcdrpc.KVStub(ch).Txn(request, timeout=timeout))
+        response = self._call("txn", lambda ch, call: etcdrpc.KVStub(ch).Txn(request, **call))
         ranges: list[list[KeyValue] | None] = []
         for op in response.responses:
             if op.WhichOneof("response") == "response_range":
@@ -338,7 +392,7 @@ class EtcdClient:
         request = etcdrpc.LeaseGrantRequest(TTL=ttl)
         response = self._call(
             "lease_grant",
-            lambda ch, timeout: etcdrpc.LeaseStub(ch).LeaseGrant(request, timeout=timeout),
+            lambda ch, call: etcdrpc.LeaseStub(ch).LeaseGrant(request, **call),
         )
         if response.error:
             raise EtcdRequestError(f"etcd refused a lease of {ttl} s: {response.error}")
@@ -348,7 +402,8 @@ class EtcdClient:
         """Open one long-lived keep-alive stream for ``lease_id`` (see :class:`elastic_ft.etcd.session.Session`)."""
         endpoint = self._endpoint_order()[0]
         self._count("keep_alive")
-        return self._track(KeepAliveStream(self._channel(endpoint), endpoint, lease_id))
+        channel = self._channel(endpoint)
+        return self._track(KeepAliveStream(channel, endpoint, lease_id, self._stream_metadata_or_error(channel)))
 
     def revoke_lease(self, lease_id: int) -> None:
         """Revoke a lease, deleting every key attached to it; a lease that
@@ -357,7 +412,7 @@ class EtcdClient:
         try:
             self._call(
                 "lease_revoke",
-                lambda ch, timeout: etcdrpc.LeaseStub(ch).LeaseRevoke(request, timeout=timeout),
+                lambda ch, call: etcdrpc.LeaseStub(ch).LeaseRevoke(request, **call),
             )
         except EtcdRequestError as exc:
             if "not found" not in str(exc):
@@ -403,7 +458,9 @@ class EtcdClient:
         )
         endpoint = self._endpoint_order()[0]
         self._count("watch")
-        return self._track(EtcdWatch(self._channel(endpoint), endpoint, request, on_events, on_error))
+        channel = self._channel(endpoint)
+        metadata = self._stream_metadata_or_error(channel)
+        return self._track(EtcdWatch(channel, endpoint, request, on_events, on_error, metadata))
 
     def _track(self, stream: _StreamT) -> _StreamT:
         with self._lock:

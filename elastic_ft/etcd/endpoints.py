@@ -82,6 +82,40 @@ class TlsFiles:
         )
 
 
+@dataclass(frozen=True)
+class EtcdCredentials:
+    """etcd's user/password authentication (RBAC): a user name and a file holding the password.
+
+    The password itself is read only when the client authenticates, and
+    never kept in settings, the environment or logs: only the file's path
+    travels (``--rdzv-conf``, the worker hand-off).
+    """
+
+    user: str
+    password_file: str
+
+    def check(self) -> None:
+        """Raise :class:`EndpointError` for a bad user name or a password file that cannot be read or is empty."""
+        if not self.user or len(self.user) > 256 or any(c.isspace() or c == "," for c in self.user):
+            raise EndpointError(f"etcd user {self.user[:80]!r} is invalid; expected a name without spaces or commas")
+        self.password()
+
+    def password(self) -> str:
+        try:
+            with open(self.password_file, encoding="utf-8") as file:
+                password = file.read().rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as error:
+            raise EndpointError(
+                f"etcd password_file {self.password_file!r} cannot be read: {getattr(error, 'strerror', error)}"
+            ) from None
+        if not password:
+            raise EndpointError(f"etcd password_file {self.password_file!r} is empty")
+        return password
+
+    def __repr__(self) -> str:
+        return f"EtcdCredentials(user={self.user!r}, password_file={self.password_file!r})"
+
+
 def parse_endpoints(text: str) -> tuple[EtcdEndpoint, ...]:
     """Parse ``host[:port][,host[:port]...]``, each optionally ``http://`` or ``https://``.
 

@@ -95,6 +95,8 @@ class EtcdServer:
     #: The readiness probe presents the server's certificate as a client, so
     #: it must allow client auth too, as etcd's own guides issue them.
     tls: TlsFiles | None = None
+    #: Seconds an idle auth token stays valid (etcd's --auth-token-ttl); None keeps etcd's 300.
+    auth_token_ttl: int | None = None
     _workdir: Path | None = field(default=None, init=False)
     _members: list[_Member] = field(default_factory=list, init=False)
 
@@ -142,6 +144,8 @@ class EtcdServer:
             args += ["--initial-cluster-state", "new", "--initial-cluster-token", token]
         if self.enable_v2:
             args.append("--enable-v2=true")
+        if self.auth_token_ttl is not None:
+            args += ["--auth-token-ttl", str(self.auth_token_ttl)]
         if self.tls is not None:
             args += ["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key)]
             if self.tls.cacert:

@@ -32,11 +32,17 @@ _JOIN_TIMEOUT = 5.0
 class Stream:
     """A bidirectional stream with its reader thread; subclasses read the answers."""
 
-    def __init__(self, open_call: Callable[[Iterator[Any]], Any], endpoint: EtcdEndpoint, name: str) -> None:
+    def __init__(
+        self,
+        open_call: Callable[..., Any],
+        endpoint: EtcdEndpoint,
+        name: str,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         self.endpoint = endpoint
         self._requests: queue.Queue[Any] = queue.Queue()
         self._cancelled = threading.Event()
-        self._call = open_call(self._request_stream())
+        self._call = open_call(self._request_stream(), metadata=metadata)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def _start(self) -> None:
@@ -75,8 +81,9 @@ class EtcdWatch(Stream):
         request: Any,
         on_events: Callable[[list[WatchEvent], int], None],
         on_error: Callable[[Exception], None],
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
-        super().__init__(etcdrpc.WatchStub(channel).Watch, endpoint, "etcd-watch")
+        super().__init__(etcdrpc.WatchStub(channel).Watch, endpoint, "etcd-watch", metadata)
         self._on_events = on_events
         self._on_error = on_error
         self._requests.put(request)
@@ -105,8 +112,10 @@ class EtcdWatch(Stream):
 class KeepAliveStream(Stream):
     """One lease's keep-alive stream: :meth:`refresh` sends one request and waits for its answer."""
 
-    def __init__(self, channel: grpc.Channel, endpoint: EtcdEndpoint, lease_id: int) -> None:
-        super().__init__(etcdrpc.LeaseStub(channel).LeaseKeepAlive, endpoint, "etcd-keepalive")
+    def __init__(
+        self, channel: grpc.Channel, endpoint: EtcdEndpoint, lease_id: int, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        super().__init__(etcdrpc.LeaseStub(channel).LeaseKeepAlive, endpoint, "etcd-keepalive", metadata)
         self.lease_id = lease_id
         self._answers: queue.Queue[int | Exception] = queue.Queue()
         self._start()

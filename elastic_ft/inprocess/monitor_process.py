@@ -373,7 +373,12 @@ class _Monitor:
         return Timeouts(soft, hard, config.soft_timeout, config.hard_timeout)
 
     def _judge(
-        self, base_store: dist.Store, job: PrefixStore, iteration: _Iteration, activity: RankActivity, timeouts: Timeouts
+        self,
+        base_store: dist.Store,
+        job: PrefixStore,
+        iteration: _Iteration,
+        activity: RankActivity,
+        timeouts: Timeouts,
     ) -> bool:
         """Act on a stall of the rank; True once the rank was terminated."""
         config = self.config

@@ -82,9 +82,7 @@ def _tcp_entries() -> dict[int, tuple[int, int, str]]:
 def tcp_sockets() -> list[TcpSocket]:
     """The TCP sockets this process holds."""
     entries = _tcp_entries()
-    return [
-        TcpSocket(inode, fd, *entries[inode]) for inode, fd in _own_socket_inodes().items() if inode in entries
-    ]
+    return [TcpSocket(inode, fd, *entries[inode]) for inode, fd in _own_socket_inodes().items() if inode in entries]
 
 
 def socket_inodes() -> frozenset[int]:
@@ -96,9 +94,7 @@ def accepted_connections(sockets: list[TcpSocket], baseline: frozenset[int]) -> 
     """The established connections accepted on listeners created after ``baseline`` was taken (pure)."""
     listener_ports = {s.local_port for s in sockets if s.state == _LISTEN and s.inode not in baseline}
     return [
-        s
-        for s in sockets
-        if s.state == _ESTABLISHED and s.inode not in baseline and s.local_port in listener_ports
+        s for s in sockets if s.state == _ESTABLISHED and s.inode not in baseline and s.local_port in listener_ports
     ]
 
 

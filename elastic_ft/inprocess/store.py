@@ -274,7 +274,8 @@ class StoreMixin:
 
     def record_position(self, initial_rank: int, iteration: int, rank: int, world_size: int) -> None:
         self.set(
-            f"{keys.POSITION}{initial_rank}", json.dumps({"iteration": iteration, "rank": rank, "world_size": world_size})
+            f"{keys.POSITION}{initial_rank}",
+            json.dumps({"iteration": iteration, "rank": rank, "world_size": world_size}),
         )
 
     def position(self, initial_rank: int) -> dict[str, int] | None:
@@ -353,6 +354,7 @@ def default_store(**kwargs: Any) -> dist.Store:
             connect_timeout=handoff.connect_timeout,
             request_timeout=handoff.request_timeout,
             tls=handoff.tls,
+            credentials=handoff.credentials,
         )
         return EtcdStore(client, handoff.prefix, kwargs.get("timeout") or datetime.timedelta(seconds=handoff.timeout))
     return TCPStore(**kwargs)

@@ -319,7 +319,9 @@ class CallWrapper:
         if signum is None:
             return
         if threading.current_thread() is not threading.main_thread():
-            log.warning("the Wrapper runs outside the main thread: no interrupt signal, blocking calls end a restart late")
+            log.warning(
+                "the Wrapper runs outside the main thread: no interrupt signal, blocking calls end a restart late"
+            )
             return
         self._interrupt = InterruptSignal(signum)
         self._interrupt.install()

@@ -113,6 +113,7 @@ class FtAgent(LocalElasticAgent):
             connect_timeout=settings.connect_timeout,
             request_timeout=settings.request_timeout,
             timeout=settings.store_timeout,
+            credentials=settings.credentials,
         )
         os.environ.update(handoff.to_env())
         pids = super()._start_workers(worker_group)
@@ -159,7 +160,9 @@ class FtAgent(LocalElasticAgent):
                 kind = WorkerExit.SUCCEEDED
             else:
                 kind = classify_exit(exitcode, job.is_wrapped(worker.global_rank), job.left(worker.global_rank))
-                failure = ProcessFailure(worker.local_rank, process.pid, exitcode, pcontext.error_files[worker.local_rank])
+                failure = ProcessFailure(
+                    worker.local_rank, process.pid, exitcode, pcontext.error_files[worker.local_rank]
+                )
             if kind is WorkerExit.ABSORBED:
                 log.warning(
                     "rank %d (pid %d) ended with %s inside elastic_ft.Wrapper; the other workers continue without it",

@@ -30,9 +30,13 @@ def _connection_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rdzv-endpoint", required=True, help="etcd endpoints, host:port[,host:port...]")
     parser.add_argument("--rdzv-id", required=True, help="the job's run id (torchrun's --rdzv-id)")
     parser.add_argument("--etcd-prefix", default="/elastic_ft", help="key prefix (default: /elastic_ft)")
-    parser.add_argument("--connect-timeout", type=float, default=10.0, help="seconds the command may wait for etcd in all (default: 10)")
+    parser.add_argument(
+        "--connect-timeout", type=float, default=10.0, help="seconds the command may wait for etcd in all (default: 10)"
+    )
     for name in ("cacert", "cert", "key"):
         parser.add_argument(f"--{name}", default=None, help=f"TLS {name} file for https endpoints")
+    parser.add_argument("--user", default=None, help="etcd user (RBAC); needs --password-file")
+    parser.add_argument("--password-file", default=None, help="file holding the etcd user's password")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,10 +72,18 @@ def _client(args: argparse.Namespace) -> tuple[EtcdClient, RunKeys]:
         cacert=args.cacert,
         cert=args.cert,
         key=args.key,
+        user=args.user,
+        password_file=args.password_file,
     )
     # A request's bound is connect_timeout + request_timeout: split the one the user gave.
     half = settings.connect_timeout / 2
-    client = EtcdClient(settings.endpoints, connect_timeout=half, request_timeout=half, tls=settings.tls)
+    client = EtcdClient(
+        settings.endpoints,
+        connect_timeout=half,
+        request_timeout=half,
+        tls=settings.tls,
+        credentials=settings.credentials,
+    )
     return client, settings.keys
 
 

@@ -109,7 +109,9 @@ def apply_job_config(args: argparse.Namespace, given: set[str], config: JobConfi
 
 
 #: The ``--rdzv-conf`` keys that say where the run's keys are and how to reach etcd.
-_CONNECTION_CONF = ("etcd_prefix", "connect_timeout", "request_timeout", "cacert", "cert", "key")
+_CONNECTION_CONF = (
+    "etcd_prefix", "connect_timeout", "request_timeout", "cacert", "cert", "key", "user", "password_file"
+)  # fmt: skip
 
 
 def _connection_conf(rdzv_conf: str) -> dict[str, str]:
@@ -132,6 +134,7 @@ def _exchange_job_config(args: argparse.Namespace, file_config: JobConfig | None
         connect_timeout=settings.connect_timeout,
         request_timeout=settings.request_timeout,
         tls=settings.tls,
+        credentials=settings.credentials,
     )
     try:
         if file_config is not None:

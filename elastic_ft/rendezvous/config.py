@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from elastic_ft.etcd.endpoints import EndpointError, EtcdEndpoint, TlsFiles, parse_endpoints
+from elastic_ft.etcd.endpoints import EndpointError, EtcdCredentials, EtcdEndpoint, TlsFiles, parse_endpoints
 from elastic_ft.keys import RunKeys
 from elastic_ft.timeouts import check_seconds
 
@@ -33,6 +33,8 @@ CONF_KEYS: dict[str, tuple[Any, str]] = {
     "cacert": (None, "CA bundle (PEM) to verify https endpoints"),
     "cert": (None, "client certificate (PEM) for https endpoints"),
     "key": (None, "client private key (PEM) for https endpoints"),
+    "user": (None, "etcd user (RBAC); needs password_file"),
+    "password_file": (None, "file holding the etcd user's password (never the password itself)"),
 }
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
@@ -62,6 +64,7 @@ class EtcdftSettings:
     request_timeout: float
     store_timeout: float
     tls: TlsFiles
+    credentials: EtcdCredentials | None = None
 
     @property
     def keys(self) -> RunKeys:
@@ -156,8 +159,14 @@ def make_settings(
     tls = TlsFiles(conf.get("cacert"), conf.get("cert"), conf.get("key"))
     if (tls.cacert or tls.cert or tls.key) and not any(e.secure for e in endpoints):
         raise RendezvousConfigError("rdzv conf cacert/cert/key given but no endpoint uses https://")
+    user, password_file = conf.get("user"), conf.get("password_file")
+    if (user is None) != (password_file is None):
+        raise RendezvousConfigError("rdzv conf user and password_file go together: give both or neither")
+    credentials = None if user is None else EtcdCredentials(str(user), str(password_file))
     try:
         tls.check()
+        if credentials is not None:
+            credentials.check()
     except EndpointError as error:
         raise RendezvousConfigError(f"rdzv conf: {error}") from None
     return EtcdftSettings(
@@ -174,4 +183,5 @@ def make_settings(
         request_timeout=_seconds("request_timeout", get("request_timeout"), allow_zero=False),
         store_timeout=_seconds("store_timeout", get("store_timeout"), allow_zero=False),
         tls=tls,
+        credentials=credentials,
     )

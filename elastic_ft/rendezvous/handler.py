@@ -87,6 +87,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             request_timeout=settings.request_timeout,
             connect_timeout=settings.connect_timeout,
             tls=settings.tls,
+            credentials=settings.credentials,
         )
         try:
             self._client.check_connection()

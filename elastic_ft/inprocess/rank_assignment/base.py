@@ -28,7 +28,6 @@ The public names mirror NVIDIA's ``nvidia_resiliency_ext.inprocess`` so that
 code written against it moves over with an import change.
 """
 
-
 from __future__ import annotations
 
 import abc
@@ -164,5 +163,3 @@ def check_timeout(owner: str, timeout: datetime.timedelta) -> None:
         raise TypeError(f"{owner} timeout must be a datetime.timedelta, got {timeout!r}")
     if timeout <= datetime.timedelta(0):
         raise ValueError(f"{owner} timeout must be positive, got {timeout}")
-
-
