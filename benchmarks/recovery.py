@@ -403,15 +403,20 @@ def main() -> None:
         print("| run | median step (ms) | overhead: paired / of medians |")
         print("| --- | --- | --- |")
         print(f"| without Wrapper | {steady['plain_median'] * 1e3:.2f} (rounds: {low * 1e3:.2f}-{high * 1e3:.2f}) | |")
-        print(f"| elastic_ft.Wrapper, default settings | {steady['wrapper_median'] * 1e3:.2f} | "
-              f"{steady['overhead_paired'] * 100:+.1f} % / {steady['overhead_of_medians'] * 100:+.1f} % |")
+        print(
+            f"| elastic_ft.Wrapper, default settings | {steady['wrapper_median'] * 1e3:.2f} | "
+            f"{steady['overhead_paired'] * 100:+.1f} % / {steady['overhead_of_medians'] * 100:+.1f} % |"
+        )
         accounted = steady["accounted"]
         print("\nThe Wrapper's own work, per step, as a share of the median step without it")
         print("| part | share of a step |")
         print("| --- | --- |")
-        for part, name in (("step_hook", "optimizer-step hook (main thread)"),
-                           ("rank_threads", "its threads in the rank (CPU beyond the run without it)"),
-                           ("monitor_process", "monitor process, steady state"), ("total", "total")):
+        for part, name in (
+            ("step_hook", "optimizer-step hook (main thread)"),
+            ("rank_threads", "its threads in the rank (CPU beyond the run without it)"),
+            ("monitor_process", "monitor process, steady state"),
+            ("total", "total"),
+        ):
             print(f"| {name} | {accounted[part] * 100:.2f} % |")  # fmt: skip
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     path = RESULTS if args.only is None else RESULTS.with_name(f"recovery_{args.only}.json")

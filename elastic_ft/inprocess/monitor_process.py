@@ -214,7 +214,8 @@ class MonitorProcess:
     def stop(self, timeout: float = 5.0) -> None:
         """Ask the monitor to exit and reap it."""
         self._send({"type": "stop"})
-        self._pipe.close()
+        with contextlib.suppress(OSError):  # the monitor is gone: the buffered message cannot be flushed
+            self._pipe.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:

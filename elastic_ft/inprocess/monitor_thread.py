@@ -46,6 +46,9 @@ log = get_logger("monitor_thread")
 
 #: Signal intervals without delivery after which the asynchronous exception is scheduled as well.
 _SCHEDULE_AFTER = 4
+#: Rounds (of ``interval``) after which a restart still not delivered releases every connection of the
+#: function, initiated ones too: a peer that is frozen, not dead, releases none (see sockets.py).
+_RELEASE_EVERYTHING_AFTER = 10
 
 _set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
 _set_async_exc.argtypes = (ctypes.c_ulong, ctypes.py_object)
@@ -127,7 +130,7 @@ class MonitorThread(threading.Thread):
         store: the iteration's store view.
         state: this rank's state, handed to ``abort``.
         abort: callable unblocking the main thread, or ``None``.
-        release: releases the wrapped function's connections.
+        release: ``release(everything)`` releases the wrapped function's connections (see sockets.py).
         interval: seconds between two polls of a store that cannot watch,
             and between two raises of an unacknowledged restart.
         last_call_wait: seconds to wait for concurrent faults.
@@ -144,7 +147,7 @@ class MonitorThread(threading.Thread):
         store: StoreMixin,
         state: State,
         abort: Callable[[State], object] | None,
-        release: Callable[[], object],
+        release: Callable[[bool], object],
         interval: float,
         last_call_wait: float,
         atomic_lock: threading.RLock,
@@ -162,6 +165,7 @@ class MonitorThread(threading.Thread):
         self._stop_requested = threading.Event()
         self._acknowledged = threading.Event()
         self._raise_lock = threading.Lock()
+        self._held = False  # the main thread left the wrapped function: nothing more is delivered to it
         self.restart_started = threading.Event()
 
     def run(self) -> None:
@@ -187,7 +191,7 @@ class MonitorThread(threading.Thread):
                 return
             self.restart_started.set()
             try:
-                released = self.release()
+                released = self.release(False)
                 log.debug("rank %s: released %s connection(s)", self.state.rank, released)
             except Exception:
                 log.exception("rank %s: releasing connections failed", self.state.rank)
@@ -202,7 +206,7 @@ class MonitorThread(threading.Thread):
                 self.interrupt.pending.set()
             started = time.monotonic()
             scheduled = self._deliver(schedule=self.interrupt is None)
-            blocked_logged = False
+            blocked_logged = released_everything = False
             while not self._acknowledged.wait(self.interval):
                 if self._stop_requested.is_set():
                     return
@@ -213,7 +217,7 @@ class MonitorThread(threading.Thread):
                     delivery.swallowed.clear()
                     started = time.monotonic()
                     scheduled = self._deliver(schedule=self.interrupt is None)
-                elif not delivery.delivered.is_set():
+                elif not delivery.delivered.is_set() and not self._held:
                     # Inside a blocking call or a finalizer: signal again; after a few tries schedule the
                     # exception too (a handler replaced by the application, a call deaf to signals).
                     if not blocked_logged:
@@ -222,17 +226,42 @@ class MonitorThread(threading.Thread):
                         blocked_logged = True
                     late = time.monotonic() - started > _SCHEDULE_AFTER * self.interval
                     scheduled = self._deliver(schedule=late and not scheduled) or scheduled
+                    if not released_everything and time.monotonic() - started > (
+                        _RELEASE_EVERYTHING_AFTER * self.interval
+                    ):
+                        released_everything = True
+                        try:
+                            released = self.release(True)
+                            log.warning("rank %s: still blocked; released every connection of the function (%s), "
+                                        "initiated ones too: a peer may be frozen", self.state.rank, released)  # fmt: skip
+                        except Exception:
+                            log.exception("rank %s: releasing connections failed", self.state.rank)
 
     def _deliver(self, schedule: bool) -> bool:
         """Signal the main thread; with ``schedule``, schedule the exception too. True if it was scheduled."""
         with self._raise_lock:
-            if self._acknowledged.is_set() or self._stop_requested.is_set():
+            if self._acknowledged.is_set() or self._stop_requested.is_set() or self._held:
                 return False
             if schedule:
                 raise_in_main_thread(RankShouldRestart)
             if self.interrupt is not None:
                 self.interrupt.send()
             return schedule
+
+    def hold(self) -> None:
+        """The main thread left the wrapped function (it raised): deliver nothing more to it.
+
+        It is about to write to the store (gRPC, locks): an asynchronous
+        exception landing between a lock's acquire and its ``with`` block
+        would leave that lock held forever, and every later call on the same
+        channel (the next iteration's monitor thread) blocked. The main thread
+        waits for :attr:`restart_started` and raises the restart itself.
+        """
+        with self._raise_lock:
+            self._held = True
+            if self.interrupt is not None:
+                self.interrupt.pending.clear()
+            clear_main_thread_pending_exception()
 
     def acknowledge(self) -> None:
         """Called by the main thread once it caught the restart exception."""

@@ -17,6 +17,15 @@ touched (gloo ends the process when its listener fails), nor is anything
 that existed at entry (the Wrapper's store connections), nor connections
 the process initiated (an HTTP client, a store client).
 
+That misses one case: peers that are alive but frozen (a SIGSTOPped node,
+whose monitors are stopped too) release nothing, and a rank blocked reading
+from one of them over a connection *it* initiated stays blocked. So when a
+restart has not reached the main thread shortly after the first release,
+the Wrapper also releases **the connections it initiated since entry**
+(:func:`release_connections` with ``everything=True``): a client the
+function opened meanwhile loses its connection too, and reconnects as
+clients do. Connections accepted by a store this rank hosts stay.
+
 A process forked while the function runs (a ``DataLoader`` worker) inherits
 the function's sockets; if the rank then dies, those copies would keep its
 connections open, and its peers blocked on them, until the orphaned worker
@@ -121,10 +130,23 @@ def _close_inherited() -> None:
                 os.close(connection.fd)
 
 
-def release_connections(baseline: frozenset[int]) -> int:
-    """Shut down the connections accepted on listeners created since ``baseline``; returns how many."""
+def created_connections(sockets: list[TcpSocket], baseline: frozenset[int]) -> list[TcpSocket]:
+    """The connections :func:`accepted_connections` lists, plus those this process initiated after ``baseline`` was
+    taken (pure). Connections accepted on a listener that existed at entry (a store this rank hosts, which its
+    monitor process and its peers use) stay out."""
+    listener_ports = {s.local_port for s in sockets if s.state == _LISTEN}
+    initiated = [
+        s for s in sockets if s.state == _ESTABLISHED and s.inode not in baseline and s.local_port not in listener_ports
+    ]
+    return accepted_connections(sockets, baseline) + initiated
+
+
+def release_connections(baseline: frozenset[int], *, everything: bool = False) -> int:
+    """Shut down the connections accepted on listeners created since ``baseline`` (with ``everything``, every
+    connection created since); returns how many."""
     released = 0
-    for connection in accepted_connections(tcp_sockets(), baseline):
+    sockets = tcp_sockets()
+    for connection in created_connections(sockets, baseline) if everything else accepted_connections(sockets, baseline):
         try:
             # A duplicate of the descriptor reaches the same socket; closing the duplicate
             # leaves gloo's descriptor open, so gloo never acts on a reused number.

@@ -36,7 +36,6 @@ import os
 import re
 import signal
 import threading
-import time
 import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -491,6 +490,9 @@ class CallWrapper:
                     return True, result
                 raise InternalError("the iteration was interrupted while this rank waited to complete")
             except Exception as error:  # noqa: BLE001 - any failure of the iteration restarts it
+                # From here the main thread runs the Wrapper's own code (store writes over gRPC):
+                # no asynchronous restart exception may land in it.
+                monitor.hold()
                 # The iteration is lost: cut its connections first, here. Dropping the
                 # traceback below can free the frames' process group, whose destructor
                 # waits for its pending work while holding the GIL; the monitor thread
@@ -514,12 +516,16 @@ class CallWrapper:
         raise InternalError("unreachable")
 
     def _await_restart(self, monitor: MonitorThread) -> None:
-        """Wait in Python code for the monitor thread's RankShouldRestart (the fault recorded here reaches it)."""
+        """Wait for the monitor thread to start the restart (the fault recorded here reaches it), then restart.
+
+        The monitor thread delivers nothing to a held main thread (see
+        :meth:`MonitorThread.hold`): once the restart started (connections
+        released, ``abort`` called), the main thread raises it itself.
+        """
         wrapper = self.wrapper
         patience = _secs(wrapper.last_call_wait) + 3 * _secs(wrapper.monitor_thread_interval) + 30.0
-        deadline = time.monotonic() + patience
-        while time.monotonic() < deadline or monitor.restart_started.is_set():
-            time.sleep(0.001)
+        if poll(monitor.restart_started.is_set, patience, interval_max=0.001):
+            raise RankShouldRestart()
         raise InternalError(f"the monitor thread did not start a restart within {patience:g} s")
 
     def _check_health(self, state: State) -> None:
@@ -541,10 +547,10 @@ class CallWrapper:
         finally:
             self._abort(state)
 
-    def _release_connections(self) -> int:
+    def _release_connections(self, everything: bool = False) -> int:
         """The iteration is lost: keep its gloo groups from being destroyed, then cut their connections."""
         self._groups.retire()
-        return release_connections(self._socket_baseline)
+        return release_connections(self._socket_baseline, everything=everything)
 
     def _abort(self, state: State) -> None:
         """Release the function's connections, then the ``abort`` hook (idempotent; the monitor thread ran both)."""

@@ -24,6 +24,7 @@ round ``n`` deletes the keys of round ``n - 2``, which no live node can use.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -106,6 +107,8 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         self._shut_down = False
         self._logged_verdict: tuple[int, rules.CloseVerdict] | None = None
         self._warned_malformed: Mapping[str, str] = {}
+        self._announced_with: int | None = None  # the session whose lease this member's alive key is on
+        self._outage_grace_until = 0.0
 
     @classmethod
     def from_parameters(cls, params: RendezvousParameters) -> EtcdftRendezvousHandler:
@@ -239,6 +242,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         result = self._client.txn(guards, ops)
         if result.succeeded:
             self._joined_round = number
+            self._announced_with = lease
             self._view.wait_for_revision(result.revision, self.settings.request_timeout)
         else:
             self._view.wait_for_change(version, self.settings.request_timeout)
@@ -324,9 +328,49 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         return rules.num_nodes_waiting(state, self._member_of, self.settings.max_nodes)
 
     def membership_change(self) -> rules.MembershipChange:
-        """What changed around this node's round, from the watch-fed view (no etcd request)."""
+        """What changed around this node's round, from the watch-fed view.
+
+        Also keeps this member announced: when its own alive key is gone
+        (its lease ran out: etcd was frozen or unreachable for a whole
+        ``lease_ttl``, which ends every node's lease at once), it opens a new
+        session and puts the key again, and for the next ``lease_ttl``
+        reports no member dead, giving the others the same time to
+        re-announce themselves. Sends requests only then.
+        """
         state, _ = self._snapshot()
-        return rules.membership_change(state, self._member_of, self.settings.max_nodes)
+        if self._member_of is not None and not self._shut_down and self._lost_own_announcement(state):
+            self._announce_again()
+            state, _ = self._snapshot()
+        change = rules.membership_change(state, self._member_of, self.settings.max_nodes)
+        if change.dead and time.monotonic() < self._outage_grace_until:
+            return dataclasses.replace(change, dead=())
+        return change
+
+    def _lost_own_announcement(self, state: model.RendezvousState) -> bool:
+        session = self._session
+        if session is None or session.expired.is_set():
+            return True
+        return state.alive.get(self.node) not in (None, session.id) or (
+            self.node not in state.alive and self._announced_with == session.id
+        )
+
+    def _announce_again(self) -> None:
+        with self._lock:
+            if self._session is not None and self._announced_with == self._session.id:
+                self._session.expired.set()  # the key it carried is gone: so is its lease
+            session = self._ensure_session()
+            value = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
+            revision = self._client.put(self._keys.alive(self.node), value, session.id)
+            self._announced_with = session.id
+            self._outage_grace_until = time.monotonic() + self.settings.lease_ttl
+        log.warning(
+            "node %s: its etcd lease ran out (etcd unreachable or frozen for %g s?); announced again on a new "
+            "lease, and no member counts as dead for the next %g s",
+            self.node,
+            self.settings.lease_ttl,
+            self.settings.lease_ttl,
+        )
+        self._view.wait_for_revision(revision, self.settings.request_timeout)
 
     @property
     def member_of(self) -> model.RoundResult | None:

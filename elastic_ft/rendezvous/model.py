@@ -147,7 +147,14 @@ class RendezvousState:
         return 0 if last is None else last.round + 1
 
     def is_alive(self, member: Member) -> bool:
-        return self.alive.get(member.node) == member.lease
+        """The member's agent holds an alive key, on any lease.
+
+        Node ids are unique per agent process, so an alive key under the
+        member's id is that agent, even on a lease newer than the round's:
+        after an etcd outage every lease runs out at once, and each agent
+        re-announces itself on a new one (see ``EtcdftRendezvousHandler``).
+        """
+        return member.node in self.alive
 
 
 class KeyRecord(Protocol):

@@ -19,7 +19,7 @@ from elastic_ft.inprocess.hang_detection import (
     percentile,
 )
 from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps, StepClock
-from elastic_ft.inprocess.sockets import TcpSocket, accepted_connections
+from elastic_ft.inprocess.sockets import TcpSocket, accepted_connections, created_connections
 
 CONFIG = AdaptiveTimeouts()
 
@@ -202,6 +202,9 @@ def test_only_connections_accepted_on_new_listeners_are_cut() -> None:
         sock(7, 41000, 50005, "06"),  # TIME_WAIT: nothing to cut
     ]
     assert [s.inode for s in accepted_connections(sockets, frozenset({1}))] == [4]
+    # When the restart stays blocked (a frozen peer cuts nothing), what this rank initiated goes too; what the
+    # store it hosts accepted (its monitor process, its peers) stays.
+    assert [s.inode for s in created_connections(sockets, frozenset({1}))] == [4, 5, 6]
 
 
 def test_messages_after_store_ready_in_the_same_read_are_kept() -> None:

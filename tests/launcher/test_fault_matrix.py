@@ -1,0 +1,30 @@
+"""The fault matrix (benchmarks/fault_matrix.py) runs green: every fault kind under ftrun, with history checks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MATRIX = Path(__file__).resolve().parents[2] / "benchmarks" / "fault_matrix.py"
+
+
+@pytest.mark.slow
+def test_every_fault_of_the_matrix_passes_its_checks(tmp_path: Path) -> None:
+    out = tmp_path / "fault_matrix.json"
+    done = subprocess.run([sys.executable, str(MATRIX), "--out", str(out)], capture_output=True, text=True,
+                          timeout=1800, check=False)  # fmt: skip
+    assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    failed = {run["scenario"]: run["problems"] for run in runs if run["problems"]}
+    assert failed == {}, done.stdout[-4000:]
+    assert done.returncode == 0
+    by_name = {run["scenario"]: run for run in runs}
+    # Worker faults and etcd faults are absorbed in-process: no process restart, every expected rank finishes.
+    for name in ("worker exception", "worker SIGKILL", "etcd leader SIGKILLed", "etcd frozen 10 s"):
+        assert by_name[name]["process_restarts"] == 0, by_name[name]
+        assert by_name[name]["survivors"] >= by_name[name]["expected_survivors"], by_name[name]
+    assert by_name["node SIGKILL"]["survivors"] == 2 and by_name["node SIGKILL"]["world_size"] == [2]
