@@ -85,6 +85,20 @@ def poll(predicate: Callable[[], bool], timeout: float | None, interval_max: flo
     return True
 
 
+def _json_object(value: bytes) -> dict[str, object] | None:
+    """``value`` as a JSON object, None for anything else: store values are untrusted."""
+    try:
+        document = json.loads(value)
+    except (ValueError, RecursionError):
+        return None
+    return document if isinstance(document, dict) else None
+
+
+def _count(value: object) -> bool:
+    """A rank, iteration or world size: a non-negative integer that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+
 def _text(value: bytes) -> str:
     return value.decode() if isinstance(value, bytes | bytearray) else str(value)
 
@@ -279,16 +293,24 @@ class StoreMixin:
         )
 
     def position(self, initial_rank: int) -> dict[str, int] | None:
+        """The rank's last published position; None if none, or if the record is malformed (untrusted)."""
         key = f"{keys.POSITION}{initial_rank}"
-        return json.loads(_text(self.get(key))) if self.check([key]) else None
+        record = _json_object(self.get(key)) if self.check([key]) else None
+        fields = ("iteration", "rank", "world_size")
+        if record is None or not all(_count(record.get(name)) for name in fields):
+            return None
+        return {name: record[name] for name in fields}
 
     def record_left(self, initial_rank: int, kind: str, gave_up: bool, message: str = "") -> None:
         record = {"kind": kind, "gave_up": gave_up, "message": message[:500]}
         self.set(f"{keys.LEFT}{initial_rank}", json.dumps(record))
 
     def left(self, initial_rank: int) -> dict[str, object] | None:
+        """How the rank left the Wrapper; None if it did not. A malformed record still says it left."""
         key = f"{keys.LEFT}{initial_rank}"
-        return json.loads(_text(self.get(key))) if self.check([key]) else None
+        if not self.check([key]):
+            return None
+        return _json_object(self.get(key)) or {"kind": "malformed"}
 
 
 class PrefixStore(dist.PrefixStore, StoreMixin):

@@ -197,6 +197,25 @@ class Wrapper:
         return typing.cast(F, wrapped)
 
 
+def _terminated_ranks(payload: str | bytes | None, world_size: int) -> set[int]:
+    """The termination barrier's payload: the ranks that left, a JSON list of ranks of this world.
+
+    A malformed payload (the store is untrusted) names no rank: the next
+    iteration barrier then times out on any rank that did leave, a bounded
+    failure, rather than the Wrapper crashing on every rank.
+    """
+    try:
+        ranks = json.loads(payload or "[]")
+    except (ValueError, RecursionError):
+        ranks = None
+    if not isinstance(ranks, list) or not all(
+        isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world_size for r in ranks
+    ):
+        log.warning("ignoring a malformed termination-barrier payload: %.200r", payload)
+        return set()
+    return set(ranks)
+
+
 def _secs(value: datetime.timedelta) -> float:
     return value.total_seconds()
 
@@ -590,7 +609,7 @@ class CallWrapper:
             state.world_size,
             wrapper.barrier_timeout,
         )
-        terminated = set(json.loads(payload or "[]"))
+        terminated = _terminated_ranks(payload, state.world_size)
         if terminated:
             log.info("rank %s: ranks %s left the job in iteration %d", rank, sorted(terminated), state.iteration)
         next_state = dataclasses.replace(state, iteration=state.iteration + 1)

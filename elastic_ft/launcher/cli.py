@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from elastic_ft.etcd.kv import EtcdRequestError, EtcdUnavailableError
-from elastic_ft.job_config import JobConfig, JobConfigError, load_job_config
+from elastic_ft.job_config import JobConfig, JobConfigError, load_job_config, parse_job_config
 from elastic_ft.keys import RunKeys
 from elastic_ft.rendezvous.config import RendezvousConfigError, make_settings
 
@@ -116,7 +116,13 @@ def run(args: argparse.Namespace) -> int:
             if kv is None:
                 print(f"no job config stored for run {args.rdzv_id!r}", file=sys.stderr)
                 return 1
-            document = json.loads(kv.value)
+            try:
+                document = parse_job_config(json.loads(kv.value)).to_document()
+            except (ValueError, RecursionError) as error:  # bad JSON or a JobConfigError: untrusted etcd value
+                print(
+                    f"elastic-ft: the job config stored at {kv.key} is not valid: {str(error)[:300]}", file=sys.stderr
+                )
+                return 2
             if args.json:
                 print(json.dumps(document, indent=2))
             else:

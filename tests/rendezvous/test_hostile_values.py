@@ -130,3 +130,28 @@ def test_status_lists_malformed_records_instead_of_failing(
     finally:
         for handler in handlers:
             handler.shutdown()
+
+
+def test_worker_side_readers_skip_malformed_records() -> None:
+    """The Wrapper's position, left and termination records, and the rank-assignment table, read back forged."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from elastic_ft.inprocess.rank_assignment.exchange import gather_keys
+    from elastic_ft.inprocess.store import job_store
+    from elastic_ft.inprocess.wrapper import _terminated_ranks
+    from elastic_ft.keys import LEFT, exchange_table
+
+    store = dist.HashStore()
+    job = job_store(store)
+    job.set(f"{POSITION}0", '{"iteration": "x", "rank": 0, "world_size": 2}')
+    job.set(f"{POSITION}1", "[" * 100_000)
+    job.set(f"{LEFT}1", "not json")
+    assert job.position(0) is None and job.position(1) is None
+    assert job.left(1) == {"kind": "malformed"}  # it did leave; how is unknown
+    assert _terminated_ranks('[0, 1e400, "a"]', 4) == set() and _terminated_ranks("[1, 3]", 4) == {1, 3}
+    assert _terminated_ranks("[7]", 4) == set()  # not a rank of this world
+    store.set(exchange_table("x"), '{"distinct": [["a"]], "codes": [[5]]}')  # an index beyond the distinct keys
+    with pytest.raises(ValueError, match="is malformed"):
+        gather_keys(store, "x", 0, [0, 1], ["k"], datetime.timedelta(seconds=1), "test")

@@ -62,12 +62,17 @@ def gather_keys(
         raise RankAssignmentTimeout(
             f"{what}: timed out after {timeout.total_seconds():g} s gathering grouping keys under {prefix!r}; {detail}"
         ) from error
-    table = json.loads(store.get(table_key))
-    if "error" in table:
-        raise ValueError(f"{what}: {table['error']}")
-    return [
-        [distinct[code] for code in codes] for distinct, codes in zip(table["distinct"], table["codes"], strict=True)
-    ]
+    raw = store.get(table_key)
+    try:
+        table = json.loads(raw)
+        if "error" in table:
+            raise ValueError(f"{what}: {table['error']}")
+        return [
+            [distinct[code] for code in codes]
+            for distinct, codes in zip(table["distinct"], table["codes"], strict=True)
+        ]
+    except (TypeError, KeyError, IndexError, RecursionError, json.JSONDecodeError) as error:  # untrusted store value
+        raise ValueError(f"{what}: the table under {table_key!r} is malformed ({type(error).__name__})") from None
 
 
 def _encode_columns(values: list[bytes], width: int) -> dict[str, Any]:
