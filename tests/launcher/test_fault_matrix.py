@@ -13,6 +13,7 @@ MATRIX = Path(__file__).resolve().parents[2] / "benchmarks" / "fault_matrix.py"
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 12 jobs of 2 nodes x 2 workers, each on its own 3-member etcd
 def test_every_fault_of_the_matrix_passes_its_checks(tmp_path: Path) -> None:
     out = tmp_path / "fault_matrix.json"
     done = subprocess.run([sys.executable, str(MATRIX), "--out", str(out)], capture_output=True, text=True,
