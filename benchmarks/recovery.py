@@ -332,7 +332,7 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--fault-step", type=int, default=40)
-    parser.add_argument("--hidden", type=int, default=1024, help="model width (1024: about 50 ms steps here)")
+    parser.add_argument("--hidden", type=int, default=1024, help="model width (1024: about 20 ms steps on the 2-core dev machine)")
     parser.add_argument("--cap", type=float, default=150.0, help="seconds after which a run counts as not recovered")
     parser.add_argument("--steady-rounds", type=int, default=6)
     parser.add_argument("--steady-steps", type=int, default=400)
