@@ -60,6 +60,7 @@ from elastic_ft.handoff import StoreHandoff
 from elastic_ft.inprocess.exception import BarrierOverflow, BarrierTimeout
 from elastic_ft.inprocess.logs import get_logger
 from elastic_ft.keys import COMPLETION_BARRIER, EXIT_BARRIER, ITERATION_BARRIER, TERMINATION_BARRIER
+from elastic_ft.untrusted import json_object
 
 #: The per-iteration outcome: exactly one of these wins the ``compare_set``.
 COMPLETED = "completed"
@@ -83,15 +84,6 @@ def poll(predicate: Callable[[], bool], timeout: float | None, interval_max: flo
         time.sleep(pause)
         pause = min(pause * 2, interval_max)
     return True
-
-
-def _json_object(value: bytes) -> dict[str, object] | None:
-    """``value`` as a JSON object, None for anything else: store values are untrusted."""
-    try:
-        document = json.loads(value)
-    except (ValueError, RecursionError):
-        return None
-    return document if isinstance(document, dict) else None
 
 
 def _count(value: object) -> bool:
@@ -295,7 +287,7 @@ class StoreMixin:
     def position(self, initial_rank: int) -> dict[str, int] | None:
         """The rank's last published position; None if none, or if the record is malformed (untrusted)."""
         key = f"{keys.POSITION}{initial_rank}"
-        record = _json_object(self.get(key)) if self.check([key]) else None
+        record = json_object(self.get(key)) if self.check([key]) else None
         fields = ("iteration", "rank", "world_size")
         if record is None or not all(_count(record.get(name)) for name in fields):
             return None
@@ -310,7 +302,7 @@ class StoreMixin:
         key = f"{keys.LEFT}{initial_rank}"
         if not self.check([key]):
             return None
-        return _json_object(self.get(key)) or {"kind": "malformed"}
+        return json_object(self.get(key)) or {"kind": "malformed"}
 
 
 class PrefixStore(dist.PrefixStore, StoreMixin):

@@ -37,22 +37,14 @@ from elastic_ft.keys import (
 )
 from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, RecordError
 from elastic_ft.rendezvous.model import RoundResult, parse_state
+from elastic_ft.untrusted import json_object
 
 log = logging.getLogger(__name__)
 
 
-def _json_object(raw: bytes) -> dict[str, Any] | None:
-    """``raw`` as a JSON object, or None for anything else (untrusted input: never raises)."""
-    try:
-        document = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    return document if isinstance(document, dict) else None
-
-
 def _alive_info(raw: bytes) -> dict[str, Any] | None:
     """An alive key's {"host": str, "pid": int}, or None."""
-    document = _json_object(raw)
+    document = json_object(raw)
     if document is None:
         return None
     host, pid = document.get("host"), document.get("pid")
@@ -238,7 +230,7 @@ def _worker_status(
 
 def _position(raw: bytes) -> dict[str, int] | None:
     """A Wrapper's position record, {"iteration": int >= 0, "rank": int >= 0}, or None."""
-    document = _json_object(raw)
+    document = json_object(raw)
     if document is None:
         return None
     values = [document.get("iteration"), document.get("rank")]
