@@ -198,10 +198,11 @@ class EtcdStore(dist.Store):
         when the guards failed and nothing was written.
         """
         token_key = store_write_token(self.prefix, token)
+        lease = self._write_lease()  # before the write: failing here, nothing was sent
         try:
             outcome = self._client.txn(
                 [*guards, key_missing(token_key)],
-                [*ops, put_op(token_key, result, self._write_lease())],
+                [*ops, put_op(token_key, result, lease)],
                 [get_op(token_key)],
             )
         except EtcdUnavailableError as exc:
