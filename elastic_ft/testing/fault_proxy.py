@@ -12,12 +12,13 @@ and, while requests flow, make the proxy:
   frozen too), then resume;
 * :meth:`~FaultProxy.set_delay`: add latency to every chunk.
 
-A "request" is a chunk from the client once the connection is established
-(the server has sent its first chunk, the end of HTTP/2's handshake); an
-"answer" is the first chunk from the server after a request that is larger
-than HTTP/2's control frames (pings and window updates are 13 to 17 bytes),
-so a gRPC response, not a handshake or an acknowledgement, is what gets
-lost.
+A "request" is a chunk from the client, once the connection is established
+(the server has sent its first chunk, the end of HTTP/2's handshake), that is
+larger than HTTP/2's control frames (pings, acknowledgements and window
+updates are 9 to 17 bytes); an "answer" is the first such chunk from the
+server after a request. A gRPC response read in several chunks (headers, data,
+trailers) counts once, so a gRPC response, not a handshake, an
+acknowledgement or the tail of an earlier answer, is what gets lost.
 """
 
 from __future__ import annotations
@@ -73,12 +74,17 @@ class _Connection:
                     if self.proxy.delay:
                         time.sleep(self.proxy.delay)
                     if source is self.client:
-                        self.request_seen = self.established
+                        if self.established and len(data) > _CONTROL_FRAME_MAX:
+                            self.request_seen = True
                     elif not self.established:
                         self.established = True
-                    elif self.request_seen and len(data) > _CONTROL_FRAME_MAX and self.proxy.take_reply_to_lose():
-                        self.close(reset=True)  # the server has answered: it applied the request
-                        return
+                    elif self.request_seen and len(data) > _CONTROL_FRAME_MAX:
+                        # The answer's first chunk; its rest (a DATA frame or trailers read
+                        # separately) is not another answer.
+                        self.request_seen = False
+                        if self.proxy.take_reply_to_lose():
+                            self.close(reset=True)  # the server has answered: it applied the request
+                            return
                     try:
                         key.data.sendall(data)
                     except OSError:
