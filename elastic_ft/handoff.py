@@ -1,6 +1,6 @@
 """The node -> worker hand-off: what ``ftrun``'s agent tells its workers, in their environment.
 
-Two variables, each JSON, encoded and decoded here only:
+Three variables, each JSON, encoded and decoded here only:
 
 ``ELASTIC_FT_STORE``       the round's etcd store (:class:`StoreHandoff`): the
                            Wrapper's default ``store_factory`` builds it, so
@@ -8,6 +8,10 @@ Two variables, each JSON, encoded and decoded here only:
 ``ELASTIC_FT_JOB_CONFIG``  the job config: the Wrapper takes from it the
                            timeouts and the rank assignment the code leaves
                            unset
+``ELASTIC_FT_WORKER``      this worker's place (:class:`WorkerHandoff`): how
+                           many ranks of the round are active (the others
+                           are hot spares' reserve ranks), and whether the
+                           process joins a running world (a respawned worker)
 
 Decoding checks every field and raises a ``ValueError`` naming the variable
 and the problem; nothing here touches etcd or torch.
@@ -26,6 +30,7 @@ from elastic_ft.timeouts import check_seconds
 
 STORE_ENV = "ELASTIC_FT_STORE"
 JOB_CONFIG_ENV = "ELASTIC_FT_JOB_CONFIG"
+WORKER_ENV = "ELASTIC_FT_WORKER"
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,53 @@ def _seconds(document: dict[str, Any], name: str) -> float:
         return check_seconds(value, may_be_zero=False)
     except ValueError as error:
         raise ValueError(f"{name}={value!r} {error}") from None
+
+
+@dataclass(frozen=True)
+class WorkerHandoff:
+    """What the agent tells one worker about its place in the world.
+
+    Args:
+        active_world_size: how many ranks of the round run the training
+            function at first; the ranks above it (the hot spare nodes'
+            workers) start as reserve ranks. ``None``: every rank is active.
+        joining: the process enters a world that is already running (the
+            agent respawned it): it waits as a joiner until a restart
+            admits it, instead of taking part in the initial barrier.
+    """
+
+    active_world_size: int | None = None
+    joining: bool = False
+
+    def to_env(self) -> dict[str, str]:
+        return {WORKER_ENV: json.dumps({"active_world_size": self.active_world_size, "joining": self.joining})}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> WorkerHandoff | None:
+        """The hand-off in ``environ``, ``None`` when there is none.
+
+        Raises:
+            ValueError: the variable is set but does not describe a worker's place.
+        """
+        text = environ.get(WORKER_ENV)
+        if not text:
+            return None
+        try:
+            document = json.loads(text)
+        except ValueError:
+            document = None
+        size = document.get("active_world_size") if isinstance(document, dict) else None
+        joining = document.get("joining") if isinstance(document, dict) else None
+        if (
+            not isinstance(document, dict)
+            or not isinstance(joining, bool)
+            or not (size is None or (isinstance(size, int) and not isinstance(size, bool) and 1 <= size < 2**31))
+        ):
+            raise ValueError(
+                f"{WORKER_ENV}={text!r:.200} is not a valid worker hand-off; expected a JSON object with "
+                '"active_world_size" (a positive integer or null) and "joining" (true or false)'
+            )
+        return cls(size, joining)
 
 
 def job_config_to_env(config: JobConfig) -> dict[str, str]:

@@ -7,10 +7,14 @@ field, the value and what was expected. It is stored as JSON under
 
 Sections (all optional; omitted fields keep their defaults):
 
-``nodes``            ``min``, ``max`` (node counts) and ``spares`` (nodes
-                     kept waiting beyond ``max``)
+``nodes``            ``min``, ``max`` (node counts) and ``spares`` (hot
+                     spare nodes admitted beyond ``max``: their workers
+                     start and wait as reserve ranks)
 ``nproc_per_node``   workers per node
 ``max_restarts``     process-level restarts, as torchrun's ``--max-restarts``
+``respawn``          ``per_rank`` and ``per_job``: how many times a worker
+                     that died inside the Wrapper is replaced by a new
+                     process that joins the running world (0: never)
 ``rendezvous``       ``join_timeout``, ``last_call_timeout``, ``lease_ttl``
                      (the etcdft ``--rdzv-conf`` keys of the same names)
 ``wrapper``          the in-process restart timeouts, in seconds, by the
@@ -61,6 +65,8 @@ class JobConfig:
     spare_nodes: int = 0
     nproc_per_node: int = 1
     max_restarts: int = 0
+    respawns_per_rank: int = 2
+    respawns_per_job: int = 16
     rendezvous: Mapping[str, float] = field(default_factory=dict)
     wrapper: Mapping[str, float] = field(default_factory=dict)
     tree: tuple[LayerConfig, ...] = ()
@@ -76,6 +82,7 @@ class JobConfig:
             "nodes": {"min": self.min_nodes, "max": self.max_nodes, "spares": self.spare_nodes},
             "nproc_per_node": self.nproc_per_node,
             "max_restarts": self.max_restarts,
+            "respawn": {"per_rank": self.respawns_per_rank, "per_job": self.respawns_per_job},
             "rendezvous": dict(self.rendezvous),
             "wrapper": dict(self.wrapper),
             "rank_assignment": {
@@ -171,8 +178,11 @@ def _layer(value: Any, path: str) -> LayerConfig:
 def parse_job_config(document: Any) -> JobConfig:
     """Validate a parsed YAML/JSON document into a :class:`JobConfig`."""
     top = _mapping(
-        document, "(top level)", ("nodes", "nproc_per_node", "max_restarts", "rendezvous", "wrapper", "rank_assignment")
+        document,
+        "(top level)",
+        ("nodes", "nproc_per_node", "max_restarts", "respawn", "rendezvous", "wrapper", "rank_assignment"),
     )
+    respawn = _mapping(top.get("respawn"), "respawn", ("per_rank", "per_job"))
     nodes = _mapping(top.get("nodes"), "nodes", ("min", "max", "spares"))
     min_nodes = _count(nodes.get("min"), "nodes.min", minimum=1, default=1)
     max_nodes = _count(nodes.get("max"), "nodes.max", minimum=1, default=min_nodes)
@@ -208,6 +218,8 @@ def parse_job_config(document: Any) -> JobConfig:
         spare_nodes=_count(nodes.get("spares"), "nodes.spares", minimum=0, default=0),
         nproc_per_node=_count(top.get("nproc_per_node"), "nproc_per_node", minimum=1, default=1),
         max_restarts=_count(top.get("max_restarts"), "max_restarts", minimum=0, default=0),
+        respawns_per_rank=_count(respawn.get("per_rank"), "respawn.per_rank", minimum=0, default=2),
+        respawns_per_job=_count(respawn.get("per_job"), "respawn.per_job", minimum=0, default=16),
         rendezvous=checked_rdzv,
         wrapper=checked_wrapper,
         tree=tree,

@@ -12,6 +12,7 @@ All of a run's etcd keys live under its *run prefix*, ``<etcd_prefix>/<run_id>/`
     round/<n>/store/<key>           round n's torch.distributed.Store
     round/<n>/store.writes/<token>  on a short lease: a store write that committed
     ftrun/escalations/<n>           ftrun escalated from round n (job-wide count)
+    ftrun/store/<key>               the agents' job-wide store (respawns so far)
 
 Inside a round's store (relative to the store, so the same names serve a
 TCPStore) the node side and the worker side keep their records::
@@ -19,6 +20,8 @@ TCPStore) the node side and the worker side keep their records::
     ftrun/nodes/<node>              an agent's global ranks and worker pids
     ftrun/exits/<rank>              how a worker ended
     ftrun/exit_barrier/<node>       an agent finished
+    ftrun/next_rank                 initial ranks handed to respawned workers
+    ftrun/world                     the round's active world size and hot spares
     elastic_ft/inprocess/job/...    the Wrapper's job-wide keys (WRAPPER_JOB)
     elastic_ft/inprocess/iteration/<n>/...   one restart iteration's keys
     elastic_ft/rank_assignment/<policy>/<call>/...   grouping-key exchanges
@@ -86,6 +89,11 @@ class RunKeys:
         return f"{self.root}round/{number}/store/"
 
     @property
+    def ftrun_store(self) -> str:
+        """Prefix of the agents' job-wide store (counts that outlive rounds, such as respawns)."""
+        return self.root + "ftrun/store/"
+
+    @property
     def escalations(self) -> str:
         return self.root + "ftrun/escalations/"
 
@@ -135,6 +143,12 @@ def parse_rdzv_key(relative: str) -> RdzvKey | None:
 FTRUN_NODES = "ftrun/nodes/"
 FTRUN_EXITS = "ftrun/exits/"
 FTRUN_EXIT_BARRIER = "ftrun/exit_barrier/"
+#: The round's world as the agents set it up: {"active_world_size", "spare_nodes", "max_nodes"}.
+FTRUN_WORLD = "ftrun/world"
+#: Initial ranks handed to respawned workers: ``world_size + add(FTRUN_NEXT_RANK, 1) - 1``.
+FTRUN_NEXT_RANK = "ftrun/next_rank"
+#: Respawns so far (``add``, in the agents' job-wide store, RunKeys.ftrun_store): the job's budget's count.
+FTRUN_RESPAWNS = "respawns"
 
 WRAPPER_NAMESPACE = "elastic_ft/inprocess"
 #: The Wrapper's job-wide view; inside it, the records below (by initial rank).
@@ -143,6 +157,16 @@ WRAPPED = "wrapped/"
 POSITION = "position/"
 LEFT = "left/"
 HEARTBEAT = "heartbeat/"
+#: Growing the world: a respawned process registers (append, one initial rank a line), a
+#: restart admits it (``admitted/<r>``: the iteration it starts in, or ``withdrawn``).
+JOINERS = "joiners"
+ADMITTED = "admitted/"
+#: A reserve rank (or joiner) that became active: one JSON line each, {"initial_rank", "iteration"}.
+ACTIVATIONS = "activations"
+#: Set once the ranks accept joiners (their rank assignment can grow the world).
+ACCEPTS_JOINERS = "accepts_joiners"
+#: Set once an iteration completed: the job is done, and joiners still waiting leave.
+FINISHED = "finished"
 
 #: The Wrapper's barriers (names of key groups, see :func:`barrier_arrived`).
 INITIAL_BARRIER = "initial_barrier"
@@ -157,6 +181,7 @@ INTERRUPTIONS = "interruptions"
 TERMINATED = "terminated"
 ANY_COMPLETED = "any_completed"
 RANK_OF_INITIAL = "rank_of_initial/"
+ACTIVE_WORLD_SIZE = "active_world_size"
 
 RANK_ASSIGNMENT = "elastic_ft/rank_assignment"
 

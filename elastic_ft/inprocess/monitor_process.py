@@ -447,6 +447,8 @@ class _Monitor:
 
     def _check_heartbeats(self, job: PrefixStore, now: float, watching_since: float) -> None:
         config = self.config
+        if config.initial_rank >= config.initial_world_size:
+            return  # a joiner: the ring of heartbeats is the initial world's
         skip = self.reported_silent | {config.initial_rank}
         successor = ring_successor(config.initial_rank, config.initial_world_size, skip)
         if successor is None or job.has_arrived(EXIT_BARRIER, successor):
@@ -462,5 +464,15 @@ class _Monitor:
             if iteration is not None and iteration.store.outcome() != COMPLETED:
                 rank = iteration.store.rank_of_initial(initial_rank)
                 if rank is not None:
-                    report_rank_gone(iteration.store, rank, iteration.world_size, "unresponsive", "heartbeat timeout")
+                    position = job.position(initial_rank)
+                    reserve = position is not None and position["iteration"] == iteration.number
+                    reserve = reserve and not position["active"]  # type: ignore[index]
+                    report_rank_gone(
+                        iteration.store,
+                        rank,
+                        iteration.world_size,
+                        "unresponsive",
+                        "heartbeat timeout",
+                        interrupt=not reserve,
+                    )
             job.arrive_and_wait(EXIT_BARRIER, [initial_rank], config.initial_world_size, NO_WAIT)

@@ -44,6 +44,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -65,6 +66,8 @@ from elastic_ft.untrusted import json_object
 #: The per-iteration outcome: exactly one of these wins the ``compare_set``.
 COMPLETED = "completed"
 INTERRUPTED = "interrupted"
+#: A joiner's admission when it died before any restart admitted it.
+WITHDRAWN = "withdrawn"
 
 #: A barrier timeout meaning "arrive, do not wait".
 NO_WAIT = datetime.timedelta(0)
@@ -153,7 +156,7 @@ class StoreMixin:
             if count > world_size:
                 raise BarrierOverflow(f"{name}: rank {rank} arrived as number {count} of {world_size}")
             if count == world_size:
-                self.set(done_key, self.barrier_result(name))
+                self.set(done_key, self.barrier_result(name, world_size))
         if timeout <= datetime.timedelta(0):
             return None
         limit = None if timeout == datetime.timedelta.max else timeout.total_seconds()
@@ -162,17 +165,20 @@ class StoreMixin:
             raise BarrierTimeout(f"{name}: {arrived} of {world_size} ranks arrived within {limit:g} s")
         return _text(self.get(done_key))
 
-    def barrier_result(self, name: str) -> str:
+    def barrier_result(self, name: str, world_size: int) -> str:
         """What the last rank arriving at barrier ``name`` publishes.
 
         The completion barrier decides the iteration's outcome (completed,
         unless an interruption came first); the termination barrier freezes
-        the list of terminated ranks that the rank assignment gets.
+        what the next rank assignment gets (:class:`TerminationResult`): the
+        terminated ranks, and the joiners admitted into the next iteration.
         """
         if name == COMPLETION_BARRIER:
             return self.decide_outcome(COMPLETED)
         if name == TERMINATION_BARRIER:
-            return json.dumps(self.terminated_ranks())
+            iteration = getattr(self, "iteration", None)
+            joined = [] if iteration is None else admit_joiners(job_store(self.underlying_store), iteration + 1)
+            return TerminationResult(world_size, tuple(self.terminated_ranks()), tuple(joined)).to_json()
         return ""
 
     def has_arrived(self, name: str, rank: int) -> bool:
@@ -233,6 +239,21 @@ class StoreMixin:
             return []
         return sorted({int(line) for line in _text(self.get(keys.TERMINATED)).split()})
 
+    def set_active_world_size(self, size: int) -> None:
+        """Publish the iteration's active world size: a joiner's rank assignment starts from it."""
+        self.set(keys.ACTIVE_WORLD_SIZE, str(int(size)))
+
+    def active_world_size(self) -> int | None:
+        if not self.check([keys.ACTIVE_WORLD_SIZE]):
+            return None
+        size = keys.parse_count(_text(self.get(keys.ACTIVE_WORLD_SIZE)))
+        return size if size else None
+
+    def termination_result(self) -> str | None:
+        """The termination barrier's published result, once it completed."""
+        key = keys.barrier_done(TERMINATION_BARRIER)
+        return _text(self.get(key)) if self.check([key]) else None
+
     def mark_any_completed(self) -> None:
         self.set(keys.ANY_COMPLETED, "")
 
@@ -278,20 +299,69 @@ class StoreMixin:
     def is_wrapped(self, initial_rank: int) -> bool:
         return self.check([f"{keys.WRAPPED}{initial_rank}"])
 
-    def record_position(self, initial_rank: int, iteration: int, rank: int, world_size: int) -> None:
+    def record_position(self, initial_rank: int, iteration: int, rank: int, world_size: int, active: bool) -> None:
         self.set(
             f"{keys.POSITION}{initial_rank}",
-            json.dumps({"iteration": iteration, "rank": rank, "world_size": world_size}),
+            json.dumps({"iteration": iteration, "rank": rank, "world_size": world_size, "active": active}),
         )
 
     def position(self, initial_rank: int) -> dict[str, int] | None:
-        """The rank's last published position; None if none, or if the record is malformed (untrusted)."""
+        """The rank's last published position; None if none, or if the record is malformed (untrusted).
+
+        ``active`` is 1 for a rank that runs the function, 0 for a reserve rank.
+        """
         key = f"{keys.POSITION}{initial_rank}"
         record = json_object(self.get(key)) if self.check([key]) else None
         fields = ("iteration", "rank", "world_size")
         if record is None or not all(_count(record.get(name)) for name in fields):
             return None
-        return {name: record[name] for name in fields}
+        active = record.get("active", True)
+        if not isinstance(active, bool):
+            return None
+        return {**{name: record[name] for name in fields}, "active": int(active)}
+
+    # ---- growing the world (job-wide view) ----
+
+    def set_accepts_joiners(self) -> None:
+        self.set(keys.ACCEPTS_JOINERS, "1")
+
+    def accepts_joiners(self) -> bool:
+        return self.check([keys.ACCEPTS_JOINERS])
+
+    def register_joiner(self, initial_rank: int) -> None:
+        """A process that is not in the world asks to join it at the next restart."""
+        self.append(keys.JOINERS, f"{int(initial_rank)}\n")
+
+    def joiners(self) -> list[int]:
+        """Initial ranks that registered, in registration order (a malformed line is skipped)."""
+        if not self.check([keys.JOINERS]):
+            return []
+        seen: dict[int, None] = {}
+        for line in _text(self.get(keys.JOINERS)).split():
+            rank = keys.parse_count(line)
+            if rank is not None:
+                seen.setdefault(rank, None)
+        return list(seen)
+
+    def claim_admission(self, initial_rank: int, value: str) -> str:
+        """Set ``admitted/<r>`` unless set already (``value``: an iteration, or ``withdrawn``); returns what holds."""
+        return _text(self.compare_set(f"{keys.ADMITTED}{initial_rank}", "", value))
+
+    def admission(self, initial_rank: int) -> str | None:
+        key = f"{keys.ADMITTED}{initial_rank}"
+        return _text(self.get(key)) if self.check([key]) else None
+
+    def record_activation(self, initial_rank: int, iteration: int) -> None:
+        """A reserve rank (or a joiner) runs the function from ``iteration`` on."""
+        self.append(
+            keys.ACTIVATIONS, json.dumps({"initial_rank": int(initial_rank), "iteration": int(iteration)}) + "\n"
+        )
+
+    def mark_finished(self) -> None:
+        self.set(keys.FINISHED, "1")
+
+    def finished(self) -> bool:
+        return self.check([keys.FINISHED])
 
     def record_left(self, initial_rank: int, kind: str, gave_up: bool, message: str = "") -> None:
         record = {"kind": kind, "gave_up": gave_up, "message": message[:500]}
@@ -306,7 +376,13 @@ class StoreMixin:
 
 
 class PrefixStore(dist.PrefixStore, StoreMixin):
-    """A namespaced view of another store, with the coordination protocol."""
+    """A namespaced view of another store, with the coordination protocol.
+
+    ``iteration``: the restart iteration whose keys the view holds (``None``
+    for the job-wide view).
+    """
+
+    iteration: int | None = None
 
 
 def job_store(base: dist.Store) -> PrefixStore:
@@ -316,15 +392,87 @@ def job_store(base: dist.Store) -> PrefixStore:
 
 def iteration_store(base: dist.Store, iteration: int) -> PrefixStore:
     """The view holding the keys of one restart iteration."""
-    return PrefixStore(keys.wrapper_iteration(iteration), base)
+    view = PrefixStore(keys.wrapper_iteration(iteration), base)
+    view.iteration = iteration
+    return view
 
 
-def report_rank_gone(store: PrefixStore, rank: int, world_size: int, kind: str, message: str) -> None:
-    """Record ``rank`` of an iteration as gone and arrive at its barriers in its place."""
-    store.record_interruption(rank, kind, message)
+_JOINED_MAX = 4096  # joiners one restart admits: far beyond any respawn budget
+
+
+@dataclass(frozen=True)
+class TerminationResult:
+    """The termination barrier's result: what every rank's next rank assignment starts from.
+
+    ``world_size``: the iteration's world size; ``terminated``: its ranks
+    that left; ``joined``: initial ranks of the processes admitted into the
+    next iteration, which take ranks ``world_size, world_size + 1, ...`` in
+    this order before the rank assignment renumbers everyone.
+    """
+
+    world_size: int
+    terminated: tuple[int, ...] = ()
+    joined: tuple[int, ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps({"world_size": self.world_size, "terminated": self.terminated, "joined": self.joined})
+
+    @classmethod
+    def from_json(cls, payload: str | bytes | None, world_size: int | None) -> TerminationResult:
+        """Decode a payload read from the store (untrusted).
+
+        Raises:
+            ValueError: the payload is not a termination result of a world of
+                ``world_size`` ranks (``None``: of any size, for a joiner).
+        """
+        record = json_object(payload or b"")
+        terminated = record.get("terminated") if record else None
+        joined = record.get("joined") if record else None
+        size = record.get("world_size") if record else None
+        if (
+            record is None
+            or not _count(size)
+            or size < 1
+            or (world_size is not None and size != world_size)
+            or not isinstance(terminated, list)
+            or not all(_count(r) and r < size for r in terminated)
+            or not isinstance(joined, list)
+            or len(joined) > _JOINED_MAX
+            or len(set(joined)) != len(joined)
+            or not all(_count(r) for r in joined)
+        ):
+            raise ValueError(
+                f"malformed termination result {payload!r:.200} for a world of {world_size or 'any number of'} "
+                'ranks; expected {"world_size": N, "terminated": [ranks below N], "joined": [distinct initial ranks]}'
+            )
+        return cls(size, tuple(sorted(set(terminated))), tuple(joined))
+
+
+def admit_joiners(job: PrefixStore, iteration: int) -> list[int]:
+    """Admit, into ``iteration``, every registered joiner not admitted or withdrawn before (the last
+    arriver at the previous iteration's termination barrier calls this: once per restart)."""
+    if not job.accepts_joiners():
+        return []
+    value = str(iteration)
+    return [rank for rank in job.joiners()[:_JOINED_MAX] if job.claim_admission(rank, value) == value]
+
+
+def report_rank_gone(
+    store: PrefixStore, rank: int, world_size: int, kind: str, message: str, *, interrupt: bool = True
+) -> None:
+    """Record ``rank`` of an iteration as gone and arrive at its barriers in its place.
+
+    A reserve rank (``interrupt=False``) leaves without interrupting the
+    iteration: the active ranks go on, it also arrives at the completion
+    barrier in its place, and the next restart drops it.
+    """
+    if interrupt:
+        store.record_interruption(rank, kind, message)
     store.record_terminated([rank])
     store.arrive_and_wait(ITERATION_BARRIER, [rank], world_size, NO_WAIT)
     store.arrive_and_wait(TERMINATION_BARRIER, [rank], world_size, NO_WAIT)
+    if not interrupt:
+        store.arrive_and_wait(COMPLETION_BARRIER, [rank], world_size, NO_WAIT)
 
 
 def report_process_gone(base: dist.Store, initial_rank: int, initial_world_size: int, kind: str, message: str) -> bool:
@@ -340,11 +488,22 @@ def report_process_gone(base: dist.Store, initial_rank: int, initial_world_size:
     if not job.is_wrapped(initial_rank) or job.left(initial_rank) is not None:
         return False
     position = job.position(initial_rank)
+    if position is None and initial_rank >= initial_world_size:
+        # A joiner that was never admitted: withdraw it, so no restart admits a dead process.
+        job.claim_admission(initial_rank, WITHDRAWN)
     if position is not None:
         iteration = iteration_store(base, position["iteration"])
         if iteration.outcome() != COMPLETED:
-            report_rank_gone(iteration, position["rank"], position["world_size"], kind, message)
-    job.arrive_and_wait(EXIT_BARRIER, [initial_rank], initial_world_size, NO_WAIT)
+            report_rank_gone(
+                iteration,
+                position["rank"],
+                position["world_size"],
+                kind,
+                message,
+                interrupt=bool(position["active"]),
+            )
+    if initial_rank < initial_world_size:  # joiners are not counted by the exit barrier
+        job.arrive_and_wait(EXIT_BARRIER, [initial_rank], initial_world_size, NO_WAIT)
     return True
 
 

@@ -25,17 +25,16 @@ outcome, ``completed`` or ``interrupted``, is ever decided per iteration
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import faulthandler
 import functools
 import gc
 import inspect
-import json
 import os
 import re
 import signal
 import threading
+import time
 import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,6 +43,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from elastic_ft.handoff import WorkerHandoff
 from elastic_ft.inprocess.abort import AbortTorchDistributed
 from elastic_ft.inprocess.arguments import DEFAULT_DURATIONS, apply_job_config_defaults, validate_arguments
 from elastic_ft.inprocess.compose import Compose
@@ -56,29 +56,42 @@ from elastic_ft.inprocess.exception import (
     RankShouldRestart,
     RestartAbort,
 )
+from elastic_ft.inprocess.growth import joiner_state, next_iteration_state
 from elastic_ft.inprocess.hang_detection import AdaptiveTimeouts
 from elastic_ft.inprocess.logs import configure_logging, get_logger
 from elastic_ft.inprocess.monitor_process import STACK_DUMP_SIGNAL, MonitorConfig, MonitorProcess
 from elastic_ft.inprocess.monitor_thread import InterruptSignal, MonitorThread
 from elastic_ft.inprocess.process_groups import ProcessGroupKeeper
 from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps, ProgressWatchdog, StepClock
-from elastic_ft.inprocess.rank_assignment.base import RankAssignmentCtx
-from elastic_ft.inprocess.rank_assignment.policies import ActivateAllRanks, ShiftRanks
+from elastic_ft.inprocess.rank_assignment.base import RankAssignment, RankAssignmentCtx, admits_new_ranks
+from elastic_ft.inprocess.rank_assignment.policies import ActivateAllRanks, MaxActiveWorldSize, ShiftRanks
 from elastic_ft.inprocess.sockets import close_inherited_in_child, release_connections, socket_inodes
 from elastic_ft.inprocess.state import Mode, State
 from elastic_ft.inprocess.store import (
     COMPLETED,
     NO_WAIT,
+    WITHDRAWN,
     PrefixStore,
+    TerminationResult,
     default_store,
     iteration_store,
     job_store,
     poll,
     report_rank_gone,
 )
-from elastic_ft.keys import COMPLETION_BARRIER, EXIT_BARRIER, INITIAL_BARRIER, ITERATION_BARRIER, TERMINATION_BARRIER
+from elastic_ft.keys import (
+    COMPLETION_BARRIER,
+    EXIT_BARRIER,
+    INITIAL_BARRIER,
+    ITERATION_BARRIER,
+    TERMINATION_BARRIER,
+    parse_count,
+)
 
 log = get_logger("wrapper")
+
+#: How often a joiner looks for its admission (a restart admits it; it then has a barrier timeout to arrive).
+_JOIN_POLL = 0.05
 
 F = TypeVar("F", bound=Callable[..., Any])
 StateHook = Callable[[State], Any]
@@ -179,7 +192,7 @@ class Wrapper:
         if arguments["abort"] is None:
             arguments["abort"] = AbortTorchDistributed()
         if arguments["rank_assignment"] is None:
-            arguments["rank_assignment"] = Compose(ActivateAllRanks(), ShiftRanks())
+            arguments["rank_assignment"] = default_rank_assignment()
         validate_arguments(arguments)
         arguments["store_kwargs"] = dict(arguments["store_kwargs"] or {})
         for name, value in arguments.items():
@@ -197,23 +210,32 @@ class Wrapper:
         return typing.cast(F, wrapped)
 
 
-def _terminated_ranks(payload: str | bytes | None, world_size: int) -> set[int]:
-    """The termination barrier's payload: the ranks that left, a JSON list of ranks of this world.
+def default_rank_assignment() -> RankAssignment:
+    """``ShiftRanks``, then the active ranks: all of them, or under ``ftrun`` the round's active world size.
+
+    ``ftrun``'s agent hands its workers the number of ranks the round's
+    active nodes hold (:class:`~elastic_ft.handoff.WorkerHandoff`); the hot
+    spare nodes' ranks above it wait as reserve ranks, and replace ranks
+    that fail, keeping the active world size while reserve ranks last.
+    """
+    worker = WorkerHandoff.from_env(os.environ)
+    if worker is not None and worker.active_world_size is not None:
+        return Compose(MaxActiveWorldSize(worker.active_world_size), ShiftRanks())
+    return Compose(ActivateAllRanks(), ShiftRanks())
+
+
+def _termination_result(payload: str | bytes | None, world_size: int) -> TerminationResult:
+    """The termination barrier's payload, decoded.
 
     A malformed payload (the store is untrusted) names no rank: the next
     iteration barrier then times out on any rank that did leave, a bounded
     failure, rather than the Wrapper crashing on every rank.
     """
     try:
-        ranks = json.loads(payload or "[]")
-    except (ValueError, RecursionError):
-        ranks = None
-    if not isinstance(ranks, list) or not all(
-        isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world_size for r in ranks
-    ):
-        log.warning("ignoring a malformed termination-barrier payload: %.200r", payload)
-        return set()
-    return set(ranks)
+        return TerminationResult.from_json(payload, world_size)
+    except ValueError as error:
+        log.warning("ignoring a malformed termination-barrier payload: %s", error)
+        return TerminationResult(world_size)
 
 
 def _secs(value: datetime.timedelta) -> float:
@@ -272,7 +294,16 @@ class CallWrapper:
         if dist.is_available() and dist.is_initialized():
             raise RuntimeError("enter the Wrapper before torch.distributed.init_process_group, not after")
         self.wrapper = wrapper
-        self.state = State(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+        worker = WorkerHandoff.from_env(os.environ)
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        #: The process joins a world that is already running (``ftrun`` respawned it).
+        self.joining = worker is not None and worker.joining
+        if self.joining and rank < world_size:
+            raise ValueError(
+                f"a joining process needs an initial RANK outside the running world, got RANK={rank} "
+                f"with WORLD_SIZE={world_size}"
+            )
+        self.state = State(None, world_size, initial_rank=rank) if self.joining else State(rank, world_size)
         #: The exception that interrupted the last iteration on this rank, if it was local.
         self.fn_exception: BaseException | None = None
         self.atomic_lock = threading.RLock()
@@ -283,7 +314,7 @@ class CallWrapper:
         # Forked first, while this process has no other thread.
         self._monitor_process = MonitorProcess(
             MonitorConfig(
-                initial_rank=self.state.rank or 0,
+                initial_rank=self.state.initial_rank or 0,
                 initial_world_size=self.state.world_size,
                 interval=_secs(wrapper.monitor_process_interval),
                 heartbeat_interval=_secs(wrapper.heartbeat_interval),
@@ -309,10 +340,17 @@ class CallWrapper:
         try:
             self.base_store = wrapper.store_factory(**wrapper.store_kwargs)
             self._job_store = job_store(self.base_store)
-            self._job_store.record_wrapped(self.state.rank or 0, os.getpid())
-            self._job_store.arrive_and_wait(
-                INITIAL_BARRIER, [self.state.rank or 0], self.state.world_size, wrapper.barrier_timeout
-            )
+            self._job_store.record_wrapped(self.state.initial_rank or 0, os.getpid())
+            if self.joining:
+                if getattr(self.base_store, "critical_ranks", ()):
+                    raise RuntimeError("a process can join a running world only through a store no rank hosts")
+                self._job_store.register_joiner(self.state.initial_rank or 0)
+            else:
+                if admits_new_ranks(wrapper.rank_assignment):
+                    self._job_store.set_accepts_joiners()
+                self._job_store.arrive_and_wait(
+                    INITIAL_BARRIER, [self.state.rank or 0], self.state.world_size, wrapper.barrier_timeout
+                )
             self._monitor_process.store_ready()
             # What exists now (the store's connections above all) is the process's own; what the
             # wrapped function connects later is released at a restart (elastic_ft.inprocess.sockets).
@@ -425,8 +463,9 @@ class CallWrapper:
     def shutdown(self) -> None:
         """Leave the job: the store's hosts wait until every rank has left it."""
         try:
-            if self._job_store is not None:
-                initial_rank = self.state.initial_rank or 0
+            initial_rank = self.state.initial_rank or 0
+            # Joiners are not counted by the exit barrier: it is the initial world's.
+            if self._job_store is not None and initial_rank < (self.state.initial_world_size or 1):
                 hosts_store = initial_rank in getattr(self.base_store, "critical_ranks", ())
                 self._job_store.arrive_and_wait(
                     EXIT_BARRIER,
@@ -450,13 +489,29 @@ class CallWrapper:
             if bound.arguments.get(name) is None:
                 bound.arguments[name] = self
         args, kwargs = bound.args, bound.kwargs
-        store = iteration_store(self.base_store, 0)
-        state = wrapper.rank_assignment(RankAssignmentCtx(self.state, store, set())).state
+        if self.joining:
+            joined = self._await_admission()
+            if joined is None:
+                log.info(
+                    "initial rank %s: the job finished before a restart admitted this process", self.state.initial_rank
+                )
+                return None
+            state = joined
+        else:
+            store = iteration_store(self.base_store, 0)
+            state = wrapper.rank_assignment(RankAssignmentCtx(self.state, store, set())).state
         while True:
+            was_reserve = self.joining or self.state.mode is Mode.INACTIVE
+            if state.mode is Mode.ACTIVE and was_reserve and state.iteration:
+                self.job_store.record_activation(state.initial_rank or 0, state.iteration)
+            self.joining = False  # a member of the world from now on
             self.state = state
             store = iteration_store(self.base_store, state.iteration)
             store.set_initial_rank(state.rank or 0, state.initial_rank or 0)
-            self.job_store.record_position(state.initial_rank or 0, state.iteration, state.rank or 0, state.world_size)
+            store.set_active_world_size(state.active_world_size or state.world_size)
+            self.job_store.record_position(
+                state.initial_rank or 0, state.iteration, state.rank or 0, state.world_size, state.mode is Mode.ACTIVE
+            )
             self._watchdog.reset()
             self._steps.start_iteration()
             self._monitor_process.start_iteration(state.iteration, state.rank or 0, state.world_size)
@@ -506,6 +561,7 @@ class CallWrapper:
                 if outcome == COMPLETED:
                     monitor.stop()
                     self._groups.forget()
+                    self.job_store.mark_finished()  # joiners still waiting leave
                     return True, result
                 raise InternalError("the iteration was interrupted while this rank waited to complete")
             except Exception as error:  # noqa: BLE001 - any failure of the iteration restarts it
@@ -609,8 +665,49 @@ class CallWrapper:
             state.world_size,
             wrapper.barrier_timeout,
         )
-        terminated = _terminated_ranks(payload, state.world_size)
-        if terminated:
-            log.info("rank %s: ranks %s left the job in iteration %d", rank, sorted(terminated), state.iteration)
-        next_state = dataclasses.replace(state, iteration=state.iteration + 1)
-        return wrapper.rank_assignment(RankAssignmentCtx(next_state, store, terminated)).state
+        result = _termination_result(payload, state.world_size)
+        if result.terminated:
+            log.info("rank %s: ranks %s left the job in iteration %d", rank, list(result.terminated), state.iteration)
+        if result.joined:
+            log.info("rank %s: initial ranks %s join in iteration %d", rank, list(result.joined), state.iteration + 1)
+        next_state = next_iteration_state(state, result)
+        return wrapper.rank_assignment(RankAssignmentCtx(next_state, store, set(result.terminated))).state
+
+    def _await_admission(self) -> State | None:
+        """A joiner: wait until a restart admits this process, then take its place; None if the job finished.
+
+        The restart's termination barrier admitted it (:func:`~elastic_ft.inprocess.store.admit_joiners`)
+        and published the world it grows; this process takes the rank after
+        the others admitted with it and runs the same rank assignment they do.
+        """
+        job, initial_rank = self.job_store, self.state.initial_rank or 0
+        log.info("initial rank %d waits for a restart to join the running world", initial_rank)
+        while (admission := job.admission(initial_rank)) is None:
+            if job.finished():
+                return None
+            time.sleep(_JOIN_POLL)
+        iteration = parse_count(admission)
+        if admission == WITHDRAWN or not iteration:
+            raise InternalError(f"initial rank {initial_rank} was not admitted: its admission record is {admission!r}")
+        previous = iteration_store(self.base_store, iteration - 1)
+        barrier_timeout = _secs(self.wrapper.barrier_timeout)
+        if not poll(lambda: previous.termination_result() is not None, barrier_timeout):
+            raise BarrierTimeout(f"the restart admitting initial rank {initial_rank} did not publish its result")
+        try:
+            result = TerminationResult.from_json(previous.termination_result(), None)
+        except ValueError as error:
+            raise InternalError(f"initial rank {initial_rank} cannot join: {error}") from None
+        try:
+            state = joiner_state(
+                result,
+                initial_rank,
+                initial_world_size=self.state.initial_world_size or 1,
+                active_world_size=previous.active_world_size(),
+                iteration=iteration,
+            )
+        except ValueError as error:
+            raise InternalError(f"admitted into iteration {iteration}, but {error}") from None
+        log.info(
+            "initial rank %d joins iteration %d as rank %s of %d", initial_rank, iteration, state.rank, state.world_size
+        )
+        return self.wrapper.rank_assignment(RankAssignmentCtx(state, previous, set(result.terminated))).state

@@ -10,6 +10,13 @@ worker never takes its healthy siblings down:
   and the Wrappers of every node restart in-process without it;
 * a member node that dies (its rendezvous lease expires) has its ranks
   reported the same way, from the list of ranks it published;
+* a worker that died inside the Wrapper is replaced by a new process for its
+  local rank (within the job config's ``respawn`` budget), which joins the
+  running world at its next restart: a hot spare grown in place;
+* the round's hot spare nodes (``--spare-nodes``) are members whose ranks
+  lie above the active world size handed to the workers
+  (:class:`elastic_ft.handoff.WorkerHandoff`): their Wrappers keep them as
+  reserve ranks until a fault activates them;
 * everything else follows the rules of :mod:`elastic_ft.launcher.escalation`:
   escalate to torchrun's stop, re-rendezvous and start, or follow another
   node's escalation.
@@ -23,22 +30,35 @@ escalations in job-wide keys.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import socket
 import time
+from datetime import timedelta
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
 from elastic_ft.etcd.client import EtcdRequestError, EtcdUnavailableError, key_missing, put_op
-from elastic_ft.handoff import StoreHandoff
+from elastic_ft.etcd.store import EtcdStore
+from elastic_ft.handoff import StoreHandoff, WorkerHandoff, job_config_from_env
 from elastic_ft.inprocess.store import job_store, report_process_gone
-from elastic_ft.keys import FTRUN_EXIT_BARRIER, FTRUN_EXITS, FTRUN_NODES, count_suffix
+from elastic_ft.job_config import JobConfig
+from elastic_ft.keys import (
+    FTRUN_EXIT_BARRIER,
+    FTRUN_EXITS,
+    FTRUN_NEXT_RANK,
+    FTRUN_NODES,
+    FTRUN_RESPAWNS,
+    FTRUN_WORLD,
+    count_suffix,
+)
 from elastic_ft.launcher.escalation import Verdict, WorkerExit, classify_exit, decide, exit_barrier_done, restarts_left
 from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, RecordError
 from elastic_ft.rendezvous.handler import EtcdftRendezvousHandler
@@ -46,6 +66,13 @@ from elastic_ft.rendezvous.handler import EtcdftRendezvousHandler
 log = logging.getLogger(__name__)
 
 _EXIT_BARRIER_POLL = 0.1
+
+
+def _keep_old_log(path: str | None) -> str | None:
+    """A worker's log file, for its respawned process: the dead process's log is kept beside it."""
+    if path and os.path.exists(path):
+        os.replace(path, f"{path}.{int(time.time() * 1000)}")
+    return path or None
 
 
 def _describe_exit(exitcode: int) -> str:
@@ -78,6 +105,12 @@ class FtAgent(LocalElasticAgent):
         self._exits: dict[int, tuple[WorkerExit, ProcessFailure | None]] = {}  # by local rank
         self._dead_handled: set[str] = set()
         self._dead_lost: set[str] = set()
+        #: The initial rank each local rank's process holds now (a respawned one has a new one).
+        self._initial_ranks: dict[int, int] = {}
+        self._respawns: dict[int, int] = {}  # by local rank, this round
+        self._replaced: dict[int, ProcessFailure] = {}  # failures of respawned processes, by initial rank
+        self._active_world_size: int | None = None
+        self._job_config: JobConfig = job_config_from_env(os.environ) or JobConfig()
 
     # ---- job-wide escalation count ----
 
@@ -116,21 +149,51 @@ class FtAgent(LocalElasticAgent):
             credentials=settings.credentials,
         )
         os.environ.update(handoff.to_env())
+        self._active_world_size = self._round_active_world_size(worker_group, len(member_of.members))
+        os.environ.update(WorkerHandoff(self._active_world_size).to_env())
+        world = {
+            "active_world_size": self._active_world_size,
+            "spare_nodes": max(0, len(member_of.members) - settings.max_nodes),
+            "max_nodes": settings.max_nodes,
+        }
+        worker_group.store.set(FTRUN_WORLD, json.dumps(world))
         pids = super()._start_workers(worker_group)
         self._subprocesses()  # fails now, not later, if torch started something else
         self._exits = {}
         self._dead_handled = set()
         self._dead_lost = set()
+        self._initial_ranks = {worker.local_rank: worker.global_rank for worker in worker_group.workers}
+        self._respawns = {}
+        self._replaced = {}
+        self._publish_node_record(worker_group)
+        return pids
+
+    def _round_active_world_size(self, worker_group: WorkerGroup, members: int) -> int | None:
+        """The ranks of the round's first ``max_nodes`` members: those above it are the hot spares' reserve."""
+        workers = worker_group.workers
+        if not workers:
+            return None
+        world_size = workers[0].world_size
+        if world_size % members:
+            log.warning("nodes run different numbers of workers: no reserve ranks, every rank is active")
+            return None
+        return world_size // members * min(members, self._handler.settings.max_nodes)
+
+    def _publish_node_record(self, worker_group: WorkerGroup) -> None:
+        """Tell the other agents this node's initial ranks and pids (they report them if the node dies)."""
+        member_of = self._handler.member_of
+        if member_of is None:
+            raise RuntimeError("FtAgent published its ranks outside any rendezvous round")
+        handlers = self._subprocesses().subprocess_handlers
         record = NodeRecord(
             host=socket.getfqdn(),
             group_rank=worker_group.group_rank or 0,
             round=member_of.round,
-            global_ranks=tuple(worker.global_rank for worker in worker_group.workers),
-            pids=tuple(pids[worker.local_rank] for worker in worker_group.workers),
+            global_ranks=tuple(self._initial_ranks[worker.local_rank] for worker in worker_group.workers),
+            pids=tuple(handlers[worker.local_rank].proc.pid for worker in worker_group.workers),
             world_size=worker_group.workers[0].world_size if worker_group.workers else 0,
         )
         worker_group.store.set(FTRUN_NODES + self._handler.node, record.to_json())
-        return pids
 
     def _subprocesses(self) -> SubprocessContext:
         if not isinstance(self._pcontext, SubprocessContext):
@@ -146,42 +209,98 @@ class FtAgent(LocalElasticAgent):
         job = job_store(store)
         kinds: dict[int, WorkerExit] = {}
         for worker in worker_group.workers:
+            rank = self._initial_ranks[worker.local_rank]
             known = self._exits.get(worker.local_rank)
             if known is not None:
-                kinds[worker.global_rank] = known[0]
+                kinds[rank] = known[0]
                 continue
             process = pcontext.subprocess_handlers[worker.local_rank].proc
             exitcode = process.poll()
             if exitcode is None:
-                kinds[worker.global_rank] = WorkerExit.RUNNING
+                kinds[rank] = WorkerExit.RUNNING
                 continue
             failure = None
             if exitcode == 0:
                 kind = WorkerExit.SUCCEEDED
             else:
-                kind = classify_exit(exitcode, job.is_wrapped(worker.global_rank), job.left(worker.global_rank))
+                joiner = rank >= worker.world_size
+                kind = classify_exit(exitcode, job.is_wrapped(rank), job.left(rank), joiner)
                 failure = ProcessFailure(
                     worker.local_rank, process.pid, exitcode, pcontext.error_files[worker.local_rank]
                 )
             if kind is WorkerExit.ABSORBED:
                 log.warning(
                     "rank %d (pid %d) ended with %s inside elastic_ft.Wrapper; the other workers continue without it",
-                    worker.global_rank,
+                    rank,
                     process.pid,
                     _describe_exit(exitcode),
                 )
                 report_process_gone(
-                    store,
-                    worker.global_rank,
-                    worker.world_size,
-                    "terminated",
-                    f"pid {process.pid}: {_describe_exit(exitcode)}",
+                    store, rank, worker.world_size, "terminated", f"pid {process.pid}: {_describe_exit(exitcode)}"
                 )
             record = ExitRecord(self._handler.node, process.pid, exitcode, kind.value)
-            store.set(f"{FTRUN_EXITS}{worker.global_rank}", record.to_json())
+            store.set(f"{FTRUN_EXITS}{rank}", record.to_json())
             self._exits[worker.local_rank] = (kind, failure)
-            kinds[worker.global_rank] = kind
+            kinds[rank] = kind
+            if kind is WorkerExit.ABSORBED and self._respawn(worker_group, worker.local_rank, worker.world_size):
+                kinds[rank] = WorkerExit.ABSORBED  # the old process's fate; the new one is watched from now on
+                kinds[self._initial_ranks[worker.local_rank]] = WorkerExit.RUNNING
         return kinds
+
+    # ---- respawning workers ----
+
+    def _respawn(self, worker_group: WorkerGroup, local_rank: int, world_size: int) -> bool:
+        """Start a new process for ``local_rank``, to join the running world at its next restart.
+
+        Within the job config's ``respawn`` budget (per local rank this
+        round, and per job), and only while the world can grow (its rank
+        assignment admits new ranks) and has not finished. The process gets
+        a new initial rank above the world's and waits, initialised, as a
+        joiner (:class:`elastic_ft.handoff.WorkerHandoff` with ``joining``).
+        """
+        config, store = self._job_config, worker_group.store
+        used = self._respawns.get(local_rank, 0)
+        job = job_store(store)
+        if used >= config.respawns_per_rank:
+            log.info("local rank %d is not respawned: respawn.per_rank=%d used", local_rank, config.respawns_per_rank)
+            return False
+        if job.finished() or not job.accepts_joiners():
+            log.info("local rank %d is not respawned: the job finished, or its rank assignment cannot grow", local_rank)
+            return False
+        settings = self._handler.settings
+        job_wide = EtcdStore(self._handler.client, settings.keys.ftrun_store, timedelta(seconds=settings.store_timeout))
+        if job_wide.add(FTRUN_RESPAWNS, 1) > config.respawns_per_job:
+            log.info("local rank %d is not respawned: respawn.per_job=%d used", local_rank, config.respawns_per_job)
+            return False
+        initial_rank = world_size + store.add(FTRUN_NEXT_RANK, 1) - 1
+        pcontext = self._subprocesses()
+        env = dict(pcontext.envs[local_rank])
+        env["RANK"] = str(initial_rank)
+        env.update(WorkerHandoff(self._active_world_size, joining=True).to_env())
+        stdout, stderr = (_keep_old_log(paths.get(local_rank)) for paths in (pcontext.stdouts, pcontext.stderrs))
+        handler = get_subprocess_handler(
+            entrypoint=str(pcontext.entrypoint),
+            args=pcontext.args[local_rank],
+            env=env,
+            stdout=stdout,
+            stderr=stderr,
+            local_rank_id=local_rank,
+            numa_options=getattr(pcontext, "_numa_options", None),
+        )
+        pcontext.subprocess_handlers[local_rank] = handler
+        self._respawns[local_rank] = used + 1
+        _, failure = self._exits.pop(local_rank)
+        if failure is not None:
+            self._replaced[self._initial_ranks[local_rank]] = failure
+        self._initial_ranks[local_rank] = initial_rank
+        self._publish_node_record(worker_group)
+        log.warning(
+            "local rank %d respawned as pid %d (initial rank %d); it joins the running world at its next restart",
+            local_rank,
+            handler.proc.pid,
+            initial_rank,
+        )
+        return True
 
     def _absorb_dead_members(self, worker_group: WorkerGroup, dead: tuple[str, ...]) -> tuple[str, ...]:
         """Report the ranks of member nodes that died, so in-process restart goes on without them.
@@ -207,7 +326,8 @@ class FtAgent(LocalElasticAgent):
                 self._dead_lost.add(node)
                 continue
             job = job_store(store)
-            if not all(job.is_wrapped(rank) for rank in record.global_ranks):
+            # A respawned process not yet in the Wrapper (rank above the world) was never counted on.
+            if not all(job.is_wrapped(rank) for rank in record.global_ranks if rank < record.world_size):
                 log.warning("node %s died before all its workers entered elastic_ft.Wrapper", node)
                 self._dead_lost.add(node)
                 continue
@@ -220,8 +340,11 @@ class FtAgent(LocalElasticAgent):
         return tuple(sorted(self._dead_lost))
 
     def _failures(self) -> dict[int, ProcessFailure]:
-        by_local = {worker.local_rank: worker.global_rank for worker in self._worker_group.workers}
-        return {by_local[local]: failure for local, (_, failure) in self._exits.items() if failure is not None}
+        """Every failed process of this node, by initial rank (respawned ones' predecessors included)."""
+        current = {
+            self._initial_ranks[local]: failure for local, (_, failure) in self._exits.items() if failure is not None
+        }
+        return {**self._replaced, **current}
 
     # ---- the agent's loop ----
 

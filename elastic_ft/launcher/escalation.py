@@ -51,7 +51,9 @@ class WorkerExit(enum.Enum):
     UNWRAPPED = "unwrapped"
 
 
-def classify_exit(exitcode: int | None, wrapped: bool, left: Mapping[str, object] | None) -> WorkerExit:
+def classify_exit(
+    exitcode: int | None, wrapped: bool, left: Mapping[str, object] | None, joiner: bool = False
+) -> WorkerExit:
     """Classify a worker from its exit code (None: running) and the records its Wrapper left.
 
     Args:
@@ -59,11 +61,16 @@ def classify_exit(exitcode: int | None, wrapped: bool, left: Mapping[str, object
         wrapped: the process entered an ``elastic_ft.Wrapper``.
         left: how its Wrapper was left (``kind``, ``gave_up``), None if it
             was not (the process died inside it).
+        joiner: a respawned process, not in the world it was started to
+            join until a restart admits it: its failure before entering
+            the Wrapper costs the world nothing.
     """
     if exitcode is None:
         return WorkerExit.RUNNING
     if exitcode == 0:
         return WorkerExit.SUCCEEDED
+    if joiner and not wrapped:
+        return WorkerExit.ABSORBED
     if not wrapped or (left is not None and left.get("kind") == "completed"):
         return WorkerExit.UNWRAPPED
     if left is not None and left.get("gave_up"):

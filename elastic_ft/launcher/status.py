@@ -19,9 +19,14 @@ from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.fault_records import parse_interruptions
 from elastic_ft.job_config import JobConfig, parse_job_config
 from elastic_ft.keys import (
+    ACTIVATIONS,
+    ADMITTED,
     FTRUN_EXITS,
+    FTRUN_NEXT_RANK,
     FTRUN_NODES,
+    FTRUN_WORLD,
     INTERRUPTIONS,
+    JOINERS,
     OUTCOME,
     POSITION,
     RANK_OF_INITIAL,
@@ -96,12 +101,20 @@ def collect_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
     terminated: list[int] = []
     iteration = None
     restart = None
+    world: dict[str, Any] = {
+        "spare_nodes": 0,
+        "active_world_size": None,
+        "respawns": 0,
+        "joined": [],
+        "activations": [],
+    }
     if current is not None:
         dead_nodes = {m["node"] for m in members if m["state"] == "dead"}
         store = keys.round_store(current.round)
         workers, terminated, iteration = _worker_status(client, store, dead_nodes, malformed)
         if iteration is not None:
             restart = _restart_in_progress(client, store, iteration)
+        world = _world_status(client, store, malformed)
     escalations = _escalations(client, keys, malformed)
     return {
         "run": keys.run_id,
@@ -118,6 +131,7 @@ def collect_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
         "terminated_ranks": terminated,
         "in_process_restarts": iteration,
         "restart_in_progress": restart,
+        **world,
         "process_restarts": len(escalations),
         "escalations": escalations,
         "malformed": malformed,
@@ -208,6 +222,7 @@ def _worker_status(
             else:
                 state = "running"
             position = positions.get(rank, {})
+            active = position.get("active")
             workers.append(
                 {
                     "rank": rank,
@@ -216,6 +231,21 @@ def _worker_status(
                     "state": state,
                     "iteration": position.get("iteration"),
                     "rank_in_iteration": position.get("rank"),
+                    "mode": None if active is None else ("active" if active else "reserve"),
+                }
+            )
+    listed = {worker["rank"] for worker in workers}
+    for rank, exit_record in exits.items():
+        if rank not in listed:  # a process its node replaced (respawned) since
+            workers.append(
+                {
+                    "rank": rank,
+                    "node": exit_record.node,
+                    "pid": exit_record.pid,
+                    "state": f"{exit_record.kind} ({exit_record.exitcode})",
+                    "iteration": positions.get(rank, {}).get("iteration"),
+                    "rank_in_iteration": positions.get(rank, {}).get("rank"),
+                    "mode": None,
                 }
             )
     workers.sort(key=lambda worker: worker["rank"])
@@ -228,15 +258,58 @@ def _worker_status(
     return workers, terminated, max(iterations) if iterations else None
 
 
-def _position(raw: bytes) -> dict[str, int] | None:
-    """A Wrapper's position record, {"iteration": int >= 0, "rank": int >= 0}, or None."""
+def _position(raw: bytes) -> dict[str, Any] | None:
+    """A Wrapper's position record, {"iteration": int >= 0, "rank": int >= 0, "active": bool}, or None."""
     document = json_object(raw)
     if document is None:
         return None
     values = [document.get("iteration"), document.get("rank")]
+    active = document.get("active", True)
     if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63 for v in values):
         return None
-    return {"iteration": values[0], "rank": values[1]}
+    if not isinstance(active, bool):
+        return None
+    return {"iteration": values[0], "rank": values[1], "active": active}
+
+
+def _world_status(client: EtcdClient, store_prefix: str, malformed: list[dict[str, str]]) -> dict[str, Any]:
+    """Hot spares, respawned workers and activations of the round (from the agents' and Wrappers' records)."""
+    job = f"{store_prefix}{WRAPPER_JOB}/"
+    world_kv, _ = client.get(store_prefix + FTRUN_WORLD)
+    world = json_object(world_kv.value) if world_kv is not None else {}
+    spares, size = (world or {}).get("spare_nodes", 0), (world or {}).get("active_world_size")
+    if world is None or parse_count(str(spares)) is None or not (size is None or parse_count(str(size))):
+        malformed.append(
+            {"key": store_prefix + FTRUN_WORLD, "reason": 'expected {"spare_nodes": N, "active_world_size": N}'}
+        )
+        spares, size = 0, None
+    respawns_kv, _ = client.get(store_prefix + FTRUN_NEXT_RANK)
+    respawns = parse_count(respawns_kv.value.decode(errors="replace")) if respawns_kv is not None else 0
+    joiners_kv, _ = client.get(job + JOINERS)
+    registered = joiners_kv.value.decode(errors="replace").split() if joiners_kv is not None else []
+    admitted = {
+        rank: kv.value.decode(errors="replace")[:32]
+        for kv in client.get_prefix(job + ADMITTED)[0]
+        if (rank := count_suffix(kv.key, job + ADMITTED)) is not None
+    }
+    ranks = dict.fromkeys(rank for rank in map(parse_count, registered) if rank is not None)
+    joined = [{"initial_rank": rank, "admitted": admitted.get(rank)} for rank in ranks]
+    activations_kv, _ = client.get(job + ACTIVATIONS)
+    activations = []
+    for line in activations_kv.value.decode(errors="replace").splitlines() if activations_kv is not None else []:
+        record = json_object(line.encode())
+        values = [record.get("initial_rank"), record.get("iteration")] if record else []
+        if len(values) == 2 and all(parse_count(str(v)) is not None and not isinstance(v, bool) for v in values):
+            activations.append({"initial_rank": values[0], "iteration": values[1]})
+        else:
+            malformed.append({"key": job + ACTIVATIONS, "reason": f"skipped a malformed line {line[:80]!r}"})
+    return {
+        "spare_nodes": spares,
+        "active_world_size": size,
+        "respawns": respawns or 0,
+        "joined": joined,
+        "activations": sorted(activations, key=lambda a: (a["iteration"], a["initial_rank"])),
+    }
 
 
 def _restart_in_progress(client: EtcdClient, store_prefix: str, iteration: int) -> dict[str, Any] | None:
@@ -292,7 +365,18 @@ def render_status(status: dict[str, Any]) -> str:
         lines.append(f"  workers: {'rank':>4}  {'state':<16}  {'iteration':>9}  {'pid':>7}  node")
         for w in status["workers"]:
             iteration = "-" if w["iteration"] is None else f"{w['iteration']} (rank {w['rank_in_iteration']})"
-            lines.append(f"           {w['rank']:>4}  {w['state']:<16}  {iteration:>9}  {w['pid']:>7}  {w['node']}")
+            state = w["state"] if w.get("mode") != "reserve" or w["state"] != "running" else "reserve"
+            lines.append(f"           {w['rank']:>4}  {state:<16}  {iteration:>9}  {w['pid']:>7}  {w['node']}")
+    if status["spare_nodes"] or status["respawns"] or status["activations"]:
+        reserve = [w["rank"] for w in status["workers"] if w.get("mode") == "reserve"]
+        lines.append(
+            f"hot spares: {status['spare_nodes']} node(s); active world size {status['active_world_size'] or '-'}; "
+            f"reserve ranks: {reserve or 'none'}; respawned workers: {status['respawns']}"
+        )
+        for joined in status["joined"]:
+            lines.append(f"  respawned rank {joined['initial_rank']}: admitted {joined['admitted'] or 'not yet'}")
+        for activation in status["activations"]:
+            lines.append(f"  rank {activation['initial_rank']} activated in iteration {activation['iteration']}")
     lines.append(
         f"terminated ranks: {status['terminated_ranks'] or 'none'}; "
         f"in-process restarts: {status['in_process_restarts'] or 0}; "

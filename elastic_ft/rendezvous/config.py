@@ -25,6 +25,7 @@ CONF_KEYS: dict[str, tuple[Any, str]] = {
     "join_timeout": (600.0, "seconds next_rendezvous() may take before it raises RendezvousTimeoutError"),
     "timeout": (None, "torchrun's name for join_timeout (used when join_timeout is not given)"),
     "last_call_timeout": (30.0, "seconds to wait for more nodes once min_nodes have joined"),
+    "spare_nodes": (0, "nodes admitted beyond max_nodes as hot spares: members whose workers are reserve ranks"),
     "lease_ttl": (10, "whole seconds a node stays in the rendezvous after its agent stops refreshing its lease"),
     "etcd_prefix": ("/elastic_ft", "key prefix; every key lives under <etcd_prefix>/<run_id>/"),
     "connect_timeout": (10.0, "seconds to keep trying unreachable endpoints before failing"),
@@ -65,6 +66,12 @@ class EtcdftSettings:
     store_timeout: float
     tls: TlsFiles
     credentials: EtcdCredentials | None = None
+    spare_nodes: int = 0
+
+    @property
+    def capacity(self) -> int:
+        """The most members a round admits: ``max_nodes`` active ones plus ``spare_nodes`` hot spares."""
+        return self.max_nodes + self.spare_nodes
 
     @property
     def keys(self) -> RunKeys:
@@ -131,6 +138,8 @@ def make_settings(
         value = conf.get(key)
         return CONF_KEYS[key][0] if value is None else value
 
+    spare_nodes = _spare_nodes(get("spare_nodes"), max_nodes)
+
     join_source = "join_timeout" if conf.get("join_timeout") is not None else "timeout"
     join_value = conf.get(join_source)
     join_timeout = _seconds(
@@ -184,4 +193,16 @@ def make_settings(
         store_timeout=_seconds("store_timeout", get("store_timeout"), allow_zero=False),
         tls=tls,
         credentials=credentials,
+        spare_nodes=spare_nodes,
     )
+
+
+def _spare_nodes(value: Any, max_nodes: int) -> int:
+    """``spare_nodes``: a whole number of nodes (``--rdzv-conf`` gives it as text), all of them fitting in MAX_NODES."""
+    text = str(value).strip()
+    if isinstance(value, bool) or not re.fullmatch(r"[0-9]{1,6}", text) or max_nodes + int(text) > MAX_NODES:
+        raise RendezvousConfigError(
+            f"rdzv conf spare_nodes={value!r:.40} is invalid; expected a whole number of nodes from 0 to "
+            f"{MAX_NODES - max_nodes} (max_nodes={max_nodes} plus spares at most {MAX_NODES})"
+        )
+    return int(text)

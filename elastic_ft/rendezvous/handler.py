@@ -81,7 +81,9 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         self.settings = settings
         self.node = _node_id()
         self._addr = settings.local_addr or socket.getfqdn()
-        self._limits = rules.Limits(settings.min_nodes, settings.max_nodes, settings.last_call_timeout)
+        self._limits = rules.Limits(
+            settings.min_nodes, settings.max_nodes, settings.last_call_timeout, settings.spare_nodes
+        )
         self._keys = settings.keys
         self._client = client or EtcdClient(
             settings.endpoints,
@@ -325,7 +327,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
 
     def num_nodes_waiting(self) -> int:
         state, _ = self._snapshot()
-        return rules.num_nodes_waiting(state, self._member_of, self.settings.max_nodes)
+        return rules.num_nodes_waiting(state, self._member_of, self.settings.capacity)
 
     def membership_change(self) -> rules.MembershipChange:
         """What changed around this node's round, from the watch-fed view.
@@ -341,7 +343,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         if self._member_of is not None and not self._shut_down and self._lost_own_announcement(state):
             self._announce_again()
             state, _ = self._snapshot()
-        change = rules.membership_change(state, self._member_of, self.settings.max_nodes)
+        change = rules.membership_change(state, self._member_of, self.settings.capacity)
         if change.dead and time.monotonic() < self._outage_grace_until:
             return dataclasses.replace(change, dead=())
         return change

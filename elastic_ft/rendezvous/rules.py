@@ -28,9 +28,22 @@ MAX_CHECKED_MEMBERS = 120
 
 @dataclass(frozen=True)
 class Limits:
+    """How many nodes a round needs and admits.
+
+    ``spare_nodes`` hot spares are admitted beyond ``max_nodes``: they are
+    members like the others (their workers start and wait as reserve ranks of
+    the in-process world), so a round is full at ``capacity`` members.
+    ``min_nodes`` counts every member, spares included.
+    """
+
     min_nodes: int
     max_nodes: int
     last_call_timeout: float
+    spare_nodes: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.max_nodes + self.spare_nodes
 
 
 def pending_members(state: RendezvousState, number: int) -> list[Member]:
@@ -66,11 +79,12 @@ def previous_fully_accounted(state: RendezvousState, number: int) -> bool:
     return all(m.node in joined or not state.is_alive(m) for m in previous.members)
 
 
-def assign_ranks(previous: RoundResult | None, joins: Iterable[Join], max_nodes: int) -> list[Join]:
+def assign_ranks(previous: RoundResult | None, joins: Iterable[Join], capacity: int) -> list[Join]:
     """Choose the members of a closing round, in rank order.
 
     Admission: members of the previous round first, then the others in the
-    order they joined (create revision); at most ``max_nodes``.  Ranks: an
+    order they joined (create revision); at most ``capacity`` (``max_nodes``
+    plus hot spares).  Ranks: an
     admitted node keeps its previous rank if that rank still exists; the
     remaining ranks go, lowest first, to the rest in admission order.
     """
@@ -79,7 +93,7 @@ def assign_ranks(previous: RoundResult | None, joins: Iterable[Join], max_nodes:
     returning = [j for j in by_join_order if j.node in previous_rank]
     returning.sort(key=lambda j: previous_rank[j.node])
     newcomers = [j for j in by_join_order if j.node not in previous_rank]
-    admitted = (returning + newcomers)[:max_nodes]
+    admitted = (returning + newcomers)[:capacity]
     size = len(admitted)
     ranks: list[Join | None] = [None] * size
     unplaced = []
@@ -125,8 +139,9 @@ def close_verdict(
             f"{len(pending)} member(s) of round {number - 1} still run and have not re-joined: {names}",
         )
     joined = len(state.round(number).joins)
-    if joined >= limits.max_nodes:
-        return CloseDecision(CloseVerdict.CLOSE, None, f"{joined} node(s) joined, max_nodes={limits.max_nodes}")
+    if joined >= limits.capacity:
+        spares = f" + spare_nodes={limits.spare_nodes}" if limits.spare_nodes else ""
+        return CloseDecision(CloseVerdict.CLOSE, None, f"{joined} node(s) joined, max_nodes={limits.max_nodes}{spares}")
     if joined < limits.min_nodes:
         return CloseDecision(
             CloseVerdict.WAIT_FOR_MIN, None, f"{joined} of min_nodes={limits.min_nodes} node(s) joined"
@@ -227,7 +242,7 @@ def next_action(
     decision = close_verdict(state, number, limits, now, last_call_since)
     if decision.verdict is CloseVerdict.CLOSE:
         if closer_of(record.joins) == node:
-            members = assign_ranks(state.round(number - 1).result, record.joins.values(), limits.max_nodes)
+            members = assign_ranks(state.round(number - 1).result, record.joins.values(), limits.capacity)
             return CloseRound(number, tuple(members), decision.reason)
         return Wait(number, decision.verdict, None, standby=False, reason=decision.reason)
     standby = decision.verdict is CloseVerdict.WAIT_FOR_PREVIOUS and is_spare(state, number, node, limits)
@@ -240,7 +255,7 @@ def is_spare(state: RendezvousState, number: int, node: str, limits: Limits) -> 
     previous = state.round(number - 1).result
     if previous is None or node in {m.node for m in previous.members}:
         return False
-    return len(previous.members) >= limits.max_nodes and all(state.is_alive(m) for m in previous.members)
+    return len(previous.members) >= limits.capacity and all(state.is_alive(m) for m in previous.members)
 
 
 def last_call_started(
@@ -264,8 +279,8 @@ class MembershipChange:
     its workers); ``dead``: members whose lease is gone without a clean
     ``shutdown()``; ``left``: members that left it through ``shutdown()``
     (finished, or failed and gave up); ``admissible``: nodes waiting in the
-    next round for which the round has room (fewer members than
-    ``max_nodes``, or a dead one); ``moved_on``: a later round closed
+    next round for which the round has room (fewer members than its
+    capacity, ``max_nodes`` plus hot spares, or a dead one); ``moved_on``: a later round closed
     without this node.
     """
 
@@ -276,7 +291,7 @@ class MembershipChange:
     moved_on: bool = False
 
 
-def membership_change(state: RendezvousState, member_of: RoundResult | None, max_nodes: int) -> MembershipChange:
+def membership_change(state: RendezvousState, member_of: RoundResult | None, capacity: int) -> MembershipChange:
     """What changed since ``member_of`` closed (nothing when not a member of any round)."""
     if member_of is None:
         return MembershipChange()
@@ -285,7 +300,7 @@ def membership_change(state: RendezvousState, member_of: RoundResult | None, max
     left = state.round(member_of.round).left
     dead = tuple(m.node for m in member_of.members if not state.is_alive(m) and m.node not in left)
     # A dead member frees its place; one that left cleanly has finished the job.
-    has_room = len(member_of.members) < max_nodes or bool(dead)
+    has_room = len(member_of.members) < capacity or bool(dead)
     last = state.last_closed
     return MembershipChange(
         rejoined=tuple(sorted(n for n in next_joins if n in members)),
@@ -296,7 +311,7 @@ def membership_change(state: RendezvousState, member_of: RoundResult | None, max
     )
 
 
-def num_nodes_waiting(state: RendezvousState, member_of: RoundResult | None, max_nodes: int) -> int:
+def num_nodes_waiting(state: RendezvousState, member_of: RoundResult | None, capacity: int) -> int:
     """How many nodes the round this node belongs to is holding back.
 
     torch's agent restarts its workers (and re-rendezvouses) whenever this is
@@ -307,6 +322,6 @@ def num_nodes_waiting(state: RendezvousState, member_of: RoundResult | None, max
     longer make progress without them, and 1 when the job moved on to a
     later round without this node.
     """
-    change = membership_change(state, member_of, max_nodes)
+    change = membership_change(state, member_of, capacity)
     waiting = len(change.rejoined) + len(change.dead) + len(change.admissible)
     return max(waiting, 1) if change.moved_on else waiting

@@ -73,6 +73,7 @@ class TorchrunNode:
         log_path: Path | None = None,
         extra_env: dict[str, str] | None = None,
         launcher: Sequence[str] | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.tag = tag
         command = [
@@ -88,7 +89,7 @@ class TorchrunNode:
         ]
         if rdzv_conf:
             command.append(f"--rdzv-conf={rdzv_conf}")
-        command += list(script)
+        command += [*extra_args, *script]
         env = {**os.environ, "NODE_TAG": tag, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
         self.log_path = log_path
         log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below

@@ -22,6 +22,7 @@ from elastic_ft.inprocess.store import (
     COMPLETION_BARRIER,
     INTERRUPTED,
     TERMINATION_BARRIER,
+    TerminationResult,
     iteration_store,
 )
 from elastic_ft.inprocess.wrapper import Wrapper
@@ -157,8 +158,10 @@ def test_barrier_arrival_is_idempotent_and_on_behalf(tcp_store: dist.Store) -> N
     with pytest.raises(BarrierTimeout, match="2 of 3"):
         store.arrive_and_wait(TERMINATION_BARRIER, [1], 3, seconds(0.05))
     # The last arrival publishes the terminated ranks for everyone.
-    assert store.arrive_and_wait(TERMINATION_BARRIER, [0], 3, seconds(1)) == "[2]"
-    assert store.arrive_and_wait(TERMINATION_BARRIER, [1], 3, seconds(1)) == "[2]"
+    published = TerminationResult(world_size=3, terminated=(2,)).to_json()
+    assert store.arrive_and_wait(TERMINATION_BARRIER, [0], 3, seconds(1)) == published
+    assert store.arrive_and_wait(TERMINATION_BARRIER, [1], 3, seconds(1)) == published
+    assert TerminationResult.from_json(published, 3) == TerminationResult(3, (2,), ())
 
 
 def test_barrier_overflow(tcp_store: dist.Store) -> None:
@@ -302,7 +305,7 @@ def test_report_process_gone_uses_the_last_position(etcd: EtcdServer) -> None:
     job = job_store(base)
     assert not report_process_gone(base, 5, 8, "terminated", "never wrapped")
     job.record_wrapped(5, 1234)
-    job.record_position(5, iteration=2, rank=3, world_size=7)
+    job.record_position(5, iteration=2, rank=3, world_size=7, active=True)
     assert report_process_gone(base, 5, 8, "terminated", "pid 1234: signal SIGKILL")
     iteration = iteration_store(base, 2)
     assert iteration.terminated_ranks() == [3]

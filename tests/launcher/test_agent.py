@@ -38,6 +38,8 @@ def start(
     nnodes: str = "2:2",
     nproc: int = 2,
     max_restarts: int = 2,
+    extra_args: tuple[str, ...] = (),
+    job_config: Path | None = None,
 ) -> TorchrunNode:
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
@@ -58,6 +60,7 @@ def start(
             "LOGLEVEL": "INFO",
         },
         launcher=ftrun_command(),
+        extra_args=(*extra_args, *([f"--job-config={job_config}"] if job_config else [])),
     )
     nodes.append(node)
     return node
@@ -128,8 +131,10 @@ def test_worker_fault_keeps_the_healthy_workers(
     assert sorted(started) == ["start-A-0-0", "start-A-1-0", "start-B-0-0", "start-B-1-0"]  # never restarted
     done = read(tmp_path, "done-*.json")
     if kind == "sigkill":
-        # The three survivors finished in the same processes, without rank 3.
-        assert sorted(done) == [f"done-{rank}-0" for rank in range(4) if rank != victim]
+        # The three survivors finished in the same processes, without the victim; its node respawned
+        # it as initial rank 4, which waited as a joiner and left with the job (no fault admitted it).
+        assert sorted(done) == sorted([f"done-{rank}-0" for rank in range(4) if rank != victim] + ["done-4-0"])
+        assert done.pop("done-4-0")["result"] is None
         for record in done.values():
             assert record["result"]["world_size"] == 3 and record["result"]["value"] == 3.0
             assert record["result"]["iteration"] == 1
@@ -150,11 +155,15 @@ def test_worker_fault_keeps_the_healthy_workers(
     assert "restarting the workers" not in a.log() + b.log()
     status = status_of(etcd, run_id)
     assert status["in_process_restarts"] == 1 and status["process_restarts"] == 0
-    assert [w["rank"] for w in status["workers"]] == [0, 1, 2, 3]
     if kind == "sigkill":
+        # The node record lists the respawned process in the victim's place.
+        assert [w["rank"] for w in status["workers"]] == [0, 1, 2, 3, 4]
+        assert status["respawns"] == 1 and status["joined"] == [{"initial_rank": 4, "admitted": None}]
         assert status["terminated_ranks"] == [victim]
         assert status["workers"][victim]["state"] == "absorbed (-9)"
+        assert status["workers"][4]["state"] == "succeeded (0)"
     else:
+        assert [w["rank"] for w in status["workers"]] == [0, 1, 2, 3]
         assert status["terminated_ranks"] == []
         assert {w["state"] for w in status["workers"]} == {"succeeded (0)"}
 
@@ -202,9 +211,12 @@ def test_node_lost_before_its_workers_entered_the_wrapper_is_followed(
 def test_every_worker_of_a_node_failing_escalates(
     etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
 ) -> None:
-    """Both workers of node group rank 1 exit: that node escalates; the job restarts at the process level."""
+    """Both workers of node group rank 1 exit, and respawning is off: that node escalates; the job
+    restarts at the process level."""
     scenario = {"steps": 20, "node_exit": {"group_rank": 1, "restart": 0}}
-    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
+    config = tmp_path / "job.yaml"
+    config.write_text("respawn: {per_rank: 0}\n")
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, job_config=config) for tag in "AB")
     assert finish([a, b]) == [0, 0], logs(nodes)
     done = read(tmp_path, "done-*.json")
     # Everyone finished in the restarted processes (TORCHELASTIC_RESTART_COUNT 1 on both nodes).

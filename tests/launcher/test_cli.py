@@ -175,5 +175,29 @@ def test_status_shows_a_restart_in_progress(etcd: EtcdServer, etcd_client: EtcdC
 EMPTY_STATUS = {
     "run": "r", "closed": False, "round": None, "workers": [], "terminated_ranks": [], "in_process_restarts": None,
     "process_restarts": 0, "escalations": [], "joined_next_round": [], "next_round": 0, "config": None,
-    "malformed": [],
+    "malformed": [], "spare_nodes": 0, "active_world_size": None, "respawns": 0, "joined": [], "activations": [],
 }  # fmt: skip
+
+
+def test_status_shows_hot_spares_reserve_ranks_respawns_and_activations() -> None:
+    from elastic_ft.launcher.status import render_status
+
+    workers = [
+        {"rank": r, "node": "n", "pid": 10 + r, "state": "running", "iteration": 1, "rank_in_iteration": r,
+         "mode": "active" if r < 2 else "reserve"}
+        for r in range(3)
+    ]  # fmt: skip
+    shown = render_status(
+        {
+            **EMPTY_STATUS,
+            "workers": workers,
+            "spare_nodes": 1,
+            "active_world_size": 2,
+            "respawns": 1,
+            "joined": [{"initial_rank": 3, "admitted": None}],
+            "activations": [{"initial_rank": 2, "iteration": 1}],
+        }
+    )
+    assert "hot spares: 1 node(s); active world size 2; reserve ranks: [2]; respawned workers: 1" in shown
+    assert "respawned rank 3: admitted not yet" in shown and "rank 2 activated in iteration 1" in shown
+    assert "   2  reserve " in shown

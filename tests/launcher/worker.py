@@ -4,8 +4,11 @@ Trains a tiny all-reduce loop with gloo under ``elastic_ft.Wrapper`` with its
 default store, which under ``ftrun`` is the etcd store of the rendezvous
 round; the process group bootstraps from a prefix of that store too, so no
 rank hosts anything. Writes ``$EFT_OUT/start-<node>-<local rank>-<restart>.json``
-when it starts and ``$EFT_OUT/done-<initial rank>-<restart>.json`` with the
-result, keyed by ``TORCHELASTIC_RESTART_COUNT``.
+when it starts, ``$EFT_OUT/step-<initial rank>.json`` (its iteration) once
+it trains, and ``$EFT_OUT/done-<initial rank>-<restart>.json`` with the
+result, keyed by ``TORCHELASTIC_RESTART_COUNT``. A reserve rank never
+activated, or a respawned process the job finished without, has a ``None``
+result.
 
 Faults (``faults``: list of ``{"rank", "kind", "restart", "iteration", "step"}``,
 ``rank`` the initial global rank): ``raise``, ``exit`` (``os._exit(17)``),
@@ -73,6 +76,8 @@ def train(store: dist.Store | None, iteration: int) -> dict[str, Any]:
         value = torch.ones(1)
         for step in range(SCENARIO.get("steps", 20)):
             inject(iteration, step)
+            if step == 1:
+                write(f"step-{INITIAL_RANK}.json", {"iteration": iteration, "world_size": world_size})
             value = torch.ones(1)
             dist.all_reduce(value)
             time.sleep(SCENARIO.get("step_seconds", 0.05))

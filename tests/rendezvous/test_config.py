@@ -26,6 +26,8 @@ def test_defaults_are_documented_and_applied() -> None:
     assert s.last_call_timeout == CONF_KEYS["last_call_timeout"][0]
     assert s.lease_ttl == CONF_KEYS["lease_ttl"][0]
     assert s.run_prefix == "/elastic_ft/job/"
+    assert (s.spare_nodes, s.capacity) == (0, 2)
+    assert settings(spare_nodes="2").capacity == 4  # --rdzv-conf gives text
     assert all(description for _, description in CONF_KEYS.values())
 
 
@@ -84,6 +86,10 @@ def test_from_torchrun_parameters() -> None:
         ({"endpoint": "etcd host:2379"}, "'etcd host:2379'.* is malformed"),
         ({"endpoint": "https://localhost:2379", "cacert": "/no/such/ca.pem"}, "cacert file '/no/such/ca.pem' cannot"),
         ({"endpoint": "https://localhost:2379", "cert": __file__}, "cert and key go together"),
+        ({"spare_nodes": "-1"}, "spare_nodes='-1' is invalid; expected a whole number of nodes from 0 to 99998"),
+        ({"spare_nodes": "one"}, "spare_nodes='one' is invalid"),
+        ({"spare_nodes": True}, "spare_nodes=True is invalid"),
+        ({"spare_nodes": 99_999}, "spare_nodes=99999 is invalid.*at most 100000"),
     ],
 )
 def test_bad_settings(overrides: dict[str, object], message: str) -> None:

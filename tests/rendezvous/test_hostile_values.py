@@ -140,7 +140,7 @@ def test_worker_side_readers_skip_malformed_records() -> None:
 
     from elastic_ft.inprocess.rank_assignment.exchange import gather_keys
     from elastic_ft.inprocess.store import job_store
-    from elastic_ft.inprocess.wrapper import _terminated_ranks
+    from elastic_ft.inprocess.wrapper import _termination_result
     from elastic_ft.keys import LEFT, exchange_table
 
     store = dist.HashStore()
@@ -150,8 +150,18 @@ def test_worker_side_readers_skip_malformed_records() -> None:
     job.set(f"{LEFT}1", "not json")
     assert job.position(0) is None and job.position(1) is None
     assert job.left(1) == {"kind": "malformed"}  # it did leave; how is unknown
-    assert _terminated_ranks('[0, 1e400, "a"]', 4) == set() and _terminated_ranks("[1, 3]", 4) == {1, 3}
-    assert _terminated_ranks("[7]", 4) == set()  # not a rank of this world
+
+    def terminated(payload: str, world_size: int = 4) -> tuple[int, ...]:
+        return _termination_result(payload, world_size).terminated
+
+    assert terminated('{"world_size": 4, "terminated": [0, 1e400, "a"], "joined": []}') == ()
+    assert terminated('{"world_size": 4, "terminated": [3, 1], "joined": []}') == (1, 3)
+    assert terminated('{"world_size": 4, "terminated": [7], "joined": []}') == ()  # not a rank of this world
+    assert terminated('{"world_size": 5, "terminated": [1], "joined": []}') == ()  # another world
+    assert _termination_result('{"world_size": 4, "terminated": [], "joined": [9, 9]}', 4).joined == ()
+    assert _termination_result('{"world_size": 4, "terminated": [], "joined": [true]}', 4).joined == ()
+    job.set(f"{POSITION}2", '{"iteration": 1, "rank": 0, "world_size": 2, "active": "yes"}')
+    assert job.position(2) is None
     store.set(exchange_table("x"), '{"distinct": [["a"]], "codes": [[5]]}')  # an index beyond the distinct keys
     with pytest.raises(ValueError, match="is malformed"):
         gather_keys(store, "x", 0, [0, 1], ["k"], datetime.timedelta(seconds=1), "test")

@@ -59,6 +59,34 @@ def test_max_nodes_close_at_once() -> None:
     assert verdict_of(four, 0, LIMITS, now=0.0, last_call_since=None)[0] is CloseVerdict.CLOSE
 
 
+def test_hot_spares_are_admitted_beyond_max_and_a_round_is_full_with_them() -> None:
+    limits = Limits(min_nodes=2, max_nodes=2, last_call_timeout=5.0, spare_nodes=1)
+    two = make_state(alive=["a", "b"], rounds=[RoundRecord(0, joins(join("a", 1), join("b", 2)))])
+    # At max_nodes the round waits for its spare through last call ...
+    assert verdict_of(two, 0, limits, now=0.0, last_call_since=None) == (CloseVerdict.WAIT_FOR_LAST_CALL, 5.0)
+    assert verdict_of(two, 0, limits, now=5.0, last_call_since=0.0) == (CloseVerdict.CLOSE, None)
+    # ... and closes at once when the spare is there.
+    three = make_state(rounds=[RoundRecord(0, joins(join("a", 1), join("b", 2), join("s", 3)))])
+    decision = rules.close_verdict(three, 0, limits, 0.0, None)
+    assert decision.verdict is CloseVerdict.CLOSE and "spare_nodes=1" in decision.reason
+    members = rules.assign_ranks(None, [join("s", 3), join("b", 2), join("a", 1), join("t", 4)], limits.capacity)
+    assert [m.node for m in members] == ["a", "b", "s"]  # the latest joiner ranks last: a spare
+
+
+def test_a_node_beyond_max_plus_spares_is_a_standby_not_waiting() -> None:
+    limits = Limits(min_nodes=1, max_nodes=2, last_call_timeout=1.0, spare_nodes=1)
+    full = result(0, "abs")
+    state = make_state(
+        alive=["a", "b", "s", "x"], rounds=[RoundRecord(0, result=full), RoundRecord(1, joins(join("x", 9)))]
+    )
+    assert rules.is_spare(state, 1, "x", limits)
+    assert rules.num_nodes_waiting(state, full, capacity=limits.capacity) == 0
+    # When a member dies, the waiting node is admissible: its place is free.
+    dead = make_state(alive=["a", "s", "x"], rounds=[RoundRecord(0, result=full), RoundRecord(1, joins(join("x", 9)))])
+    change = rules.membership_change(dead, full, limits.capacity)
+    assert change.dead == ("b",) and change.admissible == ("x",)
+
+
 def test_close_decisions_say_why() -> None:
     one = make_state(rounds=[RoundRecord(0, joins(join("a", 1)))])
     assert (
@@ -194,9 +222,9 @@ def test_spare_behind_full_healthy_round() -> None:
         alive=["a", "b", "s"], rounds=[RoundRecord(0, result=result(0, "ab")), RoundRecord(1, joins(join("s", 9)))]
     )
     assert rules.is_spare(state, 1, "s", limits)
-    assert rules.num_nodes_waiting(state, result(0, "ab"), max_nodes=2) == 0
+    assert rules.num_nodes_waiting(state, result(0, "ab"), capacity=2) == 0
     # With room in the round the same node is counted as waiting.
-    assert rules.num_nodes_waiting(state, result(0, "ab"), max_nodes=3) == 1
+    assert rules.num_nodes_waiting(state, result(0, "ab"), capacity=3) == 1
 
 
 def test_num_nodes_waiting_counts_rejoined_and_dead_members() -> None:
@@ -204,12 +232,12 @@ def test_num_nodes_waiting_counts_rejoined_and_dead_members() -> None:
     rejoined = make_state(
         alive=["a", "b", "c"], rounds=[RoundRecord(0, result=member_of), RoundRecord(1, joins(join("b", 9)))]
     )
-    assert rules.num_nodes_waiting(rejoined, member_of, max_nodes=3) == 1
+    assert rules.num_nodes_waiting(rejoined, member_of, capacity=3) == 1
     dead = make_state(alive=["a", "b"], rounds=[RoundRecord(0, result=member_of)])
-    assert rules.num_nodes_waiting(dead, member_of, max_nodes=3) == 1
+    assert rules.num_nodes_waiting(dead, member_of, capacity=3) == 1
     left = make_state(alive=["a", "b"], rounds=[RoundRecord(0, result=member_of, left=frozenset({"c"}))])
-    assert rules.num_nodes_waiting(left, member_of, max_nodes=3) == 0
-    assert rules.num_nodes_waiting(left, None, max_nodes=3) == 0
+    assert rules.num_nodes_waiting(left, member_of, capacity=3) == 0
+    assert rules.num_nodes_waiting(left, None, capacity=3) == 0
 
 
 def test_parse_state_round_trip() -> None:

@@ -158,6 +158,21 @@ def policy_name(cls: type, name: str | None) -> str:
     return f"{cls.__name__}-{index}"
 
 
+def admits_new_ranks(policy: object) -> bool:
+    """Whether ``policy`` can take ranks that join a running world (respawned workers).
+
+    A joiner enters a restart with no history, so a policy that keeps state
+    between calls (:class:`~elastic_ft.inprocess.rank_assignment.tree.Tree`
+    builds its topology once) says ``admits_new_ranks = False``; then the
+    world never grows and no worker is respawned. A composition admits them
+    when all its parts do; any other callable is taken to be stateless.
+    """
+    parts = getattr(policy, "parts", None)
+    if isinstance(parts, tuple):
+        return all(admits_new_ranks(part) for part in parts)
+    return bool(getattr(policy, "admits_new_ranks", True))
+
+
 def check_timeout(owner: str, timeout: datetime.timedelta) -> None:
     if not isinstance(timeout, datetime.timedelta):
         raise TypeError(f"{owner} timeout must be a datetime.timedelta, got {timeout!r}")

@@ -210,6 +210,9 @@ class FilterCountGroupedByKey(RankAssignment):
             ``FilterCountGroupedByKey-n``.
     """
 
+    #: Its exchanges are numbered by call, which a joiner's instance cannot know.
+    admits_new_ranks = False
+
     def __init__(
         self,
         key_or_fn: str | Callable[[State], str],

@@ -73,6 +73,9 @@ class Tree(RankAssignment):
         ])
     """
 
+    #: A joiner's Tree would build its topology afresh while the others reassign theirs.
+    admits_new_ranks = False
+
     def __init__(
         self,
         layers: Sequence[Layer],

@@ -1,0 +1,156 @@
+"""Hot spares with real ``ftrun`` nodes and real etcd: reserve ranks activated in-process, respawned workers.
+
+Every node is a real ``ftrun`` process of 2 gloo workers running
+``tests/launcher/worker.py`` under ``elastic_ft.Wrapper`` with its default
+settings for rank assignment; faults are real SIGKILLs of whole nodes
+(agent, workers, monitor processes) or of single workers.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic_ft.etcd.server import EtcdServer
+from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command
+from tests.launcher.test_agent import alive, escalations, logs, read, start, status_of, wait_for
+
+pytestmark = pytest.mark.slow
+
+SPARE = ("--spare-nodes=1",)
+LONG = {"steps": 400, "step_seconds": 0.05}  # 20 s of training: faults land mid-run
+
+
+def _by_node(started: dict[str, dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    nodes: dict[str, list[dict[str, Any]]] = {}
+    for name, record in started.items():
+        nodes.setdefault(name.split("-")[1], []).append(record)
+    return nodes
+
+
+def _three_nodes(
+    nodes: list[TorchrunNode], tmp_path: Path, etcd: EtcdServer, run_id: str, scenario: dict[str, Any]
+) -> tuple[dict[str, TorchrunNode], dict[str, list[dict[str, Any]]]]:
+    """2 active nodes and 1 hot spare, all members of the first round; returns them by tag, and their workers."""
+    by_tag = {tag: start(nodes, tmp_path, etcd, run_id, tag, scenario, extra_args=SPARE) for tag in "ABC"}
+    started = _by_node(wait_for(tmp_path, "start-*.json", 6, 90))
+    return by_tag, started
+
+
+def _holding(started: dict[str, list[dict[str, Any]]], ranks: set[int]) -> str:
+    return next(tag for tag, workers in started.items() if {w["rank"] for w in workers} == ranks)
+
+
+def test_a_killed_node_is_replaced_by_the_hot_spare_in_process(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
+) -> None:
+    """SIGKILL an active node: the spare's reserve ranks take its place; no process starts or stops anywhere."""
+    by_tag, started = _three_nodes(nodes, tmp_path, etcd, run_id, LONG)
+    spare, victim = _holding(started, {4, 5}), _holding(started, {2, 3})
+    survivor = _holding(started, {0, 1})
+    wait_for(tmp_path, "step-*.json", 1, 60)  # training
+    killed = by_tag[victim].kill()
+    assert by_tag[survivor].wait(150) == 0, logs(nodes)
+    assert by_tag[spare].wait(60) == 0, logs(nodes)
+    done = read(tmp_path, "done-*.json")
+    # The survivors' and the spare's processes finished, in the processes they started in.
+    assert sorted(r["node"] for r in done.values()) == sorted([survivor, survivor, spare, spare])
+    pids = {w["rank"]: w["pid"] for tag in (survivor, spare) for w in started[tag]}
+    assert {r["initial_rank"]: r["pid"] for r in done.values()} == pids
+    # The world size is back to 4, with the spare's ranks active, after one in-process restart.
+    for record in done.values():
+        assert record["restart"] == 0
+        assert record["result"]["world_size"] == 4 and record["result"]["iteration"] == 1
+    assert sorted(r["result"]["rank"] for r in done.values() if r["node"] == spare) == [2, 3]
+    assert not any(alive(pid) for pid in killed)
+    both = by_tag[survivor].log() + by_tag[spare].log()
+    assert "restarting the workers" not in both and "respawned" not in both
+    assert escalations(etcd, run_id) == []
+    status = status_of(etcd, run_id)
+    assert status["spare_nodes"] == 1 and status["in_process_restarts"] == 1
+    assert status["activations"] == [{"initial_rank": 4, "iteration": 1}, {"initial_rank": 5, "iteration": 1}]
+
+
+def test_a_spare_that_dies_while_reserve_costs_the_active_ranks_nothing(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
+) -> None:
+    by_tag, started = _three_nodes(nodes, tmp_path, etcd, run_id, {"steps": 160, "step_seconds": 0.05})
+    spare = _holding(started, {4, 5})
+    wait_for(tmp_path, "step-*.json", 1, 60)
+    by_tag[spare].kill()
+    actives = [tag for tag in by_tag if tag != spare]
+    assert [by_tag[tag].wait(150) for tag in actives] == [0, 0], logs(nodes)
+    done = read(tmp_path, "done-*.json")
+    assert sorted(r["initial_rank"] for r in done.values()) == [0, 1, 2, 3]
+    for record in done.values():  # never interrupted: still the first iteration
+        assert record["result"]["iteration"] == 0 and record["result"]["world_size"] == 4
+    assert escalations(etcd, run_id) == []
+
+
+def test_when_spares_run_out_the_world_shrinks(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
+) -> None:
+    by_tag, started = _three_nodes(nodes, tmp_path, etcd, run_id, {"steps": 500, "step_seconds": 0.05})
+    spare, victim = _holding(started, {4, 5}), _holding(started, {2, 3})
+    survivor = _holding(started, {0, 1})
+    wait_for(tmp_path, "step-*.json", 1, 60)
+    by_tag[victim].kill()
+    # The spare is activated (iteration 1), then it dies too: the world shrinks to the survivor's 2 ranks.
+    deadline = time.monotonic() + 60
+    while not any(r.get("iteration") == 1 for r in read(tmp_path, "step-*.json").values()):
+        assert time.monotonic() < deadline, logs(nodes)
+        time.sleep(0.1)
+    by_tag[spare].kill()
+    assert by_tag[survivor].wait(150) == 0, logs(nodes)
+    done = read(tmp_path, "done-*.json")
+    assert sorted(r["initial_rank"] for r in done.values()) == [0, 1]
+    for record in done.values():
+        assert record["result"]["world_size"] == 2 and record["result"]["iteration"] == 2
+        assert record["restart"] == 0
+    assert escalations(etcd, run_id) == []
+
+
+def test_a_respawned_worker_waits_as_reserve_then_is_activated_by_the_next_fault(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
+) -> None:
+    """SIGKILL rank 3: the world shrinks to 3, its node respawns the process, which joins at the next restart."""
+    scenario = {
+        "steps": 200,
+        "step_seconds": 0.05,
+        "faults": [{"rank": 3, "kind": "sigkill", "step": 5}, {"rank": 0, "kind": "raise", "iteration": 1, "step": 90}],
+    }
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
+    assert [a.wait(150), b.wait(150)] == [0, 0], logs(nodes)
+    done = read(tmp_path, "done-*.json")
+    assert sorted(r["initial_rank"] for r in done.values()) == [0, 1, 2, 4]
+    for record in done.values():
+        assert record["result"]["world_size"] == 4 and record["result"]["iteration"] == 2
+    assert done["done-4-0"]["result"]["rank"] == 3  # the respawned process took the dead rank's place
+    assert "local rank 1 respawned as pid" in a.log() + b.log()
+    status = status_of(etcd, run_id)
+    assert status["respawns"] == 1 and [j["initial_rank"] for j in status["joined"]] == [4]
+    assert escalations(etcd, run_id) == []
+
+
+def test_bad_spare_configuration_fails_before_anything_starts(etcd: EtcdServer, run_id: str, tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_text("nodes: {min: 1, max: 2, spares: many}\n")
+    cases = [
+        (["--spare-nodes=-1"], "argument --spare-nodes: '-1' is not a number of nodes; expected a whole number"),
+        (["--spare-nodes=1", "--rdzv-conf=spare_nodes=2"], "--spare-nodes=1 disagrees with --rdzv-conf spare_nodes=2"),
+        ([f"--job-config={config}"], "nodes.spares"),
+        (["--rdzv-conf=spare_nodes=x"], "spare_nodes='x' is invalid"),
+    ]
+    for flags, message in cases:
+        command = [
+            *ftrun_command(), "--nnodes=1:2", "--nproc-per-node=1", f"--rdzv-endpoint={etcd.endpoint}",
+            f"--rdzv-id={run_id}", *flags, sys.executable, "-c", "raise SystemExit(3)",
+        ]  # fmt: skip
+        done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0 and done.returncode != 3, done.stderr[-2000:]
+        assert message in done.stderr, done.stderr[-3000:]
