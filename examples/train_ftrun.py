@@ -163,7 +163,7 @@ def train(args: argparse.Namespace, state: dict[str, Any], call_wrapper: CallWra
                 optimizer.step()
                 step, batch = step + 1, index + 1
                 if step == position["step"] + 1:
-                    record(args, "first_step", iteration=iteration, step=step)
+                    record(args, "first_step", iteration=iteration, step=step, world_size=world_size)
                     first_step_done = time.perf_counter()
                     first_step_cpu = (time.thread_time(), time.process_time())
                 if step % args.checkpoint_every == 0 and rank == 0:
@@ -204,7 +204,18 @@ FAULTS = ("raise", "sigkill", "hang_gil_held", "hang_gil_released", "sigstop", "
 
 
 def inject(args: argparse.Namespace, call_wrapper: CallWrapper | None, step: int) -> None:
-    """``--fault KIND --fault-rank R --fault-step S``: once, in the first iteration of the first process."""
+    """``--fault KIND --fault-rank R --fault-step S``: once, in the first iteration of the first process.
+
+    ``--fault-file PATH``: initial rank ``--fault-file-rank`` raises at the first step of
+    a later iteration at which PATH exists (and removes it): a fault a
+    benchmark triggers when it is ready.
+    """
+    later = call_wrapper is not None and call_wrapper.iteration > 0
+    mine = int(os.environ["ELASTIC_FT_INITIAL_RANK"]) == args.fault_file_rank
+    if later and mine and args.fault_file is not None and args.fault_file.exists():
+        args.fault_file.unlink()
+        record(args, "fault", kind="raise", step=step)
+        raise RuntimeError(f"injected fault at step {step} ({args.fault_file} appeared)")
     if args.fault is None or step != args.fault_step or int(os.environ["ELASTIC_FT_INITIAL_RANK"]) != args.fault_rank:
         return
     if (call_wrapper is not None and call_wrapper.iteration > 0) or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
@@ -252,6 +263,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fault-rank", type=int, default=1, help="initial rank that faults")
     parser.add_argument("--fault-step", type=int, default=30)
     parser.add_argument("--slow-seconds", type=float, default=4.0, help="length of --fault slow_step")
+    parser.add_argument("--fault-file", type=Path, help="raise once this file appears (in an iteration > 0)")
+    parser.add_argument("--fault-file-rank", type=int, default=0, help="initial rank that raises on --fault-file")
     return parser.parse_args(argv)
 
 
