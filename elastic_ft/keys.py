@@ -9,6 +9,9 @@ All of a run's etcd keys live under its *run prefix*, ``<etcd_prefix>/<run_id>/`
     rdzv/round/<n>/join/<node>      on the node's lease: it asks to be in round n
     rdzv/round/<n>/result           round n's members in rank order (written once)
     rdzv/round/<n>/left/<node>      a member left round n cleanly
+    rdzv/round/<n>/slot/<k>         on the node's lease: a hot spare that joined round n
+                                    while it ran holds its k-th late place
+    rdzv/round/<n>/late/<node>      that late member (lease, place), kept after it dies
     round/<n>/store/<key>           round n's torch.distributed.Store
     round/<n>/store.writes/<token>  on a short lease: a store write that committed
     ftrun/escalations/<n>           ftrun escalated from round n (job-wide count)
@@ -76,6 +79,12 @@ class RunKeys:
     def left(self, number: int, node: str) -> str:
         return f"{self.rdzv}round/{number}/left/{node}"
 
+    def slot(self, number: int, place: int) -> str:
+        return f"{self.rdzv}round/{number}/slot/{place}"
+
+    def late(self, number: int, node: str) -> str:
+        return f"{self.rdzv}round/{number}/late/{node}"
+
     def rdzv_round(self, number: int) -> str:
         """Prefix of round ``number``'s rendezvous keys."""
         return f"{self.rdzv}round/{number}/"
@@ -112,11 +121,12 @@ def store_write_token(store_prefix: str, token: str) -> str:
 
 @dataclass(frozen=True)
 class RdzvKey:
-    """What a key relative to ``rdzv/`` names; ``kind`` is closed, alive, join, result or left."""
+    """What a key relative to ``rdzv/`` names; ``kind`` is closed, alive, join, result, left, late or slot."""
 
     kind: str
     round: int = -1
     node: str = ""
+    place: int = -1  # of a slot
 
 
 def parse_rdzv_key(relative: str) -> RdzvKey | None:
@@ -133,8 +143,10 @@ def parse_rdzv_key(relative: str) -> RdzvKey | None:
         return None
     if parts[2] == "result" and len(parts) == 3:
         return RdzvKey("result", round=number)
-    if parts[2] in ("join", "left") and len(parts) == 4 and parts[3]:
+    if parts[2] in ("join", "left", "late") and len(parts) == 4 and parts[3]:
         return RdzvKey(parts[2], round=number, node=parts[3])
+    if parts[2] == "slot" and len(parts) == 4 and (place := parse_count(parts[3])) is not None:
+        return RdzvKey("slot", round=number, place=place)
     return None
 
 

@@ -39,7 +39,14 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.api import (
+    DEFAULT_ROLE,
+    RunResult,
+    Worker,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -62,6 +69,7 @@ from elastic_ft.keys import (
 from elastic_ft.launcher.escalation import Verdict, WorkerExit, classify_exit, decide, exit_barrier_done, restarts_left
 from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, RecordError
 from elastic_ft.rendezvous.handler import EtcdftRendezvousHandler
+from elastic_ft.untrusted import json_object
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +110,7 @@ class FtAgent(LocalElasticAgent):
             raise TypeError(f"FtAgent runs a script or binary entrypoint, got {spec.entrypoint!r}")
         super().__init__(spec, *args, **kwargs)
         self._handler: EtcdftRendezvousHandler = spec.rdzv_handler
+        self._handler.accept_late_joins()
         self._exits: dict[int, tuple[WorkerExit, ProcessFailure | None]] = {}  # by local rank
         self._dead_handled: set[str] = set()
         self._dead_lost: set[str] = set()
@@ -150,13 +159,16 @@ class FtAgent(LocalElasticAgent):
         )
         os.environ.update(handoff.to_env())
         self._active_world_size = self._round_active_world_size(worker_group, len(member_of.members))
-        os.environ.update(WorkerHandoff(self._active_world_size).to_env())
-        world = {
-            "active_world_size": self._active_world_size,
-            "spare_nodes": max(0, len(member_of.members) - settings.max_nodes),
-            "max_nodes": settings.max_nodes,
-        }
-        worker_group.store.set(FTRUN_WORLD, json.dumps(world))
+        late = self._handler.late_place is not None
+        os.environ.update(WorkerHandoff(self._active_world_size, joining=late).to_env())
+        if not late:
+            world = {
+                "world_size": worker_group.workers[0].world_size if worker_group.workers else 0,
+                "active_world_size": self._active_world_size,
+                "spare_nodes": max(0, len(member_of.members) - settings.max_nodes),
+                "max_nodes": settings.max_nodes,
+            }
+            worker_group.store.set(FTRUN_WORLD, json.dumps(world))
         pids = super()._start_workers(worker_group)
         self._subprocesses()  # fails now, not later, if torch started something else
         self._exits = {}
@@ -167,6 +179,34 @@ class FtAgent(LocalElasticAgent):
         self._replaced = {}
         self._publish_node_record(worker_group)
         return pids
+
+    def _assign_worker_ranks(
+        self, store: Any, group_rank: int, group_world_size: int, spec: WorkerSpec
+    ) -> list[Worker]:
+        """torch's assignment for members; a hot spare that joined the running round gets fresh initial ranks.
+
+        Its workers join the running world as joiners (like respawned
+        workers): initial ranks above the world's, from the round's counter,
+        and the world size the members started with.
+        """
+        if self._handler.late_place is None:
+            return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
+        world = json_object(store.get(FTRUN_WORLD))
+        world_size = world.get("world_size") if world else None
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise RuntimeError(f"the running round's {FTRUN_WORLD} record is malformed: {world!r:.200}")
+        count = spec.local_world_size
+        base = world_size + store.add(FTRUN_NEXT_RANK, count) - count
+        return [
+            Worker(
+                local_rank=i,
+                global_rank=base + i,
+                role_rank=base + i,
+                world_size=world_size,
+                role_world_size=world_size,
+            )
+            for i in range(count)
+        ]
 
     def _round_active_world_size(self, worker_group: WorkerGroup, members: int) -> int | None:
         """The ranks of the round's first ``max_nodes`` members: those above it are the hot spares' reserve."""

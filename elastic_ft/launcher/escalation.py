@@ -15,9 +15,11 @@ gathers the observations and carries out the decision. The rules, in order:
 4. A member died before its workers had all entered the Wrapper (or before
    it published its ranks), a member re-joined the rendezvous (its node
    escalated), the job moved on to a later round, or nodes wait for which
-   the round has room (a spare after a death, a newcomer below ``max``) ->
-   **follow**: restart the local workers into the next round; in-process
-   restart cannot add processes, nor finish a start-up a rank never reached.
+   the round has room (a newcomer below ``max``; with hot spares only while
+   fewer than ``max`` members are alive, since otherwise the newcomer joins
+   the running round as a spare) -> **follow**: restart the local workers
+   into the next round; in-process restart cannot finish a start-up a rank
+   never reached.
 5. Otherwise -> **continue**: failed workers that ran under the Wrapper are
    left to it (the agent reports them terminated in the round's store), and
    dead members whose workers were all under the Wrapper are absorbed the

@@ -89,6 +89,7 @@ def collect_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
             malformed.append({"key": config_kv.key, "reason": problem})
     current = state.last_closed
     members = _members(current, state, hosts)
+    members += _late_members(current, state, hosts)
     open_round = state.round(state.open_round)
     member_nodes = {m["node"] for m in members}
     # Without a stored config, max_nodes is unknown: nodes waiting are not called spares.
@@ -155,6 +156,23 @@ def _members(current: RoundResult | None, state: Any, hosts: dict[str, Any]) -> 
             {"rank": rank, "node": member.node, "host": info.get("host"), "pid": info.get("pid"), "state": health}
         )
     return members
+
+
+def _late_members(current: RoundResult | None, state: Any, hosts: dict[str, Any]) -> list[dict[str, Any]]:
+    """Hot spares that joined the running round, after its members (``rank`` is their group rank)."""
+    if current is None:
+        return []
+    record = state.round(current.round)
+    held = set(record.slots.values())
+    late = []
+    for node, member in sorted(record.late.items(), key=lambda item: item[1].place):
+        health = "left" if node in record.left else ("alive" if node in held and node in state.alive else "dead")
+        info = hosts.get(node, {})
+        late.append(
+            {"rank": member.place, "node": node, "host": info.get("host"), "pid": info.get("pid"), "state": health,
+             "late": True}
+        )  # fmt: skip
+    return late
 
 
 def _escalations(client: EtcdClient, keys: RunKeys, malformed: list[dict[str, str]]) -> list[dict[str, Any]]:
@@ -358,8 +376,9 @@ def render_status(status: dict[str, Any]) -> str:
         )
         lines.append(f"  {'rank':>4}  {'state':<6}  {'host':<20}  {'pid':>7}  node")
         for m in status["members"]:
+            late = "  (hot spare, joined while running)" if m.get("late") else ""
             lines.append(
-                f"  {m['rank']:>4}  {m['state']:<6}  {m['host'] or '-':<20}  {m['pid'] or '-':>7}  {m['node']}"
+                f"  {m['rank']:>4}  {m['state']:<6}  {m['host'] or '-':<20}  {m['pid'] or '-':>7}  {m['node']}{late}"
             )
     if status["workers"]:
         lines.append(f"  workers: {'rank':>4}  {'state':<16}  {'iteration':>9}  {'pid':>7}  node")

@@ -106,6 +106,8 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         self._session: Session | None = None
         self._joined_round: int | None = None
         self._member_of: model.RoundResult | None = None
+        #: The group rank this node took as a hot spare that joined a running round (None: a member).
+        self.late_place: int | None = None
         self._shut_down = False
         self._logged_verdict: tuple[int, rules.CloseVerdict] | None = None
         self._warned_malformed: Mapping[str, str] = {}
@@ -190,7 +192,11 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             if now >= deadline:
                 self._withdraw()
                 raise RendezvousTimeoutError(self._timeout_message(state, number))
-            if isinstance(action, rules.JoinRound):
+            if isinstance(action, rules.JoinLate):
+                info = self._join_late(action, state, session.id, version)
+                if info is not None:
+                    return info
+            elif isinstance(action, rules.JoinRound):
                 if self._join(action.number, session.id, version):
                     joined = action.number
             elif isinstance(action, rules.CloseRound):
@@ -250,6 +256,53 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             self._view.wait_for_change(version, self.settings.request_timeout)
         return result.succeeded
 
+    def accept_late_joins(self) -> None:
+        """Let this node join a running round as a hot spare (``ftrun``'s agent starts its workers as joiners)."""
+        self._limits = dataclasses.replace(self._limits, late_joins=True)
+
+    def _join_late(
+        self, action: rules.JoinLate, state: model.RendezvousState, lease: int, version: int
+    ) -> RendezvousInfo | None:
+        """Take place ``action.place`` in the running round; its info on success, None if another node won it."""
+        keys, number, result = self._keys, action.number, state.round(action.number).result
+        if result is None:
+            raise RuntimeError(f"round {number} has no result to join late")
+        alive = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
+        late = model.LateMember(self.node, lease, action.place)
+        ops = [
+            put_op(keys.slot(number, action.place), json.dumps({"node": self.node}).encode(), lease),
+            put_op(keys.late(number, self.node), late.to_json()),
+            put_op(keys.alive(self.node), alive, lease),
+        ]
+        if self._joined_round is not None:
+            ops.append(delete_op(keys.join(self._joined_round, self.node)))
+        guards = [
+            key_missing(keys.slot(number, action.place)),
+            key_missing(keys.late(number, self.node)),
+            key_missing(keys.result(number + 1)),
+            key_missing(keys.closed),
+        ]
+        outcome = self._client.txn(guards, ops)
+        if not outcome.succeeded:
+            self._view.wait_for_change(version, self.settings.request_timeout)
+            return None
+        self._joined_round = None
+        self._announced_with = lease
+        self._view.wait_for_revision(outcome.revision, self.settings.request_timeout)
+        self.late_place = action.place
+        self._member_of = result
+        log.info(
+            "node %s joined running round %d of '%s' as a hot spare (group rank %d)",
+            self.node,
+            number,
+            self.settings.run_id,
+            action.place,
+        )
+        store = EtcdStore(self._client, self.round_store_prefix(number), timedelta(seconds=self.settings.store_timeout))
+        return RendezvousInfo(
+            store, action.place, action.place + 1, RendezvousStoreInfo(result.master_addr, result.master_port)
+        )
+
     def _close(self, action: rules.CloseRound, version: int) -> None:
         keys = self._keys
         number = action.number
@@ -274,6 +327,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
     def _completed(self, done: rules.Done) -> RendezvousInfo:
         result = done.result
         self._member_of = result
+        self.late_place = None
         store = EtcdStore(
             self._client,
             self.round_store_prefix(result.round),
@@ -327,7 +381,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
 
     def num_nodes_waiting(self) -> int:
         state, _ = self._snapshot()
-        return rules.num_nodes_waiting(state, self._member_of, self.settings.capacity)
+        return rules.num_nodes_waiting(state, self._member_of, self._limits)
 
     def membership_change(self) -> rules.MembershipChange:
         """What changed around this node's round, from the watch-fed view.
@@ -343,7 +397,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         if self._member_of is not None and not self._shut_down and self._lost_own_announcement(state):
             self._announce_again()
             state, _ = self._snapshot()
-        change = rules.membership_change(state, self._member_of, self.settings.capacity)
+        change = rules.membership_change(state, self._member_of, self._limits)
         if change.dead and time.monotonic() < self._outage_grace_until:
             return dataclasses.replace(change, dead=())
         return change

@@ -119,11 +119,25 @@ class RoundResult:
 
 
 @dataclass(frozen=True)
+class LateMember:
+    """A hot spare that joined a round while it ran: ``place`` is its group rank, above the members'."""
+
+    node: str
+    lease: int
+    place: int
+
+    def to_json(self) -> bytes:
+        return json.dumps({"lease": self.lease, "place": self.place}, sort_keys=True).encode()
+
+
+@dataclass(frozen=True)
 class RoundRecord:
     number: int
     joins: Mapping[str, Join] = field(default_factory=dict)
     result: RoundResult | None = None
     left: frozenset[str] = frozenset()
+    late: Mapping[str, LateMember] = field(default_factory=dict)  # by node, dead ones included
+    slots: Mapping[int, str] = field(default_factory=dict)  # late places held (on live leases), by place
 
 
 @dataclass(frozen=True)
@@ -185,7 +199,7 @@ def join_value(addr: str, port: int) -> bytes:
 
 @dataclass(frozen=True)
 class Fact:
-    """What one key says; ``kind`` is closed, alive, join, result, left or malformed."""
+    """What one key says; ``kind`` is closed, alive, join, result, left, late, slot or malformed."""
 
     kind: str
     round: int = -1
@@ -193,6 +207,8 @@ class Fact:
     lease: int = 0
     join: Join | None = None
     result: RoundResult | None = None
+    late: LateMember | None = None
+    place: int = -1
     key: str = ""  # of a malformed fact
     reason: str = ""  # why a malformed fact's value was left out
 
@@ -220,6 +236,12 @@ def parse_key(key: str, raw: KeyRecord) -> Fact | None:
             data = _document(raw.value)
             join = Join(shape.node, raw.lease, raw.create_revision, _text(data, "addr"), _int(data, "port", 1, 65535))
             return Fact("join", round=shape.round, node=shape.node, join=join)
+        if shape.kind == "late":
+            data = _document(raw.value)
+            late = LateMember(shape.node, _int(data, "lease", 0, _MAX_INT), _int(data, "place", 0, _MAX_INT))
+            return Fact("late", round=shape.round, node=shape.node, late=late)
+        if shape.kind == "slot":
+            return Fact("slot", round=shape.round, node=_text(_document(raw.value), "node"), place=shape.place)
     except MalformedValue as exc:
         return Fact("malformed", round=shape.round, key=key, reason=str(exc))
     return Fact("left", round=shape.round, node=shape.node)
@@ -231,6 +253,8 @@ def build_state(facts: Iterable[Fact]) -> RendezvousState:
     joins: dict[int, dict[str, Join]] = {}
     results: dict[int, RoundResult] = {}
     left: dict[int, set[str]] = {}
+    late: dict[int, dict[str, LateMember]] = {}
+    slots: dict[int, dict[int, str]] = {}
     malformed: dict[str, str] = {}
     for fact in facts:
         if fact.kind == "malformed":
@@ -245,8 +269,17 @@ def build_state(facts: Iterable[Fact]) -> RendezvousState:
             results[fact.round] = fact.result
         elif fact.kind == "left":
             left.setdefault(fact.round, set()).add(fact.node)
-    numbers = set(joins) | set(results) | set(left)
-    rounds = {n: RoundRecord(n, joins.get(n, {}), results.get(n), frozenset(left.get(n, ()))) for n in numbers}
+        elif fact.kind == "late" and fact.late is not None:
+            late.setdefault(fact.round, {})[fact.node] = fact.late
+        elif fact.kind == "slot":
+            slots.setdefault(fact.round, {})[fact.place] = fact.node
+    numbers = set(joins) | set(results) | set(left) | set(late) | set(slots)
+    rounds = {
+        n: RoundRecord(
+            n, joins.get(n, {}), results.get(n), frozenset(left.get(n, ())), late.get(n, {}), slots.get(n, {})
+        )
+        for n in numbers
+    }
     return RendezvousState(closed, alive, rounds, malformed)
 
 

@@ -40,6 +40,9 @@ class Limits:
     max_nodes: int
     last_call_timeout: float
     spare_nodes: int = 0
+    #: A node may join a running round as a hot spare (:func:`late_place`); only ``ftrun``'s
+    #: agent, which starts such a node's workers as joiners of the running world, allows it.
+    late_joins: bool = False
 
     @property
     def capacity(self) -> int:
@@ -190,6 +193,14 @@ class Closed:
 
 
 @dataclass(frozen=True)
+class JoinLate:
+    """Join round ``number``, which is running, as a hot spare holding group rank ``place``."""
+
+    number: int
+    place: int
+
+
+@dataclass(frozen=True)
 class JoinRound:
     number: int
 
@@ -210,7 +221,7 @@ class Wait:
     reason: str = ""
 
 
-Action = Done | Closed | JoinRound | CloseRound | Wait
+Action = Done | Closed | JoinLate | JoinRound | CloseRound | Wait
 
 
 def next_action(
@@ -237,6 +248,9 @@ def next_action(
     number = state.open_round
     record = state.round(number)
     mine = record.joins.get(node)
+    late = late_place(state, node, limits)
+    if late is not None:
+        return JoinLate(*late)
     if mine is None or mine.lease != lease:
         return JoinRound(number)
     decision = close_verdict(state, number, limits, now, last_call_since)
@@ -247,6 +261,41 @@ def next_action(
         return Wait(number, decision.verdict, None, standby=False, reason=decision.reason)
     standby = decision.verdict is CloseVerdict.WAIT_FOR_PREVIOUS and is_spare(state, number, node, limits)
     return Wait(number, decision.verdict, decision.until, standby, decision.reason)
+
+
+def late_place(state: RendezvousState, node: str, limits: Limits) -> tuple[int, int] | None:
+    """Where ``node`` may join the running round as a hot spare: ``(round, place)``, or None.
+
+    Only where late joins are allowed, and only as a spare: the running
+    round's active part is complete (at least ``max_nodes`` of its members
+    alive), it has room below its capacity counting its live late members,
+    and no member is leaving or re-joining (no shutdown or restart under
+    way). The place is the lowest group rank above the members' that no live
+    late member holds. Otherwise the node joins the next round, as before.
+    """
+    last = state.last_closed
+    if not limits.late_joins or not limits.spare_nodes or state.closed or last is None:
+        return None
+    record = state.round(last.round)
+    if record.left or last.rank_of(node) is not None or node in record.late:
+        return None
+    if any(m.node in state.round(last.round + 1).joins for m in last.members):
+        return None
+    alive = sum(1 for m in last.members if state.is_alive(m))
+    late_alive = len(record.slots)  # a late member holds its place on its lease: a dead one's is gone
+    if alive < limits.max_nodes or alive + late_alive >= limits.capacity:
+        return None
+    place = len(last.members)
+    while place in record.slots:
+        place += 1
+    return last.round, place
+
+
+def late_members_dead(state: RendezvousState, number: int) -> tuple[str, ...]:
+    """Late members of round ``number`` whose lease is gone without a clean ``shutdown()``."""
+    record = state.round(number)
+    held = set(record.slots.values())
+    return tuple(sorted(n for n in record.late if n not in held and n not in record.left and n not in state.alive))
 
 
 def is_spare(state: RendezvousState, number: int, node: str, limits: Limits) -> bool:
@@ -291,16 +340,27 @@ class MembershipChange:
     moved_on: bool = False
 
 
-def membership_change(state: RendezvousState, member_of: RoundResult | None, capacity: int) -> MembershipChange:
-    """What changed since ``member_of`` closed (nothing when not a member of any round)."""
+def membership_change(state: RendezvousState, member_of: RoundResult | None, limits: Limits) -> MembershipChange:
+    """What changed since ``member_of`` closed (nothing when not a member of any round).
+
+    Late members (hot spares that joined the running round) that died count
+    as dead members. With hot spares, a waiting node is admissible only when
+    fewer than ``max_nodes`` members are left: otherwise it joins the running
+    round as a spare itself (:func:`late_place`) and nobody restarts.
+    """
     if member_of is None:
         return MembershipChange()
     next_joins = state.round(member_of.round + 1).joins
     members = {m.node for m in member_of.members}
     left = state.round(member_of.round).left
     dead = tuple(m.node for m in member_of.members if not state.is_alive(m) and m.node not in left)
-    # A dead member frees its place; one that left cleanly has finished the job.
-    has_room = len(member_of.members) < capacity or bool(dead)
+    if limits.spare_nodes:
+        present = sum(1 for m in member_of.members if state.is_alive(m) or m.node in left)
+        has_room = present < limits.max_nodes
+    else:
+        # A dead member frees its place; one that left cleanly has finished the job.
+        has_room = len(member_of.members) < limits.capacity or bool(dead)
+    dead += late_members_dead(state, member_of.round)
     last = state.last_closed
     return MembershipChange(
         rejoined=tuple(sorted(n for n in next_joins if n in members)),
@@ -311,7 +371,7 @@ def membership_change(state: RendezvousState, member_of: RoundResult | None, cap
     )
 
 
-def num_nodes_waiting(state: RendezvousState, member_of: RoundResult | None, capacity: int) -> int:
+def num_nodes_waiting(state: RendezvousState, member_of: RoundResult | None, limits: Limits) -> int:
     """How many nodes the round this node belongs to is holding back.
 
     torch's agent restarts its workers (and re-rendezvouses) whenever this is
@@ -322,6 +382,6 @@ def num_nodes_waiting(state: RendezvousState, member_of: RoundResult | None, cap
     longer make progress without them, and 1 when the job moved on to a
     later round without this node.
     """
-    change = membership_change(state, member_of, capacity)
+    change = membership_change(state, member_of, limits)
     waiting = len(change.rejoined) + len(change.dead) + len(change.admissible)
     return max(waiting, 1) if change.moved_on else waiting

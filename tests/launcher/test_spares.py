@@ -137,6 +137,40 @@ def test_a_respawned_worker_waits_as_reserve_then_is_activated_by_the_next_fault
     assert escalations(etcd, run_id) == []
 
 
+def test_a_spare_arriving_while_the_job_trains_joins_without_restarting_anyone(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
+) -> None:
+    """The round closed with the 2 active nodes; the spare comes later, joins the running round as a hot
+    spare (no process restarted), and replaces a node killed after that."""
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, LONG, extra_args=SPARE) for tag in "AB")
+    started = _by_node(wait_for(tmp_path, "start-*.json", 4, 90))
+    wait_for(tmp_path, "step-*.json", 1, 60)
+    spare = start(nodes, tmp_path, etcd, run_id, "C", LONG, extra_args=SPARE)
+    late_workers = _by_node(wait_for(tmp_path, "start-C-*.json", 2, 90))["C"]
+    assert sorted(w["rank"] for w in late_workers) == [4, 5]  # joiners: initial ranks above the world's
+    deadline = time.monotonic() + 60
+    while len((status := status_of(etcd, run_id))["joined"]) < 2:  # both registered: initialised, in reserve
+        assert time.monotonic() < deadline, logs(nodes)
+        time.sleep(0.2)
+    late = [m for m in status["members"] if m.get("late")]
+    assert [(m["rank"], m["state"]) for m in late] == [(2, "alive")]  # group rank 2, above the members
+    by_tag = {"A": a, "B": b}
+    victim = _holding(started, {2, 3})
+    survivor = _holding(started, {0, 1})
+    by_tag[victim].kill()
+    assert by_tag[survivor].wait(150) == 0, logs(nodes)
+    assert spare.wait(60) == 0, logs(nodes)
+    done = read(tmp_path, "done-*.json")
+    assert sorted(r["initial_rank"] for r in done.values()) == [0, 1, 4, 5]
+    for record in done.values():
+        assert record["result"]["world_size"] == 4 and record["restart"] == 0
+    pids = {w["rank"]: w["pid"] for w in started[survivor] + late_workers}
+    assert {r["initial_rank"]: r["pid"] for r in done.values()} == pids  # nobody restarted
+    logged = by_tag[survivor].log() + spare.log()
+    assert "joined running round 0" in spare.log() and "restarting the workers" not in logged
+    assert escalations(etcd, run_id) == []
+
+
 def test_bad_spare_configuration_fails_before_anything_starts(etcd: EtcdServer, run_id: str, tmp_path: Path) -> None:
     config = tmp_path / "job.yaml"
     config.write_text("nodes: {min: 1, max: 2, spares: many}\n")

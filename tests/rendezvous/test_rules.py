@@ -80,11 +80,64 @@ def test_a_node_beyond_max_plus_spares_is_a_standby_not_waiting() -> None:
         alive=["a", "b", "s", "x"], rounds=[RoundRecord(0, result=full), RoundRecord(1, joins(join("x", 9)))]
     )
     assert rules.is_spare(state, 1, "x", limits)
-    assert rules.num_nodes_waiting(state, full, capacity=limits.capacity) == 0
-    # When a member dies, the waiting node is admissible: its place is free.
+    assert rules.num_nodes_waiting(state, full, limits) == 0
+    # A member dies: max_nodes members are still there, so nobody restarts for the waiting node ...
     dead = make_state(alive=["a", "s", "x"], rounds=[RoundRecord(0, result=full), RoundRecord(1, joins(join("x", 9)))])
-    change = rules.membership_change(dead, full, limits.capacity)
-    assert change.dead == ("b",) and change.admissible == ("x",)
+    change = rules.membership_change(dead, full, limits)
+    assert change.dead == ("b",) and change.admissible == ()
+    # ... it joins the running round as a hot spare instead, above the members' group ranks.
+    late = Limits(min_nodes=1, max_nodes=2, last_call_timeout=1.0, spare_nodes=1, late_joins=True)
+    assert rules.late_place(dead, "x", late) == (0, 3)
+    assert rules.next_action(dead, "x", hash("x") & 0xFFFF, None, late, 0.0, None) == rules.JoinLate(0, 3)
+    assert rules.late_place(dead, "x", limits) is None  # only where ftrun's agent allows it
+    # Below max_nodes members the node is admissible as before: the world grows through a restart.
+    two_dead = make_state(alive=["a", "x"], rounds=[RoundRecord(0, result=full), RoundRecord(1, joins(join("x", 9)))])
+    assert rules.membership_change(two_dead, full, limits).admissible == ("x",)
+    assert rules.late_place(two_dead, "x", late) is None
+
+
+def test_late_members_hold_places_and_count_dead_when_their_lease_goes() -> None:
+    late = Limits(min_nodes=1, max_nodes=2, last_call_timeout=1.0, spare_nodes=2, late_joins=True)
+    running = result(0, "ab")
+    x = model.LateMember("x", 7, 2)
+    state = make_state(
+        alive=["a", "b", "x", "y"], rounds=[RoundRecord(0, result=running, late={"x": x}, slots={2: "x"})]
+    )
+    assert rules.late_place(state, "y", late) == (0, 3)  # x holds place 2
+    assert rules.late_place(state, "x", late) is None  # already in
+    full = make_state(
+        alive=["a", "b", "x", "y", "z"],
+        rounds=[
+            RoundRecord(0, result=running, late={"x": x, "y": model.LateMember("y", 8, 3)}, slots={2: "x", 3: "y"})
+        ],
+    )
+    assert rules.late_place(full, "z", late) is None  # max_nodes + spare_nodes reached
+    # x dies: its place is free again, and the members see it dead (its ranks are reported).
+    y = model.LateMember("y", 8, 3)
+    gone = make_state(
+        alive=["a", "b", "y"], rounds=[RoundRecord(0, result=running, late={"x": x, "y": y}, slots={3: "y"})]
+    )
+    assert rules.membership_change(gone, running, late).dead == ("x",)
+    assert rules.late_place(gone, "y", late) is None and rules.late_place(gone, "z", late) == (0, 2)
+    # A restart under way (a member re-joined the next round) or a member leaving: no late joins.
+    restarting = make_state(
+        alive=["a", "b", "y"], rounds=[RoundRecord(0, result=running), RoundRecord(1, joins(join("a", 5)))]
+    )
+    assert rules.late_place(restarting, "y", late) is None
+    finishing = make_state(alive=["a", "y"], rounds=[RoundRecord(0, result=running, left=frozenset({"b"}))])
+    assert rules.late_place(finishing, "y", late) is None
+
+
+def test_late_member_keys_parse_and_malformed_ones_are_left_out() -> None:
+    raw = {
+        "round/0/late/x": model.RawKey(b'{"lease": 7, "place": 2}', 0, 5),
+        "round/0/slot/2": model.RawKey(b'{"node": "x"}', 7, 5),
+        "round/0/late/y": model.RawKey(b'{"lease": "seven"}', 0, 6),
+        "round/0/slot/zz": model.RawKey(b'{"node": "y"}', 8, 6),
+    }
+    state = model.parse_state(raw)
+    assert state.round(0).late == {"x": model.LateMember("x", 7, 2)} and state.round(0).slots == {2: "x"}
+    assert list(state.malformed) == ["round/0/late/y"]
 
 
 def test_close_decisions_say_why() -> None:
@@ -222,9 +275,9 @@ def test_spare_behind_full_healthy_round() -> None:
         alive=["a", "b", "s"], rounds=[RoundRecord(0, result=result(0, "ab")), RoundRecord(1, joins(join("s", 9)))]
     )
     assert rules.is_spare(state, 1, "s", limits)
-    assert rules.num_nodes_waiting(state, result(0, "ab"), capacity=2) == 0
+    assert rules.num_nodes_waiting(state, result(0, "ab"), limits=Limits(1, 2, 1.0)) == 0
     # With room in the round the same node is counted as waiting.
-    assert rules.num_nodes_waiting(state, result(0, "ab"), capacity=3) == 1
+    assert rules.num_nodes_waiting(state, result(0, "ab"), limits=Limits(1, 3, 1.0)) == 1
 
 
 def test_num_nodes_waiting_counts_rejoined_and_dead_members() -> None:
@@ -232,12 +285,12 @@ def test_num_nodes_waiting_counts_rejoined_and_dead_members() -> None:
     rejoined = make_state(
         alive=["a", "b", "c"], rounds=[RoundRecord(0, result=member_of), RoundRecord(1, joins(join("b", 9)))]
     )
-    assert rules.num_nodes_waiting(rejoined, member_of, capacity=3) == 1
+    assert rules.num_nodes_waiting(rejoined, member_of, limits=Limits(1, 3, 1.0)) == 1
     dead = make_state(alive=["a", "b"], rounds=[RoundRecord(0, result=member_of)])
-    assert rules.num_nodes_waiting(dead, member_of, capacity=3) == 1
+    assert rules.num_nodes_waiting(dead, member_of, limits=Limits(1, 3, 1.0)) == 1
     left = make_state(alive=["a", "b"], rounds=[RoundRecord(0, result=member_of, left=frozenset({"c"}))])
-    assert rules.num_nodes_waiting(left, member_of, capacity=3) == 0
-    assert rules.num_nodes_waiting(left, None, capacity=3) == 0
+    assert rules.num_nodes_waiting(left, member_of, limits=Limits(1, 3, 1.0)) == 0
+    assert rules.num_nodes_waiting(left, None, limits=Limits(1, 3, 1.0)) == 0
 
 
 def test_parse_state_round_trip() -> None:
@@ -261,7 +314,7 @@ def test_parse_state_round_trip() -> None:
 
 def test_membership_change_tells_ftrun_what_moved() -> None:
     member_of = result(0, "ab")
-    limits_max = 2
+    limits_max = Limits(1, 2, 1.0)
     # b died while spare s waits behind the full round: b is dead, and s now fits.
     state = make_state(alive=["a", "s"], rounds=[RoundRecord(0, result=member_of), RoundRecord(1, joins(join("s", 9)))])
     change = rules.membership_change(state, member_of, limits_max)
