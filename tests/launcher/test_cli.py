@@ -76,6 +76,10 @@ def test_config_builds_the_rank_assignment_policy() -> None:
         ("rank_assignment: {tree: [{key: job, flags: [SPARE]}]}", r"tree\[0\].flags=\['SPARE'\] is invalid"),
         ("rank_assignment: {tree: [{key: job, min_ranks: 4, max_ranks: 2}]}", "min_ranks=4 exceeds"),
         ("rank_assignment: {active_world_size_divisible_by: 0}", "divisible_by=0 is invalid"),
+        ("nodes: {spares: -1}", r"nodes.spares=-1 is invalid; expected an integer from 0"),
+        ("respawn: {per_rank: -1}", r"respawn.per_rank=-1 is invalid; expected an integer from 0"),
+        ("respawn: {per_job: many}", r"respawn.per_job='many' is invalid"),
+        ("respawn: {per_node: 1}", "unknown field.*'per_node'"),
     ],
 )
 def test_invalid_configs_name_the_field(text: str, message: str) -> None:

@@ -171,6 +171,26 @@ def test_a_spare_arriving_while_the_job_trains_joins_without_restarting_anyone(
     assert escalations(etcd, run_id) == []
 
 
+def test_respawns_stop_at_the_job_budget(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
+) -> None:
+    """Two workers on two nodes killed at once; respawn.per_job=1: one is respawned, the other is not."""
+    scenario = {
+        "steps": 60,
+        "faults": [{"rank": 1, "kind": "sigkill", "step": 5}, {"rank": 3, "kind": "sigkill", "step": 5}],
+    }
+    config = tmp_path / "job.yaml"
+    config.write_text("respawn: {per_rank: 1, per_job: 1}\n")
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, job_config=config) for tag in "AB")
+    assert [a.wait(150), b.wait(150)] == [0, 0], logs(nodes)
+    logged = a.log() + b.log()
+    assert logged.count("respawned as pid") == 1 and "respawn.per_job=1 used" in logged
+    done = read(tmp_path, "done-*.json")
+    assert sorted(r["initial_rank"] for r in done.values()) == [0, 2, 4]
+    assert {r["result"]["world_size"] for r in done.values() if r["result"]} == {2}
+    assert escalations(etcd, run_id) == []
+
+
 def test_bad_spare_configuration_fails_before_anything_starts(etcd: EtcdServer, run_id: str, tmp_path: Path) -> None:
     config = tmp_path / "job.yaml"
     config.write_text("nodes: {min: 1, max: 2, spares: many}\n")
