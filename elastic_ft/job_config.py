@@ -14,7 +14,11 @@ Sections (all optional; omitted fields keep their defaults):
 ``max_restarts``     process-level restarts, as torchrun's ``--max-restarts``
 ``respawn``          ``per_rank`` and ``per_job``: how many times a worker
                      that died inside the Wrapper is replaced by a new
-                     process that joins the running world (0: never)
+                     process that joins the running world (0: never);
+                     ``rejoin``: ``next_fault`` (the new process waits in
+                     reserve for the next restart) or ``at_once`` (its node
+                     asks for an in-process restart to admit it as soon as
+                     it is ready, restoring the world size)
 ``rendezvous``       ``join_timeout``, ``last_call_timeout``, ``lease_ttl``
                      (the etcdft ``--rdzv-conf`` keys of the same names)
 ``wrapper``          the in-process restart timeouts, in seconds, by the
@@ -44,6 +48,8 @@ import yaml
 from elastic_ft.timeouts import MAY_BE_ZERO, WRAPPER_DEFAULTS, SecondsError, check_seconds, first_misordered
 
 _LAYER_FLAGS = ("RESERVE", "BACKFILL")
+#: When a respawned worker joins the running world: at the next restart, or through one asked for at once.
+REJOIN_CHOICES = ("next_fault", "at_once")
 
 
 class JobConfigError(ValueError):
@@ -67,6 +73,7 @@ class JobConfig:
     max_restarts: int = 0
     respawns_per_rank: int = 2
     respawns_per_job: int = 16
+    respawn_rejoin: str = "next_fault"
     rendezvous: Mapping[str, float] = field(default_factory=dict)
     wrapper: Mapping[str, float] = field(default_factory=dict)
     tree: tuple[LayerConfig, ...] = ()
@@ -82,7 +89,11 @@ class JobConfig:
             "nodes": {"min": self.min_nodes, "max": self.max_nodes, "spares": self.spare_nodes},
             "nproc_per_node": self.nproc_per_node,
             "max_restarts": self.max_restarts,
-            "respawn": {"per_rank": self.respawns_per_rank, "per_job": self.respawns_per_job},
+            "respawn": {
+                "per_rank": self.respawns_per_rank,
+                "per_job": self.respawns_per_job,
+                "rejoin": self.respawn_rejoin,
+            },
             "rendezvous": dict(self.rendezvous),
             "wrapper": dict(self.wrapper),
             "rank_assignment": {
@@ -182,7 +193,10 @@ def parse_job_config(document: Any) -> JobConfig:
         "(top level)",
         ("nodes", "nproc_per_node", "max_restarts", "respawn", "rendezvous", "wrapper", "rank_assignment"),
     )
-    respawn = _mapping(top.get("respawn"), "respawn", ("per_rank", "per_job"))
+    respawn = _mapping(top.get("respawn"), "respawn", ("per_rank", "per_job", "rejoin"))
+    rejoin = respawn.get("rejoin", "next_fault")
+    if rejoin not in REJOIN_CHOICES:
+        raise _fail("respawn.rejoin", rejoin, " or ".join(map(repr, REJOIN_CHOICES)))
     nodes = _mapping(top.get("nodes"), "nodes", ("min", "max", "spares"))
     min_nodes = _count(nodes.get("min"), "nodes.min", minimum=1, default=1)
     max_nodes = _count(nodes.get("max"), "nodes.max", minimum=1, default=min_nodes)
@@ -220,6 +234,7 @@ def parse_job_config(document: Any) -> JobConfig:
         max_restarts=_count(top.get("max_restarts"), "max_restarts", minimum=0, default=0),
         respawns_per_rank=_count(respawn.get("per_rank"), "respawn.per_rank", minimum=0, default=2),
         respawns_per_job=_count(respawn.get("per_job"), "respawn.per_job", minimum=0, default=16),
+        respawn_rejoin=rejoin,
         rendezvous=checked_rdzv,
         wrapper=checked_wrapper,
         tree=tree,

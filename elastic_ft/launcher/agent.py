@@ -55,7 +55,7 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import get_sub
 from elastic_ft.etcd.client import EtcdRequestError, EtcdUnavailableError, key_missing, put_op
 from elastic_ft.etcd.store import EtcdStore
 from elastic_ft.handoff import StoreHandoff, WorkerHandoff, job_config_from_env
-from elastic_ft.inprocess.store import job_store, report_process_gone
+from elastic_ft.inprocess.store import iteration_store, job_store, report_process_gone
 from elastic_ft.job_config import JobConfig
 from elastic_ft.keys import (
     FTRUN_EXIT_BARRIER,
@@ -118,6 +118,7 @@ class FtAgent(LocalElasticAgent):
         self._initial_ranks: dict[int, int] = {}
         self._respawns: dict[int, int] = {}  # by local rank, this round
         self._replaced: dict[int, ProcessFailure] = {}  # failures of respawned processes, by initial rank
+        self._admission_asked: set[int] = set()  # iterations interrupted to admit this node's joiners
         self._active_world_size: int | None = None
         self._job_config: JobConfig = job_config_from_env(os.environ) or JobConfig()
 
@@ -177,6 +178,7 @@ class FtAgent(LocalElasticAgent):
         self._initial_ranks = {worker.local_rank: worker.global_rank for worker in worker_group.workers}
         self._respawns = {}
         self._replaced = {}
+        self._admission_asked = set()
         self._publish_node_record(worker_group)
         return pids
 
@@ -342,6 +344,37 @@ class FtAgent(LocalElasticAgent):
         )
         return True
 
+    def _ask_admission(self, worker_group: WorkerGroup) -> None:
+        """``respawn.rejoin: at_once``: interrupt the running iteration once a local joiner is ready.
+
+        The restart that follows admits every registered joiner, so the
+        world size comes back without waiting for the next fault, at the
+        cost of one in-process restart. Asked at most once per iteration.
+        """
+        if self._job_config.respawn_rejoin != "at_once":
+            return
+        store = worker_group.store
+        job = job_store(store)
+        world_size = worker_group.workers[0].world_size if worker_group.workers else 0
+        live = [r for local, r in self._initial_ranks.items() if local not in self._exits]
+        waiting = [r for r in live if r >= world_size and job.admission(r) is None]
+        if not waiting or not set(waiting) & set(job.joiners()):
+            return
+        in_world = [r for r in live if r < world_size or job.admission(r) is not None]
+        positions = [p for p in map(job.position, in_world) if p is not None]
+        iterations = [p["iteration"] for p in positions]
+        if not iterations or max(iterations) in self._admission_asked:
+            return
+        iteration = max(iterations)
+        self._admission_asked.add(iteration)
+        rank = next(p["rank"] for p in positions if p["iteration"] == iteration)
+        log.info(
+            "joiner(s) %s ready: asking iteration %d to restart and admit them (respawn.rejoin=at_once)",
+            waiting,
+            iteration,
+        )
+        iteration_store(store, iteration).record_interruption(rank, "admit_joiners", f"initial rank(s) {waiting} ready")
+
     def _absorb_dead_members(self, worker_group: WorkerGroup, dead: tuple[str, ...]) -> tuple[str, ...]:
         """Report the ranks of member nodes that died, so in-process restart goes on without them.
 
@@ -406,6 +439,7 @@ class FtAgent(LocalElasticAgent):
             time.sleep(spec.monitor_interval)
             try:
                 workers = self._observe_workers(group)
+                self._ask_admission(group)
                 change = self._handler.membership_change()
                 lost = self._absorb_dead_members(group, change.dead)
             except (EtcdUnavailableError, EtcdRequestError) as error:

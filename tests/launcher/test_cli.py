@@ -80,6 +80,7 @@ def test_config_builds_the_rank_assignment_policy() -> None:
         ("respawn: {per_rank: -1}", r"respawn.per_rank=-1 is invalid; expected an integer from 0"),
         ("respawn: {per_job: many}", r"respawn.per_job='many' is invalid"),
         ("respawn: {per_node: 1}", "unknown field.*'per_node'"),
+        ("respawn: {rejoin: later}", r"respawn.rejoin='later' is invalid; expected 'next_fault' or 'at_once'"),
     ],
 )
 def test_invalid_configs_name_the_field(text: str, message: str) -> None:

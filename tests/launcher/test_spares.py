@@ -171,6 +171,25 @@ def test_a_spare_arriving_while_the_job_trains_joins_without_restarting_anyone(
     assert escalations(etcd, run_id) == []
 
 
+def test_rejoin_at_once_restores_the_world_size_without_waiting_for_a_fault(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
+) -> None:
+    """respawn.rejoin=at_once: once the respawned process is ready, its node asks for a restart that admits it."""
+    scenario = {"steps": 300, "step_seconds": 0.05, "faults": [{"rank": 3, "kind": "sigkill", "step": 5}]}
+    config = tmp_path / "job.yaml"
+    config.write_text("respawn: {rejoin: at_once}\n")
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, job_config=config) for tag in "AB")
+    assert [a.wait(150), b.wait(150)] == [0, 0], logs(nodes)
+    done = read(tmp_path, "done-*.json")
+    assert sorted(r["initial_rank"] for r in done.values()) == [0, 1, 2, 4]
+    for record in done.values():  # iteration 1: without rank 3; iteration 2: with the respawned rank 4
+        assert record["result"]["world_size"] == 4 and record["result"]["iteration"] == 2
+    assert "asking iteration 1 to restart and admit them (respawn.rejoin=at_once)" in a.log() + b.log()
+    status = status_of(etcd, run_id)
+    assert status["joined"] == [{"initial_rank": 4, "admitted": "2"}]
+    assert status["activations"] == [{"initial_rank": 4, "iteration": 2}]
+
+
 def test_respawns_stop_at_the_job_budget(
     etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
 ) -> None:
