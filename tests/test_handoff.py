@@ -56,3 +56,15 @@ def test_bad_store_handoff_names_the_variable_and_the_field(change: dict[str, ob
 def test_unparseable_store_handoff_is_a_clear_error(text: str) -> None:
     with pytest.raises(ValueError, match=f"{STORE_ENV}=.*is not a valid etcd store description"):
         StoreHandoff.from_env({STORE_ENV: text})
+
+
+def test_worker_handoff_round_trips_and_rejects_malformed_values() -> None:
+    from elastic_ft.handoff import WORKER_ENV, WorkerHandoff
+
+    for handoff in (WorkerHandoff(), WorkerHandoff(4), WorkerHandoff(4, joining=True)):
+        assert WorkerHandoff.from_env(handoff.to_env()) == handoff
+    assert WorkerHandoff.from_env({}) is None
+    for text in ('{"active_world_size": 0, "joining": false}', '{"active_world_size": 4}', "[4]", "nope",
+                 '{"active_world_size": true, "joining": false}', '{"active_world_size": 4, "joining": "yes"}'):  # fmt: skip
+        with pytest.raises(ValueError, match=f"{WORKER_ENV}=.* is not a valid worker hand-off"):
+            WorkerHandoff.from_env({WORKER_ENV: text})

@@ -1,0 +1,74 @@
+"""The store protocol of growing the world: registration, admission exactly once, withdrawal, reserve ranks."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+
+from elastic_ft.inprocess.store import (
+    WITHDRAWN,
+    TerminationResult,
+    admit_joiners,
+    iteration_store,
+    job_store,
+    report_process_gone,
+)
+from elastic_ft.keys import COMPLETION_BARRIER, ITERATION_BARRIER, TERMINATION_BARRIER
+
+NO_WAIT = datetime.timedelta(0)
+
+
+def test_the_last_arrival_admits_each_registered_joiner_once() -> None:
+    base = dist.HashStore()
+    job = job_store(base)
+    job.register_joiner(7)
+    assert admit_joiners(job, 1) == []  # the world does not accept joiners (a Tree, say)
+    job.set_accepts_joiners()
+    job.register_joiner(5)
+    job.register_joiner(7)  # a repeated registration is one joiner
+    iteration = iteration_store(base, 0)
+    iteration.record_terminated([1])
+    iteration.arrive_and_wait(TERMINATION_BARRIER, [0, 1], 3, NO_WAIT)
+    assert iteration.termination_result() is None
+    iteration.arrive_and_wait(TERMINATION_BARRIER, [2], 3, NO_WAIT)  # the last arrival
+    result = TerminationResult.from_json(iteration.termination_result(), 3)
+    assert result == TerminationResult(3, (1,), (7, 5))
+    assert (job.admission(7), job.admission(5)) == ("1", "1")
+    assert admit_joiners(job, 2) == []  # admitted already: never twice
+
+
+def test_a_joiner_that_dies_before_admission_is_withdrawn_and_never_admitted() -> None:
+    base = dist.HashStore()
+    job = job_store(base)
+    job.set_accepts_joiners()
+    job.record_wrapped(9, 1234)
+    job.register_joiner(9)
+    assert report_process_gone(base, 9, 4, "terminated", "pid 1234: signal SIGKILL")
+    assert job.admission(9) == WITHDRAWN
+    assert admit_joiners(job, 3) == []
+    assert not job.has_arrived("exit_barrier", 9)  # joiners are not counted by the initial world's exit barrier
+
+
+def test_a_reserve_rank_that_dies_does_not_interrupt_the_iteration() -> None:
+    base = dist.HashStore()
+    job = job_store(base)
+    job.record_wrapped(5, 99)
+    job.record_position(5, iteration=1, rank=4, world_size=6, active=False)
+    assert report_process_gone(base, 5, 6, "node_died", "node C died")
+    iteration = iteration_store(base, 1)
+    assert iteration.outcome() is None and iteration.interruptions() == []
+    assert iteration.terminated_ranks() == [4]  # the next restart drops it
+    assert all(iteration.has_arrived(name, 4) for name in (ITERATION_BARRIER, TERMINATION_BARRIER, COMPLETION_BARRIER))
+    # An active rank's death interrupts, as before.
+    job.record_wrapped(0, 98)
+    job.record_position(0, iteration=1, rank=0, world_size=6, active=True)
+    report_process_gone(base, 0, 6, "terminated", "pid 98")
+    assert iteration.outcome() == "interrupted"
+
+
+def test_a_job_that_finished_releases_waiting_joiners() -> None:
+    job = job_store(dist.HashStore())
+    assert not job.finished()
+    job.mark_finished()
+    assert job.finished()
