@@ -10,6 +10,10 @@
    AdamW, a DataLoader, ``elastic_ft.Wrapper``) and SIGKILLs one worker: the
    other three keep their processes, reload the last checkpoint and finish
    in-process without it.
+5. Runs ``ftrun --spare-nodes=1`` with three nodes: two train, the third's
+   workers wait initialised as reserve ranks. One training node is
+   SIGKILLed: the spare's ranks take its place in-process, the world size is
+   4 again, and no process is started or stopped on any surviving node.
 """
 
 from __future__ import annotations
@@ -72,6 +76,74 @@ def show(done: list[dict], codes: dict[str, int]) -> None:
         )
 
 
+def _events(workdir: Path) -> list[dict]:
+    return sorted(
+        (json.loads(line) for p in workdir.glob("events-*.jsonl") for line in p.read_text().splitlines() if line),
+        key=lambda e: e["t"],
+    )
+
+
+def hot_spare_scene(etcd: EtcdServer, workdir: Path, root: Path) -> bool:
+    """Scene 4: a node killed, its ranks replaced in-process by the hot spare's reserve ranks."""
+    from elastic_ft.testing.local_cluster import descendants
+
+    script = [str(TRAIN_FTRUN), "--workdir", str(workdir), "--steps", "400"]
+    nodes = {
+        tag: TorchrunNode(
+            tag,
+            endpoint=etcd.endpoint,
+            run_id="demo-spares",
+            script=script,
+            nnodes="2",
+            nproc_per_node=2,
+            rdzv_conf="last_call_timeout=1,lease_ttl=1,join_timeout=60",
+            log_path=root / f"demo-spares-{tag}.log",
+            launcher=ftrun_command(),
+            extra_args=("--spare-nodes=1",),
+        )
+        for tag in "ABC"
+    }
+    try:
+        deadline = time.monotonic() + 120
+        while len({e["rank"] for e in _events(workdir) if e["event"] == "first_step"}) < 4:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        time.sleep(2)
+        pid_of = {e["rank"]: e["pid"] for e in _events(workdir)}
+        victim = next(tag for tag, node in nodes.items() if pid_of[2] in descendants(node.pid))
+        killed_at = time.time()
+        print(
+            f"    SIGKILL node {victim} (ranks 2 and 3) at step ~{sum(e['event'] == 'first_step' for e in _events(workdir))}"
+        )
+        nodes[victim].kill()
+        codes = {tag: node.wait(180) for tag, node in nodes.items() if tag != victim}
+    finally:
+        for node in nodes.values():
+            node.terminate()
+    done = [json.loads(p.read_text()) for p in sorted(workdir.glob("done-*.json"))]
+    full = sorted(
+        e["t"] for e in _events(workdir) if e["event"] == "first_step" and e["t"] > killed_at and e["world_size"] == 4
+    )
+    print("    node  exit  initial-rank  pid      rank  world  in-process-iteration  process-restarts")
+    for r in done:
+        print(
+            f"    {r['node']:>4}  {codes.get(r['node'], '?'):>4}  {r['initial_rank']:>12}  {r['pid']:<7}  {r['rank']:>4}  "
+            f"{r['world_size']:>5}  {r['iteration']:>20}  {r['process_restarts']:>16}"
+        )
+    same_processes = all(pid_of.get(r["initial_rank"]) == r["pid"] for r in done)
+    if len(full) >= 4:
+        print(
+            f"    world size 4 again {full[3] - killed_at:.2f} s after the kill, in the same processes: {same_processes}"
+        )
+    return (
+        sorted(r["initial_rank"] for r in done) == [0, 1, 4, 5]
+        and all(r["world_size"] == 4 and r["iteration"] == 1 and r["process_restarts"] == 0 for r in done)
+        and same_processes
+        and all(code == 0 for code in codes.values())
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
@@ -103,8 +175,19 @@ def main() -> None:
                 tag,
                 endpoint=etcd.endpoint,
                 run_id="demo-ftrun",
-                script=[str(TRAIN_FTRUN), "--workdir", str(workdir), "--steps", "120", "--fault", "sigkill",
-                        "--fault-rank", "3", "--fault-step", "30"],
+                script=[
+                    str(TRAIN_FTRUN),
+                    "--workdir",
+                    str(workdir),
+                    "--steps",
+                    "120",
+                    "--fault",
+                    "sigkill",
+                    "--fault-rank",
+                    "3",
+                    "--fault-step",
+                    "30",
+                ],
                 nnodes="2",
                 nproc_per_node=2,
                 rdzv_conf=CONF,
@@ -122,7 +205,9 @@ def main() -> None:
         events = [json.loads(line) for p in workdir.glob("events-*.jsonl") for line in p.open()]
         fault = next((e["t"] for e in events if e["event"] == "fault"), None)
         resumed = [e["t"] for e in events if e["event"] == "first_step" and fault is not None and e["t"] > fault]
-        print("    node  exit  rank  pid      world  in-process-iteration  resumed-at-step  process-restarts  final-loss")
+        print(
+            "    node  exit  rank  pid      world  in-process-iteration  resumed-at-step  process-restarts  final-loss"
+        )
         for r in done:
             print(
                 f"    {r['node']:>4}  {codes[r['node']]:>4}  {r['initial_rank']:>4}  {r['pid']:<7}  {r['world_size']:>5}  "
@@ -134,8 +219,14 @@ def main() -> None:
             and all(code == 0 for code in codes.values())
         )
         recovery = f"training resumed {max(resumed) - fault:.2f} s after the kill, " if resumed and fault else ""
-        print(f"    {'OK' if ok3 else 'FAILED'}: three workers went on in-process ({recovery}{time.monotonic() - start:.1f} s in all)")
-        if not (ok1 and ok2 and ok3):
+        print(
+            f"    {'OK' if ok3 else 'FAILED'}: three workers went on in-process ({recovery}{time.monotonic() - start:.1f} s in all)"
+        )
+        print("\n[4] ftrun --spare-nodes=1, three nodes x two workers: two train, one waits as reserve; B is killed")
+        start = time.monotonic()
+        ok4 = hot_spare_scene(etcd, root / "job4", root)
+        print(f"    {'OK' if ok4 else 'FAILED'}: ({time.monotonic() - start:.1f} s in all)")
+        if not (ok1 and ok2 and ok3 and ok4):
             for log in sorted(root.glob("*.log")):
                 print(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}")
             raise SystemExit(1)
