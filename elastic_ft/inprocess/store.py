@@ -448,13 +448,29 @@ class TerminationResult:
         return cls(size, tuple(sorted(set(terminated))), tuple(joined))
 
 
+#: A joiner is admitted only if its monitor process reported it active this recently (seconds): a
+#: stopped or hung joiner admitted would hold the next iteration barrier until its timeout.
+JOINER_ACTIVITY_LIMIT = 10.0
+
+
+def joiner_ready(job: PrefixStore, initial_rank: int, now: float | None = None) -> bool:
+    """The joiner's heartbeat says its process was active within :data:`JOINER_ACTIVITY_LIMIT`."""
+    active_at = job.last_activity(initial_rank)
+    return active_at is not None and (time.time() if now is None else now) - active_at < JOINER_ACTIVITY_LIMIT
+
+
 def admit_joiners(job: PrefixStore, iteration: int) -> list[int]:
-    """Admit, into ``iteration``, every registered joiner not admitted or withdrawn before (the last
-    arriver at the previous iteration's termination barrier calls this: once per restart)."""
+    """Admit, into ``iteration``, every registered joiner that is ready and was not admitted or withdrawn
+    before (the last arriver at the previous iteration's termination barrier calls this: once per restart).
+    One not ready yet (no heartbeat so far, or inactive: stopped, hung) waits for a later restart."""
     if not job.accepts_joiners():
         return []
-    value = str(iteration)
-    return [rank for rank in job.joiners()[:_JOINED_MAX] if job.claim_admission(rank, value) == value]
+    value, now = str(iteration), time.time()
+    return [
+        rank
+        for rank in job.joiners()[:_JOINED_MAX]
+        if job.admission(rank) is None and joiner_ready(job, rank, now) and job.claim_admission(rank, value) == value
+    ]
 
 
 def report_rank_gone(

@@ -55,7 +55,7 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import get_sub
 from elastic_ft.etcd.client import EtcdRequestError, EtcdUnavailableError, key_missing, put_op
 from elastic_ft.etcd.store import EtcdStore
 from elastic_ft.handoff import StoreHandoff, WorkerHandoff, job_config_from_env
-from elastic_ft.inprocess.store import iteration_store, job_store, report_process_gone
+from elastic_ft.inprocess.store import iteration_store, job_store, joiner_ready, report_process_gone
 from elastic_ft.job_config import JobConfig
 from elastic_ft.keys import (
     FTRUN_EXIT_BARRIER,
@@ -357,7 +357,7 @@ class FtAgent(LocalElasticAgent):
         job = job_store(store)
         world_size = worker_group.workers[0].world_size if worker_group.workers else 0
         live = [r for local, r in self._initial_ranks.items() if local not in self._exits]
-        waiting = [r for r in live if r >= world_size and job.admission(r) is None]
+        waiting = [r for r in live if r >= world_size and job.admission(r) is None and joiner_ready(job, r)]
         if not waiting or not set(waiting) & set(job.joiners()):
             return
         in_world = [r for r in live if r < world_size or job.admission(r) is not None]

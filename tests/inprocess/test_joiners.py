@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import time
 
 import torch.distributed as dist
 
@@ -27,6 +28,10 @@ def test_the_last_arrival_admits_each_registered_joiner_once() -> None:
     job.set_accepts_joiners()
     job.register_joiner(5)
     job.register_joiner(7)  # a repeated registration is one joiner
+    job.register_joiner(8)
+    for rank in (5, 7):  # their monitor processes report them active
+        job.send_heartbeat(rank)
+    job.send_heartbeat(8, active_at=time.time() - 60)  # stopped or hung for a minute: not admitted
     iteration = iteration_store(base, 0)
     iteration.record_terminated([1])
     iteration.arrive_and_wait(TERMINATION_BARRIER, [0, 1], 3, NO_WAIT)
@@ -34,8 +39,10 @@ def test_the_last_arrival_admits_each_registered_joiner_once() -> None:
     iteration.arrive_and_wait(TERMINATION_BARRIER, [2], 3, NO_WAIT)  # the last arrival
     result = TerminationResult.from_json(iteration.termination_result(), 3)
     assert result == TerminationResult(3, (1,), (7, 5))
-    assert (job.admission(7), job.admission(5)) == ("1", "1")
+    assert (job.admission(7), job.admission(5), job.admission(8)) == ("1", "1", None)
     assert admit_joiners(job, 2) == []  # admitted already: never twice
+    job.send_heartbeat(8)  # active again: the next restart takes it
+    assert admit_joiners(job, 2) == [8]
 
 
 def test_a_joiner_that_dies_before_admission_is_withdrawn_and_never_admitted() -> None:
