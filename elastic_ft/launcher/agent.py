@@ -245,7 +245,7 @@ class FtAgent(LocalElasticAgent):
     # ---- watching workers ----
 
     def _observe_workers(self, worker_group: WorkerGroup) -> dict[int, WorkerExit]:
-        """Classify every local worker (by global rank); report newly failed ones to the Wrapper."""
+        """Classify every local worker (by its current initial rank); report newly failed ones, respawn them."""
         pcontext = self._subprocesses()
         store = worker_group.store
         job = job_store(store)
