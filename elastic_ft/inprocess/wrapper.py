@@ -69,6 +69,7 @@ from elastic_ft.inprocess.sockets import close_inherited_in_child, release_conne
 from elastic_ft.inprocess.state import Mode, State
 from elastic_ft.inprocess.store import (
     COMPLETED,
+    JOINER_ACTIVITY_LIMIT,
     NO_WAIT,
     WITHDRAWN,
     PrefixStore,
@@ -344,14 +345,15 @@ class CallWrapper:
             if self.joining:
                 if getattr(self.base_store, "critical_ranks", ()):
                     raise RuntimeError("a process can join a running world only through a store no rank hosts")
-                self._job_store.register_joiner(self.state.initial_rank or 0)
+                self._monitor_process.store_ready()
+                self._register_when_reported_active(self.state.initial_rank or 0)
             else:
                 if admits_new_ranks(wrapper.rank_assignment):
                     self._job_store.set_accepts_joiners()
                 self._job_store.arrive_and_wait(
                     INITIAL_BARRIER, [self.state.rank or 0], self.state.world_size, wrapper.barrier_timeout
                 )
-            self._monitor_process.store_ready()
+                self._monitor_process.store_ready()
             # What exists now (the store's connections above all) is the process's own; what the
             # wrapped function connects later is released at a restart (elastic_ft.inprocess.sockets).
             self._socket_baseline = socket_inodes()
@@ -370,6 +372,20 @@ class CallWrapper:
             self._release_hooks()
             self._monitor_process.stop()
             raise
+
+    def _register_when_reported_active(self, initial_rank: int) -> None:
+        """Register as a joiner once the monitor process's first heartbeat is in the store.
+
+        A restart admits only joiners their monitor process reports active
+        (:func:`~elastic_ft.inprocess.store.admit_joiners`), so a registered
+        joiner is a ready one. A monitor that does not report within the
+        activity limit does not hold the process back: it registers anyway,
+        and waits to be reported active before a restart takes it.
+        """
+        job = self.job_store
+        if not poll(lambda: job.last_activity(initial_rank) is not None, JOINER_ACTIVITY_LIMIT):
+            log.warning("initial rank %d: no heartbeat from the monitor process yet; registering anyway", initial_rank)
+        job.register_joiner(initial_rank)
 
     def _install_interrupt(self, signum: signal.Signals | None) -> None:
         if signum is None:
