@@ -466,11 +466,18 @@ def admit_joiners(job: PrefixStore, iteration: int) -> list[int]:
     if not job.accepts_joiners():
         return []
     value, now = str(iteration), time.time()
-    return [
-        rank
-        for rank in job.joiners()[:_JOINED_MAX]
-        if job.admission(rank) is None and joiner_ready(job, rank, now) and job.claim_admission(rank, value) == value
-    ]
+    admitted = []
+    for rank in job.joiners()[:_JOINED_MAX]:
+        if job.admission(rank) is not None:
+            continue
+        if not joiner_ready(job, rank, now):
+            active_at = job.last_activity(rank)
+            since = "never" if active_at is None else f"{now - active_at:.1f} s ago"
+            log.info("joiner %d is not admitted into iteration %d: last reported active %s", rank, iteration, since)
+            continue
+        if job.claim_admission(rank, value) == value:
+            admitted.append(rank)
+    return admitted
 
 
 def report_rank_gone(
