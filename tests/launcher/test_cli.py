@@ -206,3 +206,25 @@ def test_status_shows_hot_spares_reserve_ranks_respawns_and_activations() -> Non
     assert "hot spares: 1 node(s); active world size 2; reserve ranks: [2]; respawned workers: 1" in shown
     assert "respawned rank 3: admitted not yet" in shown and "rank 2 activated in iteration 1" in shown
     assert "   2  reserve " in shown
+
+
+def test_status_skips_forged_spare_records(etcd_client: EtcdClient, run_id: str) -> None:
+    """The world record, joiners, admissions and activations read back forged: listed as malformed, never fatal."""
+    from elastic_ft.keys import ACTIVATIONS, ADMITTED, FTRUN_NEXT_RANK, FTRUN_WORLD, JOINERS, WRAPPER_JOB, RunKeys
+    from elastic_ft.launcher.status import _world_status
+
+    prefix = RunKeys("/elastic_ft", run_id).round_store(0)
+    job = f"{prefix}{WRAPPER_JOB}/"
+    etcd_client.put(prefix + FTRUN_WORLD, b'{"spare_nodes": true, "active_world_size": "4"}')
+    etcd_client.put(prefix + FTRUN_NEXT_RANK, b"lots")
+    etcd_client.put(job + JOINERS, b"4\nx\n-1\n4\n5\n")
+    etcd_client.put(job + ADMITTED + "4", b"2" * 100)
+    etcd_client.put(
+        job + ACTIVATIONS, b'{"initial_rank": 4, "iteration": 2}\nnot json\n{"initial_rank": true, "iteration": 1}\n'
+    )
+    malformed: list[dict[str, str]] = []
+    world = _world_status(etcd_client, prefix, malformed)
+    assert (world["spare_nodes"], world["active_world_size"], world["respawns"]) == (0, None, 0)
+    assert world["joined"] == [{"initial_rank": 4, "admitted": "2" * 32}, {"initial_rank": 5, "admitted": None}]
+    assert world["activations"] == [{"initial_rank": 4, "iteration": 2}]
+    assert [entry["key"] for entry in malformed] == [prefix + FTRUN_WORLD, job + ACTIVATIONS, job + ACTIVATIONS]
