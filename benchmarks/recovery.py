@@ -178,16 +178,9 @@ def nvidia_worker(argv: list[str]) -> None:
     spec = importlib.util.spec_from_file_location("train_ftrun", SCRIPT)
     example = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(example)  # type: ignore[union-attr]
-    args = example.parse_args(argv)
+    args = example.parse_args([*argv, "--reload-checkpoint"])  # NVIDIA's Wrapper heals no state from peers
     os.environ["ELASTIC_FT_INITIAL_RANK"] = os.environ["RANK"]
-    model = example.build_model(args.hidden)
-    import torch
-
-    state = {
-        "model": model,
-        "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-3),
-        "data": example.dataset(args.samples),
-    }
+    state = example.TrainingState(args.hidden, args.samples)
 
     def train(call_wrapper: inprocess.CallWrapper = None) -> dict:
         return example.train(args, state, call_wrapper)
@@ -332,7 +325,9 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--fault-step", type=int, default=40)
-    parser.add_argument("--hidden", type=int, default=1024, help="model width (1024: about 20 ms steps on the 2-core dev machine)")
+    parser.add_argument(
+        "--hidden", type=int, default=1024, help="model width (1024: about 20 ms steps on the 2-core dev machine)"
+    )
     parser.add_argument("--cap", type=float, default=150.0, help="seconds after which a run counts as not recovered")
     parser.add_argument("--steady-rounds", type=int, default=6)
     parser.add_argument("--steady-steps", type=int, default=400)

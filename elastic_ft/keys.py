@@ -186,6 +186,8 @@ ITERATION_BARRIER = "iteration_barrier"
 COMPLETION_BARRIER = "completion_barrier"
 TERMINATION_BARRIER = "termination_barrier"
 EXIT_BARRIER = "exit_barrier"
+#: Healing: the active ranks publish their progress, then meet here; the result lists every rank's.
+HEAL_BARRIER = "heal_barrier"
 
 #: Keys of one restart iteration's view.
 OUTCOME = "outcome"
@@ -196,6 +198,17 @@ RANK_OF_INITIAL = "rank_of_initial/"
 ACTIVE_WORLD_SIZE = "active_world_size"
 
 RANK_ASSIGNMENT = "elastic_ft/rank_assignment"
+HEAL = "heal"
+
+
+def heal_progress(active_rank: int) -> str:
+    """An active rank's progress record at the start of an iteration: JSON {"step", "fresh"}."""
+    return f"{HEAL}/progress/{active_rank}"
+
+
+def heal_group(sender: int) -> str:
+    """Store prefix under which sender ``sender`` and its receivers bootstrap their transfer group."""
+    return f"{HEAL}/group/{sender}/"
 
 
 def wrapper_iteration(number: int) -> str:

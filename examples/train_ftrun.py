@@ -12,16 +12,22 @@ fault on any rank (an exception, a dead process, a hang). Each call is one
 * the process group: a new one per iteration, bootstrapped from the
   Wrapper's store (``call_wrapper.base_store``, the round's etcd store under
   ``ftrun``: no rank hosts it);
-* DDP around the model, and the optimizer's state reloaded;
+* DDP around the model;
 * the sampler (``num_replicas`` and ``rank`` come from ``WORLD_SIZE`` and
   ``RANK``, which the Wrapper sets for each iteration) and the per-rank batch
   size: the *global* batch stays the same, so the learning rate stays valid
-  when the world shrinks;
-* the training state, reloaded from the last checkpoint: a collective cut
-  by a fault leaves its outputs undefined.
+  when the world shrinks.
 
-The model and the optimizer live outside :func:`train`, as plain module
-state that survives iterations.
+The training state (:class:`TrainingState`: model, optimizer, position in
+the data) lives outside :func:`train` and survives iterations. The Wrapper
+gets its ``state_dict`` and ``load_state_dict``, so a rank that comes back
+behind the others (a hot spare activated, a respawned process, a rank whose
+last optimizer step was cut) takes the state from a live peer before
+:func:`train` is called: no checkpoint is read after a fault and no step is
+redone. The checkpoint serves process restarts (read by the first
+iteration only).
+``--reload-checkpoint`` keeps the older path: every iteration reloads the
+last checkpoint (and redoes the steps since), as without healing.
 
 ``--no-wrapper`` runs the same loop without the Wrapper (under plain
 ``torchrun``, for comparisons). ``--fault`` injects one fault, for the demo,
@@ -33,11 +39,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import hashlib
 import itertools
 import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,21 +77,60 @@ def dataset(size: int) -> TensorDataset:
     return TensorDataset(inputs, targets)
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Restore model and optimizer; returns the position (step, epoch, batch in epoch) to resume from."""
-    if not path.exists():
-        return {"step": 0, "epoch": 0, "batch": 0}
-    checkpoint = torch.load(path, weights_only=True)
-    model.load_state_dict(checkpoint["model"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    return checkpoint["position"]
+class TrainingState:
+    """Model, optimizer and position (step, epoch, batch in the epoch): what every replica holds alike.
 
+    The position moves in an optimizer step post hook, so it moves with the
+    parameters: under the Wrapper an optimizer step and its hooks are never
+    cut by a restart, so a rank's state is never half a step.
+    """
 
-def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, position: dict) -> None:
-    """Write to a temporary file, then rename: a reader sees the old checkpoint or the new one, never half."""
-    temporary = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "position": position}, temporary)
-    os.replace(temporary, path)
+    def __init__(self, hidden: int, samples: int) -> None:
+        self.model = build_model(hidden)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.data = dataset(samples)
+        self.position = {"step": 0, "epoch": 0, "batch": 0}
+        self._next: dict[str, int] | None = None
+        self.optimizer.register_step_post_hook(self._commit_position)
+
+    def advance(self, epoch: int, batch: int) -> None:
+        """The position the next optimizer step reaches (committed by the step itself)."""
+        self._next = {"step": self.position["step"] + 1, "epoch": epoch, "batch": batch}
+
+    def _commit_position(self, *_: object) -> None:
+        if self._next is not None:
+            self.position, self._next = self._next, None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.position = dict(state["position"])
+
+    def load_checkpoint(self, path: Path) -> bool:
+        if not path.exists():
+            return False
+        self.load_state_dict(torch.load(path, weights_only=True))
+        return True
+
+    def digest(self) -> str:
+        """A hash of every tensor of the state, bit for bit (the tests compare ranks with it)."""
+        hasher = hashlib.sha256()
+        state = self.state_dict()
+        tensors = [*state["model"].values()]
+        for param_state in state["optimizer"]["state"].values():
+            tensors += [value for value in param_state.values() if isinstance(value, torch.Tensor)]
+        for tensor in tensors:
+            hasher.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return hasher.hexdigest()[:16]
+
+    def save_checkpoint(self, path: Path) -> None:
+        """Write to a temporary file, then rename: a reader sees the old checkpoint or the new one, never half."""
+        temporary = path.with_suffix(".tmp")
+        torch.save(self.state_dict(), temporary)
+        os.replace(temporary, path)
 
 
 _PROCESS_STORE: list[dist.Store] = []
@@ -103,7 +150,9 @@ def process_group_store(call_wrapper: CallWrapper | None, iteration: int) -> dis
         if not _PROCESS_STORE:
             host = int(os.environ["ELASTIC_FT_INITIAL_RANK"]) == 0
             _PROCESS_STORE.append(
-                dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, host, wait_for_workers=False)
+                dist.TCPStore(
+                    os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, host, wait_for_workers=False
+                )
             )
         base = _PROCESS_STORE[0]
     return dist.PrefixStore(f"pg/{iteration}", base)
@@ -127,7 +176,7 @@ class ResumableSampler(DistributedSampler):
         return max(0, super().__len__() - self.skip)
 
 
-def train(args: argparse.Namespace, state: dict[str, Any], call_wrapper: CallWrapper | None = None) -> dict:
+def train(args: argparse.Namespace, state: TrainingState, call_wrapper: CallWrapper | None = None) -> dict:
     iteration = call_wrapper.iteration if call_wrapper is not None else 0
     if iteration > 0:
         record(args, "enter", iteration=iteration)
@@ -140,14 +189,18 @@ def train(args: argparse.Namespace, state: dict[str, Any], call_wrapper: CallWra
     try:
         if args.hold_group:
             HELD_GROUPS.append(dist.group.WORLD)
-        model, optimizer = state["model"], state["optimizer"]
-        position = load_checkpoint(args.workdir / "checkpoint.pt", model, optimizer)
+        # The first iteration resumes from disk (a process restart); later ones from memory, healed
+        # from a peer where behind, unless --reload-checkpoint.
+        if (args.reload_checkpoint or iteration == 0) and state.load_checkpoint(args.workdir / "checkpoint.pt"):
+            record(args, "checkpoint_read", iteration=iteration, step=state.position["step"])
+        model, optimizer, position = state.model, state.optimizer, dict(state.position)
         ddp = DistributedDataParallel(model)
-        data = state["data"]
+        data = state.data
         local_batch = args.global_batch // world_size
         sampler = ResumableSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=0, drop_last=True)
         loader = DataLoader(data, batch_size=local_batch, sampler=sampler, num_workers=args.workers)
-        record(args, "start", iteration=iteration, world_size=world_size, resumed_at=position["step"])
+        record(args, "start", iteration=iteration, world_size=world_size, resumed_at=position["step"],
+               digest=state.digest() if args.record_digests else None)  # fmt: skip
         step, epoch, batch = position["step"], position["epoch"], position["batch"]
         loss = torch.zeros(())
         first_step_done = time.perf_counter()
@@ -160,6 +213,7 @@ def train(args: argparse.Namespace, state: dict[str, Any], call_wrapper: CallWra
                 loss = torch.nn.functional.mse_loss(ddp(inputs), targets)
                 optimizer.zero_grad()
                 loss.backward()
+                state.advance(epoch, index + 1)
                 optimizer.step()
                 step, batch = step + 1, index + 1
                 if step == position["step"] + 1:
@@ -168,9 +222,7 @@ def train(args: argparse.Namespace, state: dict[str, Any], call_wrapper: CallWra
                     first_step_cpu = (time.thread_time(), time.process_time())
                 if step % args.checkpoint_every == 0 and rank == 0:
                     with call_wrapper.atomic() if call_wrapper is not None else contextlib.nullcontext():
-                        save_checkpoint(
-                            args.workdir / "checkpoint.pt", model, optimizer, {"step": step, "epoch": epoch, "batch": batch}
-                        )
+                        state.save_checkpoint(args.workdir / "checkpoint.pt")
                 if step >= args.steps:
                     break
             else:
@@ -181,7 +233,9 @@ def train(args: argparse.Namespace, state: dict[str, Any], call_wrapper: CallWra
         # CPU seconds per step of the main thread, and of this process's other threads (gloo's, the Wrapper's).
         main_cpu = time.thread_time() - first_step_cpu[0]
         other_cpu = time.process_time() - first_step_cpu[1] - main_cpu
-        step_cpu = {"main": main_cpu / steps_timed, "other_threads": other_cpu / steps_timed} if steps_timed > 0 else None
+        step_cpu = (
+            {"main": main_cpu / steps_timed, "other_threads": other_cpu / steps_timed} if steps_timed > 0 else None
+        )
         return {"step": step, "iteration": iteration, "world_size": world_size, "rank": rank,
                 "loss": float(loss.detach()), "checksum": checksum, "resumed_at": position["step"],
                 "step_seconds": step_seconds, "step_cpu_seconds": step_cpu}  # fmt: skip
@@ -218,7 +272,9 @@ def inject(args: argparse.Namespace, call_wrapper: CallWrapper | None, step: int
         raise RuntimeError(f"injected fault at step {step} ({args.fault_file} appeared)")
     if args.fault is None or step != args.fault_step or int(os.environ["ELASTIC_FT_INITIAL_RANK"]) != args.fault_rank:
         return
-    if (call_wrapper is not None and call_wrapper.iteration > 0) or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+    if (call_wrapper is not None and call_wrapper.iteration > 0) or int(
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    ):
         return
     record(args, "fault", kind=args.fault, step=step)
     if args.fault == "raise":
@@ -233,6 +289,25 @@ def inject(args: argparse.Namespace, call_wrapper: CallWrapper | None, step: int
         time.sleep(3600)
     if args.fault == "slow_step":
         slow_computation(args.slow_seconds)
+
+
+def faulty_healing(args: argparse.Namespace, state: TrainingState) -> dict[str, Any]:
+    """``state_dict``/``load_state_dict`` with the faults of ``--kill-sender-rank`` and ``--fail-load-rank``."""
+    initial_rank = int(os.environ["ELASTIC_FT_INITIAL_RANK"])
+
+    def state_dict() -> dict[str, Any]:
+        if initial_rank == args.kill_sender_rank:
+            record(args, "fault", kind="kill_sender", step=state.position["step"])
+            threading.Timer(args.kill_sender_delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        return state.state_dict()
+
+    def load_state_dict(received: dict[str, Any]) -> None:
+        if initial_rank == args.fail_load_rank:
+            record(args, "fault", kind="fail_load", step=state.position["step"])
+            raise ValueError("injected: this state does not fit the model")
+        state.load_state_dict(received)
+
+    return {"state_dict": state_dict, "load_state_dict": load_state_dict}
 
 
 def slow_computation(seconds: float) -> None:
@@ -256,7 +331,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=1, help="DataLoader worker processes per rank")
     parser.add_argument("--checkpoint-every", type=int, default=20)
     parser.add_argument("--no-wrapper", action="store_true", help="run without elastic_ft.Wrapper")
-    parser.add_argument("--monitor-logs", action="store_true", help="monitor processes log to --workdir/monitor-<rank>.log")
+    parser.add_argument(
+        "--reload-checkpoint", action="store_true", help="every iteration reloads the checkpoint (no peer healing)"
+    )
+    parser.add_argument(
+        "--monitor-logs", action="store_true", help="monitor processes log to --workdir/monitor-<rank>.log"
+    )
     parser.add_argument("--hold-group", action="store_true", help="keep a reference to every process group")
     parser.add_argument("--pin-cpu", action="store_true", help="pin each worker to one CPU (steadier step times)")
     parser.add_argument("--fault", choices=FAULTS)
@@ -265,6 +345,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slow-seconds", type=float, default=4.0, help="length of --fault slow_step")
     parser.add_argument("--fault-file", type=Path, help="raise once this file appears (in an iteration > 0)")
     parser.add_argument("--fault-file-rank", type=int, default=0, help="initial rank that raises on --fault-file")
+    parser.add_argument("--record-digests", action="store_true", help="record a hash of the state at every start")
+    parser.add_argument("--kill-sender-rank", type=int, help="this initial rank is SIGKILLed while it sends its state")
+    parser.add_argument("--kill-sender-delay", type=float, default=0.05, help="seconds into the send")
+    parser.add_argument("--fail-load-rank", type=int, help="load_state_dict raises on this initial rank (once)")
     return parser.parse_args(argv)
 
 
@@ -276,10 +360,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.pin_cpu:
         cpus = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cpus[int(os.environ["LOCAL_RANK"]) % len(cpus)]})
-    model = build_model(args.hidden)
-    state = {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-3), "data": dataset(args.samples)}
+    state = TrainingState(args.hidden, args.samples)
     logfile = str(args.workdir.resolve() / "monitor-{rank}.log") if args.monitor_logs else None
-    result = train(args, state) if args.no_wrapper else Wrapper(monitor_process_logfile=logfile)(train)(args, state)
+    if args.no_wrapper:
+        result = train(args, state)
+    elif args.reload_checkpoint:
+        result = Wrapper(monitor_process_logfile=logfile)(train)(args, state)
+    else:
+        healing = {"state_dict": state.state_dict, "load_state_dict": state.load_state_dict}
+        if args.kill_sender_rank is not None or args.fail_load_rank is not None:
+            healing = faulty_healing(args, state)
+        result = Wrapper(monitor_process_logfile=logfile, **healing)(train)(args, state)
     if result is None:
         return  # a spare rank: it never trained
     done = {**result, "initial_rank": initial_rank, "pid": os.getpid(), "node": os.environ.get("NODE_TAG", "?"),

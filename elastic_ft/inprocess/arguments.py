@@ -45,9 +45,14 @@ def validate_arguments(arguments: dict[str, Any]) -> None:
     for name in ("store_factory", "rank_assignment"):
         if not callable(arguments[name]):
             raise TypeError(f"Wrapper {name} must be callable, got {arguments[name]!r}")
-    for name in ("initialize", "abort", "finalize", "health_check"):
+    for name in ("initialize", "abort", "finalize", "health_check", "state_dict", "load_state_dict"):
         if arguments[name] is not None and not callable(arguments[name]):
             raise TypeError(f"Wrapper {name} must be callable or None, got {arguments[name]!r}")
+    if (arguments["state_dict"] is None) != (arguments["load_state_dict"] is None):
+        given = "state_dict" if arguments["state_dict"] is not None else "load_state_dict"
+        raise ValueError(
+            f"Wrapper {given} was given alone: peer state healing needs both state_dict and load_state_dict"
+        )
     if arguments["store_kwargs"] is not None and not isinstance(arguments["store_kwargs"], dict):
         raise TypeError(f"Wrapper store_kwargs must be a dict or None, got {arguments['store_kwargs']!r}")
     if not isinstance(arguments["enabled"], bool):

@@ -49,6 +49,17 @@ class RankAssignmentTimeout(RestartError, TimeoutError):
     """Ranks did not all publish their rank-assignment data to the store in time."""
 
 
+class StateTransferError(RestartError):
+    """Healing a rank's state from a peer failed: a send or receive failed or timed out, or the state
+    arrived malformed or with a wrong checksum. The iteration restarts; its plan is computed afresh."""
+
+
+class HealingError(RestartError):
+    """``load_state_dict`` raised on the healed state (the rank's state may be half loaded), or a sender's
+    ``state_dict`` raised: the rank leaves the job and the node side escalates (``ftrun`` restarts the
+    workers); its ``__cause__`` is the error."""
+
+
 class RestartAbort(BaseException):
     """Raised (for example by :class:`~elastic_ft.inprocess.initialize.RetryController`) to stop restarting.
 

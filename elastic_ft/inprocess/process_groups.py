@@ -42,6 +42,8 @@ def _registered_groups() -> list[object]:
 
 
 def _uses_gloo(group: object) -> bool:
+    if isinstance(group, getattr(dist, "ProcessGroupGloo", ())):
+        return True  # a backend used directly (the healing transfers' groups)
     try:
         backend = group._get_backend(torch.device("cpu"))  # type: ignore[attr-defined]
     except (RuntimeError, AttributeError, ValueError):
@@ -63,6 +65,17 @@ class ProcessGroupKeeper:
         with self._lock:
             for group in groups:
                 self._seen.setdefault(id(group), group)
+
+    def track(self, group: object) -> None:
+        """Note a group the process group registry does not know (one created directly from a backend)."""
+        with self._lock:
+            self._seen.setdefault(id(group), group)
+
+    def untrack(self, group: object) -> None:
+        """``group`` finished its work: it may be freed as usual."""
+        with self._lock:
+            if self._seen.get(id(group)) is group:
+                del self._seen[id(group)]
 
     def retire(self) -> int:
         """The iteration was interrupted: keep its gloo groups forever; returns how many were newly kept."""

@@ -60,7 +60,7 @@ from elastic_ft.fault_records import (
 from elastic_ft.handoff import StoreHandoff
 from elastic_ft.inprocess.exception import BarrierOverflow, BarrierTimeout
 from elastic_ft.inprocess.logs import get_logger
-from elastic_ft.keys import COMPLETION_BARRIER, EXIT_BARRIER, ITERATION_BARRIER, TERMINATION_BARRIER
+from elastic_ft.keys import COMPLETION_BARRIER, EXIT_BARRIER, HEAL_BARRIER, ITERATION_BARRIER, TERMINATION_BARRIER
 from elastic_ft.untrusted import json_object
 
 #: The per-iteration outcome: exactly one of these wins the ``compare_set``.
@@ -175,6 +175,8 @@ class StoreMixin:
         """
         if name == COMPLETION_BARRIER:
             return self.decide_outcome(COMPLETED)
+        if name == HEAL_BARRIER:
+            return json.dumps([self.heal_progress(rank) for rank in range(world_size)])
         if name == TERMINATION_BARRIER:
             iteration = getattr(self, "iteration", None)
             joined = [] if iteration is None else admit_joiners(job_store(self.underlying_store), iteration + 1)
@@ -253,6 +255,14 @@ class StoreMixin:
         """The termination barrier's published result, once it completed."""
         key = keys.barrier_done(TERMINATION_BARRIER)
         return _text(self.get(key)) if self.check([key]) else None
+
+    def set_heal_progress(self, active_rank: int, step: int, fresh: bool) -> None:
+        self.set(keys.heal_progress(active_rank), json.dumps({"step": step, "fresh": fresh}))
+
+    def heal_progress(self, active_rank: int) -> object:
+        """An active rank's progress record as stored (untrusted: decoded, not checked), None if absent."""
+        key = keys.heal_progress(active_rank)
+        return json_object(self.get(key)) if self.check([key]) else None
 
     def mark_any_completed(self) -> None:
         self.set(keys.ANY_COMPLETED, "")

@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from elastic_ft.handoff import WorkerHandoff
 from elastic_ft.inprocess.abort import AbortTorchDistributed
@@ -50,6 +50,7 @@ from elastic_ft.inprocess.compose import Compose
 from elastic_ft.inprocess.exception import (
     BarrierOverflow,
     BarrierTimeout,
+    HealingError,
     HealthCheckError,
     InternalError,
     RankAssignmentTimeout,
@@ -58,6 +59,7 @@ from elastic_ft.inprocess.exception import (
 )
 from elastic_ft.inprocess.growth import joiner_state, next_iteration_state
 from elastic_ft.inprocess.hang_detection import AdaptiveTimeouts
+from elastic_ft.inprocess.healing import heal
 from elastic_ft.inprocess.logs import configure_logging, get_logger
 from elastic_ft.inprocess.monitor_process import STACK_DUMP_SIGNAL, MonitorConfig, MonitorProcess
 from elastic_ft.inprocess.monitor_thread import InterruptSignal, MonitorThread
@@ -98,11 +100,13 @@ F = TypeVar("F", bound=Callable[..., Any])
 StateHook = Callable[[State], Any]
 
 #: Exceptions with which the in-process layer gives up on the whole job (every
-#: rank gets them alike, or the protocol itself broke), as opposed to a rank
-#: leaving alone (failed health check or finalize, discarded by the rank
-#: assignment) while the others go on. The node side escalates on these.
+#: rank gets them alike, or the protocol itself broke, or a rank's state may be
+#: half loaded from a peer), as opposed to a rank leaving alone (failed health
+#: check or finalize, discarded by the rank assignment) while the others go
+#: on. The node side escalates on these.
 GIVE_UP_ERRORS: tuple[type[BaseException], ...] = (
     RestartAbort,
+    HealingError,
     BarrierTimeout,
     BarrierOverflow,
     InternalError,
@@ -159,6 +163,17 @@ class Wrapper:
             blocking call at a restart (its handler passes the signal on to
             the previous handler otherwise); ``None`` relies on the
             asynchronous exception alone, which waits for the call to return.
+        state_dict: returns the training state that is identical on every
+            data-parallel replica (model, optimizer, step, RNG, data position),
+            kept by the caller outside the wrapped function; given with
+            ``load_state_dict``, it turns on peer state healing
+            (:mod:`elastic_ft.inprocess.healing`): at the start of every
+            iteration after a restart, active ranks behind the others (new,
+            respawned, activated, or interrupted before their last optimizer
+            step) receive the state of an up-to-date rank before the function
+            is called. Named as TorchFT's ``Manager`` names them.
+        load_state_dict: puts a received state back (``load_state_dict(state)``);
+            tensors arrive on the CPU.
     """
 
     def __init__(
@@ -186,6 +201,8 @@ class Wrapper:
         enabled: bool = True,
         adaptive_timeouts: AdaptiveTimeouts | None = AdaptiveTimeouts(),  # noqa: B008 - immutable
         interrupt_signal: signal.Signals | None = signal.SIGUSR2,
+        state_dict: Callable[[], Any] | None = None,
+        load_state_dict: Callable[[Any], Any] | None = None,
     ) -> None:
         arguments = dict(locals())
         del arguments["self"]
@@ -308,6 +325,10 @@ class CallWrapper:
         #: The exception that interrupted the last iteration on this rank, if it was local.
         self.fn_exception: BaseException | None = None
         self.atomic_lock = threading.RLock()
+        #: Optimizer steps this rank's state has taken (set to the sender's when it is healed).
+        self.step = 0
+        #: The rank holds no state of the world yet: it has not run the function as an active rank, nor been healed.
+        self._fresh = True
         self._timestamps = ProgressTimestamps(_secs(wrapper.soft_timeout), _secs(wrapper.hard_timeout))
         self._steps = StepClock(
             self._timestamps, wrapper.adaptive_timeouts, _secs(wrapper.soft_timeout), _secs(wrapper.hard_timeout)
@@ -337,7 +358,9 @@ class CallWrapper:
         )
         self._job_store: PrefixStore | None = None
         self._interrupt: InterruptSignal | None = None
-        self._step_hook: Any = None
+        self._step_hooks: list[Any] = []
+        #: Levels of ``atomic_lock`` the main thread holds for optimizer steps under way.
+        self._step_lock_depth = 0
         try:
             self.base_store = wrapper.store_factory(**wrapper.store_kwargs)
             self._job_store = job_store(self.base_store)
@@ -362,7 +385,10 @@ class CallWrapper:
             # The monitor process sends this before it terminates the rank: every thread's stack goes to
             # stderr, from a C handler that runs even when the GIL is held.
             faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
-            self._step_hook = register_optimizer_step_post_hook(lambda *_: self._steps.step())
+            self._step_hooks = [
+                register_optimizer_step_pre_hook(self._enter_optimizer_step),
+                register_optimizer_step_post_hook(self._on_optimizer_step),
+            ]
             self._watchdog.start()
             # Everything that exists now (imports, the store's client, the caller's
             # set-up) outlives every iteration: move it out of the collector's way, so
@@ -401,12 +427,35 @@ class CallWrapper:
     def _release_hooks(self) -> None:
         close_inherited_in_child(None)
         faulthandler.unregister(STACK_DUMP_SIGNAL)
-        if self._step_hook is not None:
-            self._step_hook.remove()
-            self._step_hook = None
+        for hook in self._step_hooks:
+            hook.remove()
+        self._step_hooks = []
         if self._interrupt is not None:
             self._interrupt.uninstall()
             self._interrupt = None
+
+    def _enter_optimizer_step(self, *_: object) -> None:
+        """An optimizer step is atomic: no restart interrupts it, so no rank's state is ever half stepped.
+
+        The optimizer's own pre and post hooks run inside too (a position
+        counter kept in a post hook moves with the parameters). A restart
+        under way first interrupts this wait, as in :meth:`atomic`.
+        """
+        while not self.atomic_lock.acquire(timeout=0.001):
+            pass
+        self._step_lock_depth += 1
+
+    def _on_optimizer_step(self, *_: object) -> None:
+        self.step += 1
+        self._steps.step()
+        self._leave_optimizer_steps(1)
+
+    def _leave_optimizer_steps(self, levels: int | None = None) -> None:
+        """Release ``levels`` optimizer-step holds of ``atomic_lock`` (all: a step that raised left them)."""
+        count = self._step_lock_depth if levels is None else min(levels, self._step_lock_depth)
+        for _ in range(count):
+            self._step_lock_depth -= 1
+            self.atomic_lock.release()
 
     @property
     def job_store(self) -> PrefixStore:
@@ -564,6 +613,8 @@ class CallWrapper:
                 self._check_health(state)
                 result = None
                 if state.mode is Mode.ACTIVE:
+                    self._heal(store, state)
+                    self._fresh = False
                     result = fn(*args, **kwargs)
                     store.mark_any_completed()
                 else:
@@ -581,6 +632,7 @@ class CallWrapper:
                     return True, result
                 raise InternalError("the iteration was interrupted while this rank waited to complete")
             except Exception as error:  # noqa: BLE001 - any failure of the iteration restarts it
+                self._leave_optimizer_steps()  # an optimizer step that raised holds the monitor thread's lock
                 # From here the main thread runs the Wrapper's own code (store writes over gRPC):
                 # no asynchronous restart exception may land in it.
                 monitor.hold()
@@ -596,10 +648,12 @@ class CallWrapper:
                 store.record_interruption(rank, type(error).__name__, repr(error))
                 self._await_restart(monitor)
         except RankShouldRestart:
+            self._leave_optimizer_steps()
             monitor.acknowledge()
             log.info("rank %s: iteration %d interrupted, restarting", rank, state.iteration)
             return False, None
         except BaseException as error:  # noqa: BLE001 - any other exit makes this rank leave, then re-raises
+            self._leave_optimizer_steps()
             monitor.stop()
             leaving = error if isinstance(error, _RankLeaves) else _RankLeaves(error, type(error).__name__)
             self._leave(store, state, leaving)
@@ -618,6 +672,28 @@ class CallWrapper:
         if poll(monitor.restart_started.is_set, patience, interval_max=0.001):
             raise RankShouldRestart()
         raise InternalError(f"the monitor thread did not start a restart within {patience:g} s")
+
+    def _heal(self, store: PrefixStore, state: State) -> None:
+        """Peer state healing, on an active rank after a restart; see :mod:`elastic_ft.inprocess.healing`."""
+        wrapper = self.wrapper
+        if wrapper.state_dict is None or wrapper.load_state_dict is None or not state.iteration:
+            return
+        try:
+            result = heal(
+                store,
+                state.active_rank or 0,
+                state.active_world_size or state.world_size,
+                state.iteration,
+                self.step,
+                self._fresh,
+                wrapper.state_dict,
+                wrapper.load_state_dict,
+                wrapper.barrier_timeout,
+                self._groups,
+            )
+        except HealingError as error:
+            raise _RankLeaves(error, "healing") from error
+        self.step = result.step
 
     def _check_health(self, state: State) -> None:
         if self.wrapper.health_check is None:

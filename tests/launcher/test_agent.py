@@ -112,7 +112,13 @@ def status_of(etcd: EtcdServer, run_id: str) -> dict[str, Any]:
 
 
 def finish(nodes: list[TorchrunNode], timeout: float = 120) -> list[int]:
-    return [node.wait(timeout) for node in nodes]
+    """Exit codes of `nodes`; a node still running after `timeout` fails with every log."""
+    try:
+        return [node.wait(timeout) for node in nodes]
+    except subprocess.TimeoutExpired:
+        every_log = sorted(nodes[0].log_path.parent.glob("*.log")) if nodes[0].log_path else []
+        text = "\n".join(f"==== {path.name}\n{path.read_text(errors='replace')[-6000:]}" for path in every_log)
+        pytest.fail(f"a node still runs after {timeout} s\n{text}")
 
 
 @pytest.mark.parametrize(("kind", "victim"), [("sigkill", 3), ("sigkill", 0), ("raise", 3)])

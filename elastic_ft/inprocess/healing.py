@@ -1,0 +1,190 @@
+"""Peer state healing: at the start of an iteration after a restart, ranks behind take the state from a live peer.
+
+With ``Wrapper(state_dict=..., load_state_dict=...)`` every active rank, at
+the start of every iteration after the first:
+
+1. publishes its progress (optimizer steps its state has taken, and whether
+   it holds the world's state at all) in the iteration's store, and meets
+   the other active ranks at the heal barrier, whose result lists everyone's
+   progress (one read per rank, whatever the world size);
+2. computes the :func:`~elastic_ft.inprocess.recovery_plan.plan_recovery`
+   every rank computes from the same records;
+3. if it sends, calls ``state_dict()`` and streams it to its receivers; if
+   it receives, receives the state, checks every tensor's checksum, and only
+   then calls ``load_state_dict(state)``; otherwise does nothing.
+
+Each sender and its receivers form a gloo group of their own, bootstrapped
+from the iteration's store (so no rank hosts anything, and transfers from
+different senders run in parallel). It is created after the iteration's
+socket baseline, so a restart cuts its connections like the function's own,
+and it is kept alive for good if the iteration is interrupted
+(:mod:`elastic_ft.inprocess.process_groups`). A transfer that fails is an
+ordinary fault: the iteration restarts and the plan is computed afresh. A
+``load_state_dict`` that raises is not: the rank's state may be half loaded,
+so it leaves the job with :class:`~elastic_ft.inprocess.exception.HealingError`
+and the node side escalates; a ``state_dict`` that raises likewise (a
+restart would only call it again).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from elastic_ft import keys
+from elastic_ft.inprocess.exception import HealingError, StateTransferError
+from elastic_ft.inprocess.logs import get_logger
+from elastic_ft.inprocess.process_groups import ProcessGroupKeeper
+from elastic_ft.inprocess.recovery_plan import RankProgress, RecoveryPlan, plan_recovery
+from elastic_ft.inprocess.state_transfer import receive_state, run_interruptibly, send_state
+from elastic_ft.inprocess.store import PrefixStore
+from elastic_ft.keys import HEAL_BARRIER
+
+log = get_logger("healing")
+
+
+@dataclass(frozen=True)
+class HealResult:
+    """What healing did on this rank in one iteration."""
+
+    plan: RecoveryPlan
+    #: "sent", "received" or "idle".
+    role: str
+    #: The rank's step afterwards (the sender's for a receiver).
+    step: int
+    #: Bytes of state this rank sent to each receiver or received; 0 when idle.
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+def parse_progress(payload: str | bytes | None, world_size: int) -> list[RankProgress]:
+    """The heal barrier's result (untrusted): one record per active rank, in rank order."""
+    try:
+        records = json.loads(payload) if payload else None
+    except (ValueError, RecursionError):
+        records = None
+    if not isinstance(records, list) or len(records) != world_size:
+        raise StateTransferError(f"the heal barrier's result is not {world_size} progress records: {payload!r:.120}")
+    progress = []
+    for rank, record in enumerate(records):
+        try:
+            if not isinstance(record, dict):
+                raise TypeError(f"a JSON object, got {record!r:.60}")
+            progress.append(RankProgress(rank, record.get("step"), record.get("fresh")))  # type: ignore[arg-type]
+        except (TypeError, ValueError) as error:
+            raise StateTransferError(f"malformed progress record of active rank {rank}: {error}") from None
+    return progress
+
+
+def exchange_progress(
+    store: PrefixStore, active_rank: int, active_world_size: int, step: int, fresh: bool, timeout: datetime.timedelta
+) -> list[RankProgress]:
+    """Publish this rank's progress, wait for every active rank's, and return them all."""
+    store.set_heal_progress(active_rank, step, fresh)
+    payload = store.arrive_and_wait(HEAL_BARRIER, [active_rank], active_world_size, timeout)
+    return parse_progress(payload, active_world_size)
+
+
+@contextmanager
+def _transfer_group(
+    store: PrefixStore,
+    sender: int,
+    members: list[int],
+    active_rank: int,
+    timeout: datetime.timedelta,
+    keeper: ProcessGroupKeeper,
+) -> Iterator[Any]:
+    """The gloo group of ``sender`` and its receivers; gloo's errors become :class:`StateTransferError`.
+
+    The group is kept alive for good if the transfer does not finish (see the
+    module docstring); once it finished, it is freed as usual.
+    """
+    try:
+        group = dist.ProcessGroupGloo(
+            dist.PrefixStore(keys.heal_group(sender), store), members.index(active_rank), len(members), timeout
+        )
+        keeper.track(group)
+        yield group
+    except RuntimeError as error:  # gloo: a peer's connection closed, a timeout
+        raise StateTransferError(f"the state transfer from rank {sender} to {members[1:]} failed: {error}") from error
+    keeper.untrack(group)
+
+
+def heal(
+    store: PrefixStore,
+    active_rank: int,
+    active_world_size: int,
+    iteration: int,
+    step: int,
+    fresh: bool,
+    state_dict: Callable[[], Any],
+    load_state_dict: Callable[[Any], Any],
+    timeout: datetime.timedelta,
+    keeper: ProcessGroupKeeper,
+) -> HealResult:
+    """Run this rank's part of the iteration's healing; see the module docstring.
+
+    Raises:
+        StateTransferError: the exchange or a transfer failed (the iteration restarts).
+        HealingError: ``state_dict`` or ``load_state_dict`` raised (the rank leaves, the node side escalates).
+    """
+    progress = exchange_progress(store, active_rank, active_world_size, step, fresh, timeout)
+    plan = plan_recovery(progress, rotation=iteration)
+    if active_rank == 0 or plan.heals:
+        log.info("iteration %d: rank %d: %s", iteration, active_rank, plan.reason)
+    source = plan.source_of(active_rank)
+    receivers = plan.receivers_of(active_rank)
+    sender = active_rank if receivers else source
+    if sender is None:
+        return HealResult(plan, "idle", step)
+    members = [sender, *plan.receivers_of(sender)]
+    started = time.monotonic()
+    if receivers:
+        with _transfer_group(store, sender, members, active_rank, timeout, keeper) as group:
+            try:
+                state = state_dict()
+            except Exception as error:
+                raise HealingError(f"rank {active_rank}: state_dict() raised {error!r}") from error
+            destinations = list(range(1, len(members)))
+            nbytes = run_interruptibly(lambda: send_state(group, destinations, state, step), "elastic_ft-heal-send")
+        elapsed = time.monotonic() - started
+        log.info(
+            "iteration %d: rank %d sent its state at step %d (%.1f MB) to ranks %s in %.3f s",
+            iteration,
+            active_rank,
+            step,
+            nbytes / 1e6,
+            list(receivers),
+            elapsed,
+        )
+        return HealResult(plan, "sent", step, nbytes, elapsed)
+    with _transfer_group(store, sender, members, active_rank, timeout, keeper) as group:
+        received = run_interruptibly(lambda: receive_state(group, 0), "elastic_ft-heal-receive")
+    sent_step = received.step
+    if sent_step != plan.max_step:
+        raise StateTransferError(f"rank {source} sent its state at step {sent_step}, the plan says {plan.max_step}")
+    try:
+        load_state_dict(received.state)
+    except Exception as error:
+        raise HealingError(
+            f"rank {active_rank}: load_state_dict raised on the state healed from rank {source} "
+            f"at step {sent_step}: {error!r}"
+        ) from error
+    elapsed = time.monotonic() - started
+    log.info(
+        "iteration %d: rank %d healed from rank %d to step %d (%.1f MB) in %.3f s",
+        iteration,
+        active_rank,
+        source,
+        sent_step,
+        received.nbytes / 1e6,
+        elapsed,
+    )
+    return HealResult(plan, "received", sent_step, received.nbytes, elapsed)

@@ -1,0 +1,104 @@
+"""Who heals from whom at the start of an iteration: a pure function of every active rank's progress.
+
+After a restart, the active ranks of the new iteration publish their
+progress (:class:`RankProgress`: the optimizer steps their state has taken,
+and whether they hold the world's state at all). Every rank then computes
+the same :class:`RecoveryPlan` from the same records (TorchFT's
+``compute_quorum_results``, over the Wrapper's store instead of a
+lighthouse):
+
+* the **up-to-date** ranks hold the world's state at the highest step any
+  such rank reached;
+* a rank is **behind** when it holds no state of the world (a new,
+  respawned, or activated reserve rank: *fresh*) or its step is lower (an
+  optimizer step interrupted on it but completed elsewhere);
+* behind ranks, in rank order, are spread round robin over the up-to-date
+  ranks, the rotation moving with the iteration, so that several receivers
+  load several senders and a retried plan does not always pick the same
+  sender.
+
+A sender that dies during the transfer interrupts the iteration like any
+fault; the next iteration's plan is computed afresh without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    """One active rank's progress, as it publishes it at the start of an iteration."""
+
+    rank: int
+    #: Optimizer steps the rank's state has taken (set to the sender's step when it is healed).
+    step: int
+    #: The rank holds no state of the world yet: a new, respawned, or activated reserve rank.
+    fresh: bool
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
+            raise ValueError(f"a rank is an integer >= 0, got {self.rank!r}")
+        if not isinstance(self.step, int) or isinstance(self.step, bool) or self.step < 0:
+            raise ValueError(f"rank {self.rank}: a step is an integer >= 0, got {self.step!r}")
+        if not isinstance(self.fresh, bool):
+            raise TypeError(f"rank {self.rank}: fresh is a boolean, got {self.fresh!r}")
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    """The transfers of one iteration: ``sources[receiver] = sender``, and why."""
+
+    #: The step the up-to-date ranks are at (the step receivers take); 0 when no rank holds state.
+    max_step: int
+    sources: Mapping[int, int] = field(default_factory=dict)
+    reason: str = ""
+
+    @property
+    def heals(self) -> bool:
+        return bool(self.sources)
+
+    def source_of(self, rank: int) -> int | None:
+        """The rank ``rank`` receives its state from, None if it is up to date."""
+        return self.sources.get(rank)
+
+    def receivers_of(self, rank: int) -> tuple[int, ...]:
+        """The ranks ``rank`` sends its state to, in rank order."""
+        return tuple(sorted(receiver for receiver, sender in self.sources.items() if sender == rank))
+
+    @property
+    def senders(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.sources.values())))
+
+
+def plan_recovery(progress: Sequence[RankProgress], rotation: int = 0) -> RecoveryPlan:
+    """The recovery plan for the active ranks' ``progress`` (one record per rank, any order).
+
+    ``rotation`` (the iteration number) shifts the round robin, so that
+    every rank computes the same plan and successive plans vary the sender.
+    """
+    ranks = [p.rank for p in progress]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"one progress record per rank, got ranks {sorted(ranks)}")
+    holders = [p for p in progress if not p.fresh]
+    if not holders:
+        fresh = sorted(ranks)
+        return RecoveryPlan(0, {}, f"no rank holds the world's state (fresh ranks {fresh}): nothing to heal from")
+    max_step = max(p.step for p in holders)
+    up_to_date = sorted(p.rank for p in holders if p.step == max_step)
+    behind = sorted(p.rank for p in progress if p.fresh or p.step < max_step)
+    if not behind:
+        return RecoveryPlan(max_step, {}, f"all {len(up_to_date)} active ranks are at step {max_step}")
+    sources = {rank: up_to_date[(index + rotation) % len(up_to_date)] for index, rank in enumerate(behind)}
+    fresh = sorted(p.rank for p in progress if p.fresh)
+    lagging = sorted(f"{p.rank}@{p.step}" for p in progress if not p.fresh and p.step < max_step)
+    details = ", ".join(
+        part for part in (f"fresh {fresh}" if fresh else "", f"behind {lagging}" if lagging else "") if part
+    )
+    transfers = ", ".join(f"{sender}->{receiver}" for receiver, sender in sorted(sources.items()))
+    return RecoveryPlan(
+        max_step,
+        sources,
+        f"{len(behind)} rank(s) heal to step {max_step} ({details}) from {up_to_date}: {transfers}",
+    )
