@@ -216,6 +216,8 @@ def train(args: argparse.Namespace, state: TrainingState, call_wrapper: CallWrap
                 state.advance(epoch, index + 1)
                 optimizer.step()
                 step, batch = step + 1, index + 1
+                if args.record_steps:
+                    record(args, "step", iteration=iteration, step=step, world_size=world_size)
                 if step == position["step"] + 1:
                     record(args, "first_step", iteration=iteration, step=step, world_size=world_size)
                     first_step_done = time.perf_counter()
@@ -346,6 +348,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fault-file", type=Path, help="raise once this file appears (in an iteration > 0)")
     parser.add_argument("--fault-file-rank", type=int, default=0, help="initial rank that raises on --fault-file")
     parser.add_argument("--record-digests", action="store_true", help="record a hash of the state at every start")
+    parser.add_argument("--record-steps", action="store_true", help="record every step (for benchmarks)")
     parser.add_argument("--kill-sender-rank", type=int, help="this initial rank is SIGKILLed while it sends its state")
     parser.add_argument("--kill-sender-delay", type=float, default=0.05, help="seconds into the send")
     parser.add_argument("--fail-load-rank", type=int, help="load_state_dict raises on this initial rank (once)")

@@ -58,6 +58,8 @@ def test_disabled_wrapper_returns_the_function_itself() -> None:
         ({"interrupt_signal": "SIGUSR2"}, "interrupt_signal must be a signal"),
         ({"interrupt_signal": True}, "interrupt_signal must be a signal"),
         ({"interrupt_signal": signal.SIGKILL}, "cannot be handled"),
+        ({"state_dict": dict}, "state_dict was given alone: peer state healing needs both"),
+        ({"load_state_dict": print}, "load_state_dict was given alone: peer state healing needs both"),
     ],
 )
 def test_bad_argument_combinations_are_rejected(arguments: dict[str, object], message: str) -> None:
@@ -70,6 +72,7 @@ def test_bad_argument_combinations_are_rejected(arguments: dict[str, object], me
     [
         {"soft_timeout": 60},
         {"initialize": 3},
+        {"state_dict": {}, "load_state_dict": print},
         {"store_kwargs": [1]},
         {"enabled": 1},
         {"store_factory": None},

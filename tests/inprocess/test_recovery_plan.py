@@ -1,0 +1,111 @@
+"""The recovery plan: who is behind, who sends to whom; pure, so tested without I/O."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from elastic_ft.inprocess.recovery_plan import RankProgress, plan_recovery
+
+
+def progress(*records: tuple[int, bool]) -> list[RankProgress]:
+    return [RankProgress(rank, step, fresh) for rank, (step, fresh) in enumerate(records)]
+
+
+def test_up_to_date_ranks_do_nothing() -> None:
+    plan = plan_recovery(progress((7, False), (7, False), (7, False)))
+    assert not plan.heals and plan.max_step == 7
+    assert plan.reason == "all 3 active ranks are at step 7"
+
+
+def test_fresh_ranks_are_spread_round_robin_over_the_up_to_date_ranks() -> None:
+    ranks = progress((120, False), (120, False), (0, True), (0, True))
+    plan = plan_recovery(ranks, rotation=0)
+    assert dict(plan.sources) == {2: 0, 3: 1}
+    assert plan.receivers_of(0) == (2,) and plan.receivers_of(1) == (3,) and plan.senders == (0, 1)
+    assert plan.source_of(0) is None and plan.source_of(2) == 0
+    assert "fresh [2, 3]" in plan.reason and "0->2, 1->3" in plan.reason
+    assert dict(plan_recovery(ranks, rotation=1).sources) == {2: 1, 3: 0}  # the next iteration rotates
+
+
+def test_a_rank_cut_before_its_last_optimizer_step_is_behind() -> None:
+    plan = plan_recovery(progress((313, False), (313, False), (312, False), (0, True)), rotation=2)
+    assert dict(plan.sources) == {2: 0, 3: 1} and plan.max_step == 313
+    assert "behind ['2@312']" in plan.reason
+
+
+def test_a_fresh_rank_with_a_high_step_is_still_behind() -> None:
+    # A fresh rank's step is not the world's: a respawned process may have loaded an old checkpoint.
+    plan = plan_recovery(progress((10, False), (500, True)))
+    assert plan.max_step == 10 and dict(plan.sources) == {1: 0}
+
+
+def test_several_receivers_from_one_sender() -> None:
+    plan = plan_recovery(progress((5, False), (0, True), (0, True), (0, True)))
+    assert plan.receivers_of(0) == (1, 2, 3) and plan.senders == (0,)
+
+
+def test_nothing_to_heal_from_when_every_rank_is_fresh() -> None:
+    plan = plan_recovery(progress((0, True), (0, True)))
+    assert not plan.heals and "no rank holds the world's state" in plan.reason
+
+
+def test_a_sender_that_died_is_left_out_of_the_next_plan() -> None:
+    # Iteration 1: ranks 0 and 1 send to 3 and 2; rank 0 dies mid-transfer. Iteration 2 renumbers the
+    # three that are left (old 1, 2, 3 -> 0, 1, 2); both receivers are still fresh.
+    first = plan_recovery(progress((20, False), (20, False), (0, True), (0, True)), rotation=1)
+    assert dict(first.sources) == {2: 1, 3: 0}
+    second = plan_recovery(progress((20, False), (0, True), (0, True)), rotation=2)
+    assert dict(second.sources) == {1: 0, 2: 0}
+
+
+@pytest.mark.parametrize(
+    ("records", "message"),
+    [
+        ([RankProgress(0, 1, False), RankProgress(0, 1, False)], "one progress record per rank"),
+    ],
+)
+def test_duplicate_ranks_are_rejected(records: list[RankProgress], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        plan_recovery(records)
+
+
+@pytest.mark.parametrize(
+    ("rank", "step", "fresh", "error", "message"),
+    [
+        (-1, 0, False, ValueError, "a rank is an integer >= 0, got -1"),
+        (0, -3, False, ValueError, "a step is an integer >= 0, got -3"),
+        (0, True, False, ValueError, "a step is an integer >= 0, got True"),
+        (0, 1.5, False, ValueError, "a step is an integer >= 0, got 1.5"),
+        (0, 1, "yes", TypeError, "fresh is a boolean, got 'yes'"),
+    ],
+)
+def test_malformed_progress_is_rejected(rank: object, step: object, fresh: object, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        RankProgress(rank, step, fresh)  # type: ignore[arg-type]
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 50), st.booleans()), min_size=1, max_size=40),
+    st.integers(0, 100),
+)
+def test_every_behind_rank_gets_exactly_one_up_to_date_sender(records: list[tuple[int, bool]], rotation: int) -> None:
+    ranks = progress(*records)
+    plan = plan_recovery(ranks, rotation)
+    holders = [p for p in ranks if not p.fresh]
+    if not holders:
+        assert not plan.heals
+        return
+    top = max(p.step for p in holders)
+    up_to_date = {p.rank for p in holders if p.step == top}
+    behind = {p.rank for p in ranks if p.fresh or p.step < top}
+    assert plan.max_step == top
+    assert set(plan.sources) == behind
+    assert set(plan.sources.values()) <= up_to_date
+    assert not set(plan.sources) & up_to_date
+    # The load is spread: senders' receiver counts differ by at most one.
+    loads = [len(plan.receivers_of(rank)) for rank in up_to_date]
+    assert max(loads) - min(loads) <= 1
+    # Every rank computes the same plan from the same records, in any order.
+    assert plan_recovery(list(reversed(ranks)), rotation) == plan
