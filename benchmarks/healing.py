@@ -140,7 +140,8 @@ def run_node_kill(mode: str, hidden: int, args: argparse.Namespace, etcd: Any) -
     return {
         "first_full_step_seconds": firsts[0] - killed_at if firsts else None,
         "regained_seconds": regained[0] - killed_at if regained else None,
-        "steps_redone": before - starts[0]["resumed_at"] if starts else None,
+        # A survivor may finish one more step after the kill (the dead rank's gradients were in): none redone.
+        "steps_redone": max(0, before - starts[0]["resumed_at"]) if starts else None,
         "heal_mb": float(healed[0][0]) if healed else None,
         "heal_seconds": float(healed[0][1]) if healed else None,
         "checkpoint_reads": sum(1 for e in spare if e["event"] == "checkpoint_read"),

@@ -27,6 +27,7 @@ TCPStore) the node side and the worker side keep their records::
     ftrun/world                     the round's active world size and hot spares
     elastic_ft/inprocess/job/...    the Wrapper's job-wide keys (WRAPPER_JOB)
     elastic_ft/inprocess/iteration/<n>/...   one restart iteration's keys
+    elastic_ft/inprocess/iteration/<n>/heal/...   its peer healing: progress records, transfer groups
     elastic_ft/rank_assignment/<policy>/<call>/...   grouping-key exchanges
 
 The parsers are total: a key that does not have the expected shape gives

@@ -8,12 +8,15 @@
    checkpoint.
 4. Runs two ``ftrun`` nodes (two workers each) of ``train_ftrun.py`` (DDP,
    AdamW, a DataLoader, ``elastic_ft.Wrapper``) and SIGKILLs one worker: the
-   other three keep their processes, reload the last checkpoint and finish
-   in-process without it.
+   other three keep their processes and their state and finish in-process
+   without it, from the step they were at (no checkpoint read, no step
+   redone).
 5. Runs ``ftrun --spare-nodes=1`` with three nodes: two train, the third's
    workers wait initialised as reserve ranks. One training node is
-   SIGKILLed: the spare's ranks take its place in-process, the world size is
-   4 again, and no process is started or stopped on any surviving node.
+   SIGKILLed: the spare's ranks take its place in-process, healed with the
+   survivors' model and optimizer state (compared bit for bit), the world
+   size is 4 again, and no process is started or stopped on any surviving
+   node.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def hot_spare_scene(etcd: EtcdServer, workdir: Path, root: Path) -> bool:
     """Scene 4: a node killed, its ranks replaced in-process by the hot spare's reserve ranks."""
     from elastic_ft.testing.local_cluster import descendants
 
-    script = [str(TRAIN_FTRUN), "--workdir", str(workdir), "--steps", "400"]
+    script = [str(TRAIN_FTRUN), "--workdir", str(workdir), "--steps", "400", "--record-digests"]
     nodes = {
         tag: TorchrunNode(
             tag,
@@ -135,10 +138,18 @@ def hot_spare_scene(etcd: EtcdServer, workdir: Path, root: Path) -> bool:
         print(
             f"    world size 4 again {full[3] - killed_at:.2f} s after the kill, in the same processes: {same_processes}"
         )
+    starts = {e["rank"]: e for e in _events(workdir) if e["event"] == "start" and e["iteration"] == 1}
+    healed = len(starts) == 4 and len({(e["digest"], e["resumed_at"]) for e in starts.values()}) == 1
+    reads = [e for e in _events(workdir) if e["event"] == "checkpoint_read" and e["rank"] in (4, 5)]
+    at = next(iter(starts.values()))["resumed_at"] if starts else "?"
+    print(f"    the spare's ranks 4 and 5 were healed from the survivors: same state, bit for bit, at step {at}: "
+          f"{healed}; checkpoints read by them: {len(reads)}")  # fmt: skip
     return (
         sorted(r["initial_rank"] for r in done) == [0, 1, 4, 5]
         and all(r["world_size"] == 4 and r["iteration"] == 1 and r["process_restarts"] == 0 for r in done)
         and same_processes
+        and healed
+        and not reads
         and all(code == 0 for code in codes.values())
     )
 

@@ -200,6 +200,33 @@ def test_atomic_block_defers_termination(tmp_path: Path) -> None:
     assert first_call["atomic_left"] <= first_call["restart_received"], details()
 
 
+def test_a_restart_never_lands_inside_an_optimizer_step(tmp_path: Path) -> None:
+    # Rank 1 raises while rank 0 is 0.5 s into a 1.5 s optimizer step (Python code all along): the
+    # restart waits for the step and its post hook, so rank 0's state is one whole step further.
+    scenario = {
+        "faults": [fault(1, "raise_later", step=2), fault(0, "slow_optimizer_step", step=2)],
+        "optimizer_seconds": 1.5,
+        "raise_delay": 0.5,
+    }
+    outcomes = job(scenario, 2, tmp_path)
+    for rank, outcome in enumerate(outcomes):
+        assert_finished(outcome, iteration=1, rank=rank, world_size=2)
+    first, second = outcomes[0].report["calls"]
+    assert first["step_entered"] < first["step_left"] <= first["restart_received"], details()
+    assert outcomes[1].report["calls"][0]["fault"] == "raise_later"
+    assert (first["optimizer_steps"], second["optimizer_steps"]) == (0, 1), details()
+
+
+def test_an_optimizer_step_that_raises_does_not_hold_the_restart(tmp_path: Path) -> None:
+    # The step raises after its update: the lock it held for the restart is given back, and the
+    # iteration restarts like after any exception.
+    scenario = {"faults": [fault(0, "failing_optimizer_step", step=2)], "optimizer_seconds": 0.1}
+    outcomes = job(scenario, 2, tmp_path, timeout=60)
+    for rank, outcome in enumerate(outcomes):
+        assert_finished(outcome, iteration=1, rank=rank, world_size=2)
+    assert "step_left" not in outcomes[0].report["calls"][0], details()  # no post hook ran
+
+
 def test_ping_keeps_a_rank_busy_in_c_code_alive(tmp_path: Path) -> None:
     # Rank 1 spends 3 s in one C call (no bytecode, so no automatic heartbeat) while
     # a helper thread pings; the soft timeout is 1 s, yet nothing restarts.

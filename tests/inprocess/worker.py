@@ -59,6 +59,9 @@ def fault_here(iteration: int, step: int) -> str | None:
 
 
 def inject(kind: str, call_wrapper: CallWrapper) -> None:
+    if kind == "raise_later":
+        time.sleep(SCENARIO.get("raise_delay", 0.3))
+        raise RuntimeError(f"injected fault on initial rank {INITIAL_RANK}")
     if kind == "raise":
         raise RuntimeError(f"injected fault on initial rank {INITIAL_RANK}")
     if kind == "exit":
@@ -106,6 +109,8 @@ def inject(kind: str, call_wrapper: CallWrapper) -> None:
     if kind == "wait_for_restart":
         while True:
             time.sleep(0.005)
+    if kind in ("slow_optimizer_step", "failing_optimizer_step"):
+        optimizer_step(kind, call_wrapper)
     if kind == "atomic_checkpoint":
         path = os.path.join(OUT, "checkpoint.txt")
         with call_wrapper.atomic():
@@ -120,11 +125,49 @@ def inject(kind: str, call_wrapper: CallWrapper) -> None:
             time.sleep(0.005)
 
 
+class SlowSGD(torch.optim.Optimizer):
+    """Plain SGD whose step takes ``optimizer_seconds`` of Python code, and may raise after its update."""
+
+    def __init__(self, params: Any, fail: bool) -> None:
+        super().__init__(params, {"lr": 0.1})
+        self.fail = fail
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        deadline = time.monotonic() + SCENARIO.get("optimizer_seconds", 1.0)
+        while time.monotonic() < deadline:
+            time.sleep(0.005)  # bytecode throughout: a restart could land anywhere in here
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.add_(param.grad, alpha=-group["lr"])
+        if self.fail:
+            raise RuntimeError("injected: the optimizer step failed")
+
+
+if any(f["kind"].endswith("optimizer_step") for f in SCENARIO.get("faults", [])):
+    # The first optimizer step of a process imports torch._dynamo (seconds): done here, before the Wrapper.
+    _warm = torch.nn.Parameter(torch.ones(1))
+    _warm.sum().backward()
+    SlowSGD([_warm], fail=False).step()
+
+
+def optimizer_step(kind: str, call_wrapper: CallWrapper) -> None:
+    """One step of an optimizer that is slow (``slow_optimizer_step``) or raises (``failing_optimizer_step``)."""
+    weight = torch.nn.Parameter(torch.ones(4))
+    weight.sum().backward()
+    optimizer = SlowSGD([weight], fail=kind == "failing_optimizer_step")
+    optimizer.register_step_post_hook(lambda *_: CALLS[-1].__setitem__("step_left", time.time()))
+    CALLS[-1]["step_entered"] = time.time()
+    optimizer.step()
+    while True:
+        time.sleep(0.005)
+
+
 def train(pg_store: dist.Store, call_wrapper: CallWrapper | None = None) -> dict[str, Any]:
     assert call_wrapper is not None
     iteration = call_wrapper.iteration
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    call = {"iteration": iteration, "rank": rank, "world_size": world_size}
+    call = {"iteration": iteration, "rank": rank, "world_size": world_size, "optimizer_steps": call_wrapper.step}
     CALLS.append(call)
     dist.init_process_group(
         "gloo",
