@@ -13,8 +13,9 @@ Wire format, sender to each receiver, over a process group's ``send`` and
 ``recv`` (one message order per pair of ranks)::
 
     int64[1]          header length
-    uint8[length]     header: JSON {format, step, skeleton, tensors: [{dtype, shape}], chunk_bytes}
-    uint8[...]        every tensor's bytes, in order, in chunks of chunk_bytes
+    uint8[length]     header: JSON {format, step, skeleton, tensors: [{dtype, shape}], chunk_bytes, small_bytes}
+    uint8[...]        the tensors of at most small_bytes, packed in order, in chunks of chunk_bytes
+    uint8[...]        every larger tensor's bytes, in order, in chunks of chunk_bytes
     int64[1 + n]      trailer: n, then the CRC-32C of every tensor's bytes
 
 and back, receiver to sender, ``int64[1]``: the trailer arrived (the sender
@@ -49,6 +50,8 @@ FORMAT = 1
 CHUNK_BYTES = 4 << 20
 #: Chunks in flight per receiver.
 WINDOW = 8
+#: Tensors up to this size travel packed together (biases, norms, step counters): one message, not one each.
+SMALL_BYTES = 256 << 10
 #: A header longer than this is garbage, not a state's skeleton.
 MAX_HEADER_BYTES = 1 << 30
 _SCALARS = (str, int, float, bool, type(None))
@@ -168,6 +171,15 @@ class Header:
     skeleton: object
     tensors: tuple[TensorSpec, ...]
     chunk_bytes: int
+    small_bytes: int = SMALL_BYTES
+
+    def packed(self) -> list[int]:
+        """The tensors sent packed, in order, ahead of the others."""
+        return [index for index, spec in enumerate(self.tensors) if spec.nbytes <= self.small_bytes]
+
+    def streamed(self) -> list[int]:
+        """The tensors sent one by one, in chunks, after the packed ones."""
+        return [index for index, spec in enumerate(self.tensors) if spec.nbytes > self.small_bytes]
 
     def to_bytes(self) -> bytes:
         specs = [{"dtype": _dtype_name(s.dtype), "shape": list(s.shape)} for s in self.tensors]
@@ -177,6 +189,7 @@ class Header:
             "skeleton": self.skeleton,
             "tensors": specs,
             "chunk_bytes": self.chunk_bytes,
+            "small_bytes": self.small_bytes,
         }
         return json.dumps(document, separators=(",", ":")).encode()
 
@@ -190,6 +203,9 @@ class Header:
         if not isinstance(document, dict) or document.get("format") != FORMAT:
             raise StateTransferError(f"expected a state header of format {FORMAT}, got {str(document)[:80]!r}")
         step, chunk, specs = document.get("step"), document.get("chunk_bytes"), document.get("tensors")
+        small = document.get("small_bytes")
+        if not _is_count(small):
+            raise StateTransferError(f"the header's small_bytes is {small!r}, expected an integer >= 0")
         if not _is_count(step):
             raise StateTransferError(f"the header's step is {step!r}, expected an integer >= 0")
         if not _is_count(chunk) or chunk == 0:
@@ -202,7 +218,7 @@ class Header:
             if not isinstance(shape, list) or not all(_is_count(size) for size in shape):
                 raise StateTransferError(f"malformed tensor spec {spec!r:.80}: expected a shape of integers >= 0")
             tensors.append(TensorSpec(_dtype(spec.get("dtype")), tuple(shape)))
-        return cls(step, document.get("skeleton"), tuple(tensors), chunk)
+        return cls(step, document.get("skeleton"), tuple(tensors), chunk, small)
 
 
 def _is_count(value: object) -> bool:
@@ -313,14 +329,22 @@ def send_state(
 
     to_all(torch.tensor([len(header)], dtype=torch.int64))
     to_all(header_tensor)
-    checksums = []
-    for tensor in tensors:
-        data, crc = _host_bytes(tensor), 0
+    plan = Header(step, None, specs, chunk_bytes)
+    checksums = [0] * len(tensors)
+    packed = [_host_bytes(tensors[index]) for index in plan.packed()]
+    if packed:
+        bundle = torch.cat(packed)
+        for part in _chunks(bundle.numel(), chunk_bytes):
+            to_all(bundle[part])
+        for index, data in zip(plan.packed(), packed, strict=True):
+            checksums[index] = _crc(data, 0)
+    for index in plan.streamed():
+        data, crc = _host_bytes(tensors[index]), 0
         for part in _chunks(data.numel(), chunk_bytes):
             chunk = data[part]
             to_all(chunk)
             crc = _crc(chunk, crc)  # while the chunk is on its way (both only read it)
-        checksums.append(crc)
+        checksums[index] = crc
     to_all(torch.tensor([len(checksums), *checksums], dtype=torch.int64))
     acks = [torch.zeros(1, dtype=torch.int64) for _ in receivers]
     for receiver, ack in zip(receivers, acks, strict=True):
@@ -359,8 +383,25 @@ def receive_state(group: Any, sender: int) -> Received:
         raise StateTransferError(f"cannot allocate the state's tensors: {error}") from None
     checksums = [0] * len(tensors)
     pipeline = _Pipeline(WINDOW)
-    for index, tensor in enumerate(tensors):
-        data = tensor.reshape(-1).view(torch.uint8)
+    packed = header.packed()
+    bundle = torch.empty(sum(header.tensors[index].nbytes for index in packed), dtype=torch.uint8)
+
+    def unpack() -> None:
+        offset = 0
+        for index in packed:
+            size = header.tensors[index].nbytes
+            data = bundle[offset : offset + size]
+            tensors[index].reshape(-1).view(torch.uint8).copy_(data)
+            checksums[index] = _crc(data, 0)
+            offset += size
+
+    parts = list(_chunks(bundle.numel(), header.chunk_bytes))
+    for number, part in enumerate(parts):
+        pipeline.post(group.recv([bundle[part]], sender, 0), unpack if number == len(parts) - 1 else None)
+    if not parts:
+        unpack()  # only empty tensors, or none
+    for index in header.streamed():
+        data = tensors[index].reshape(-1).view(torch.uint8)
         for part in _chunks(data.numel(), header.chunk_bytes):
             chunk = data[part]
 

@@ -62,6 +62,7 @@ def training_state() -> dict[str, Any]:
             "mask": torch.tensor([True, False, True]),
             "scalar": torch.tensor(3.25, dtype=torch.float64),
             "empty": torch.zeros(0, 4),
+            "large": torch.randn(100_000),  # above SMALL_BYTES: streamed on its own
             "strided": torch.arange(40.0).reshape(5, 8)[:, ::3],
         },
     }
@@ -136,16 +137,28 @@ class _Corrupting:
 
 
 def test_a_corrupted_chunk_is_caught_by_its_tensors_checksum_before_anything_is_returned() -> None:
-    state = {"weights": {"big": torch.randn(10_000), "small": torch.randn(3)}}
+    state = {"weights": {"big": torch.randn(100_000), "small": torch.randn(3)}}
 
     def body(rank: int, group: Any) -> Any:
         if rank == 0:
             return send_state(group, [1], state, step=3, chunk_bytes=8192)
-        return receive_state(CorruptingGroup(group, nth=4), 0)  # length, header, then chunk 2 of "big"
+        return receive_state(CorruptingGroup(group, nth=5), 0)  # length, header, "small" packed, chunk 2 of "big"
 
     _, error = run_ranks(2, body)
     assert isinstance(error, StateTransferError), error
     assert "state['weights']['big']: checksum" in str(error)
+
+
+def test_a_corrupted_packed_tensor_is_caught_too() -> None:
+    state = {"bias": torch.randn(7), "scale": torch.randn(5), "big": torch.randn(100_000)}
+
+    def body(rank: int, group: Any) -> Any:
+        if rank == 0:
+            return send_state(group, [1], state, step=3)
+        return receive_state(CorruptingGroup(group, nth=3), 0)  # length, header, then the packed bias+scale
+
+    _, error = run_ranks(2, body)
+    assert isinstance(error, StateTransferError) and "state['bias']: checksum" in str(error), error
 
 
 def test_a_value_that_is_neither_a_tensor_nor_json_is_named_before_anything_is_sent() -> None:
@@ -171,14 +184,15 @@ def send_raw(group: Any, header: bytes, payload: list[torch.Tensor], ack: bool =
     [
         (b"not json", "the state's header is not JSON"),
         (b'{"format": 2}', "expected a state header of format 1"),
-        (b'{"format": 1, "step": -1, "chunk_bytes": 1, "tensors": []}', "the header's step is -1"),
-        (b'{"format": 1, "step": 1, "chunk_bytes": 0, "tensors": []}', "chunk_bytes is 0"),
+        (b'{"format": 1, "step": -1, "chunk_bytes": 1, "small_bytes": 0, "tensors": []}', "the header's step is -1"),
+        (b'{"format": 1, "step": 1, "chunk_bytes": 0, "small_bytes": 0, "tensors": []}', "chunk_bytes is 0"),
+        (b'{"format": 1, "step": 1, "chunk_bytes": 9, "tensors": []}', "small_bytes is None"),
         (
-            b'{"format": 1, "step": 1, "chunk_bytes": 9, "tensors": [{"dtype": "os", "shape": [1]}]}',
+            b'{"format": 1, "step": 1, "chunk_bytes": 9, "small_bytes": 0, "tensors": [{"dtype": "os", "shape": [1]}]}',
             "unknown tensor dtype 'os'",
         ),
         (
-            b'{"format": 1, "step": 1, "chunk_bytes": 9, "tensors": [{"dtype": "float32", "shape": [-2]}]}',
+            b'{"format": 1, "step": 1, "chunk_bytes": 9, "small_bytes": 0, "tensors": [{"dtype": "float32", "shape": [-2]}]}',
             "malformed tensor spec",
         ),
     ],
@@ -194,7 +208,8 @@ def test_a_malformed_header_is_refused_before_any_allocation(header: bytes, mess
 
 
 def test_a_skeleton_that_misplaces_tensors_is_refused() -> None:
-    header = json.dumps({"format": 1, "step": 1, "chunk_bytes": 64, "skeleton": {"list": [{"tensor": 0}, {"tensor": 0}]},
+    header = json.dumps({"format": 1, "step": 1, "chunk_bytes": 64, "small_bytes": 0,
+                         "skeleton": {"list": [{"tensor": 0}, {"tensor": 0}]},
                          "tensors": [{"dtype": "float32", "shape": [2]}]}).encode()  # fmt: skip
 
     def body(rank: int, group: Any) -> Any:
