@@ -304,7 +304,9 @@ class CallWrapper:
 
     The wrapped function receives it in any parameter annotated
     ``CallWrapper`` or ``CallWrapper | None``, to use :meth:`atomic` and
-    :meth:`ping` and to read :attr:`iteration` and :attr:`state`.
+    :meth:`ping` and to read :attr:`iteration`, :attr:`state` and
+    :attr:`step` (the optimizer steps this rank's state has taken, which
+    peer state healing compares across ranks).
     """
 
     def __init__(self, wrapper: Wrapper) -> None:
