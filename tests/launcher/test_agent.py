@@ -40,6 +40,7 @@ def start(
     max_restarts: int = 2,
     extra_args: tuple[str, ...] = (),
     job_config: Path | None = None,
+    conf: str = CONF,
 ) -> TorchrunNode:
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
@@ -50,7 +51,7 @@ def start(
         script=[str(WORKER)],
         nnodes=nnodes,
         nproc_per_node=nproc,
-        rdzv_conf=CONF,
+        rdzv_conf=conf,
         max_restarts=max_restarts,
         log_path=tmp_path / f"{tag}.log",
         extra_env={
@@ -266,10 +267,12 @@ def test_failure_outside_the_wrapper_behaves_like_torchrun(
 def test_spare_node_waits_without_error_and_exits_with_the_job(
     etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
 ) -> None:
-    scenario = {"steps": 100, "step_seconds": 0.05}
-    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
+    # Nothing dies here, so no need for a 1 s lease (fast death detection): on a loaded 2-core
+    # machine a starved agent could miss a whole 1 s TTL and be taken for dead (docs/launcher.md).
+    scenario, conf = {"steps": 100, "step_seconds": 0.05}, CONF.replace("lease_ttl=1", "lease_ttl=3")
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, conf=conf) for tag in "AB")
     wait_for(tmp_path, "start-*.json", 4, 90)
-    spare = start(nodes, tmp_path, etcd, run_id, "C", scenario)
+    spare = start(nodes, tmp_path, etcd, run_id, "C", scenario, conf=conf)
     time.sleep(3)
     assert spare.process.poll() is None, spare.log()  # waiting, not crashed
     assert finish([a, b]) == [0, 0], logs(nodes)

@@ -184,8 +184,9 @@ def test_a_sender_killed_while_it_streams_the_state_costs_one_more_restart(
 def test_a_load_state_dict_that_raises_escalates_and_nothing_trains_on_half_a_state(
     nodes: list[TorchrunNode], tmp_path: Path, etcd: EtcdServer, run_id: str
 ) -> None:
+    # Long enough that the escalation restarts the workers before the others could finish in-process.
     for tag in "ABC":
-        start(nodes, tmp_path, etcd, run_id, tag, "--steps", "120", "--fail-load-rank", "4", spare=True)
+        start(nodes, tmp_path, etcd, run_id, tag, "--steps", "1500", "--fail-load-rank", "4", spare=True)
     holder = node_holding(nodes, tmp_path, 2)
     holder.kill()
     survivors = [node for node in nodes if node is not holder]
@@ -198,4 +199,5 @@ def test_a_load_state_dict_that_raises_escalates_and_nothing_trains_on_half_a_st
     (failure,) = [e for e in events(tmp_path) if e["event"] == "fault" and e["kind"] == "fail_load"]
     later = [e for e in events(tmp_path) if e["rank"] == 4 and e["pid"] == failure["pid"] and e["t"] > failure["t"]]
     assert later == [], later  # the process whose load failed never trained on what it half loaded
-    assert len(results(tmp_path)) == 2 * len(survivors), results(tmp_path)
+    done = results(tmp_path)
+    assert done and all(r["step"] == 1500 for r in done.values()), done  # the job finished after the restart

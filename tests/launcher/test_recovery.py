@@ -105,8 +105,13 @@ def assert_recovered(
     for rank, result in done.items():
         assert result["pid"] == first_pids[rank], f"rank {rank} was restarted as a new process: {result}"
         assert (result["step"], result["iteration"], result["world_size"]) == (STEPS, 1, len(survivors)), result
-        assert result["resumed_at"] == FAULT_STEP, result  # no step redone
+        # From its own state: the fault's step, or a little later where the faulty rank went on for a
+        # few steps (a GIL-held sleep ends early when its monitor signals it, before SIGTERM lands).
+        assert result["resumed_at"] >= FAULT_STEP, result
         assert result["process_restarts"] == 0
+    assert len({result["resumed_at"] for result in done.values()}) == 1, done
+    reads = [e for e in events(tmp_path) if e["event"] == "checkpoint_read" and e["iteration"] > 0]
+    assert reads == [], reads  # no checkpoint read after the fault, no step redone
     # Every survivor ends with the same model: the same steps, on the same data.
     assert len({round(result["checksum"], 6) for result in done.values()}) == 1, done
 
