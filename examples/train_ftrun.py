@@ -293,12 +293,21 @@ def inject(args: argparse.Namespace, call_wrapper: CallWrapper | None, step: int
         slow_computation(args.slow_seconds)
 
 
+def _claim_once(path: Path) -> bool:
+    """True for the first process of the job to claim ``path``, False for every other."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 def faulty_healing(args: argparse.Namespace, state: TrainingState) -> dict[str, Any]:
-    """``state_dict``/``load_state_dict`` with the faults of ``--kill-sender-rank`` and ``--fail-load-rank``."""
+    """``state_dict``/``load_state_dict`` with the faults of ``--kill-first-sender`` and ``--fail-load-rank``."""
     initial_rank = int(os.environ["ELASTIC_FT_INITIAL_RANK"])
 
     def state_dict() -> dict[str, Any]:
-        if initial_rank == args.kill_sender_rank:
+        if args.kill_first_sender and _claim_once(args.workdir / "kill-first-sender.claim"):
             record(args, "fault", kind="kill_sender", step=state.position["step"])
             threading.Timer(args.kill_sender_delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
         return state.state_dict()
@@ -349,7 +358,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fault-file-rank", type=int, default=0, help="initial rank that raises on --fault-file")
     parser.add_argument("--record-digests", action="store_true", help="record a hash of the state at every start")
     parser.add_argument("--record-steps", action="store_true", help="record every step (for benchmarks)")
-    parser.add_argument("--kill-sender-rank", type=int, help="this initial rank is SIGKILLed while it sends its state")
+    parser.add_argument(
+        "--kill-first-sender", action="store_true", help="the first rank to send its state is SIGKILLed while it does"
+    )
     parser.add_argument("--kill-sender-delay", type=float, default=0.05, help="seconds into the send")
     parser.add_argument("--fail-load-rank", type=int, help="load_state_dict raises on this initial rank (once)")
     return parser.parse_args(argv)
@@ -371,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
         result = Wrapper(monitor_process_logfile=logfile)(train)(args, state)
     else:
         healing = {"state_dict": state.state_dict, "load_state_dict": state.load_state_dict}
-        if args.kill_sender_rank is not None or args.fail_load_rank is not None:
+        if args.kill_first_sender or args.fail_load_rank is not None:
             healing = faulty_healing(args, state)
         result = Wrapper(monitor_process_logfile=logfile, **healing)(train)(args, state)
     if result is None:

@@ -13,6 +13,7 @@ a healed rank is compared with the survivors exactly.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -122,7 +123,8 @@ def assert_healed(tmp_path: Path, nodes: list[TorchrunNode], healed: set[int]) -
 def test_an_activated_hot_spare_takes_the_survivors_state_bit_for_bit(
     nodes: list[TorchrunNode], tmp_path: Path, etcd: EtcdServer, run_id: str
 ) -> None:
-    """A node killed; the hot spare's two ranks are activated and healed from two different senders."""
+    """A node killed; the hot spare's two ranks are activated and healed (from two different senders when
+    both survivors are up to date)."""
     for tag in "ABC":
         start(nodes, tmp_path, etcd, run_id, tag, "--steps", "200", spare=True)
     holder = node_holding(nodes, tmp_path, 2)
@@ -134,8 +136,11 @@ def test_an_activated_hot_spare_takes_the_survivors_state_bit_for_bit(
     assert len(healed) == 2, done
     assert_healed(tmp_path, nodes, healed)
     logged = "\n".join(node.log() for node in nodes)
-    assert "2 rank(s) heal to step" in logged, logs(nodes, tmp_path)
-    assert "0->2, 1->3" in logged or "1->2, 0->3" in logged, logs(nodes, tmp_path)  # senders spread
+    assert "fresh [2, 3]" in logged, logs(nodes, tmp_path)
+    # Two up-to-date survivors share the two receivers; a survivor cut before its last optimizer step
+    # (the kill can land between two ranks' steps) is behind too, and the other one sends to all three.
+    spread = "0->2, 1->3" in logged or "1->2, 0->3" in logged
+    assert spread or re.search(r"behind \['[01]@\d+'\]\) from \[[01]\]", logged), logs(nodes, tmp_path)
 
 
 def test_a_respawned_worker_is_healed_when_it_joins(
@@ -157,25 +162,28 @@ def test_a_respawned_worker_is_healed_when_it_joins(
 def test_a_sender_killed_while_it_streams_the_state_costs_one_more_restart(
     nodes: list[TorchrunNode], tmp_path: Path, etcd: EtcdServer, run_id: str
 ) -> None:
-    """Initial rank 0 is SIGKILLed 50 ms into sending a 100 MB state; the receivers heal from rank 1."""
-    script = ("--steps", "80", "--hidden", "2900", "--kill-sender-rank", "0")
+    """The first survivor to send a 100 MB state is SIGKILLed 50 ms into it; the receivers heal later."""
+    script = ("--steps", "80", "--hidden", "2900", "--kill-first-sender")
     for tag in "ABC":
         start(nodes, tmp_path, etcd, run_id, tag, *script, spare=True)
     holder = node_holding(nodes, tmp_path, 2)
     holder.kill()
     survivors = [node for node in nodes if node is not holder]
     assert [node.wait(240) for node in survivors] == [0, 0], logs(nodes, tmp_path)
-    kills = [e for e in events(tmp_path) if e["event"] == "fault" and e["kind"] == "kill_sender"]
-    assert len(kills) == 1, kills
+    (kill,) = [e for e in events(tmp_path) if e["event"] == "fault" and e["kind"] == "kill_sender"]
     logged = "\n".join(node.log() for node in nodes)
-    # Iteration 1's plan (ranks renumbered: 4 and 5 in 2 and 3) is 1->2, 0->3: rank 3's sender dies.
-    assert "from [0, 1]: 1->2, 0->3" in logged, logs(nodes, tmp_path)
-    assert "iteration 1: rank 3 healed" not in logged, logs(nodes, tmp_path)  # its sender died mid-transfer
-    # Iteration 2 (ranks 1, 4, 5 as 0, 1, 2): whatever did not complete is healed from the survivor.
-    assert "iteration 2: rank 2 healed from rank 0" in logged, logs(nodes, tmp_path)
+    # Iteration 1 heals the spare's ranks; its sender dies mid-transfer, so its receivers finish no heal
+    # there: they are healed in a later iteration, by the survivor left.
+    (sent,) = re.findall(rf"\[pid {kill['pid']}\] iteration 1: rank (\d+): .* from \[[\d, ]+\]: (.*)", logged)
+    receivers = [int(pair.split("->")[1]) for pair in sent[1].split(", ") if pair.split("->")[0] == sent[0]]
+    assert receivers, sent
+    for receiver in receivers:
+        assert f"iteration 1: rank {receiver} healed" not in logged, logs(nodes, tmp_path)
+    assert re.search(r"iteration [2-9]: rank \d+ healed from rank", logged), logs(nodes, tmp_path)
     done = results(tmp_path)
-    # Rank 0 died; the process respawned for it waits as a joiner for a fault that never comes.
-    assert sorted(done) == [1, 4, 5] and {r["world_size"] for r in done.values()} == {3}, done
+    # The killed rank is gone; the process respawned for it waits as a joiner for a fault that never comes.
+    assert len(done) == 3 and kill["rank"] not in done, done
+    assert {r["world_size"] for r in done.values()} == {3}, done
     started = starts_after(tmp_path, max(r["iteration"] for r in done.values()))
     assert len({e["digest"] for e in started.values()}) == 1, started
     assert len({round(r["checksum"], 6) for r in done.values()}) == 1, done
