@@ -120,6 +120,15 @@ def store_write_token(store_prefix: str, token: str) -> str:
     return f"{store_prefix.rstrip('/')}.writes/{token}"
 
 
+def store_queue_prefix(store_prefix: str, name: str) -> str:
+    """The keys of the store's queue ``name`` (``queue_push``), beside the store as its write tokens are.
+
+    The name is length-prefixed, so no queue's prefix is another's: ``a``
+    and ``a/b`` are ``.queue/1:a/`` and ``.queue/3:a/b/``.
+    """
+    return f"{store_prefix.rstrip('/')}.queue/{len(name)}:{name}/"
+
+
 @dataclass(frozen=True)
 class RdzvKey:
     """What a key relative to ``rdzv/`` names; ``kind`` is closed, alive, join, result, left, late or slot."""

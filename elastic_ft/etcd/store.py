@@ -22,7 +22,15 @@ torch's ``TCPStore`` (the tests run the same assertions against both):
   value equals ``expected`` (or when the key is missing and ``expected`` is
   empty) and returns the value the key holds afterwards; a missing key with a
   non-empty ``expected`` returns ``expected``, as TCPStore does.
-* ``num_keys`` counts the keys of this store only.
+* ``num_keys`` and ``list_keys`` see the keys of this store only (not its
+  queues, as TCPStore's).
+* Queues (``queue_push``, ``queue_pop``, ``queue_len``) are first in,
+  first out by etcd's create revision; a pop removes its item exactly once
+  (a resend of a pop that committed returns the item it took), and a
+  blocking pop waits on a watch up to the store's timeout.
+* ``clone()`` returns another handle on the same keys and client, for
+  another thread; the store keeps every clone alive (torch drops the
+  Python side of a store returned to C++, after which its methods fail).
 
 Values are opaque bytes; etcd limits one value to 1.5 MiB by default.
 """
@@ -53,7 +61,7 @@ from elastic_ft.etcd.client import (
     key_modified_at,
     put_op,
 )
-from elastic_ft.keys import store_write_token
+from elastic_ft.keys import store_queue_prefix, store_write_token
 
 # etcd's default --max-txn-ops.
 _TXN_OPS = 128
@@ -86,6 +94,7 @@ class EtcdStore(dist.Store):
         self.writes_recovered = 0
         self._token_lease: tuple[int, float] | None = None  # lease id, when to replace it (time.monotonic())
         self._token_lease_lock = threading.Lock()
+        self._clones: list[EtcdStore] = []
 
     def _key(self, key: str) -> str:
         return self.prefix + key
@@ -173,6 +182,71 @@ class EtcdStore(dist.Store):
 
     def num_keys(self) -> int:
         return self._client.count_prefix(self.prefix)
+
+    def list_keys(self) -> list[str]:
+        kvs, _ = self._client.get_prefix(self.prefix)
+        return [kv.key[len(self.prefix) :] for kv in kvs]
+
+    def has_extended_api(self) -> bool:
+        """``multi_get``, ``multi_set``, ``append`` and ``queue_*`` are real (torch asks before using them)."""
+        return True
+
+    def clone(self) -> EtcdStore:
+        copy = EtcdStore(self._client, self.prefix, self.timeout)
+        with self._token_lease_lock:
+            self._clones.append(copy)
+        return copy
+
+    # ---- queues ----
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        item = store_queue_prefix(self.prefix, key) + uuid.uuid4().hex
+        self._write(f"queue_push({key!r})", [put_op(item, _as_bytes(value))])
+
+    def queue_len(self, key: str) -> int:
+        return self._client.count_prefix(store_queue_prefix(self.prefix, key))
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """The oldest item of queue ``key``, removed exactly once.
+
+        Raises:
+            torch.distributed.QueueEmptyError: the queue is empty and ``block`` is false.
+            torch.distributed.DistStoreError: still empty after the store's timeout.
+        """
+        prefix = store_queue_prefix(self.prefix, key)
+        token = uuid.uuid4().hex
+        seconds = self._timeout_seconds(None)
+        deadline = time.monotonic() + seconds
+        while True:
+            items, revision = self._client.get_prefix(prefix)
+            if items:
+                first = min(items, key=lambda kv: kv.create_revision)
+                guard = key_modified_at(first.key, first.mod_revision)
+                taken = self._commit_once(f"queue_pop({key!r})", [guard], [delete_op(first.key)], token, first.value)
+                if taken is not None:
+                    return taken
+                continue  # another client took it first
+            if not block:
+                raise dist.QueueEmptyError(f"queue_pop({key!r}): the queue is empty")
+            if not self._await_put(prefix, revision, deadline):
+                raise dist.DistStoreError(f"wait timeout after {seconds * 1000:.0f}ms, queue: {key}")
+
+    def _await_put(self, prefix: str, revision: int, deadline: float) -> bool:
+        """Wait for a key to be put under ``prefix`` after ``revision``; False at ``deadline``."""
+        events: queue.Queue[list[WatchEvent] | Exception] = queue.Queue()
+        watch = self._client.watch_prefix(prefix, revision + 1, lambda b, _r: events.put(b), events.put)
+        try:
+            while (remaining := deadline - time.monotonic()) > 0:
+                try:
+                    item = events.get(timeout=min(remaining, self._client.request_timeout))
+                except queue.Empty:
+                    self._client.ensure_reachable()
+                    continue
+                if isinstance(item, Exception) or any(not event.deleted for event in item):
+                    return True  # read again (after a broken stream too)
+            return False
+        finally:
+            watch.close()
 
     # ---- writes ----
 

@@ -10,9 +10,15 @@ import swap: one small module per concern, one error family
   records) and the default store;
 * :mod:`.monitor_thread`, :mod:`.monitor_process`, :mod:`.progress_watchdog`,
   :mod:`.sibling_monitor`: fault propagation, heartbeats, timeouts;
-* :mod:`.initialize`, :mod:`.abort`, :mod:`.finalize`, :mod:`.health_check`:
-  the composable hooks; :mod:`.compose`, :mod:`.state`;
-* :mod:`.rank_assignment`: renumbering and spare activation.
+* :mod:`.initialize`, :mod:`.abort`, :mod:`.finalize`, :mod:`.health_check`,
+  :mod:`.completion`, :mod:`.terminate`: the composable hooks;
+  :mod:`.nested_restarter`: hooks that report to an outer restarter's log;
+  :mod:`.compose`, :mod:`.state`;
+* :mod:`.rank_assignment`: renumbering and spare activation; :mod:`.rank_filter`:
+  the deprecated filters on a state alone.
+
+``docs/migration.md`` lists every public name of NVIDIA's package 0.4.1 and
+its status here.
 """
 
 from __future__ import annotations
@@ -24,20 +30,26 @@ from elastic_ft.lazy import lazy_exports
 __all__ = [
     "CallWrapper",
     "Compose",
+    "FrozenState",
     "Mode",
     "State",
     "Wrapper",
     "abort",
+    "completion",
     "exception",
     "finalize",
     "health_check",
     "initialize",
     "monitor_process",
     "monitor_thread",
+    "nested_restarter",
     "progress_watchdog",
     "rank_assignment",
+    "rank_filter",
     "state",
     "store",
+    "terminate",
+    "wrap",
 ]
 
 __getattr__, __dir__ = lazy_exports(
@@ -46,6 +58,7 @@ __getattr__, __dir__ = lazy_exports(
         "CallWrapper": "elastic_ft.inprocess.wrapper:CallWrapper",
         "Wrapper": "elastic_ft.inprocess.wrapper:Wrapper",
         "Compose": "elastic_ft.inprocess.compose:Compose",
+        "FrozenState": "elastic_ft.inprocess.state:FrozenState",
         "Mode": "elastic_ft.inprocess.state:Mode",
         "State": "elastic_ft.inprocess.state:State",
         **{name: f"elastic_ft.inprocess.{name}" for name in __all__ if name[0].islower()},
@@ -56,17 +69,22 @@ __getattr__, __dir__ = lazy_exports(
 if TYPE_CHECKING:
     from elastic_ft.inprocess import (
         abort,
+        completion,
         exception,
         finalize,
         health_check,
         initialize,
         monitor_process,
         monitor_thread,
+        nested_restarter,
         progress_watchdog,
         rank_assignment,
+        rank_filter,
         state,
         store,
+        terminate,
+        wrap,
     )
     from elastic_ft.inprocess.compose import Compose
-    from elastic_ft.inprocess.state import Mode, State
+    from elastic_ft.inprocess.state import FrozenState, Mode, State
     from elastic_ft.inprocess.wrapper import CallWrapper, Wrapper

@@ -42,14 +42,27 @@ class AbortTorchDistributed(Abort):
     whereas left alone that work fails at once on the released connections.
     """
 
+    @staticmethod
+    def shutdown_process_group_backend(group: dist.ProcessGroup, device: torch.device) -> None:
+        """Abort ``group``'s NCCL communicator on ``device``, if it has one (other backends: nothing)."""
+        if not isinstance(group, dist.ProcessGroup):
+            return
+        backend = group._get_backend(device)
+        if isinstance(backend, getattr(dist, "ProcessGroupNCCL", ())):
+            backend.abort()
+
+    @staticmethod
+    def shutdown_all_process_group_backends() -> None:
+        """Abort the NCCL communicators of every process group of this process."""
+        if not dist.is_available() or not dist.is_initialized() or not torch.cuda.is_available():
+            return
+        for group in list(dist.distributed_c10d._world.pg_names):
+            AbortTorchDistributed.shutdown_process_group_backend(group, torch.device("cuda"))
+
     def __call__(self, state: State) -> State:
         if not dist.is_available():
             return state
-        if dist.is_initialized() and torch.cuda.is_available():
-            for group in list(dist.distributed_c10d._world.pg_names):
-                backend = group._get_backend(torch.device("cuda"))
-                if isinstance(backend, getattr(dist, "ProcessGroupNCCL", ())):
-                    backend.abort()
+        self.shutdown_all_process_group_backends()
         if threading.current_thread() is not threading.main_thread():
             return state
         if dist.is_initialized():
@@ -59,4 +72,16 @@ class AbortTorchDistributed(Abort):
         # Forget it as destroy_process_group would, or the next init on this rank
         # would name its group differently from the ranks whose init succeeded.
         dist.distributed_c10d._world.group_count = 0
+        return state
+
+
+class AbortTransformerEngine(Abort):
+    """Destroy Transformer Engine's userbuffers (its communication-overlap buffers); nothing without TE."""
+
+    def __call__(self, state: State) -> State:
+        try:
+            import transformer_engine.pytorch as te
+        except ImportError:
+            return state
+        te.module.base.destroy_ub()
         return state

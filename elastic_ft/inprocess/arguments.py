@@ -45,7 +45,8 @@ def validate_arguments(arguments: dict[str, Any]) -> None:
     for name in ("store_factory", "rank_assignment"):
         if not callable(arguments[name]):
             raise TypeError(f"Wrapper {name} must be callable, got {arguments[name]!r}")
-    for name in ("initialize", "abort", "finalize", "health_check", "state_dict", "load_state_dict"):
+    hooks = ("initialize", "abort", "finalize", "health_check", "completion", "terminate", "rank_filter")
+    for name in (*hooks, "state_dict", "load_state_dict"):
         if arguments[name] is not None and not callable(arguments[name]):
             raise TypeError(f"Wrapper {name} must be callable or None, got {arguments[name]!r}")
     if (arguments["state_dict"] is None) != (arguments["load_state_dict"] is None):

@@ -51,6 +51,21 @@ def _compose_class_for(base: type) -> type:
         return cls
 
 
+def find_common_ancestor(*instances: object) -> type:
+    """The most derived class every one of ``instances`` is an instance of (``object`` at worst).
+
+    Raises:
+        ValueError: no instances given.
+    """
+    if not instances:
+        raise ValueError("find_common_ancestor needs at least one instance, got none")
+    # By real inheritance (the MRO), not isinstance: virtual registrations make isinstance(1, abc.ABC) true.
+    for base in type(instances[0]).__mro__:
+        if all(base in type(instance).__mro__ for instance in instances):
+            return base
+    return object
+
+
 class Compose(Generic[T]):
     """Functional composition of single-argument callables, applied right to left.
 

@@ -13,6 +13,7 @@ Two families, because they end in different places:
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import sys
@@ -33,11 +34,19 @@ class HealthCheckError(RestartError):
     """The health check failed on this rank; its ``__cause__`` is the check's exception."""
 
 
-class BarrierTimeout(RestartError, TimeoutError):
+class TimeoutError(RestartError, builtins.TimeoutError):
+    """Something the Wrapper or one of its hooks waited for did not happen in time."""
+
+
+class BarrierError(RestartError):
+    """A Wrapper barrier failed."""
+
+
+class BarrierTimeout(BarrierError, TimeoutError):
     """Not every rank reached a Wrapper barrier within its timeout."""
 
 
-class BarrierOverflow(RestartError):
+class BarrierOverflow(BarrierError):
     """More ranks arrived at a Wrapper barrier than it was built for."""
 
 
@@ -45,7 +54,7 @@ class RankDiscarded(RestartError):
     """This rank takes no further part in the job: it was terminated or discarded by the rank assignment."""
 
 
-class RankAssignmentTimeout(RestartError, TimeoutError):
+class RankAssignmentTimeout(TimeoutError):
     """Ranks did not all publish their rank-assignment data to the store in time."""
 
 

@@ -18,8 +18,14 @@ from elastic_ft.inprocess.store import TerminationResult
 
 
 def next_iteration_state(state: State, result: TerminationResult) -> State:
-    """A member's state before the next rank assignment: the next iteration, in the grown world."""
-    return dataclasses.replace(state, iteration=state.iteration + 1, world_size=state.world_size + len(result.joined))
+    """A member's state before the next rank assignment: the next iteration, in the grown world.
+
+    The next iteration starts with no ``fn_exception``: the last one's was
+    handed to ``finalize`` and ``health_check`` already.
+    """
+    return dataclasses.replace(
+        state, iteration=state.iteration + 1, world_size=state.world_size + len(result.joined), fn_exception=None
+    )
 
 
 def joiner_state(

@@ -15,6 +15,7 @@ import threading
 
 import torch
 
+from elastic_ft.inprocess.exception import RestartError, TimeoutError
 from elastic_ft.inprocess.state import State
 
 
@@ -54,4 +55,40 @@ class CudaHealthCheck(HealthCheck):
             raise TimeoutError(f"CUDA did not synchronize within {self.timeout.total_seconds():g} s")
         if errors:
             raise RuntimeError("CUDA synchronization failed") from errors[0]
+        return state
+
+
+class FaultCounterExceeded(RestartError):
+    """Raised by :class:`FaultCounter` when this rank caused more faults than allowed."""
+
+
+class FaultCounter(HealthCheck):
+    """Take a rank out of the job once its own function failed more than ``max_rank_faults`` times.
+
+    A fault counts when the wrapped function raised on this rank
+    (``state.fn_exception`` is set), not when another rank's fault
+    interrupted it; a rank that keeps failing is then removed rather than
+    restarting every rank again and again.
+
+    Args:
+        max_rank_faults: the faults this rank may cause; ``None``: no limit.
+    """
+
+    def __init__(self, max_rank_faults: int | None = None) -> None:
+        if max_rank_faults is not None and (
+            isinstance(max_rank_faults, bool) or not isinstance(max_rank_faults, int) or max_rank_faults < 0
+        ):
+            raise ValueError(f"FaultCounter max_rank_faults must be an int >= 0 or None, got {max_rank_faults!r}")
+        self.max_rank_faults = max_rank_faults
+        self.faults_count = 0
+
+    def __call__(self, state: State) -> State:
+        if state.fn_exception is None:
+            return state
+        self.faults_count += 1
+        if self.max_rank_faults is not None and self.faults_count > self.max_rank_faults:
+            raise FaultCounterExceeded(
+                f"rank {state.initial_rank} caused {self.faults_count} faults, more than max_rank_faults="
+                f"{self.max_rank_faults}; last: {state.fn_exception!r}"
+            )
         return state

@@ -30,11 +30,13 @@ inside an atomic block):
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import signal
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 from elastic_ft.inprocess.exception import RankShouldRestart, RestartDelivery
@@ -76,6 +78,75 @@ def raise_in_main_thread(exc_type: type[BaseException]) -> None:
 def clear_main_thread_pending_exception() -> None:
     """Drop an asynchronous exception scheduled for the main thread but not yet raised."""
     _clear_async_exc(_main_thread_ident(), None)
+
+
+def async_raise(tid: int, exc_type: type[BaseException], event: threading.Event | None = None) -> None:
+    """Make thread ``tid`` raise ``exc_type`` at its next bytecode instruction (after ``event`` is set, if given).
+
+    Raises:
+        RuntimeError: no thread ``tid``, or more than one thread state
+            matched (the request is then withdrawn).
+    """
+    if event is not None:
+        event.wait()
+    if sys.is_finalizing():
+        return
+    matched = _set_async_exc(tid, exc_type)
+    if matched == 0:
+        raise RuntimeError(f"async_raise: no thread with identifier {tid}")
+    if matched > 1:
+        _clear_async_exc(tid, None)
+        raise RuntimeError(f"async_raise: {matched} thread states matched {tid}; withdrawn")
+
+
+def delayed_async_raise(tid: int, exc_type: type[BaseException]) -> None:
+    """:func:`async_raise` from a helper thread, for callers that may not raise themselves (a hook of the interpreter).
+
+    The helper raises only once this call returned: raised into the caller
+    while ``Thread.start`` waits for the helper, it would land there instead.
+    """
+    started = threading.Event()
+    helper = threading.Thread(target=async_raise, args=(tid, exc_type, started), name="elastic_ft-async-raise")
+    helper.daemon = True
+    helper.start()
+    started.set()
+
+
+@contextlib.contextmanager
+def reraise_if_unraisable(exc_type: type[BaseException]) -> Iterator[None]:
+    """While inside, an ``exc_type`` dropped as unraisable (raised in a ``__del__``) is raised again in the main thread.
+
+    The interpreter only reports an exception raised in a finalizer; a
+    restart delivered there would be lost. The previous
+    ``sys.unraisablehook`` still runs first.
+    """
+    previous = sys.unraisablehook
+
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
+        previous(unraisable)
+        if issubclass(unraisable.exc_type, exc_type) and not sys.is_finalizing():
+            delayed_async_raise(_main_thread_ident(), exc_type)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
+def async_abort_main_thread(msg: str | None = None) -> None:
+    """Interrupt the wrapped function from any thread: the main thread raises ``RankShouldRestart(msg)``."""
+    exc_type: type[BaseException] = RankShouldRestart
+    if msg is not None:
+        text = str(msg)
+
+        class _RankShouldRestartWithMessage(RankShouldRestart):
+            def __init__(self) -> None:
+                super().__init__(text)
+
+        _RankShouldRestartWithMessage.__name__ = _RankShouldRestartWithMessage.__qualname__ = "RankShouldRestart"
+        exc_type = _RankShouldRestartWithMessage
+    async_raise(_main_thread_ident(), exc_type)
 
 
 def _in_finalizer(frame: FrameType | None) -> bool:

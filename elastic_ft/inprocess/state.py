@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 
 
 class Mode(enum.Enum):
@@ -63,6 +64,10 @@ class State:
             ``world_size``).
         iteration: index of the current restart iteration.
         mode: what the rank does in this iteration.
+        fn_exception: the exception that interrupted the wrapped function on
+            this rank in the last iteration (without its traceback), as the
+            Wrapper hands the state to ``finalize`` and ``health_check``;
+            ``None`` when the function did not fail here. Not compared.
     """
 
     rank: int | None
@@ -73,6 +78,7 @@ class State:
     initial_world_size: int | None = None
     iteration: int = 0
     mode: Mode = Mode.INITIALIZED
+    fn_exception: BaseException | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_index("world_size", self.world_size, allow_none=False)
@@ -99,3 +105,42 @@ class State:
             object.__setattr__(self, "initial_rank", self.rank)
         if self.initial_world_size is None:
             object.__setattr__(self, "initial_world_size", self.world_size)
+        if self.fn_exception is not None and not isinstance(self.fn_exception, BaseException):
+            raise TypeError(f"fn_exception must be an exception or None, got {self.fn_exception!r}")
+
+    @classmethod
+    def from_env(cls) -> State:
+        """The state a worker starts with, from the ``RANK`` and ``WORLD_SIZE`` its launcher set."""
+        values = {}
+        for name in ("RANK", "WORLD_SIZE"):
+            text = os.environ.get(name)
+            if text is None:
+                raise ValueError(f"State.from_env needs the {name} environment variable, which is not set")
+            try:
+                values[name] = int(text)
+            except ValueError:
+                raise ValueError(f"State.from_env: {name} must be an integer, got {text!r}") from None
+        return cls(rank=values["RANK"], world_size=values["WORLD_SIZE"])
+
+    def set_distributed_vars(self) -> None:
+        """Expose an active rank's ``active_rank`` and ``active_world_size`` as ``RANK`` and ``WORLD_SIZE``.
+
+        What the training function's ``init_process_group`` reads; an
+        inactive or terminated rank leaves the environment alone.
+        """
+        if self.mode is Mode.ACTIVE and self.active_rank is not None and self.active_world_size is not None:
+            os.environ["RANK"] = str(self.active_rank)
+            os.environ["WORLD_SIZE"] = str(self.active_world_size)
+
+    def advance(self) -> State:
+        """The state of the next restart iteration: a new state (states are immutable), ``iteration + 1``."""
+        return dataclasses.replace(self, iteration=self.iteration + 1, fn_exception=None)
+
+    def freeze(self) -> State:
+        """This state: it is already immutable (NVIDIA's ``State.freeze`` returns a read-only copy)."""
+        return self
+
+
+#: NVIDIA's name for the read-only state handed to hooks. Every :class:`State`
+#: here is read-only, so both names are one class.
+FrozenState = State

@@ -58,7 +58,7 @@ from elastic_ft.fault_records import (
     parse_interruptions,
 )
 from elastic_ft.handoff import StoreHandoff
-from elastic_ft.inprocess.exception import BarrierOverflow, BarrierTimeout
+from elastic_ft.inprocess.exception import BarrierError, BarrierOverflow, BarrierTimeout
 from elastic_ft.inprocess.logs import get_logger
 from elastic_ft.keys import COMPLETION_BARRIER, EXIT_BARRIER, HEAL_BARRIER, ITERATION_BARRIER, TERMINATION_BARRIER
 from elastic_ft.untrusted import json_object
@@ -583,31 +583,68 @@ class TCPStore(dist.TCPStore, StoreMixin):
         port: port of the store; default ``MASTER_PORT + 1``, leaving
             ``MASTER_PORT`` to the wrapped function's own
             ``init_process_group``.
+        world_size: the number of processes that connect, or ``None``
+            (unknown: the host does not wait for them).
         timeout: timeout of the store's own blocking operations.
-        host_rank: the initial ``RANK`` whose process hosts the store.
+        wait_for_workers: with ``world_size``, the host waits in the
+            constructor until every process connected.
+        multi_tenant: share one server among the stores of a process on the
+            same port.
         use_libuv: use TCPStore's libuv server.
+        host_rank: the initial ``RANK`` whose process hosts the store.
     """
+
+    #: The initial rank that hosts the store by default.
+    TCP_STORE_HOST_RANK = 0
 
     def __init__(
         self,
         host_name: str | None = None,
         port: int | None = None,
+        world_size: int | None = None,
         timeout: datetime.timedelta = datetime.timedelta(seconds=300),
-        host_rank: int = 0,
+        wait_for_workers: bool = True,
+        multi_tenant: bool = False,
         use_libuv: bool = True,
+        host_rank: int = TCP_STORE_HOST_RANK,
     ) -> None:
         self.host_rank = host_rank
         hosts = int(os.environ["RANK"]) == host_rank and not _hosting_forbidden
         super().__init__(
             host_name if host_name is not None else os.environ["MASTER_ADDR"],
             port if port is not None else int(os.environ["MASTER_PORT"]) + 1,
-            None,
+            world_size,
             hosts,
             timeout,
-            wait_for_workers=False,
+            wait_for_workers=wait_for_workers,
+            multi_tenant=multi_tenant,
             use_libuv=use_libuv,
         )
 
     @property
     def critical_ranks(self) -> tuple[int, ...]:
         return (self.host_rank,)
+
+
+class FileStore(dist.FileStore, StoreMixin):
+    """A ``store_factory`` for ranks of one host, or hosts sharing a file system: a ``torch.distributed.FileStore``.
+
+    Args:
+        file_name: the store's file, the same path on every rank.
+        world_size: the number of processes that use it; ``-1``: unknown.
+    """
+
+    def __init__(self, file_name: str, world_size: int = -1) -> None:
+        super().__init__(file_name, world_size)
+
+
+__all__ = [
+    "BarrierError",
+    "BarrierOverflow",
+    "BarrierTimeout",
+    "FileStore",
+    "PrefixStore",
+    "StoreMixin",
+    "TCPStore",
+    "default_store",
+]

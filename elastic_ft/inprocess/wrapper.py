@@ -25,6 +25,7 @@ outcome, ``completed`` or ``interrupted``, is ever decided per iteration
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import faulthandler
 import functools
@@ -36,6 +37,7 @@ import signal
 import threading
 import time
 import typing
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -174,6 +176,16 @@ class Wrapper:
             is called. Named as TorchFT's ``Manager`` names them.
         load_state_dict: puts a received state back (``load_state_dict(state)``);
             tensors arrive on the CPU.
+        completion: run on every rank once the Wrapper completed, with the
+            final state (:mod:`elastic_ft.inprocess.completion`); what it
+            raises is logged, not raised.
+        terminate: run on a rank that leaves the job (terminated, unhealthy,
+            discarded, given up), with its last state, before the Wrapper
+            raises the reason (:mod:`elastic_ft.inprocess.terminate`).
+        rank_filter: deprecated (as in NVIDIA's package): a callable on
+            :class:`State` applied after ``rank_assignment``, such as
+            :mod:`elastic_ft.inprocess.rank_filter`'s filters; put filters in
+            ``rank_assignment`` instead.
     """
 
     def __init__(
@@ -203,9 +215,19 @@ class Wrapper:
         interrupt_signal: signal.Signals | None = signal.SIGUSR2,
         state_dict: Callable[[], Any] | None = None,
         load_state_dict: Callable[[Any], Any] | None = None,
+        completion: StateHook | None = None,
+        terminate: StateHook | None = None,
+        rank_filter: StateHook | None = None,
     ) -> None:
         arguments = dict(locals())
         del arguments["self"]
+        if rank_filter is not None:
+            warnings.warn(
+                "Wrapper rank_filter is deprecated: compose the filters into rank_assignment "
+                "(for example Compose(MaxActiveWorldSize(n), ShiftRanks()))",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         apply_job_config_defaults(arguments)
         if arguments["abort"] is None:
             arguments["abort"] = AbortTorchDistributed()
@@ -290,13 +312,6 @@ def _call_wrapper_parameters(fn: Callable[..., Any]) -> list[str]:
     except Exception:  # noqa: BLE001 - unresolvable annotations: fall back to the raw ones
         hints = getattr(fn, "__annotations__", {})
     return [name for name, annotation in hints.items() if name != "return" and _is_call_wrapper_annotation(annotation)]
-
-
-def _export_distributed_env(state: State) -> None:
-    """Expose the active rank and world size as the usual ``RANK`` and ``WORLD_SIZE``."""
-    if state.mode is Mode.ACTIVE:
-        os.environ["RANK"] = str(state.active_rank)
-        os.environ["WORLD_SIZE"] = str(state.active_world_size)
 
 
 class CallWrapper:
@@ -566,7 +581,7 @@ class CallWrapper:
             state = joined
         else:
             store = iteration_store(self.base_store, 0)
-            state = wrapper.rank_assignment(RankAssignmentCtx(self.state, store, set())).state
+            state = self._assign(RankAssignmentCtx(self.state, store, set()))
         while True:
             was_reserve = self.joining or self.state.mode is Mode.INACTIVE
             if state.mode is Mode.ACTIVE and was_reserve and state.iteration:
@@ -580,16 +595,34 @@ class CallWrapper:
                 state.initial_rank or 0, state.iteration, state.rank or 0, state.world_size, state.mode is Mode.ACTIVE
             )
             self._watchdog.reset()
+            self.fn_exception = None
             self._steps.start_iteration()
             self._monitor_process.start_iteration(state.iteration, state.rank or 0, state.world_size)
-            _export_distributed_env(state)
+            state.set_distributed_vars()
             store.arrive_and_wait(ITERATION_BARRIER, [state.rank or 0], state.world_size, wrapper.barrier_timeout)
             log.debug("rank %s: iteration %d starts as %s", state.rank, state.iteration, state.mode.name)
             completed, result = self._run_iteration(fn, args, kwargs, store, state)
             if completed:
                 log.debug("rank %s: iteration %d completed", state.rank, state.iteration)
+                self._run_completion(state)
                 return result
             state = self._prepare_restart(store, state)
+
+    def _assign(self, ctx: RankAssignmentCtx) -> State:
+        """The rank assignment, then the deprecated ``rank_filter`` when one was given."""
+        state = self.wrapper.rank_assignment(ctx).state
+        if self.wrapper.rank_filter is not None:
+            state = self.wrapper.rank_filter(state)
+            if not isinstance(state, State):
+                raise TypeError(f"Wrapper rank_filter must return a State, got {state!r}")
+        if state.active_world_size == 0:
+            # Every rank computes the same assignment, so every rank stops here alike;
+            # otherwise all of them would wait as spares for a completion that never comes.
+            raise RestartAbort(
+                f"the rank assignment left no active rank in iteration {state.iteration} "
+                f"(world size {state.world_size}): nothing can run the function"
+            )
+        return state
 
     def _run_iteration(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], store: PrefixStore, state: State
@@ -662,6 +695,14 @@ class CallWrapper:
             raise leaving.error from None
         raise InternalError("unreachable")
 
+    def _run_completion(self, state: State) -> None:
+        if self.wrapper.completion is None:
+            return
+        try:
+            self.wrapper.completion(state)
+        except Exception:
+            log.exception("rank %s: completion failed", state.rank)
+
     def _await_restart(self, monitor: MonitorThread) -> None:
         """Wait for the monitor thread to start the restart (the fault recorded here reaches it), then restart.
 
@@ -715,6 +756,13 @@ class CallWrapper:
             report_rank_gone(store, rank, state.world_size, leaving.kind, repr(leaving.error))
         finally:
             self._abort(state)
+            if self.wrapper.terminate is not None:
+                # Its own failure is raised from the reason, as NVIDIA's Wrapper does.
+                try:
+                    self.wrapper.terminate(dataclasses.replace(state, mode=Mode.TERMINATED))
+                except Exception as error:
+                    log.exception("rank %s: terminate failed", rank)
+                    raise error from leaving.error
 
     def _release_connections(self, everything: bool = False) -> int:
         """The iteration is lost: keep its gloo groups from being destroyed, then cut their connections."""
@@ -738,6 +786,7 @@ class CallWrapper:
         """After an interruption: abort, finalize, health check, termination barrier, rank assignment."""
         wrapper = self.wrapper
         rank = state.rank or 0
+        state = dataclasses.replace(state, fn_exception=self.fn_exception)
         self._abort(state)
         # Free what the unwound function left in reference cycles, above all its process
         # groups: a group's connections close only when it is freed, and peers blocked in
@@ -765,7 +814,7 @@ class CallWrapper:
         if result.joined:
             log.info("rank %s: initial ranks %s join in iteration %d", rank, list(result.joined), state.iteration + 1)
         next_state = next_iteration_state(state, result)
-        return wrapper.rank_assignment(RankAssignmentCtx(next_state, store, set(result.terminated))).state
+        return self._assign(RankAssignmentCtx(next_state, store, set(result.terminated)))
 
     def _await_admission(self) -> State | None:
         """A joiner: wait until a restart admits this process, then take its place; None if the job finished.
@@ -804,4 +853,4 @@ class CallWrapper:
         log.info(
             "initial rank %d joins iteration %d as rank %s of %d", initial_rank, iteration, state.rank, state.world_size
         )
-        return self.wrapper.rank_assignment(RankAssignmentCtx(state, previous, set(result.terminated))).state
+        return self._assign(RankAssignmentCtx(state, previous, set(result.terminated)))

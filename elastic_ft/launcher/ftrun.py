@@ -59,6 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
         "and an embedded etcd on a single host."
     )
     parser.set_defaults(rdzv_backend="etcdft")
+    # torchrun's help texts describe its own defaults; say what ftrun does instead.
+    helps = {
+        "rdzv_backend": "Rendezvous backend; default etcdft (an etcd v3 rendezvous). Other torchrun backends "
+        "(c10d, etcd-v2, static) run torch's agent unchanged.",
+        "rdzv_endpoint": "etcd endpoints host[:port][,host[:port]...] for etcdft (or the backend's endpoint). "
+        "Omitted on a single host: ftrun starts an embedded etcd for the job.",
+        "standalone": "Single host: start an embedded etcd for the job on a free loopback port (instead of "
+        "torchrun's C10d TCP store), stop it at the end; a random --rdzv-id when none is given. Cannot be combined "
+        "with --rdzv-endpoint.",
+    }
+    for action in parser._actions:
+        if action.dest in helps:
+            action.help = helps[action.dest]
     group = parser.add_argument_group("ftrun")
     group.add_argument(
         "--job-config",

@@ -7,6 +7,8 @@ typo never silently falls back to a default.
 
 from __future__ import annotations
 
+import logging
+import math
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,6 +19,8 @@ from elastic_ft.timeouts import check_seconds
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+log = logging.getLogger(__name__)
 
 #: key -> (default, description).  ``timeout`` is torchrun's name for
 #: ``join_timeout``; torchrun always passes it (900 s unless set), so an
@@ -36,6 +40,25 @@ CONF_KEYS: dict[str, tuple[Any, str]] = {
     "key": (None, "client private key (PEM) for https endpoints"),
     "user": (None, "etcd user (RBAC); needs password_file"),
     "password_file": (None, "file holding the etcd user's password (never the password itself)"),
+}
+
+#: Keys of torch's other rendezvous backends (c10d, etcd, etcd-v2, static) and launchers, so that a
+#: ``--rdzv-conf`` written for them works here: key -> (etcdft key it stands for, or None when it has
+#: no meaning here and is ignored with one warning; what it is).
+TORCH_CONF_KEYS: dict[str, tuple[str | None, str]] = {
+    "read_timeout": ("request_timeout", "c10d/etcd: seconds a store read may take"),
+    "heartbeat_timeout": ("lease_ttl", "c10d: seconds without a heartbeat before a node is dead (rounded up)"),
+    "ca_cert": ("cacert", "etcd: CA bundle"),
+    "ssl_cert": ("cert", "etcd: client certificate"),
+    "ssl_cert_key": ("key", "etcd: client key"),
+    "protocol": (None, "etcd/etcd-v2: http or https; https makes endpoints without a scheme https://"),
+    "close_timeout": (None, "c10d: time to close the rendezvous; closing here is one etcd request"),
+    "keep_alive_interval": (None, "c10d: heartbeat period; the lease keeper refreshes at a third of lease_ttl"),
+    "keep_alive_max_attempt": (None, "c10d: missed heartbeats before death; lease_ttl decides"),
+    "is_host": (None, "c10d: whether this node hosts the TCPStore; etcd is the store"),
+    "store_type": (None, "c10d: TCPStore or FileStore; etcd is the store"),
+    "use_libuv": (None, "c10d: TCPStore's server; etcd is the store"),
+    "rank": (None, "static: this node's rank; etcdft assigns ranks"),
 }
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
@@ -93,11 +116,6 @@ def _seconds(key: str, value: Any, *, allow_zero: bool) -> float:
 
 def settings_from_parameters(params: RendezvousParameters) -> EtcdftSettings:
     """Validate torchrun's rendezvous parameters into :class:`EtcdftSettings`."""
-    unknown = sorted(set(params.config) - set(CONF_KEYS))
-    if unknown:
-        raise RendezvousConfigError(
-            f"unknown etcdft rdzv conf key(s) {', '.join(map(repr, unknown))}; expected some of {', '.join(CONF_KEYS)}"
-        )
     return make_settings(
         run_id=params.run_id,
         endpoint=params.endpoint,
@@ -117,11 +135,21 @@ def make_settings(
     local_addr: str | None = None,
     **conf: Any,
 ) -> EtcdftSettings:
-    """Build settings from plain values (what the handler, tests and tools use)."""
+    """Build settings from plain values (what the handler, tests and tools use).
+
+    Keys of torch's other backends (:data:`TORCH_CONF_KEYS`) are translated
+    or ignored, with one warning naming the ignored ones.
+    """
+    conf, protocol = _translate_torch_keys(conf)
     unknown = sorted(set(conf) - set(CONF_KEYS))
     if unknown:
         raise RendezvousConfigError(
-            f"unknown etcdft rdzv conf key(s) {', '.join(map(repr, unknown))}; expected some of {', '.join(CONF_KEYS)}"
+            f"unknown etcdft rdzv conf key(s) {', '.join(map(repr, unknown))}; expected some of "
+            f"{', '.join(CONF_KEYS)} (or torch's {', '.join(TORCH_CONF_KEYS)})"
+        )
+    if protocol == "https":
+        endpoint = ",".join(
+            item if "://" in item or not item.strip() else f"https://{item.strip()}" for item in str(endpoint).split(",")
         )
     if not isinstance(run_id, str) or not _NAME_RE.fullmatch(run_id) or run_id in _RESERVED:
         raise RendezvousConfigError(
@@ -206,3 +234,42 @@ def _spare_nodes(value: Any, max_nodes: int) -> int:
             f"{MAX_NODES - max_nodes} (max_nodes={max_nodes} plus spares at most {MAX_NODES})"
         )
     return int(text)
+
+
+_warned_ignored: set[tuple[str, ...]] = set()
+
+
+def _translate_torch_keys(conf: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """``conf`` with torch's keys put under etcdft's names; and the ``protocol`` asked for, if any.
+
+    A torch key never overrides the etcdft key it stands for when both are
+    given. ``heartbeat_timeout`` becomes a whole ``lease_ttl``, rounded up.
+    """
+    translated = {key: value for key, value in conf.items() if key not in TORCH_CONF_KEYS}
+    ignored = []
+    protocol = None
+    for key, value in conf.items():
+        if key not in TORCH_CONF_KEYS or value is None:
+            continue
+        target, _ = TORCH_CONF_KEYS[key]
+        if key == "protocol":
+            protocol = str(value).strip().lower()
+            if protocol not in ("http", "https"):
+                raise RendezvousConfigError(f"rdzv conf protocol={value!r:.40} is invalid; expected http or https")
+        elif target is None:
+            ignored.append(key)
+        elif translated.get(target) is None:
+            if key in ("read_timeout", "heartbeat_timeout"):  # checked here, under the name the user gave
+                seconds = _seconds(key, value, allow_zero=False)
+                value = math.ceil(seconds) if key == "heartbeat_timeout" else seconds
+            translated[target] = value
+    if ignored:
+        names = tuple(sorted(ignored))
+        if names not in _warned_ignored:
+            _warned_ignored.add(names)
+            log.warning(
+                "etcdft ignores rdzv conf key(s) %s of torch's other backends: %s",
+                ", ".join(names),
+                "; ".join(f"{name}: {TORCH_CONF_KEYS[name][1]}" for name in names),
+            )
+    return translated, protocol

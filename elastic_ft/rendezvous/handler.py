@@ -371,7 +371,8 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         return message
 
     def is_closed(self) -> bool:
-        return self._snapshot()[0].closed
+        """Closed by ``set_closed()``, or every node of the last round left it (see ``rules.job_finished``)."""
+        return rules.job_finished(self._snapshot()[0])
 
     def set_closed(self) -> None:
         try:

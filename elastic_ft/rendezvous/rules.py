@@ -224,6 +224,28 @@ class Wait:
 Action = Done | Closed | JoinLate | JoinRound | CloseRound | Wait
 
 
+def job_finished(state: RendezvousState) -> bool:
+    """The job is over: closed (``set_closed``), or every node of its last round left it cleanly.
+
+    torch's agent never calls ``set_closed``: when its workers are done it
+    calls ``shutdown()``, which writes each member's ``left`` key. Once
+    every member of the last closed round, and every hot spare alive in it,
+    has left so, no one runs the job any more, and a node still waiting to
+    join must not wait for it forever (a spare waits without a deadline).
+    torch's own handlers close the rendezvous on ``shutdown()``; this is the
+    same end, reached only when the last node is done.
+    """
+    if state.closed:
+        return True
+    last = state.last_closed
+    if last is None:
+        return False
+    record = state.round(last.round)
+    if not record.left or any(m.node not in record.left for m in last.members):
+        return False
+    return all(node in record.left for node in record.late if node in state.alive)
+
+
 def next_action(
     state: RendezvousState,
     node: str,
@@ -237,7 +259,7 @@ def next_action(
 
     ``joined_round`` is the round this call has asked to join, if any.
     """
-    if state.closed:
+    if job_finished(state):
         return Closed()
     if joined_round is not None:
         result = state.round(joined_round).result

@@ -102,6 +102,21 @@ def test_a_delete_whose_answer_is_lost_does_not_delete_a_later_value(etcd: EtcdS
         client.close()
 
 
+def test_a_queue_pop_whose_answer_is_lost_takes_one_item_and_returns_it(etcd: EtcdServer, proxy: FaultProxy) -> None:
+    prefix = f"/test/{uuid.uuid4().hex}/store/"
+    client, store = _store(proxy.endpoint, prefix)
+    try:
+        for item in ("first", "second"):
+            store.queue_push("q", item)
+        proxy.lose_next_reply(after=1)  # the pop's read goes through; its delete's answer is lost
+        assert store.queue_pop("q") == b"first"
+        assert proxy.replies_lost == 1 and store.writes_recovered == 1
+        assert _direct(etcd, prefix).queue_pop("q", False) == b"second"  # nothing taken twice, nothing lost
+        assert store.queue_len("q") == 0
+    finally:
+        client.close()
+
+
 def test_write_tokens_stay_out_of_the_store(etcd: EtcdServer) -> None:
     store = _direct(etcd, f"/test/{uuid.uuid4().hex}/store/")
     store.set("a", "1")

@@ -3,6 +3,7 @@ EtcdStore (on a real etcd) and torch's own TCPStore."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Iterator
@@ -175,3 +176,146 @@ def test_etcd_store_rejects_bad_prefix(etcd: EtcdServer) -> None:
     with pytest.raises(ValueError, match="must end with '/'"):
         EtcdStore(client, "/no/slash")
     client.close()
+
+
+# ---- the rest of torch's Store contract (torch 2.13), as torch's own store tests exercise it ----
+
+
+def test_has_extended_api(store_pair: tuple[dist.Store, dist.Store]) -> None:
+    a, _ = store_pair
+    assert a.has_extended_api() is True
+
+
+def test_empty_large_and_unusual_values_and_keys(store_pair: tuple[dist.Store, dist.Store]) -> None:
+    a, b = store_pair
+    a.set("empty", b"")
+    assert b.get("empty") == b""
+    assert b.check(["empty"])
+    big = bytes(range(256)) * 4096  # 1 MiB
+    a.set("big", big)
+    assert b.get("big") == big
+    for key in ("with/slash", "ключ", "sp ace", "a" * 200):
+        a.set(key, key.encode())
+        assert b.get(key) == key.encode()
+
+
+def test_append_creates_and_multi_set_get_empty_lists(store_pair: tuple[dist.Store, dist.Store]) -> None:
+    a, b = store_pair
+    a.append("fresh", "x")
+    assert b.get("fresh") == b"x"
+    a.multi_set([], [])
+    assert b.multi_get([]) == []
+
+
+def test_list_keys_lists_this_stores_keys(store_pair: tuple[dist.Store, dist.Store]) -> None:
+    a, b = store_pair
+    before = set(a.list_keys())
+    internal = a.num_keys() - len(before)  # TCPStore counts a key of its own, which it does not list
+    a.set("lk1", "x")
+    b.multi_set(["lk2", "dir/lk3"], ["y", "z"])
+    assert set(b.list_keys()) - before == {"lk1", "lk2", "dir/lk3"}
+    b.delete_key("lk1")
+    assert set(a.list_keys()) - before == {"lk2", "dir/lk3"}
+    assert len(a.list_keys()) + internal == a.num_keys()
+
+
+def test_timeout_property_and_set_timeout(store_pair: tuple[dist.Store, dist.Store]) -> None:
+    a, _ = store_pair
+    assert a.timeout == TIMEOUT
+    a.set_timeout(timedelta(milliseconds=250))
+    assert a.timeout == timedelta(milliseconds=250)
+    start = time.monotonic()
+    with pytest.raises(dist.DistStoreError):
+        a.wait(["never"])  # the store's timeout when none is given
+    assert time.monotonic() - start < 1.5
+
+
+def test_clone_shares_the_keys_and_outlives_its_python_reference(store_pair: tuple[dist.Store, dist.Store]) -> None:
+    a, b = store_pair
+    clone = a.clone()
+    clone.set("cloned", "1")
+    assert b.get("cloned") == b"1"
+    assert clone.add("cloned-n", 2) == 2 and a.add("cloned-n", 1) == 3
+    # Through a PrefixStore the clone is made from C++; it must still work once Python drops it.
+    prefixed = dist.PrefixStore("pre", a)
+    prefixed.set("k", "v")
+    clones = [prefixed.clone() for _ in range(3)]
+    gc.collect()
+    assert [c.get("k") for c in clones] == [b"v"] * 3
+
+    # One clone per thread, as torch intends clone() for.
+    def work(store: dist.Store, index: int) -> None:
+        for _ in range(10):
+            store.add("per-thread", 1)
+        store.set(f"thread-{index}", str(index))
+
+    threads = [threading.Thread(target=work, args=(a.clone(), i)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert b.get("per-thread") == b"30"
+    assert b.multi_get([f"thread-{i}" for i in range(3)]) == [b"0", b"1", b"2"]
+
+
+def test_store_barrier(store_pair: tuple[dist.Store, dist.Store]) -> None:
+    a, b = store_pair
+    done: list[str] = []
+    thread = threading.Thread(target=lambda: (b.barrier("bar", 2, timedelta(seconds=5)), done.append("b")))
+    thread.start()
+    time.sleep(0.2)
+    assert done == []  # b waits for a
+    a.barrier("bar", 2, timedelta(seconds=5))
+    thread.join(5)
+    assert done == ["b"]
+    with pytest.raises(dist.DistStoreError):
+        a.barrier("lonely", 2, timedelta(milliseconds=300))
+
+
+def test_queue_is_fifo_and_nonblocking_pop_of_empty_raises(store_pair: tuple[dist.Store, dist.Store]) -> None:
+    a, b = store_pair
+    assert a.queue_len("q") == 0
+    for item in ("1", b"2", "3"):
+        a.queue_push("q", item)
+    assert b.queue_len("q") == 3
+    assert [b.queue_pop("q"), a.queue_pop("q", False), b.queue_pop("q")] == [b"1", b"2", b"3"]
+    with pytest.raises(dist.QueueEmptyError):
+        a.queue_pop("q", False)
+    assert not a.check(["q"])  # a queue is not a key
+    a.queue_push("q/sub", "other")  # queues whose names share a prefix stay apart
+    assert (a.queue_len("q"), a.queue_len("q/sub")) == (0, 1)
+
+
+def test_blocking_queue_pop_waits_for_a_push_then_times_out(store_pair: tuple[dist.Store, dist.Store]) -> None:
+    a, b = store_pair
+    threading.Timer(0.3, lambda: a.queue_push("bq", "late")).start()
+    start = time.monotonic()
+    assert b.queue_pop("bq") == b"late"
+    assert 0.2 < time.monotonic() - start < 1.9
+    b.set_timeout(timedelta(milliseconds=300))
+    with pytest.raises(dist.DistStoreError, match="timeout"):
+        b.queue_pop("bq")
+
+
+def test_concurrent_pops_take_each_item_once(store_pair: tuple[dist.Store, dist.Store]) -> None:
+    a, b = store_pair
+    for i in range(30):
+        a.queue_push("work", str(i))
+    taken: list[bytes] = []
+    lock = threading.Lock()
+
+    def drain(store: dist.Store) -> None:
+        while True:
+            try:
+                item = store.queue_pop("work", False)
+            except dist.QueueEmptyError:
+                return
+            with lock:
+                taken.append(item)
+
+    threads = [threading.Thread(target=drain, args=(s,)) for s in (a.clone(), b.clone(), b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(int(x) for x in taken) == list(range(30))

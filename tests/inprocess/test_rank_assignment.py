@@ -208,7 +208,7 @@ def test_spares_are_activated_after_a_shift() -> None:
         (lambda: ActiveWorldSizeDivisibleBy(1.5), TypeError, "divisor must be an int, got 1.5"),
         (lambda: MaxActiveWorldSize(0), ValueError, "max_active_world_size must be >= 1, got 0"),
         (lambda: MaxActiveWorldSize(-3), ValueError, "max_active_world_size must be >= 1, got -3"),
-        (lambda: FilterCountGroupedByKey(3, bool), TypeError, "key_or_fn must be a str or a callable"),
+        (lambda: FilterCountGroupedByKey(b"x", bool), TypeError, "key_or_fn must be a key"),
         (lambda: FilterCountGroupedByKey("k", 3), TypeError, "condition must be callable"),
         (lambda: FilterCountGroupedByKey("k", bool, datetime.timedelta(0)), ValueError, "timeout must be positive"),
         (lambda: FilterCountGroupedByKey("k", bool, 5), TypeError, "timeout must be a datetime.timedelta"),
@@ -283,10 +283,12 @@ def test_two_filters_in_one_policy_use_separate_namespaces_by_default() -> None:
     assert {rank: state.rank for rank, state in states.items()} == {4: 0, 5: 1, 6: 2, 7: 3}
 
 
-def test_filter_key_must_be_a_string() -> None:
-    policy = FilterCountGroupedByKey(lambda state: state.rank, bool, name="int-key")
-    with pytest.raises(TypeError, match="must return a str, got 0 for rank 0"):
+def test_filter_key_must_be_a_key_every_rank_encodes_alike() -> None:
+    policy = FilterCountGroupedByKey(lambda state: {"rank": state.rank}, bool, name="dict-key")
+    with pytest.raises(TypeError, match="must give a str, int, float, bool, None or a tuple of them, got {'rank': 0}"):
         policy(RankAssignmentCtx(State(0, 1), torch.distributed.HashStore(), set()))
+    with pytest.raises(TypeError, match="FilterCountGroupedByKey key_or_fn must be a key"):
+        FilterCountGroupedByKey(object(), bool)
 
 
 def test_filter_times_out_naming_the_ranks_that_never_published() -> None:

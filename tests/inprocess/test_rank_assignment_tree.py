@@ -19,6 +19,7 @@ from elastic_ft.inprocess.rank_assignment import (
     ShiftRanks,
     Tree,
 )
+from elastic_ft.inprocess.rank_assignment.base import grouping_key
 from elastic_ft.inprocess.state import Mode, State
 from tests.inprocess.rank_world import (
     World,
@@ -297,10 +298,24 @@ def test_multiple_roots_are_rejected_on_every_rank() -> None:
         assert "multiple roots" in str(outcome) and "3 distinct keys" in str(outcome)
 
 
-def test_key_function_must_return_a_string() -> None:
-    policy = Tree([Layer(key_or_fn=lambda s: s.rank)], name="int-key")
-    with pytest.raises(TypeError, match="must return a str, got 0 for rank 0"):
+def test_key_function_must_give_a_key_every_rank_encodes_alike() -> None:
+    policy = Tree([Layer(key_or_fn=lambda s: object())], name="object-key")
+    with pytest.raises(TypeError, match="must give a str, int, float, bool, None or a tuple of them, got <object"):
         policy(RankAssignmentCtx(State(0, 1), torch.distributed.HashStore(), set()))
+    with pytest.raises(TypeError, match="Layer key_or_fn must be a key"):
+        Layer(key_or_fn=object())
+
+
+def test_int_keys_group_as_nvidia_tests_use_them_and_differ_from_string_keys() -> None:
+    # Pairs by rank // 2 (ints); rank 1 fails and, with min_ranks=2, takes rank 0 with it.
+    def make(rank: int) -> RankAssignment:
+        return Tree([Layer(key_or_fn=0), Layer(min_ranks=2, key_or_fn=lambda s: s.rank // 2)])
+
+    with World(6, make) as world:
+        states = states_of(world.step({1}))
+    assert {rank: state.rank for rank, state in states.items()} == {2: 0, 3: 1, 4: 2, 5: 3}
+    assert grouping_key(1, State(0, 1), "t") != grouping_key("1", State(0, 1), "t")
+    assert grouping_key("\x1f1", State(0, 1), "t") != grouping_key(1, State(0, 1), "t")
 
 
 def test_ranks_with_different_layer_counts_get_a_clear_error() -> None:
@@ -348,7 +363,7 @@ def test_bad_world_size_filter_is_reported_at_the_first_call(
         (lambda: Layer(max_ranks=0), ValueError, "max_ranks must be >= 1, got 0"),
         (lambda: Layer(max_ranks=-2), ValueError, "max_ranks must be >= 1, got -2"),
         (lambda: Layer(min_ranks=1.0), TypeError, "min_ranks must be an int"),
-        (lambda: Layer(key_or_fn=7), TypeError, "key_or_fn must be a str or a callable"),
+        (lambda: Layer(key_or_fn=b"x"), TypeError, "key_or_fn must be a key"),
         (lambda: Layer(flag="RESERVE"), TypeError, "flag must be a LayerFlag"),
         (lambda: Tree([]), ValueError, "at least one Layer"),
         (lambda: Tree([object()]), TypeError, r"layers\[0\] must be a Layer"),

@@ -277,6 +277,47 @@ def test_spare_returns_none_when_no_fault(tmp_path: Path) -> None:
     assert outcomes[2].returncode == 0 and outcomes[2].report == {"calls": [], "result": None}, details()
 
 
+def test_nvidia_hook_forms_rank_filter_fault_counter_completion_terminate(tmp_path: Path) -> None:
+    # 3 ranks; the deprecated rank_filter (divisible by 2, at most 4) leaves rank 2 a spare. Rank 1
+    # raises: FaultCounter(max_rank_faults=0) takes it out (its terminate hook runs), the spare
+    # replaces it, and every remaining rank's completion hook runs once.
+    scenario = {"faults": [fault(1, "raise")], "nvidia_hooks": True}
+    outcomes = job(scenario, 3, tmp_path)
+    assert outcomes[1].returncode == 1 and outcomes[1].error == "HealthCheckError", details()
+    assert "FaultCounterExceeded" in outcomes[1].output, details()
+    assert outcomes[1].report["hooks"] == [
+        {"hook": "finalize", "iteration": 0, "mode": "ACTIVE", "fn_exception": "RuntimeError"},
+        {"hook": "terminate", "iteration": 0, "mode": "TERMINATED", "fn_exception": "RuntimeError"},
+    ], details()
+    # Rank 0's collective may or may not have failed on the fault before the restart reached it.
+    assert [(c["hook"], c["iteration"]) for c in outcomes[0].report["hooks"]] == [
+        ("finalize", 0),
+        ("completion", 1),
+    ], details()
+    assert outcomes[0].report["hooks"][0]["fn_exception"] in (None, "RuntimeError"), details()
+    assert outcomes[2].report["calls"] and [c["iteration"] for c in outcomes[2].report["calls"]] == [1], details()
+    assert outcomes[2].report["hooks"][-1] == {
+        "hook": "completion",
+        "iteration": 1,
+        "mode": "ACTIVE",
+        "fn_exception": None,
+    }, details()
+    assert_finished(outcomes[0], iteration=1, rank=0, world_size=2)
+    assert_finished(outcomes[2], iteration=1, rank=1, world_size=2)
+
+
+def test_no_active_rank_left_stops_every_rank_with_restart_abort(tmp_path: Path) -> None:
+    # 3 ranks, active world size divisible by 2: ranks 0 and 1 active, 2 a spare. Rank 1 dies: 0 and
+    # the spare go on. Rank 2 dies: 1 rank left, no active rank, so RestartAbort, not a wait forever.
+    scenario = {"faults": [fault(1, "exit"), fault(2, "exit", iteration=1)], "rank_filter_divisor": 2}
+    outcomes = job(scenario, 3, tmp_path, timeout=60)
+    assert outcomes[1].returncode == 17 and outcomes[2].returncode == 17, details()
+    assert outcomes[0].error == "RestartAbort", details()
+    assert "the rank assignment left no active rank in iteration 2 (world size 1)" in outcomes[0].report[
+        "error_message"
+    ], details()
+
+
 def test_two_faults_at_once_cause_one_restart(tmp_path: Path) -> None:
     scenario = {"faults": [fault(1, "raise"), fault(2, "exit")], "last_call_wait": 0.3}
     outcomes = job(scenario, 4, tmp_path)

@@ -24,19 +24,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_ft.inprocess import rank_filter
+from elastic_ft.inprocess.completion import Completion
 from elastic_ft.inprocess.compose import Compose
 from elastic_ft.inprocess.exception import RankShouldRestart
 from elastic_ft.inprocess.finalize import Finalize
-from elastic_ft.inprocess.health_check import HealthCheck
+from elastic_ft.inprocess.health_check import FaultCounter, HealthCheck
 from elastic_ft.inprocess.initialize import Initialize, RetryController
 from elastic_ft.inprocess.rank_assignment import MaxActiveWorldSize, ShiftRanks
 from elastic_ft.inprocess.state import State
+from elastic_ft.inprocess.terminate import Terminate
 from elastic_ft.inprocess.wrapper import CallWrapper, Wrapper
 
 SCENARIO: dict[str, Any] = json.loads(os.environ["EFT_SCENARIO"])
 OUT = os.environ["EFT_OUT"]
 INITIAL_RANK = int(os.environ["RANK"])
 CALLS: list[dict[str, Any]] = []
+HOOK_CALLS: list[dict[str, Any]] = []
 
 
 def seconds(name: str, default: float) -> datetime.timedelta:
@@ -216,8 +220,38 @@ class FailOn(Initialize, Finalize, HealthCheck):
         return state
 
 
+class RecordHook(Finalize, Completion, Terminate):
+    """Records each call (hook name, iteration, mode, the state's ``fn_exception``) for the report."""
+
+    def __init__(self, hook: str) -> None:
+        self.hook = hook
+
+    def __call__(self, state: State) -> State:
+        exception = None if state.fn_exception is None else type(state.fn_exception).__name__
+        HOOK_CALLS.append(
+            {"hook": self.hook, "iteration": state.iteration, "mode": state.mode.name, "fn_exception": exception}
+        )
+        return state
+
+
+def nvidia_hooks() -> dict[str, Any]:
+    """NVIDIA 0.4.1's hook forms: the deprecated rank_filter, FaultCounter, completion and terminate."""
+    return {
+        "rank_filter": Compose(rank_filter.WorldSizeDivisibleBy(2), rank_filter.MaxActiveWorldSize(4)),
+        # Only rank 1 has a fault budget of 0: a peer's collective may also fail on the fault (racy).
+        "health_check": FaultCounter(max_rank_faults=0 if INITIAL_RANK == 1 else None),
+        "finalize": RecordHook("finalize"),
+        "completion": RecordHook("completion"),
+        "terminate": RecordHook("terminate"),
+    }
+
+
 def build_wrapper() -> Wrapper:
     hooks: dict[str, Any] = {}
+    if SCENARIO.get("nvidia_hooks"):
+        hooks.update(nvidia_hooks())
+    if "rank_filter_divisor" in SCENARIO:
+        hooks["rank_filter"] = rank_filter.ActiveWorldSizeDivisibleBy(SCENARIO["rank_filter_divisor"])
     for spec in SCENARIO.get("failing_hooks", []):
         hooks[spec["hook"]] = FailOn(spec)
     if "retry" in SCENARIO:
@@ -266,6 +300,8 @@ def main() -> None:
         wait_for_workers=False,
     )
     record: dict[str, Any] = {"calls": CALLS}
+    if SCENARIO.get("nvidia_hooks"):
+        record["hooks"] = HOOK_CALLS
     try:
         record["result"] = build_wrapper()(train)(pg_store)
     except BaseException as error:

@@ -32,6 +32,10 @@ def test_help_lists_ftrun_and_torchrun_flags() -> None:
     text = build_parser().format_help()
     for flag in ("--etcd-binary", "--rdzv-endpoint", "--nproc-per-node", "--max-restarts"):
         assert flag in text
+    flat = " ".join(text.split())
+    assert "default etcdft (an etcd v3 rendezvous)" in flat
+    assert "--standalone Single host: start an embedded etcd for the job" in flat
+    assert "represented by a C10d TCP store" not in flat  # torchrun's text, wrong under ftrun
 
 
 def test_multi_node_without_endpoint_is_a_clear_error() -> None:

@@ -102,3 +102,49 @@ def test_bad_input_fails_before_contacting_etcd() -> None:
     params = RendezvousParameters("etcdft", "192.0.2.1:1", "job", 1, 1, typo_key="1")
     with pytest.raises(RendezvousConfigError, match="typo_key"):
         EtcdftRendezvousHandler.from_parameters(params)
+
+
+def test_keys_of_torchs_other_backends_are_translated_or_ignored_with_one_warning(
+    caplog: pytest.LogCaptureFixture, tmp_path: object
+) -> None:
+    # What torchrun passes for a --rdzv-conf written for c10d or etcd-v2.
+    params = RendezvousParameters(
+        backend="etcdft",
+        endpoint="127.0.0.1:2379",
+        run_id="job",
+        min_nodes=1,
+        max_nodes=2,
+        timeout=900,
+        read_timeout="60",
+        heartbeat_timeout="2.5",
+        close_timeout="10",
+        keep_alive_interval="5",
+        keep_alive_max_attempt="3",
+        is_host="true",
+    )
+    with caplog.at_level("WARNING", logger="elastic_ft.rendezvous.config"):
+        s = settings_from_parameters(params)
+        settings_from_parameters(params)
+    assert (s.join_timeout, s.request_timeout, s.lease_ttl) == (900, 60, 3)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1, warnings
+    assert "ignores rdzv conf key(s) close_timeout, is_host, keep_alive_interval, keep_alive_max_attempt" in warnings[0]
+    # etcdft's own key wins over the torch key standing for it.
+    assert settings(read_timeout="60", request_timeout="2").request_timeout == 2
+    assert settings(heartbeat_timeout="30", lease_ttl="4").lease_ttl == 4
+    # etcd-v2's protocol=https makes endpoints without a scheme secure.
+    assert [e.secure for e in settings(endpoint="a:1,http://b:2", protocol="https").endpoints] == [True, False]
+    assert not any(e.secure for e in settings(protocol="HTTP").endpoints)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"protocol": "ftp"}, "rdzv conf protocol='ftp' is invalid; expected http or https"),
+        ({"heartbeat_timeout": "-1"}, "rdzv conf heartbeat_timeout='-1'"),
+        ({"read_timeout": "soon"}, "rdzv conf read_timeout='soon'"),
+    ],
+)
+def test_bad_torch_keys_get_clear_errors(overrides: dict[str, object], message: str) -> None:
+    with pytest.raises(RendezvousConfigError, match=message):
+        settings(**overrides)

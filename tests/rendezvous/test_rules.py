@@ -332,3 +332,22 @@ def test_membership_change_tells_ftrun_what_moved() -> None:
     )
     assert rules.membership_change(state, member_of, limits_max).moved_on
     assert rules.membership_change(state, None, limits_max) == rules.MembershipChange()
+
+
+def test_job_finished_once_every_member_of_the_last_round_left_cleanly() -> None:
+    running = make_state(alive=["a", "b", "c"], rounds=[RoundRecord(0, result=result(0, "ab"), left=frozenset({"a"}))])
+    assert not rules.job_finished(running)
+    assert isinstance(rules.next_action(running, "c", hash("c") & 0xFFFF, None, LIMITS, 0.0, None), JoinRound)
+    done = make_state(alive=["c"], rounds=[RoundRecord(0, result=result(0, "ab"), left=frozenset({"a", "b"}))])
+    assert rules.job_finished(done)
+    assert isinstance(rules.next_action(done, "c", hash("c") & 0xFFFF, None, LIMITS, 0.0, None), rules.Closed)
+    # Members that died (no left key) do not end the job: survivors or a new job may follow.
+    died = make_state(alive=["c"], rounds=[RoundRecord(0, result=result(0, "ab"))])
+    assert not rules.job_finished(died)
+    # A hot spare alive in the round that has not left yet still runs the job.
+    late = {"s": model.LateMember("s", hash("s") & 0xFFFF, 2)}
+    spare_runs = make_state(
+        alive=["s"], rounds=[RoundRecord(0, result=result(0, "ab"), left=frozenset({"a", "b"}), late=late)]
+    )
+    assert not rules.job_finished(spare_runs)
+    assert rules.job_finished(make_state(closed=True))

@@ -177,3 +177,28 @@ def test_spare_node_waits_then_replaces_a_killed_node(
     assert spare.wait(150) == 0, spare.log()
     done = results(tmp_path)
     assert sorted((r["node"], r["world_size"]) for r in done) == [("A", 2), ("C", 2)]
+
+
+@pytest.mark.slow
+def test_waiting_node_of_a_plain_torchrun_job_exits_when_the_job_ends(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
+) -> None:
+    # torch's agent ends with shutdown(), never set_closed(): once every member left, the job is
+    # over, and a node waiting behind the full round (a spare, without a deadline) leaves at once,
+    # through torch's RendezvousGracefulExitError, without running a worker; so does a node that
+    # arrives after the end. (torch 2.13's launch_agent then fails on agent.run()'s None result,
+    # so torchrun exits 1 there; ftrun's agent turns it into exit 0, see test_agent.py.)
+    a = start(nodes, tmp_path, etcd, run_id, "A", steps=30, step_time=0.1, nnodes="1:2")
+    b = start(nodes, tmp_path, etcd, run_id, "B", steps=30, step_time=0.1, nnodes="1:2")
+    wait_for_round_of(etcd, run_id, 2, 90)
+    waiting = start(nodes, tmp_path, etcd, run_id, "C", steps=30, step_time=0.1, nnodes="1:2")
+    assert a.wait(120) == 0, a.log()
+    assert b.wait(120) == 0, b.log()
+    ended = time.monotonic()
+    for node in (waiting, start(nodes, tmp_path, etcd, run_id, "D", steps=30, step_time=0.1, nnodes="1:2")):
+        code = node.wait(30)
+        assert time.monotonic() - ended < 25, node.log()  # at once, not after join_timeout
+        assert "Rendezvous gracefully exited: the rendezvous" in node.log(), node.log()
+        assert "was closed while node" in node.log(), node.log()
+        assert code == 0 or "'NoneType' object has no attribute 'is_failed'" in node.log(), node.log()
+    assert {r["node"] for r in results(tmp_path)} == {"A", "B"}  # neither C nor D ran a worker

@@ -33,9 +33,11 @@ from __future__ import annotations
 import abc
 import dataclasses
 import datetime
+import json
+import math
 import threading
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from elastic_ft.inprocess.exception import RankDiscarded
@@ -123,14 +125,43 @@ def activate_all(state: State) -> State:
     )
 
 
-def grouping_key(key_or_fn: str | Callable[[State], str], state: State, owner: str) -> str:
-    """A rank's grouping key: ``key_or_fn`` itself, or what it returns for ``state`` (checked to be a str)."""
-    if isinstance(key_or_fn, str):
-        return key_or_fn
-    key = key_or_fn(state)
-    if not isinstance(key, str):
-        raise TypeError(f"{owner} key_or_fn {key_or_fn!r} must return a str, got {key!r} for rank {state.rank}")
-    return key
+#: Marks a grouping key that was not a plain string (see :func:`grouping_key`).
+_ENCODED_KEY = "\x1f"
+
+
+def grouping_key(key_or_fn: object, state: State, owner: str) -> str:
+    """A rank's grouping key as a string: ``key_or_fn`` itself, or what it returns for ``state``.
+
+    Keys are compared for equality only (branches are ordered by first
+    appearance). A string is its own key; an int, float, bool, ``None``, or a
+    tuple or list of those (NVIDIA's tests group by ``rank // 8``) becomes a
+    tagged JSON text, so that ``1`` and ``"1"`` stay different groups and
+    every rank encodes a key alike.
+
+    Raises:
+        TypeError: a key of another type (an object has no equality every
+            rank agrees on), naming ``owner`` and the rank.
+    """
+    key = key_or_fn if isinstance(key_or_fn, str) or not callable(key_or_fn) else key_or_fn(state)
+    if isinstance(key, str) and not key.startswith(_ENCODED_KEY):
+        return key
+    if not is_grouping_key(key):
+        raise TypeError(
+            f"{owner} key_or_fn {key_or_fn!r} must give a str, int, float, bool, None or a tuple of them, "
+            f"got {key!r} for rank {state.rank}"
+        )
+    return _ENCODED_KEY + json.dumps(key, separators=(",", ":"), allow_nan=False)
+
+
+def is_grouping_key(value: object, depth: int = 0) -> bool:
+    """True for a value :func:`grouping_key` can encode alike on every rank."""
+    if value is None or isinstance(value, (str, int, bool)):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, (tuple, list)) and depth < 4:
+        return all(is_grouping_key(item, depth + 1) for item in value)
+    return False
 
 
 class _NameCounter(threading.local):

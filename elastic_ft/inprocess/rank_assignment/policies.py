@@ -27,6 +27,7 @@ from elastic_ft.inprocess.rank_assignment.base import (
     check_timeout,
     discard,
     grouping_key,
+    is_grouping_key,
     policy_name,
     rank_and_terminated,
     require_rank,
@@ -221,10 +222,10 @@ class FilterCountGroupedByKey(RankAssignment):
         *,
         name: str | None = None,
     ) -> None:
-        if not isinstance(key_or_fn, str) and not callable(key_or_fn):
+        if not callable(key_or_fn) and not is_grouping_key(key_or_fn):
             raise TypeError(
-                "FilterCountGroupedByKey key_or_fn must be a str or a callable "
-                f"taking a State and returning a str, got {key_or_fn!r}"
+                f"{type(self).__name__} key_or_fn must be a key (a str, int, float, bool, None or a tuple of them) "
+                f"or a callable taking a State and returning one, got {key_or_fn!r}"
             )
         if not callable(condition):
             raise TypeError(f"FilterCountGroupedByKey condition must be callable, got {condition!r}")
@@ -253,3 +254,30 @@ class FilterCountGroupedByKey(RankAssignment):
         )
         failing = ranks_failing_group_condition(healthy, keys, self.condition)
         return dataclasses.replace(ctx, terminated_ranks=terminated | failing)
+
+
+class FilterGroupedByKey(FilterCountGroupedByKey):
+    """The older form of :class:`FilterCountGroupedByKey`: a callable ``key_or_fn`` takes ``(rank, world_size)``.
+
+    The name and call form NVIDIA's usage guide still shows
+    (``key_or_fn=lambda rank, _: rank // 8``); it groups exactly as
+    :class:`FilterCountGroupedByKey` does with ``lambda state:
+    key_or_fn(state.rank, state.world_size)``.
+    """
+
+    def __init__(
+        self,
+        key_or_fn: object,
+        condition: Callable[[int], bool],
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+        *,
+        name: str | None = None,
+    ) -> None:
+        if callable(key_or_fn):
+            rank_key = key_or_fn
+
+            def state_key(state: State) -> object:
+                return rank_key(state.rank, state.world_size)
+
+            key_or_fn = state_key
+        super().__init__(key_or_fn, condition, timeout, name=name)  # type: ignore[arg-type]

@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from itertools import accumulate
 
-from elastic_ft.inprocess.rank_assignment.base import grouping_key
+from elastic_ft.inprocess.rank_assignment.base import grouping_key, is_grouping_key
 from elastic_ft.inprocess.state import Mode, State
 
 _NO_SLOT = -1
@@ -62,9 +62,10 @@ class Layer:
             ends the job.
         max_ranks: at most this many ranks are active in a subtree at this
             level; ``None`` for no limit.
-        key_or_fn: the grouping key of the subtree a rank belongs to: a string,
-            or a callable taking the rank's :class:`~elastic_ft.State` and
-            returning one (e.g. the host name).
+        key_or_fn: the grouping key of the subtree a rank belongs to: a string
+            (or an int, float, bool, None, or a tuple of them), or a callable
+            taking the rank's :class:`~elastic_ft.State` and returning one
+            (e.g. the host name, or ``state.rank // 8``).
         flag: policies for subtrees at this level, see :class:`LayerFlag`.
     """
 
@@ -85,10 +86,10 @@ class Layer:
                 raise ValueError(f"Layer max_ranks must be >= 1, got {self.max_ranks}")
             if self.min_ranks > self.max_ranks:
                 raise ValueError(f"Layer min_ranks={self.min_ranks} must not exceed max_ranks={self.max_ranks}")
-        if not isinstance(self.key_or_fn, str) and not callable(self.key_or_fn):
+        if not callable(self.key_or_fn) and not is_grouping_key(self.key_or_fn):
             raise TypeError(
-                "Layer key_or_fn must be a str or a callable taking a State and "
-                f"returning a str, got {self.key_or_fn!r}"
+                "Layer key_or_fn must be a key (a str, int, float, bool, None or a tuple of them) "
+                f"or a callable taking a State and returning one, got {self.key_or_fn!r}"
             )
         if self.flag is not None and not isinstance(self.flag, LayerFlag):
             raise TypeError(f"Layer flag must be a LayerFlag or None, got {self.flag!r}")
