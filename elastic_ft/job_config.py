@@ -1,9 +1,14 @@
 """The job configuration kept in etcd: schema and validation.
 
 A job config is a YAML (or JSON) mapping; ``configs/job.yaml`` shows every
-field. It is checked whole before anything is written: an error names the
-field, the value and what was expected. It is stored as JSON under
-``/<etcd_prefix>/<run_id>/config``.
+field. It is checked whole before anything is written, and every error is
+reported at once (:class:`JobConfigError` lists them), each with its place
+(``file:line:column`` and the field's path), the value, and what was
+expected. The fields are pydantic v2 models, which also give the JSON Schema
+``elastic-ft config schema`` prints for editors. After the fields, the
+config is checked against itself: the node and process counts bound what
+the rank-assignment tree and filters may ask for. It is stored as JSON
+under ``/<etcd_prefix>/<run_id>/config``.
 
 Sections (all optional; omitted fields keep their defaults):
 
@@ -38,22 +43,341 @@ describes is built there (:mod:`elastic_ft.inprocess.rank_assignment.from_config
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal, NoReturn
 
 import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
+from pydantic_core import PydanticCustomError
 
-from elastic_ft.timeouts import MAY_BE_ZERO, WRAPPER_DEFAULTS, SecondsError, check_seconds, first_misordered
+from elastic_ft.timeouts import MAX_SECONDS, MAY_BE_ZERO, WRAPPER_DEFAULTS, WRAPPER_ORDER, SecondsError, check_seconds
 
 _LAYER_FLAGS = ("RESERVE", "BACKFILL")
 #: When a respawned worker joins the running world: at the next restart, or through one asked for at once.
 REJOIN_CHOICES = ("next_fault", "at_once")
+#: The largest count any field may hold (nodes, processes, ranks, restarts): far beyond any job.
+MAX_COUNT = 1_000_000
+
+Path = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class ConfigIssue:
+    """One error of a job config: where (the field's path, and its line and column in the file when known) and what."""
+
+    path: Path
+    message: str
+    line: int | None = None
+    column: int | None = None
+    #: ``field``: a value is wrong on its own (what the JSON Schema checks too); ``relation``:
+    #: values that are each fine conflict (min above max, a tree larger than the job, ...).
+    kind: str = "field"
+
+    @property
+    def field(self) -> str:
+        """The path as the config writes it: ``rank_assignment.tree[1].min_ranks``."""
+        text = ""
+        for part in self.path:
+            text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
+        return text or "(top level)"
+
+    def describe(self, source: str | None) -> str:
+        """``file:line:column: message`` (the place as far as it is known)."""
+        if source and self.line is not None:
+            return f"{source}:{self.line}:{self.column}: {self.message}"
+        if self.line is not None:
+            return f"line {self.line}:{self.column}: {self.message}"
+        return f"{source}: {self.message}" if source else self.message
 
 
 class JobConfigError(ValueError):
-    """The job config is malformed; nothing was written."""
+    """The job config is malformed; nothing was written. ``issues`` lists every error found."""
+
+    def __init__(self, message: str, issues: tuple[ConfigIssue, ...] = ()) -> None:
+        super().__init__(message)
+        self.issues = issues
+
+
+def _shown(value: Any) -> str:
+    shown = repr(value)
+    if len(shown) > 200:  # the value may be huge (a long list, or an integer of thousands of digits)
+        shown = shown[:200] + f"... ({len(shown)} characters)"
+    return shown
+
+
+# ---- field types: the checks, their messages, and their JSON Schema ----------------
+
+
+def _invalid(expected: str) -> PydanticCustomError:
+    return PydanticCustomError("job_config", "{expected}", {"expected": expected})
+
+
+def _count_check(minimum: int) -> Callable[[Any], int]:
+    def check(value: Any) -> int:
+        if isinstance(value, float) and value.is_integer():  # JSON's integers may arrive as 2.0
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_COUNT:
+            raise _invalid(f"an integer from {minimum} to {MAX_COUNT}")
+        return value
+
+    return check
+
+
+def _seconds_check(may_be_zero: bool) -> Callable[[Any], float]:
+    def check(value: Any) -> float:
+        if isinstance(value, str):  # YAML gives numbers as numbers; quoted text is a mistake
+            raise _invalid("a number of seconds")
+        try:
+            return check_seconds(value, may_be_zero=may_be_zero)
+        except SecondsError as error:
+            raise _invalid(error.expected.removeprefix("expected ")) from None
+
+    return check
+
+
+def _choice_check(choices: tuple[str, ...], expected: str) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        if value not in choices:
+            raise _invalid(expected)
+        return value
+
+    return check
+
+
+def _key_check(value: Any) -> str:
+    if not isinstance(value, str) or not (value in ("job", "host") or (value.startswith("env:") and len(value) > 4)):
+        raise _invalid("'job', 'host' or 'env:NAME'")
+    return value
+
+
+def _flags_check(value: Any) -> list[str]:
+    flags = [value] if isinstance(value, str) else value
+    if not isinstance(flags, list) or any(flag not in _LAYER_FLAGS for flag in flags):
+        raise _invalid(f"a list of {', '.join(_LAYER_FLAGS)}")
+    return flags
+
+
+def Count(minimum: int, description: str) -> Any:
+    return Annotated[
+        int, Field(ge=minimum, le=MAX_COUNT, description=description), BeforeValidator(_count_check(minimum))
+    ]
+
+
+def Seconds(may_be_zero: bool, description: str) -> Any:
+    bound = {"ge": 0.0} if may_be_zero else {"gt": 0.0}
+    return Annotated[
+        float, Field(le=MAX_SECONDS, description=description, **bound), BeforeValidator(_seconds_check(may_be_zero))
+    ]
+
+
+class _Section(BaseModel):
+    """A mapping of the config: unknown fields are errors; ``None`` (an empty YAML value) means the default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_means_default(cls, value: Any) -> Any:
+        if value is None:
+            return {}
+        if isinstance(value, Mapping):
+            return {key: item for key, item in value.items() if item is not None or key not in cls.model_fields}
+        raise _invalid("a mapping")
+
+
+def _ordered(error_path: str, smaller: str, smaller_value: float, larger: str, larger_value: float) -> None:
+    if smaller_value > larger_value:
+        raise PydanticCustomError(
+            "job_config_relation",
+            "{message}",
+            {"message": f"{error_path}.{smaller}={smaller_value:g} exceeds {error_path}.{larger}={larger_value:g}",
+             "field": smaller},
+        )  # fmt: skip
+
+
+class NodesSection(_Section):
+    min: Count(1, "nodes the rendezvous waits for before the job starts") = 1
+    max: Count(1, "most nodes that train at once; default: min") | None = None
+    spares: Count(0, "hot spare nodes admitted beyond max: their workers start and wait as reserve ranks") = 0
+
+    @model_validator(mode="after")
+    def _min_at_most_max(self) -> NodesSection:
+        if self.max is not None:
+            _ordered("nodes", "min", self.min, "max", self.max)
+        return self
+
+
+class RespawnSection(_Section):
+    per_rank: Count(0, "replacements of a dead worker per local rank of a node (0: never)") = 2
+    per_job: Count(0, "replacements of dead workers in the whole job") = 16
+    rejoin: Annotated[
+        Literal["next_fault", "at_once"],
+        Field(description="next_fault: the new process waits in reserve for the next restart; "
+              "at_once: its node asks for a restart to admit it as soon as it is ready"),
+        BeforeValidator(_choice_check(REJOIN_CHOICES, " or ".join(map(repr, REJOIN_CHOICES)))),
+    ] = "next_fault"  # fmt: skip
+
+
+class RendezvousSection(_Section):
+    join_timeout: Seconds(False, "seconds a node may wait to join a round (etcdft's join_timeout)") | None = None
+    last_call_timeout: Seconds(True, "seconds to wait for more nodes once min joined") | None = None
+    lease_ttl: (
+        Annotated[
+            Seconds(False, "whole seconds a dead node keeps its place (its etcd lease)"),
+            Field(json_schema_extra={"multipleOf": 1}),
+        ]
+        | None
+    ) = None
+
+    @model_validator(mode="after")
+    def _whole_lease(self) -> RendezvousSection:
+        if self.lease_ttl is not None and not float(self.lease_ttl).is_integer():
+            raise PydanticCustomError(
+                "job_config_relation",
+                "{message}",
+                {"message": f"rendezvous.lease_ttl={self.lease_ttl:g} is invalid; expected whole seconds (etcd leases)",
+                 "field": "lease_ttl"},
+            )  # fmt: skip
+        return self
+
+    def values(self) -> dict[str, float]:
+        return {name: value for name, value in self.model_dump().items() if value is not None}
+
+
+_WRAPPER_HELP = {
+    "monitor_thread_interval": "how often the monitor thread polls a store that cannot watch",
+    "monitor_process_interval": "how often the monitor process checks the rank's progress",
+    "progress_watchdog_interval": "how often the automatic heartbeat is taken",
+    "heartbeat_interval": "how often the monitor process heartbeats into the store",
+    "heartbeat_timeout": "silence after which a rank is reported unresponsive",
+    "soft_timeout": "no progress for this long restarts every rank (ceiling of the adaptive timeout)",
+    "hard_timeout": "no progress for this long terminates the rank (ceiling of the adaptive timeout)",
+    "barrier_timeout": "timeout of the Wrapper's barriers",
+    "completion_timeout": "how long ranks that finished wait for the others",
+    "last_call_wait": "how long to wait for concurrent faults before restarting",
+    "termination_grace_time": "time between SIGTERM and SIGKILL at a hard timeout",
+}
+WrapperSection = type(
+    "WrapperSection",
+    (_Section,),
+    {
+        "__annotations__": {
+            name: Seconds(name in MAY_BE_ZERO, f"{_WRAPPER_HELP[name]}; default {WRAPPER_DEFAULTS[name]:g} s") | None
+            for name in WRAPPER_DEFAULTS
+        },
+        **dict.fromkeys(WRAPPER_DEFAULTS),
+        "__doc__": "The elastic_ft.Wrapper durations, in seconds, by argument name.",
+        "__module__": __name__,
+    },
+)
+
+
+class LayerSection(_Section):
+    min_ranks: Count(1, "a group with fewer healthy ranks than this is terminated as a whole") = 1
+    max_ranks: Count(1, "at most this many ranks of a group are active; no limit when absent") | None = None
+    key: Annotated[
+        str,
+        Field(pattern=r"^(job|host|env:.+)$", description="how a rank finds its group: job, host or env:NAME"),
+        BeforeValidator(_key_check),
+    ] = "job"
+    flags: Annotated[
+        list[Literal["RESERVE", "BACKFILL"]],
+        Field(description="RESERVE: spares are searched in this group; BACKFILL: gaps are filled from it"),
+        BeforeValidator(_flags_check),
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {"type": "array", "items": {"enum": list(_LAYER_FLAGS)}},
+                    {"enum": list(_LAYER_FLAGS)},
+                ]
+            }
+        ),
+    ] = []
+
+    @model_validator(mode="after")
+    def _min_at_most_max(self) -> LayerSection:
+        if self.max_ranks is not None and self.min_ranks > self.max_ranks:
+            raise PydanticCustomError(
+                "job_config_relation",
+                "{message}",
+                {"message": f"min_ranks={self.min_ranks} exceeds max_ranks={self.max_ranks}", "field": "min_ranks"},
+            )
+        return self
+
+
+class RankAssignmentSection(_Section):
+    tree: Annotated[
+        list[LayerSection],
+        Field(description="the layers of a Tree, root first; the root's key is job"),
+        BeforeValidator(lambda value: _as_list(value, "a list of layers, root first")),
+    ] = []
+    max_active_world_size: Count(1, "at most this many active ranks; the rest wait as reserve") | None = None
+    active_world_size_divisible_by: Count(1, "the active world size is kept a multiple of this") = 1
+
+    @model_validator(mode="after")
+    def _root_is_the_job(self) -> RankAssignmentSection:
+        if self.tree and self.tree[0].key != "job":
+            raise PydanticCustomError(
+                "job_config_relation",
+                "{message}",
+                {"message": f"rank_assignment.tree[0].key={self.tree[0].key!r} is invalid; expected 'job' "
+                            "(the root: one group for every rank)", "field": "tree"},
+            )  # fmt: skip
+        return self
+
+
+def _as_list(value: Any, expected: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _invalid(expected)
+    return value
+
+
+class JobDocument(_Section):
+    """An elastic-ft job config (``elastic-ft config put FILE``); every field is optional."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, title="elastic-ft job config")
+
+    nodes: NodesSection = NodesSection()
+    nproc_per_node: Count(1, "workers per node") = 1
+    max_restarts: Count(0, "process-level restarts, as torchrun's --max-restarts") = 0
+    respawn: RespawnSection = RespawnSection()
+    rendezvous: RendezvousSection = RendezvousSection()
+    wrapper: WrapperSection = WrapperSection()  # type: ignore[valid-type]
+    rank_assignment: RankAssignmentSection = RankAssignmentSection()
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of a job config document (draft 2020-12), for editors and CI checks.
+
+    It checks every field on its own, as :func:`parse_job_config` does; the
+    relations between fields (min above max, a tree larger than the job)
+    are beyond a schema and are checked by ``elastic-ft config validate``.
+    An empty value (YAML ``null``) means the default, as in the parser.
+    """
+    schema = JobDocument.model_json_schema()
+    for definition in [schema, *schema.get("$defs", {}).values()]:
+        for name, prop in definition.get("properties", {}).items():
+            definition["properties"][name] = _nullable(prop)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = "https://elastic-ft.invalid/job-config.schema.json"
+    return schema
+
+
+def _nullable(prop: dict[str, Any]) -> dict[str, Any]:
+    options = prop.get("anyOf")
+    if options is not None and any(option.get("type") == "null" for option in options):
+        return prop
+    shown = {key: prop[key] for key in ("default", "description", "title") if key in prop}
+    kept = {key: value for key, value in prop.items() if key not in shown}
+    return {"anyOf": [kept, {"type": "null"}], **shown}
+
+
+# ---- the validated config ------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -107,142 +431,188 @@ class JobConfig:
 # ---- validation ----------------------------------------------------------------
 
 
-def _fail(path: str, value: Any, expected: str) -> JobConfigError:
-    shown = repr(value)
-    if len(shown) > 200:  # the value may be huge (a long list, or an integer of thousands of digits)
-        shown = shown[:200] + f"... ({len(shown)} characters)"
-    return JobConfigError(f"job config field {path}={shown} is invalid; expected {expected}")
+def _issue_from(error: Any, document: Any) -> ConfigIssue:
+    """One pydantic error as a :class:`ConfigIssue` whose message names the field, the value and what was expected."""
+    path: Path = tuple(error["loc"])
+    kind, context = error["type"], error.get("ctx") or {}
+    issue = ConfigIssue(path, "")
+    if kind == "extra_forbidden":
+        parent = ConfigIssue(path[:-1], "").field
+        allowed = ", ".join(_fields_at(path[:-1]))
+        return ConfigIssue(path, f"{parent} has unknown field {path[-1]!r}; expected some of {allowed}")
+    if kind == "job_config_relation":
+        return ConfigIssue((*path, context["field"]), context["message"], kind="relation")
+    if kind == "job_config":
+        return ConfigIssue(path, f"{issue.field}={_shown(error['input'])} is invalid; expected {context['expected']}")
+    return ConfigIssue(path, f"{issue.field}={_shown(error['input'])} is invalid; {error['msg']}")
 
 
-def _mapping(value: Any, path: str, allowed: tuple[str, ...]) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise _fail(path, value, "a mapping")
-    unknown = sorted(set(value) - set(allowed))
-    if unknown:
-        raise JobConfigError(
-            f"job config {path} has unknown field(s) {', '.join(map(repr, unknown))}; expected some of "
-            + ", ".join(allowed)
+def _fields_at(path: Path) -> list[str]:
+    """The fields allowed in the mapping at ``path`` (for an unknown field's message)."""
+    model: Any = JobDocument
+    for part in path:
+        if isinstance(part, int):
+            continue
+        annotation = model.model_fields[part].annotation
+        model = getattr(annotation, "__args__", (annotation,))[0] if part == "tree" else annotation
+    return list(model.model_fields)
+
+
+def _world_checks(document: JobDocument, valid: set[str]) -> Iterator[ConfigIssue]:
+    """What the tree and filters ask of the world, against the node and process counts (valid sections only)."""
+    if not {"nodes", "nproc_per_node", "rank_assignment"} <= valid:
+        return
+    nodes, nproc, policy = document.nodes, document.nproc_per_node, document.rank_assignment
+    max_nodes = nodes.max if nodes.max is not None else nodes.min
+    smallest, largest = nodes.min * nproc, (max_nodes + nodes.spares) * nproc
+    sizes = (
+        f"nodes.min={nodes.min} x nproc_per_node={nproc} = {smallest} ranks at the job's smallest, "
+        f"(nodes.max={max_nodes} + nodes.spares={nodes.spares}) x {nproc} = {largest} at its largest"
+    )
+    for index, layer in enumerate(policy.tree):
+        where = ("rank_assignment", "tree", index, "min_ranks")
+        if index == 0 and layer.min_ranks > smallest:
+            yield ConfigIssue(
+                where,
+                f"rank_assignment.tree[0].min_ranks={layer.min_ranks} needs more ranks than the job has at its "
+                f"smallest: {sizes}; the root would terminate every rank",
+                kind="relation",
+            )
+        if layer.key == "host" and layer.min_ranks > nproc:
+            yield ConfigIssue(
+                where,
+                f"rank_assignment.tree[{index}].min_ranks={layer.min_ranks} exceeds the ranks of one host "
+                f"(nproc_per_node={nproc}); every host would be terminated",
+                kind="relation",
+            )
+    divisor, limit = policy.active_world_size_divisible_by, policy.max_active_world_size
+    where = ("rank_assignment", "active_world_size_divisible_by")
+    if limit is not None and divisor > limit:
+        yield ConfigIssue(
+            where,
+            f"rank_assignment.active_world_size_divisible_by={divisor} exceeds "
+            f"rank_assignment.max_active_world_size={limit}: no active world size is possible",
+            kind="relation",
         )
-    return dict(value)
+    elif divisor > smallest:
+        yield ConfigIssue(
+            where,
+            f"rank_assignment.active_world_size_divisible_by={divisor} exceeds the ranks of the job at its "
+            f"smallest ({sizes}): no rank would be active",
+            kind="relation",
+        )
 
 
-#: The largest count any field may hold (nodes, processes, ranks, restarts): far beyond any job.
-MAX_COUNT = 1_000_000
-
-
-def _integer(value: Any, path: str, *, minimum: int, default: int | None) -> int | None:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_COUNT:
-        raise _fail(path, value, f"an integer from {minimum} to {MAX_COUNT}")
-    return value
-
-
-def _count(value: Any, path: str, *, minimum: int, default: int) -> int:
-    """:func:`_integer` for a field that always has a value."""
-    checked = _integer(value, path, minimum=minimum, default=default)
-    return default if checked is None else checked
-
-
-def _seconds(value: Any, path: str, *, may_be_zero: bool) -> float:
-    if isinstance(value, str):  # YAML gives numbers as numbers; quoted text is a mistake
-        raise _fail(path, value, "a number of seconds")
-    try:
-        return check_seconds(value, may_be_zero=may_be_zero)
-    except SecondsError as error:
-        raise JobConfigError(f"job config field {path}={value!r} is invalid; {error.expected}") from None
-
-
-def _check_wrapper_relations(wrapper: Mapping[str, float]) -> None:
-    """The orderings the Wrapper requires, with its defaults for what the config leaves out."""
+def _wrapper_checks(wrapper: Mapping[str, float]) -> Iterator[ConfigIssue]:
+    """The orderings the Wrapper requires, every violated one, with its defaults for what the config leaves out."""
     seconds = {**WRAPPER_DEFAULTS, **wrapper}
-    misordered = first_misordered(seconds)
-    if misordered is not None:
-        shorter, longer = misordered
 
-        def shown(name: str) -> str:
-            origin = "" if name in wrapper else " (the Wrapper's default)"
-            return f"wrapper.{name}={seconds[name]:g}{origin}"
+    def shown(name: str) -> str:
+        origin = "" if name in wrapper else " (the Wrapper's default)"
+        return f"wrapper.{name}={seconds[name]:g}{origin}"
 
-        raise JobConfigError(f"job config {shown(shorter)} must be less than {shown(longer)}")
-
-
-def _layer(value: Any, path: str) -> LayerConfig:
-    data = _mapping(value, path, ("min_ranks", "max_ranks", "key", "flags"))
-    min_ranks = _count(data.get("min_ranks"), f"{path}.min_ranks", minimum=1, default=1)
-    max_ranks = _integer(data.get("max_ranks"), f"{path}.max_ranks", minimum=1, default=None)
-    if max_ranks is not None and min_ranks > max_ranks:
-        raise JobConfigError(f"job config {path}.min_ranks={min_ranks} exceeds {path}.max_ranks={max_ranks}")
-    key = data.get("key", "job")
-    if not isinstance(key, str) or not (key in ("job", "host") or (key.startswith("env:") and len(key) > 4)):
-        raise _fail(f"{path}.key", key, "'job', 'host' or 'env:NAME'")
-    flags = data.get("flags") or []
-    if isinstance(flags, str):
-        flags = [flags]
-    if not isinstance(flags, list) or any(f not in _LAYER_FLAGS for f in flags):
-        raise _fail(f"{path}.flags", data.get("flags"), f"a list of {', '.join(_LAYER_FLAGS)}")
-    return LayerConfig(min_ranks, max_ranks, key, tuple(flags))
+    for shorter, longer in WRAPPER_ORDER:
+        if not seconds[shorter] < seconds[longer]:
+            culprit = shorter if shorter in wrapper else longer
+            yield ConfigIssue(
+                ("wrapper", culprit), f"{shown(shorter)} must be less than {shown(longer)}", kind="relation"
+            )
 
 
-def parse_job_config(document: Any) -> JobConfig:
-    """Validate a parsed YAML/JSON document into a :class:`JobConfig`."""
-    top = _mapping(
-        document,
-        "(top level)",
-        ("nodes", "nproc_per_node", "max_restarts", "respawn", "rendezvous", "wrapper", "rank_assignment"),
-    )
-    respawn = _mapping(top.get("respawn"), "respawn", ("per_rank", "per_job", "rejoin"))
-    rejoin = respawn.get("rejoin", "next_fault")
-    if rejoin not in REJOIN_CHOICES:
-        raise _fail("respawn.rejoin", rejoin, " or ".join(map(repr, REJOIN_CHOICES)))
-    nodes = _mapping(top.get("nodes"), "nodes", ("min", "max", "spares"))
-    min_nodes = _count(nodes.get("min"), "nodes.min", minimum=1, default=1)
-    max_nodes = _count(nodes.get("max"), "nodes.max", minimum=1, default=min_nodes)
-    if min_nodes > max_nodes:
-        raise JobConfigError(f"job config nodes.min={min_nodes} exceeds nodes.max={max_nodes}")
-    rendezvous = _mapping(top.get("rendezvous"), "rendezvous", ("join_timeout", "last_call_timeout", "lease_ttl"))
-    checked_rdzv = {}
-    for key, value in rendezvous.items():
-        checked_rdzv[key] = _seconds(value, f"rendezvous.{key}", may_be_zero=key == "last_call_timeout")
-    if "lease_ttl" in checked_rdzv and not float(checked_rdzv["lease_ttl"]).is_integer():
-        raise _fail("rendezvous.lease_ttl", rendezvous["lease_ttl"], "whole seconds (etcd leases)")
-    wrapper = _mapping(top.get("wrapper"), "wrapper", tuple(WRAPPER_DEFAULTS))
-    checked_wrapper = {k: _seconds(v, f"wrapper.{k}", may_be_zero=k in MAY_BE_ZERO) for k, v in wrapper.items()}
-    _check_wrapper_relations(checked_wrapper)
-    policy = _mapping(
-        top.get("rank_assignment"),
-        "rank_assignment",
-        ("tree", "max_active_world_size", "active_world_size_divisible_by"),
-    )
-    tree_value = policy.get("tree") or []
-    if not isinstance(tree_value, list):
-        raise _fail("rank_assignment.tree", tree_value, "a list of layers, root first")
-    tree = tuple(_layer(layer, f"rank_assignment.tree[{i}]") for i, layer in enumerate(tree_value))
-    if tree and tree[0].key != "job":
-        raise _fail("rank_assignment.tree[0].key", tree[0].key, "'job' (the root: one group for every rank)")
-    divisor = _count(
-        policy.get("active_world_size_divisible_by"), "rank_assignment.active_world_size_divisible_by",
-        minimum=1, default=1,
-    )  # fmt: skip
+def _validate(document: Any) -> tuple[JobDocument | None, list[ConfigIssue]]:
+    """Every section on its own, so that one bad section hides no error of another; then the cross checks."""
+    if document is None:
+        document = {}
+    if not isinstance(document, Mapping):
+        return None, [ConfigIssue((), f"(top level)={_shown(document)} is invalid; expected a mapping")]
+    issues: list[ConfigIssue] = []
+    valid: dict[str, Any] = {}
+    fields = JobDocument.model_fields
+    for name, value in document.items():
+        if name not in fields:
+            issues.append(
+                ConfigIssue((name,), f"(top level) has unknown field {name!r}; expected some of {', '.join(fields)}")
+            )
+            continue
+        if value is None:
+            continue
+        try:
+            JobDocument.model_validate({name: value})
+        except ValidationError as error:
+            issues.extend(_issue_from(e, document) for e in error.errors())
+        else:
+            valid[name] = value
+    checked = JobDocument.model_validate(valid)
+    issues.extend(_wrapper_checks(_valid_wrapper_fields(document.get("wrapper"))))
+    issues.extend(_world_checks(checked, set(valid) | (set(fields) - set(document))))
+    return checked, issues
+
+
+def _valid_wrapper_fields(wrapper: Any) -> dict[str, float]:
+    """The wrapper durations that are valid on their own, so their orderings are checked beside other errors."""
+    if not isinstance(wrapper, Mapping):
+        return {}
+    valid = {}
+    for name, value in wrapper.items():
+        try:
+            checked = WrapperSection.model_validate({name: value})
+        except ValidationError:
+            continue
+        valid[name] = getattr(checked, name)
+    return {name: value for name, value in valid.items() if value is not None}
+
+
+def _to_config(document: JobDocument) -> JobConfig:
+    nodes, respawn, policy = document.nodes, document.respawn, document.rank_assignment
     return JobConfig(
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        spare_nodes=_count(nodes.get("spares"), "nodes.spares", minimum=0, default=0),
-        nproc_per_node=_count(top.get("nproc_per_node"), "nproc_per_node", minimum=1, default=1),
-        max_restarts=_count(top.get("max_restarts"), "max_restarts", minimum=0, default=0),
-        respawns_per_rank=_count(respawn.get("per_rank"), "respawn.per_rank", minimum=0, default=2),
-        respawns_per_job=_count(respawn.get("per_job"), "respawn.per_job", minimum=0, default=16),
-        respawn_rejoin=rejoin,
-        rendezvous=checked_rdzv,
-        wrapper=checked_wrapper,
-        tree=tree,
-        max_active_world_size=_integer(
-            policy.get("max_active_world_size"), "rank_assignment.max_active_world_size", minimum=1, default=None
-        ),
-        active_world_size_divisible_by=divisor,
+        min_nodes=nodes.min,
+        max_nodes=nodes.max if nodes.max is not None else nodes.min,
+        spare_nodes=nodes.spares,
+        nproc_per_node=document.nproc_per_node,
+        max_restarts=document.max_restarts,
+        respawns_per_rank=respawn.per_rank,
+        respawns_per_job=respawn.per_job,
+        respawn_rejoin=respawn.rejoin,
+        rendezvous=document.rendezvous.values(),
+        wrapper=document.wrapper.model_dump(exclude_none=True),
+        tree=tuple(LayerConfig(l.min_ranks, l.max_ranks, l.key, tuple(l.flags)) for l in policy.tree),
+        max_active_world_size=policy.max_active_world_size,
+        active_world_size_divisible_by=policy.active_world_size_divisible_by,
     )
+
+
+def _raise(issues: list[ConfigIssue], source: str | None) -> NoReturn:
+    if len(issues) == 1:
+        raise JobConfigError(f"job config {issues[0].describe(source)}", tuple(issues))
+    listed = "\n".join(f"  {issue.describe(source)}" for issue in issues)
+    raise JobConfigError(f"job config has {len(issues)} errors:\n{listed}", tuple(issues))
+
+
+def parse_job_config(
+    document: Any, *, source: str | None = None, marks: Mapping[Path, tuple[int, int]] | None = None
+) -> JobConfig:
+    """Validate a parsed YAML/JSON document into a :class:`JobConfig`.
+
+    Raises:
+        JobConfigError: listing every error at once, each with its field
+            path, and ``source:line:column`` when ``marks`` (from
+            :func:`load_job_config`) place it in a file.
+    """
+    checked, issues = _validate(document)
+    if issues or checked is None:
+        if marks:
+            issues = [_placed(issue, marks) for issue in issues]
+        _raise(issues, source)
+    return _to_config(checked)
+
+
+def _placed(issue: ConfigIssue, marks: Mapping[Path, tuple[int, int]]) -> ConfigIssue:
+    """The issue with the line and column of the deepest part of its path the file has."""
+    for length in range(len(issue.path), -1, -1):
+        mark = marks.get(issue.path[:length])
+        if mark is not None:
+            return dataclasses.replace(issue, line=mark[0], column=mark[1])
+    return issue
 
 
 #: Limits on a job config's YAML, far beyond any real config: its size, its nesting, and how many
@@ -270,19 +640,43 @@ def _check_yaml_shape(node: yaml.Node, source: str) -> None:
                 stack.extend(((key, depth + 1), (value, depth + 1)))
 
 
-def load_job_config(text: str, source: str = "job config") -> JobConfig:
-    """Parse YAML (JSON is YAML too) within :data:`MAX_YAML_BYTES`, depth and node limits, and validate it."""
+def _marks(node: yaml.Node) -> dict[Path, tuple[int, int]]:
+    """Where each value (and each mapping key) of a composed YAML document starts: path -> (line, column), from 1."""
+    marks: dict[Path, tuple[int, int]] = {}
+    stack: list[tuple[yaml.Node, Path]] = [(node, ())]
+    while stack:
+        current, path = stack.pop()
+        marks.setdefault(path, (current.start_mark.line + 1, current.start_mark.column + 1))
+        if isinstance(current, yaml.MappingNode):
+            for key, value in current.value:
+                if isinstance(key, yaml.ScalarNode):
+                    child = (*path, key.value)
+                    marks[child] = (key.start_mark.line + 1, key.start_mark.column + 1)
+                    stack.append((value, child))
+        elif isinstance(current, yaml.SequenceNode):
+            stack.extend((item, (*path, index)) for index, item in enumerate(current.value))
+    return marks
+
+
+def load_job_config(text: str, source: str | None = None) -> JobConfig:
+    """Parse YAML (JSON is YAML too) within :data:`MAX_YAML_BYTES`, depth and node limits, and validate it.
+
+    ``source`` (a file name) prefixes every error's ``line:column``.
+    """
+    name = source or "job config"
     if len(text.encode(errors="replace")) > MAX_YAML_BYTES:
-        raise JobConfigError(f"{source} is larger than {MAX_YAML_BYTES} bytes")
+        raise JobConfigError(f"{name} is larger than {MAX_YAML_BYTES} bytes")
+    marks: dict[Path, tuple[int, int]] = {}
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         if node is None:
             document = None
         else:
-            _check_yaml_shape(node, source)
+            _check_yaml_shape(node, name)
+            marks = _marks(node)
             document = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise JobConfigError(f"{source} is not valid YAML: {str(exc)[:500]}") from None
+        raise JobConfigError(f"{name} is not valid YAML: {str(exc)[:500]}") from None
     except RecursionError:
-        raise JobConfigError(f"{source} nests deeper than {MAX_YAML_DEPTH} levels") from None
-    return parse_job_config(document)
+        raise JobConfigError(f"{name} nests deeper than {MAX_YAML_DEPTH} levels") from None
+    return parse_job_config(document, source=source, marks=marks)

@@ -3,6 +3,7 @@
 ::
 
     elastic-ft config validate configs/job.yaml
+    elastic-ft config schema > job-config.schema.json
     elastic-ft config put configs/job.yaml --rdzv-endpoint=HOST:PORT --rdzv-id=job42
     elastic-ft config get --rdzv-endpoint=HOST:PORT --rdzv-id=job42
     elastic-ft status --rdzv-endpoint=HOST:PORT --rdzv-id=job42 [--json]
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from elastic_ft.etcd.kv import EtcdRequestError, EtcdUnavailableError
-from elastic_ft.job_config import JobConfig, JobConfigError, load_job_config, parse_job_config
+from elastic_ft.job_config import JobConfig, JobConfigError, json_schema, load_job_config, parse_job_config
 from elastic_ft.keys import RunKeys
 from elastic_ft.rendezvous.config import RendezvousConfigError, make_settings
 
@@ -46,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     actions = config.add_subparsers(dest="action", required=True)
     validate = actions.add_parser("validate", help="check a config file; touches nothing")
     validate.add_argument("file", type=Path)
+    schema = actions.add_parser("schema", help="print the job config's JSON Schema (for editors and CI checks)")
+    schema.add_argument("-o", "--output", type=Path, help="write it to this file instead")
     put = actions.add_parser("put", help="check a config file and store it for the run")
     put.add_argument("file", type=Path)
     _connection_options(put)
@@ -96,6 +99,14 @@ def _read_config_file(path: Path) -> JobConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.command == "config" and args.action == "schema":
+        text = json.dumps(json_schema(), indent=2) + "\n"
+        if args.output is None:
+            print(text, end="")
+        else:
+            args.output.write_text(text)
+            print(f"wrote the job config schema to {args.output}")
+        return 0
     if args.command == "config" and args.action == "validate":
         _read_config_file(args.file)
         print(f"{args.file}: valid")

@@ -47,7 +47,7 @@ def test_config_builds_the_rank_assignment_policy() -> None:
     ("text", "message"),
     [
         ("nodes: [1, 2", "not valid YAML"),
-        ("- just a list", r"field \(top level\)=\['just a list'\] is invalid; expected a mapping"),
+        ("- just a list", r"\(top level\)=\['just a list'\] is invalid; expected a mapping"),
         ("nodez: {}", "unknown field.*'nodez'"),
         ("nodes: {min: 3, max: 2}", "nodes.min=3 exceeds nodes.max=2"),
         ("nodes: {min: 0}", r"nodes.min=0 is invalid; expected an integer from 1 to 1000000"),
