@@ -239,7 +239,7 @@ class RendezvousSection(_Section):
                 "job_config_relation",
                 "{message}",
                 {"message": f"rendezvous.lease_ttl={self.lease_ttl:g} is invalid; expected whole seconds (etcd leases)",
-                 "field": "lease_ttl"},
+                 "field": "lease_ttl", "kind": "field"},
             )  # fmt: skip
         return self
 
@@ -441,7 +441,7 @@ def _issue_from(error: Any, document: Any) -> ConfigIssue:
         allowed = ", ".join(_fields_at(path[:-1]))
         return ConfigIssue(path, f"{parent} has unknown field {path[-1]!r}; expected some of {allowed}")
     if kind == "job_config_relation":
-        return ConfigIssue((*path, context["field"]), context["message"], kind="relation")
+        return ConfigIssue((*path, context["field"]), context["message"], kind=context.get("kind", "relation"))
     if kind == "job_config":
         return ConfigIssue(path, f"{issue.field}={_shown(error['input'])} is invalid; expected {context['expected']}")
     return ConfigIssue(path, f"{issue.field}={_shown(error['input'])} is invalid; {error['msg']}")
