@@ -46,7 +46,7 @@ def test_every_error_is_reported_at_once_with_its_line_and_field() -> None:
         ("respawn.per_node", 5, "field"),
         ("wrapper.bogus", 8, "field"),
         ("wrapper.soft_timeout", 7, "relation"),
-        ("rendezvous.lease_ttl", 9, "relation"),
+        ("rendezvous.lease_ttl", 9, "field"),
         ("rank_assignment.tree[0].flags", 12, "field"),
         ("rank_assignment.tree[1].key", 13, "field"),
     }
