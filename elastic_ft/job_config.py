@@ -680,3 +680,14 @@ def load_job_config(text: str, source: str | None = None) -> JobConfig:
     except RecursionError:
         raise JobConfigError(f"{name} nests deeper than {MAX_YAML_DEPTH} levels") from None
     return parse_job_config(document, source=source, marks=marks)
+
+
+__all__ = [
+    "ConfigIssue",
+    "JobConfig",
+    "JobConfigError",
+    "LayerConfig",
+    "json_schema",
+    "load_job_config",
+    "parse_job_config",
+]

@@ -1,0 +1,59 @@
+"""The quickstart's script (docs/quickstart.md) survives a worker's SIGKILL under ftrun, in-process."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_ft.testing.local_cluster import descendants
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "quickstart.py"
+
+
+def _workers(agent: int) -> list[int]:
+    """The agent's worker processes: its children running the script (not their monitor processes)."""
+    found = []
+    for child in descendants(agent):
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
+            parent = int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == agent and str(SCRIPT).encode() in command:
+            found.append(child)
+    return found
+
+
+@pytest.mark.slow
+def test_quickstart_survives_a_killed_worker(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "quickstart.pt"
+    command = [sys.executable, "-m", "elastic_ft.launcher.ftrun", "--nproc-per-node=3", str(SCRIPT),
+               "--checkpoint", str(checkpoint), "--epochs", "20"]  # fmt: skip
+    log = tmp_path / "ftrun.log"
+    with log.open("w") as out:
+        ftrun = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not checkpoint.exists():
+            assert ftrun.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        workers = _workers(ftrun.pid)
+        assert len(workers) >= 3, (workers, log.read_text()[-2000:])
+        os.kill(workers[-1], signal.SIGKILL)
+        assert ftrun.wait(180) == 0, log.read_text()[-5000:]
+    finally:
+        if ftrun.poll() is None:
+            os.killpg(ftrun.pid, signal.SIGKILL)
+    text = log.read_text()
+    finished = re.findall(r"rank (\d) finished at step (\d+)", text)
+    assert len(finished) == 2 and len({step for _, step in finished}) == 1, text[-3000:]  # the survivors agree
+    assert sorted(rank for rank, _ in finished) == ["0", "1"], text[-3000:]
+    assert re.search(r"on 2 ranks", text), text[-3000:]  # trained on, in-process, without the dead worker
