@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_api_reference_is_generated_from_the_current_code() -> None:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "api_reference.py"), "--check"], capture_output=True, text=True
+        [sys.executable, str(ROOT / "scripts" / "api_reference.py"), "--check"], check=False, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
 

@@ -1,12 +1,13 @@
 """Logging of the in-process restart machinery.
 
-Every in-process module logs under ``elastic_ft.inprocess``. That logger
-does not propagate to the root logger, so an application's handlers (files,
+Every in-process module logs under ``elastic_ft.inprocess``. While a
+Wrapper call runs, that logger does not propagate to the root logger, so an application's handlers (files,
 log shippers) do not receive the Wrapper's messages twice or unexpectedly;
 instead it gets one ``logging.StreamHandler`` modelled on the nearest
 stream handler among its ancestors (same stream, formatter and level), or a
-plain stderr handler when there is none. The monitor process replaces all of
-this with a file handler (:func:`log_to_file`).
+plain stderr handler when there is none; the call removes it when it ends.
+The monitor process replaces all of this with a file handler
+(:func:`log_to_file`).
 """
 
 from __future__ import annotations
@@ -33,12 +34,18 @@ def _nearest_stream_handler(logger: logging.Logger) -> logging.StreamHandler | N
     return None
 
 
-def configure_logging() -> logging.Logger:
-    """Give the package logger its own stream handler, once, and stop propagation."""
+def configure_logging() -> logging.Handler | None:
+    """Give the package logger its own stream handler and stop propagation, for one Wrapper call.
+
+    Returns the handler added, for :func:`release_logging` when the call
+    ends (the package leaves no handler behind, as NVIDIA's does not), or
+    ``None`` when the logger has handlers already (an outer call's, or the
+    application's own).
+    """
     logger = logging.getLogger(LOGGER_NAME)
     logger.propagate = False
     if logger.handlers:
-        return logger
+        return None
     template = _nearest_stream_handler(logger)
     handler = logging.StreamHandler(template.stream if template is not None else sys.stderr)
     handler.setFormatter(
@@ -51,7 +58,17 @@ def configure_logging() -> logging.Logger:
     logger.addHandler(handler)
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
-    return logger
+    return handler
+
+
+def release_logging(handler: logging.Handler | None) -> None:
+    """Undo :func:`configure_logging`: remove the handler it added and let the logger propagate again."""
+    if handler is None:
+        return
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.removeHandler(handler)
+    if not logger.handlers:
+        logger.propagate = True
 
 
 def log_to_file(path: str | None, level: int) -> None:

@@ -40,19 +40,21 @@ class NestedRestarterLogger:
     """
 
     def __init__(self) -> None:
-        self.logger = logging.getLogger(NESTED_RESTARTER_LOGGER)
+        #: The ``logging.Logger`` written to (NVIDIA's attribute name).
+        self.restarter_logger = logging.getLogger(NESTED_RESTARTER_LOGGER)
         self.connected_rank: int | None = None
 
     def set_connected_rank(self, rank: int | None) -> None:
         self.connected_rank = rank
 
     def log_for_restarter(self, message: str) -> None:
-        if not self.logger.handlers and not logging.getLogger().handlers:
+        log = self.restarter_logger
+        if not log.handlers and not logging.getLogger().handlers:
             handler = logging.StreamHandler()
             handler.setFormatter(logging.Formatter("%(message)s"))
-            self.logger.addHandler(handler)
-            self.logger.setLevel(logging.INFO)
-        self.logger.info(message)
+            log.addHandler(handler)
+            log.setLevel(logging.INFO)
+        log.info(message)
 
 
 _shared_logger = NestedRestarterLogger()

@@ -39,7 +39,7 @@ import time
 import typing
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -62,7 +62,7 @@ from elastic_ft.inprocess.exception import (
 from elastic_ft.inprocess.growth import joiner_state, next_iteration_state
 from elastic_ft.inprocess.hang_detection import AdaptiveTimeouts
 from elastic_ft.inprocess.healing import heal
-from elastic_ft.inprocess.logs import configure_logging, get_logger
+from elastic_ft.inprocess.logs import configure_logging, get_logger, release_logging
 from elastic_ft.inprocess.monitor_process import STACK_DUMP_SIGNAL, MonitorConfig, MonitorProcess
 from elastic_ft.inprocess.monitor_thread import InterruptSignal, MonitorThread
 from elastic_ft.inprocess.process_groups import ProcessGroupKeeper
@@ -325,9 +325,21 @@ class CallWrapper:
     """
 
     def __init__(self, wrapper: Wrapper) -> None:
-        configure_logging()
         if dist.is_available() and dist.is_initialized():
-            raise RuntimeError("enter the Wrapper before torch.distributed.init_process_group, not after")
+            raise ValueError(
+                "the Wrapper needs not torch.distributed.is_initialized(): enter the Wrapper before "
+                "torch.distributed.init_process_group, not after"
+            )
+        #: The log handler this call installed, removed when it ends (None: one was there already).
+        self._log_handler = configure_logging()
+        try:
+            self._start(wrapper)
+        except BaseException:
+            release_logging(self._log_handler)
+            raise
+
+    def _start(self, wrapper: Wrapper) -> None:
+        """Everything the call sets up: its state, monitors, store and hooks (undone by :meth:`shutdown`)."""
         self.wrapper = wrapper
         worker = WorkerHandoff.from_env(os.environ)
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -560,6 +572,7 @@ class CallWrapper:
             self._release_hooks()
             self._watchdog.shutdown()
             self._monitor_process.stop()
+            release_logging(self._log_handler)
 
     # ---- the restart loop ----
 
@@ -652,8 +665,13 @@ class CallWrapper:
                     self._fresh = False
                     result = fn(*args, **kwargs)
                     store.mark_any_completed()
-                else:
+                elif state.mode is Mode.INACTIVE:
                     poll(store.any_completed, None, interval_max=_secs(wrapper.progress_watchdog_interval) / 4)
+                else:
+                    raise InternalError(
+                        f"the rank assignment left rank {rank} in mode {state.mode.name}; expected ACTIVE or "
+                        "INACTIVE (compose an activation such as ActivateAllRanks() into it)"
+                    )
                 outcome = store.arrive_and_wait(
                     COMPLETION_BARRIER,
                     [rank],
@@ -682,8 +700,10 @@ class CallWrapper:
                 log.error("rank %s: iteration %d failed: %r", rank, state.iteration, error)
                 store.record_interruption(rank, type(error).__name__, repr(error))
                 self._await_restart(monitor)
-        except RankShouldRestart:
+        except RankShouldRestart as restart:
             self._leave_optimizer_steps()
+            if not monitor.restart_started.is_set():
+                self._restart_asked_by_function(restart, monitor, store, state)
             monitor.acknowledge()
             log.info("rank %s: iteration %d interrupted, restarting", rank, state.iteration)
             return False, None
@@ -694,6 +714,23 @@ class CallWrapper:
             self._leave(store, state, leaving)
             raise leaving.error from None
         raise InternalError("unreachable")
+
+    def _restart_asked_by_function(
+        self, restart: RankShouldRestart, monitor: MonitorThread, store: PrefixStore, state: State
+    ) -> None:
+        """The function raised ``RankShouldRestart`` itself (NVIDIA's explicit restart): a fault of this rank.
+
+        No restart was under way, so none would come: record the
+        interruption, as for an exception, and wait for the restart it starts.
+        """
+        rank = state.rank or 0
+        monitor.hold()
+        self._abort(state)
+        self.fn_exception = restart.with_traceback(None)
+        log.info("rank %s: the function asked for a restart in iteration %d", rank, state.iteration)
+        store.record_interruption(rank, "RankShouldRestart", "the function raised RankShouldRestart")
+        with suppress(RankShouldRestart):
+            self._await_restart(monitor)
 
     def _run_completion(self, state: State) -> None:
         if self.wrapper.completion is None:

@@ -94,7 +94,7 @@ def test_compose_of_rank_assignments_is_a_rank_assignment() -> None:
     assert isinstance(mixed, RankAssignment) and not isinstance(mixed, RankFilter)
     assert isinstance(filters, RankFilter)
     assert isinstance(Compose(filters, ShiftRanks()), RankAssignment)
-    assert not isinstance(Compose(ShiftRanks(), FillGaps()), ShiftRanks)  # concrete classes are not claimed
+    assert not isinstance(Compose(ShiftRanks(), FillGaps()), ShiftRanks)  # only what every part is
     assert type(Compose(len)) is Compose
 
 

@@ -220,3 +220,91 @@ def test_wrapper_checks_the_new_hooks() -> None:
     for name in ("completion", "terminate", "rank_filter"):
         with pytest.raises(TypeError, match=f"Wrapper {name} must be callable or None, got 'nope'"):
             inprocess.Wrapper(**{name: "nope"})
+
+
+def test_compose_chains_arguments_as_nvidias_does() -> None:
+    calls: list[str] = []
+
+    class Count:
+        def __call__(self) -> None:
+            calls.append("x")
+
+    Compose(Count(), Count(), Count())()
+    assert calls == ["x"] * 3  # parts without arguments pass nothing on
+
+    class Shift:
+        def __call__(self, a: int, b: int) -> tuple[int, int]:
+            return a + 1, b + 2
+
+    assert Compose(Shift(), Shift())(0, 0) == (2, 4)  # a tuple is the next part's arguments
+
+    class Forgets:
+        def __call__(self, state: object) -> None:
+            return None
+
+    with pytest.warns(UserWarning, match="returned None"):
+        assert Compose(Forgets(), Forgets())(1) is None
+    with pytest.raises(ValueError, match="at least one callable"):
+        Compose()
+
+
+def test_a_composition_is_an_instance_of_the_nearest_class_its_parts_share() -> None:
+    class Base:
+        pass
+
+    class Foo(Base):
+        def __call__(self) -> None: ...
+
+    class Bar(Foo):
+        def __call__(self) -> None: ...
+
+    both = Compose(Foo(), Bar())
+    assert isinstance(both, Foo) and isinstance(both, Base) and not isinstance(both, Bar)
+    assert type(Compose(print, len)) is Compose  # builtins share only object
+    nested = Compose(Compose(Foo(), Foo()), Compose(Foo(), Foo()))
+    assert isinstance(nested, Foo) and nested() is None
+
+
+def test_layer_fields_may_be_set_and_are_checked_again() -> None:
+    layer = inprocess.rank_assignment.Layer(min_ranks=2)
+    layer.flag = inprocess.rank_assignment.LayerFlag.RESERVE
+    layer.flag |= inprocess.rank_assignment.LayerFlag.BACKFILL
+    assert layer.has(inprocess.rank_assignment.LayerFlag.BACKFILL)
+    with pytest.raises(ValueError, match="min_ranks=2 must not exceed max_ranks=1"):
+        layer.max_ranks = 1
+    assert layer.max_ranks is None  # a failed assignment changes nothing
+
+
+class KeyStore:
+    """NVIDIA's ``StoreMixin`` key protocol, as its unit tests fake it: every rank's keys known up front."""
+
+    def __init__(self, keys: dict[int, list[object]]) -> None:
+        self.keys = keys
+        self.sent: list[tuple[object, int]] = []
+
+    def send_key(self, key: object, rank: int) -> None:
+        self.sent.append((key, rank))
+
+    def get_keys(self, ranks: list[int]) -> list[list[object]]:
+        return [self.keys[rank] for rank in ranks]
+
+
+def test_tree_over_nvidias_store_protocol_computes_every_ranks_state() -> None:
+    layers = [
+        inprocess.rank_assignment.Layer(flag=inprocess.rank_assignment.LayerFlag.BACKFILL),
+        inprocess.rank_assignment.Layer(
+            key_or_fn=lambda state: state.rank // 4, flag=inprocess.rank_assignment.LayerFlag.BACKFILL
+        ),
+    ]
+    store = KeyStore({rank: ["", rank // 4] for rank in range(8)})
+    tree = inprocess.rank_assignment.Tree(layers)
+    assert tree.init_rank_map == {}
+    ctx = tree(inprocess.rank_assignment.RankAssignmentCtx(State(0, 8), store, {1}))  # type: ignore[arg-type]
+    assert store.sent == [(["", "\x1f0"], 0)]
+    active = [tree.init_rank_map[r].state.active_rank for r in range(8)]
+    assert active == [0, None, 2, 3, 4, 5, 6, 1]  # rank 1 failed; the highest active rank backfills its place
+    assert ctx.state.active_rank == 0 and ctx.state.active_world_size == 7
+    assert tree.init_rank_map[1].state.mode is Mode.TERMINATED
+    bad = KeyStore({rank: [""] for rank in range(8)})
+    with pytest.raises(ValueError, match="rank 0 published"):
+        inprocess.rank_assignment.Tree(layers)(inprocess.rank_assignment.RankAssignmentCtx(State(0, 8), bad, set()))  # type: ignore[arg-type]

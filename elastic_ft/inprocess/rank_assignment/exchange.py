@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from elastic_ft.inprocess.exception import RankAssignmentTimeout
+from elastic_ft.inprocess.rank_assignment.base import grouping_key
+from elastic_ft.inprocess.state import State
 from elastic_ft.keys import exchange_arrived, exchange_published, exchange_table
 
 if TYPE_CHECKING:
@@ -41,6 +43,9 @@ def gather_keys(
         RankAssignmentTimeout: naming the ranks that never published.
         ValueError: ranks published differently shaped keys.
     """
+
+    if callable(getattr(store, "get_keys", None)) and callable(getattr(store, "send_key", None)):
+        return _gather_through_nvidia_protocol(store, rank, ranks, keys, what)
 
     def rank_key(peer: int) -> str:
         return exchange_published(prefix, peer)
@@ -92,3 +97,25 @@ def _encode_columns(values: list[bytes], width: int) -> dict[str, Any]:
         codes.append([index.setdefault(value[column], len(index)) for value in published])
         distinct.append(list(index))
     return {"distinct": distinct, "codes": codes}
+
+
+def _gather_through_nvidia_protocol(
+    store: Any, rank: int, ranks: Sequence[int], keys: list[str], what: str
+) -> list[list[str]]:
+    """The same all-gather over a store with NVIDIA's ``StoreMixin`` key methods (``send_key``, ``get_keys``).
+
+    What such a store returns is untrusted like any other value: each rank's
+    keys must be a list as long as this rank's, each key one ``grouping_key``
+    can encode (raw values, as NVIDIA's ranks send them, are encoded here).
+    """
+    store.send_key(keys, rank)
+    published = list(store.get_keys(list(ranks)))
+    if len(published) != len(ranks):
+        raise ValueError(f"{what}: the store's get_keys returned {len(published)} entries for {len(ranks)} ranks")
+    columns: list[list[str]] = [[] for _ in keys]
+    for peer, peer_keys in zip(ranks, published, strict=True):
+        if not isinstance(peer_keys, (list, tuple)) or len(peer_keys) != len(keys):
+            raise ValueError(f"{what}: rank {peer} published {peer_keys!r:.200}; expected {len(keys)} keys")
+        for column, key in zip(columns, peer_keys, strict=True):
+            column.append(grouping_key(key, State(0, 1), what))
+    return columns

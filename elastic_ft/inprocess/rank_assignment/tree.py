@@ -30,6 +30,7 @@ from elastic_ft.inprocess.rank_assignment.tree_engine import (
     initial_tree_assignment,
     reassign_tree,
 )
+from elastic_ft.inprocess.state import Mode, State
 from elastic_ft.keys import rank_assignment_exchange
 
 
@@ -98,6 +99,7 @@ class Tree(RankAssignment):
         self.timeout = timeout
         self.name = policy_name(type(self), name)
         self._calls = 0
+        self._initial_world_size = 0
         self._topology: TreeTopology | None = None
         self._assignment: TreeAssignment | None = None
         self._position = -1
@@ -107,10 +109,16 @@ class Tree(RankAssignment):
         self._calls += 1
         rank, terminated = rank_and_terminated(ctx, "Tree")
         if self._topology is None or self._assignment is None:
-            if rank in terminated:
-                raise discard(rank, terminated)
+            if rank in terminated and not callable(getattr(ctx.store, "get_keys", None)):
+                raise discard(rank, terminated)  # it cannot take part in the key exchange
             self._topology, self._assignment = self._build(ctx, call, rank, terminated)
             self._position = self._topology.ranks.index(rank)
+            if any(other in self._topology.ranks for other in terminated):
+                # A store that holds the failed ranks' keys too (NVIDIA's protocol) built them into
+                # the tree: they fail now, with replacements, as in a later call.
+                self._assignment = reassign_tree(
+                    self._topology, self._assignment, terminated, self.world_size_filter
+                )
         else:
             previous = self._assignment
             expected_rank = previous.rank_of(self._position)
@@ -142,11 +150,52 @@ class Tree(RankAssignment):
         )
         return dataclasses.replace(ctx, state=state, terminated_ranks=set())
 
+    @property
+    def init_rank_map(self) -> dict[int, RankView]:
+        """Every rank's place after the last call, by the rank it had when the tree was built.
+
+        Each rank computes the whole world's assignment (it is a pure
+        function of inputs every rank shares), so any one of them can show
+        the others' states: what NVIDIA's ``Tree.init_rank_map`` gives, each
+        entry with its ``state``. Empty before the first call.
+        """
+        topology, assignment = self._topology, self._assignment
+        if topology is None or assignment is None:
+            return {}
+        views = {
+            # Ranks already failed when the tree was built: never in it.
+            initial: RankView(State(None, self._initial_world_size, initial_rank=initial, mode=Mode.TERMINATED))
+            for initial in range(self._initial_world_size)
+            if initial not in topology.ranks
+        }
+        for position, initial in enumerate(topology.ranks):
+            mode = assignment.mode[position]
+            active = mode is Mode.ACTIVE
+            views[initial] = RankView(
+                State(
+                    assignment.rank_of(position),
+                    max(assignment.world_size, 1),
+                    active_rank=assignment.active_rank_of(position) if active else None,
+                    active_world_size=assignment.active_world_size,
+                    initial_rank=initial,
+                    initial_world_size=self._initial_world_size,
+                    mode=mode,
+                )
+            )
+        return views
+
     def _build(
         self, ctx: RankAssignmentCtx, call: int, rank: int, terminated: set[int]
     ) -> tuple[TreeTopology, TreeAssignment]:
-        """Gather every healthy rank's keys, build the tree, activate."""
-        healthy = [other for other in range(ctx.state.world_size) if other not in terminated]
+        """Gather every healthy rank's keys, build the tree, activate.
+
+        A store that speaks NVIDIA's ``StoreMixin`` key protocol
+        (``get_keys``) holds every rank's keys, the failed ones' too, so the
+        tree is built over all of them, as NVIDIA's ``Tree`` builds it.
+        """
+        self._initial_world_size = ctx.state.world_size
+        everyone = callable(getattr(ctx.store, "get_keys", None))
+        healthy = [other for other in range(ctx.state.world_size) if everyone or other not in terminated]
         what = f"Tree {self.name!r}"
         columns = gather_keys(
             ctx.store,
@@ -162,3 +211,10 @@ class Tree(RankAssignment):
         except ValueError as error:
             raise ValueError(f"{what}: {error}") from None
         return topology, initial_tree_assignment(topology, self.world_size_filter)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankView:
+    """One rank's entry of :attr:`Tree.init_rank_map`: its ``state`` after the last call."""
+
+    state: State

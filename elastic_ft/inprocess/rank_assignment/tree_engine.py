@@ -52,9 +52,13 @@ class LayerFlag(enum.Flag):
     BACKFILL = enum.auto()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Layer:
     """One level of the topology tree built by ``Tree``.
+
+    Its fields may be set after construction, as NVIDIA's can (``layer.flag
+    = LayerFlag.RESERVE``), and are checked again each time; a ``Tree``
+    reads them when it first runs.
 
     Args:
         min_ranks: a subtree at this level with fewer healthy ranks (active
@@ -75,6 +79,22 @@ class Layer:
     flag: LayerFlag | None = None
 
     def __post_init__(self) -> None:
+        self._check()
+        object.__setattr__(self, "_built", True)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if not getattr(self, "_built", False):
+            super().__setattr__(name, value)
+            return
+        previous = getattr(self, name)
+        super().__setattr__(name, value)
+        try:
+            self._check()
+        except (TypeError, ValueError):
+            super().__setattr__(name, previous)  # a failed assignment changes nothing
+            raise
+
+    def _check(self) -> None:
         if isinstance(self.min_ranks, bool) or not isinstance(self.min_ranks, int):
             raise TypeError(f"Layer min_ranks must be an int, got {self.min_ranks!r}")
         if self.min_ranks < 1:
