@@ -308,3 +308,20 @@ def test_tree_over_nvidias_store_protocol_computes_every_ranks_state() -> None:
     bad = KeyStore({rank: [""] for rank in range(8)})
     with pytest.raises(ValueError, match="rank 0 published"):
         inprocess.rank_assignment.Tree(layers)(inprocess.rank_assignment.RankAssignmentCtx(State(0, 8), bad, set()))  # type: ignore[arg-type]
+
+
+def test_tree_errors_and_warnings_as_nvidias() -> None:
+    from elastic_ft.inprocess.rank_assignment.tree import TreeTopologyError
+
+    two_roots = KeyStore({rank: [rank % 2] for rank in range(4)})
+    with pytest.raises(TreeTopologyError, match="multiple roots") as caught:
+        inprocess.rank_assignment.Tree([inprocess.rank_assignment.Layer()])(
+            inprocess.rank_assignment.RankAssignmentCtx(State(0, 4), two_roots, set())  # type: ignore[arg-type]
+        )
+    assert isinstance(caught.value, RuntimeError) and isinstance(caught.value, ValueError)
+    interleaved = KeyStore({rank: ["", rank % 2] for rank in range(4)})
+    layers = [inprocess.rank_assignment.Layer(), inprocess.rank_assignment.Layer(key_or_fn=lambda s: s.rank % 2)]
+    with pytest.warns(UserWarning, match="rank 2 is at position 1 of the tree"):
+        inprocess.rank_assignment.Tree(layers)(
+            inprocess.rank_assignment.RankAssignmentCtx(State(0, 4), interleaved, set())  # type: ignore[arg-type]
+        )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import warnings
 from collections.abc import Sequence
 
 from elastic_ft.inprocess.exception import RankDiscarded
@@ -209,7 +210,18 @@ class Tree(RankAssignment):
         try:
             topology = build_tree_topology(self.layers, healthy, columns)
         except ValueError as error:
-            raise ValueError(f"{what}: {error}") from None
+            raise TreeTopologyError(f"{what}: {error}") from None
+        misplaced = next(
+            ((position, placed) for position, placed in enumerate(topology.ranks) if placed != healthy[position]), None
+        )
+        if misplaced is not None:
+            # Every rank computes this alike; the tree's order wins, but ranks the launcher meant
+            # to be neighbours may not be: worth a word, as NVIDIA's Tree gives one.
+            warnings.warn(
+                f"{what}: the ranks' order does not follow the topology: rank {misplaced[1]} is at "
+                f"position {misplaced[0]} of the tree (group members should have consecutive ranks)",
+                stacklevel=3,
+            )
         return topology, initial_tree_assignment(topology, self.world_size_filter)
 
 
@@ -218,3 +230,11 @@ class RankView:
     """One rank's entry of :attr:`Tree.init_rank_map`: its ``state`` after the last call."""
 
     state: State
+
+
+class TreeTopologyError(ValueError, RuntimeError):
+    """The ranks' keys do not form one tree (several roots, or key lists of different shapes).
+
+    A ``ValueError`` (bad input) that is also a ``RuntimeError``, the type
+    NVIDIA's ``Tree`` raises for it.
+    """
