@@ -8,6 +8,7 @@ interpreter shuts down can block it forever in a finaliser.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -27,6 +28,8 @@ from elastic_ft.etcd.kv import (
 )
 
 _JOIN_TIMEOUT = 5.0
+
+log = logging.getLogger(__name__)
 
 
 class Stream:
@@ -63,12 +66,33 @@ class Stream:
         return self._cancelled.is_set()
 
     def close(self) -> None:
-        """Cancel the stream and wait for its reader thread (unless called from it)."""
+        """Cancel the stream and wait for its reader thread (unless called from it), each for a bounded time."""
         self._cancelled.set()
         self._requests.put(None)
-        self._call.cancel()
+        if not self._cancel_within(_JOIN_TIMEOUT):
+            log.warning("cancelling the %s stream to %s did not return within %g s; going on", self._thread.name,
+                        self.endpoint, _JOIN_TIMEOUT)  # fmt: skip
         if threading.current_thread() is not self._thread and self._thread.ident is not None:
             self._thread.join(_JOIN_TIMEOUT)
+
+    def _cancel_within(self, seconds: float) -> bool:
+        """``cancel()`` the call from a helper thread; True if it returned within ``seconds``.
+
+        gRPC's ``cancel`` takes the call's lock, and was once seen blocked on
+        it for good: a rank waiting on the store then stalled until its
+        barrier timed out. Whatever holds that lock, closing a stream must not
+        hang the caller.
+        """
+        returned = threading.Event()
+
+        def cancel() -> None:
+            try:
+                self._call.cancel()
+            finally:
+                returned.set()
+
+        threading.Thread(target=cancel, name="etcd-stream-cancel", daemon=True).start()
+        return returned.wait(seconds)
 
 
 class EtcdWatch(Stream):

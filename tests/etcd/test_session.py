@@ -77,3 +77,28 @@ def test_closing_the_client_joins_its_stream_threads(etcd: EtcdServer, run_id: s
     assert not names & {"etcd-watch", "etcd-keepalive"}, names
     assert watch.cancelled and stream.cancelled
     session.close(revoke=False)
+
+
+def test_closing_a_stream_whose_cancel_blocks_returns_within_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    # gRPC's cancel() was once seen blocked on the call's lock for good; close() must still return.
+    from elastic_ft.etcd import watch
+    from elastic_ft.etcd.endpoints import EtcdEndpoint
+
+    release = threading.Event()
+
+    class StuckCall:
+        def cancel(self) -> None:
+            release.wait(30)
+
+    class Idle(watch.Stream):
+        def _run(self) -> None:
+            self._cancelled.wait(30)
+
+    monkeypatch.setattr(watch, "_JOIN_TIMEOUT", 0.3)
+    stream = Idle(lambda *_a, **_k: StuckCall(), EtcdEndpoint("127.0.0.1", 1), "stuck-stream")
+    stream._start()
+    start = time.monotonic()
+    stream.close()
+    assert time.monotonic() - start < 2
+    assert stream.cancelled
+    release.set()
