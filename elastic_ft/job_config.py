@@ -28,6 +28,12 @@ Sections (all optional; omitted fields keep their defaults):
                      (the etcdft ``--rdzv-conf`` keys of the same names)
 ``wrapper``          the in-process restart timeouts, in seconds, by the
                      ``elastic_ft.Wrapper`` argument names
+``observability``    ``events_kept`` (the run's event log in etcd keeps
+                     the last this many events), ``progress_interval``
+                     (seconds between two samples of a rank's optimizer
+                     steps for the timeline), ``metrics_port`` (each
+                     agent serves Prometheus metrics on this port; off
+                     when unset)
 ``rank_assignment``  ``tree``: the layers of a ``Tree`` (root first), each
                      ``min_ranks``, ``max_ranks``, ``key`` and ``flags``;
                      ``max_active_world_size`` and
@@ -221,6 +227,26 @@ class RespawnSection(_Section):
     ] = "next_fault"  # fmt: skip
 
 
+class ObservabilitySection(_Section):
+    events_kept: Count(1, "events the run's event log in etcd keeps (the oldest are overwritten)") = 4096
+    progress_interval: Seconds(False, "seconds between two samples of a rank's optimizer steps (timeline)") = 5.0
+    metrics_port: (
+        Annotated[int, Field(ge=0, le=65535, description="port of each agent's Prometheus endpoint (0: any free "
+                             "port); unset: no endpoint"), BeforeValidator(_count_check(0))]
+        | None
+    ) = None
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ObservabilitySection:
+        if self.events_kept > 100_000:
+            raise PydanticCustomError(
+                "job_config_relation", "{message}",
+                {"message": f"observability.events_kept={self.events_kept} is invalid; expected at most 100000",
+                 "field": "events_kept", "kind": "field"},
+            )  # fmt: skip
+        return self
+
+
 class RendezvousSection(_Section):
     join_timeout: Seconds(False, "seconds a node may wait to join a round (etcdft's join_timeout)") | None = None
     last_call_timeout: Seconds(True, "seconds to wait for more nodes once min joined") | None = None
@@ -348,6 +374,7 @@ class JobDocument(_Section):
     respawn: RespawnSection = RespawnSection()
     rendezvous: RendezvousSection = RendezvousSection()
     wrapper: WrapperSection = WrapperSection()  # type: ignore[valid-type]
+    observability: ObservabilitySection = ObservabilitySection()
     rank_assignment: RankAssignmentSection = RankAssignmentSection()
 
 
@@ -403,6 +430,9 @@ class JobConfig:
     tree: tuple[LayerConfig, ...] = ()
     max_active_world_size: int | None = None
     active_world_size_divisible_by: int = 1
+    events_kept: int = 4096
+    progress_interval: float = 5.0
+    metrics_port: int | None = None
 
     def to_json(self) -> bytes:
         return json.dumps(self.to_document(), sort_keys=True).encode()
@@ -420,6 +450,11 @@ class JobConfig:
             },
             "rendezvous": dict(self.rendezvous),
             "wrapper": dict(self.wrapper),
+            "observability": {
+                "events_kept": self.events_kept,
+                "progress_interval": self.progress_interval,
+                "metrics_port": self.metrics_port,
+            },
             "rank_assignment": {
                 "tree": [dict(asdict(layer), flags=list(layer.flags)) for layer in self.tree],
                 "max_active_world_size": self.max_active_world_size,
@@ -578,6 +613,9 @@ def _to_config(document: JobDocument) -> JobConfig:
         tree=tuple(LayerConfig(l.min_ranks, l.max_ranks, l.key, tuple(l.flags)) for l in policy.tree),
         max_active_world_size=policy.max_active_world_size,
         active_world_size_divisible_by=policy.active_world_size_divisible_by,
+        events_kept=document.observability.events_kept,
+        progress_interval=document.observability.progress_interval,
+        metrics_port=document.observability.metrics_port,
     )
 
 

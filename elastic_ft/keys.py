@@ -16,6 +16,9 @@ All of a run's etcd keys live under its *run prefix*, ``<etcd_prefix>/<run_id>/`
     round/<n>/store.writes/<token>  on a short lease: a store write that committed
     ftrun/escalations/<n>           ftrun escalated from round n (job-wide count)
     ftrun/store/<key>               the agents' job-wide store (respawns so far)
+    events/<stream>/next            the run's event log (streams main and progress): the number
+                                    the stream's next event takes
+    events/<stream>/ring/<slot>     the event numbered seq, at slot seq % capacity (bounded)
 
 Inside a round's store (relative to the store, so the same names serve a
 TCPStore) the node side and the worker side keep their records::
@@ -41,6 +44,10 @@ from dataclasses import dataclass
 # ---- the run's etcd keys ------------------------------------------------------
 
 RDZV = "rdzv/"
+#: The run's two event streams: what happened (rounds, faults, restarts), and the ranks' sampled
+#: progress, kept apart so a long job's progress samples never push its faults out of the log.
+EVENTS_MAIN = "main"
+EVENTS_PROGRESS = "progress"
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,17 @@ class RunKeys:
 
     def escalation(self, number: int) -> str:
         return f"{self.escalations}{number}"
+
+    def events_next(self, stream: str = EVENTS_MAIN) -> str:
+        """An event stream's counter: the sequence number its next event takes."""
+        return f"{self.root}events/{stream}/next"
+
+    def events_ring(self, stream: str = EVENTS_MAIN) -> str:
+        """Prefix of an event stream's slots (outside ``rdzv/``: the rendezvous's watches never see events)."""
+        return f"{self.root}events/{stream}/ring/"
+
+    def event_slot(self, slot: int, stream: str = EVENTS_MAIN) -> str:
+        return f"{self.events_ring(stream)}{slot}"
 
 
 def store_write_token(store_prefix: str, token: str) -> str:

@@ -17,6 +17,10 @@
    survivors' model and optimizer state (compared bit for bit), the world
    size is 4 again, and no process is started or stopped on any surviving
    node.
+
+The ``ftrun`` jobs' events stay in the demo's etcd: it prints the last
+job's (``elastic-ft events``) and draws both jobs' timelines
+(``elastic-ft timeline``) into ``--out`` (default ``demo-out/``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from elastic_ft.etcd.client import EtcdClient
+from elastic_ft.etcd.event_log import EventLog
 from elastic_ft.etcd.server import EtcdServer
+from elastic_ft.keys import RunKeys
+from elastic_ft.observability.timeline import build_timeline, draw
 from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command
 
 TRAIN = Path(__file__).with_name("train.py")
@@ -86,11 +94,41 @@ def _events(workdir: Path) -> list[dict]:
     )
 
 
+#: Events the demo prints of the hot-spare scene (the rest: ``elastic-ft events``).
+SHOWN_EVENTS = ("round_closed", "node_died", "fault_detected", "restart_decided", "spare_activated", "healed")
+
+
+def show_events(etcd: EtcdServer, run_id: str, since: float) -> None:
+    """The run's events from ``since`` on, as ``elastic-ft events`` prints them (a selection)."""
+    client = EtcdClient(etcd.endpoints)
+    try:
+        events = EventLog(client, RunKeys("/elastic_ft", run_id)).read().events
+    finally:
+        client.close()
+    for event in sorted(events, key=lambda e: e.time):
+        if event.time >= since and event.name in SHOWN_EVENTS and event.data.get("kind") != "peer_lost":
+            print(f"    +{event.time - since:6.3f} s  {event.source:<10}  {event.describe()[:110]}")
+
+
+def draw_timeline(etcd: EtcdServer, run_id: str, path: Path, title: str) -> None:
+    client = EtcdClient(etcd.endpoints)
+    try:
+        events = EventLog(client, RunKeys("/elastic_ft", run_id)).read_all().events
+    finally:
+        client.close()
+    counts = draw(build_timeline(events), str(path), title)
+    print(f"    timeline: {path} ({counts['faults']} fault(s), {counts['restarts']} in-process restart(s), "
+          f"{counts['ranks']} ranks, {len(events)} events)")  # fmt: skip
+
+
 def hot_spare_scene(etcd: EtcdServer, workdir: Path, root: Path) -> bool:
     """Scene 4: a node killed, its ranks replaced in-process by the hot spare's reserve ranks."""
     from elastic_ft.testing.local_cluster import descendants
 
     script = [str(TRAIN_FTRUN), "--workdir", str(workdir), "--steps", "400", "--record-digests"]
+    # Progress sampled every 0.5 s (default 5 s) for the timeline picture of a job this short.
+    config = root / "observed.yaml"
+    config.write_text("observability:\n  progress_interval: 0.5\n")
     nodes = {
         tag: TorchrunNode(
             tag,
@@ -102,7 +140,7 @@ def hot_spare_scene(etcd: EtcdServer, workdir: Path, root: Path) -> bool:
             rdzv_conf="last_call_timeout=1,lease_ttl=1,join_timeout=60",
             log_path=root / f"demo-spares-{tag}.log",
             launcher=ftrun_command(),
-            extra_args=("--spare-nodes=1",),
+            extra_args=("--spare-nodes=1", f"--job-config={config}"),
         )
         for tag in "ABC"
     }
@@ -144,6 +182,8 @@ def hot_spare_scene(etcd: EtcdServer, workdir: Path, root: Path) -> bool:
     at = next(iter(starts.values()))["resumed_at"] if starts else "?"
     print(f"    the spare's ranks 4 and 5 were healed from the survivors: same state, bit for bit, at step {at}: "
           f"{healed}; checkpoints read by them: {len(reads)}")  # fmt: skip
+    print("    the run's events from the kill on (elastic-ft events), times after the kill:")
+    show_events(etcd, "demo-spares", killed_at)
     return (
         sorted(r["initial_rank"] for r in done) == [0, 1, 4, 5]
         and all(r["world_size"] == 4 and r["iteration"] == 1 and r["process_restarts"] == 0 for r in done)
@@ -157,7 +197,9 @@ def hot_spare_scene(etcd: EtcdServer, workdir: Path, root: Path) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--out", type=Path, default=Path("demo-out"), help="where the timelines go")
     args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="elastic-ft-demo-") as tmp, EtcdServer() as etcd:
         root = Path(tmp)
         print(f"embedded etcd {'.'.join(map(str, etcd.version()))} at {etcd.endpoint}")
@@ -232,10 +274,14 @@ def main() -> None:
         print(
             f"    {'OK' if ok3 else 'FAILED'}: three workers went on in-process ({recovery}{time.monotonic() - start:.1f} s in all)"
         )
+        draw_timeline(etcd, "demo-ftrun", args.out / "timeline-ftrun.png",
+                      "demo [3]: ftrun, 2 nodes x 2 workers; rank 3 SIGKILLed at step 30")  # fmt: skip
         print("\n[4] ftrun --spare-nodes=1, three nodes x two workers: two train, one waits in reserve; one is killed")
         start = time.monotonic()
         ok4 = hot_spare_scene(etcd, root / "job4", root)
         print(f"    {'OK' if ok4 else 'FAILED'}: ({time.monotonic() - start:.1f} s in all)")
+        draw_timeline(etcd, "demo-spares", args.out / "timeline-spares.png",
+                      "demo [4]: ftrun --spare-nodes=1, 3 nodes x 2 workers; node with ranks 2, 3 SIGKILLed")  # fmt: skip
         if not (ok1 and ok2 and ok3 and ok4):
             for log in sorted(root.glob("*.log")):
                 print(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}")

@@ -50,6 +50,13 @@ MODULES = (
     "elastic_ft.job_config",
     "elastic_ft.launcher.ftrun",
     "elastic_ft.launcher.cli",
+    "elastic_ft.observability.events",
+    "elastic_ft.observability.sink",
+    "elastic_ft.observability.metrics",
+    "elastic_ft.observability.timeline",
+    "elastic_ft.observability.live",
+    "elastic_ft.observability.log_format",
+    "elastic_ft.etcd.event_log",
 )
 _ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 

@@ -160,8 +160,15 @@ def test_cli_commands_import_neither_torch_nor_the_worker_side(etcd: EtcdServer,
     configs = PACKAGE.parent / "configs"
     validate = run_cli_in_process("config", "validate", str(configs / "job.yaml"))
     assert validate.returncode == 0 and "valid" in validate.stdout, validate.stderr
+    unknown = run_cli_in_process("status", f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}")
+    assert unknown.returncode == 2 and f"no run {run_id!r}" in unknown.stderr, unknown.stderr
+    stored = run_cli_in_process("config", "put", str(configs / "single-host.yaml"),
+                                f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}")  # fmt: skip
+    assert stored.returncode == 0, stored.stderr
     status = run_cli_in_process("status", f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}")
     assert status.returncode == 0 and "no round has completed yet" in status.stdout, status.stderr
+    events = run_cli_in_process("events", f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}")
+    assert events.returncode == 0 and events.stdout == "", events.stderr
     helped = run_cli_in_process("--help")
     assert helped.returncode == 0 and "status" in helped.stdout, helped.stderr
 

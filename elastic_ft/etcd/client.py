@@ -173,6 +173,8 @@ class EtcdClient:
         self._closed = False
         self._streams: set[Stream] = set()
         self.requests_by_kind: Counter[str] = Counter()
+        #: Failed sends by request kind and error (``("put", "UNAVAILABLE")``), retried ones included.
+        self.errors_by_kind: Counter[tuple[str, str]] = Counter()
         #: When etcd last answered a request of this client (``time.monotonic()``).
         self.last_answer = time.monotonic()
 
@@ -282,6 +284,8 @@ class EtcdClient:
                     channel = self._channel(endpoint)
                     result = method(channel, {"timeout": timeout, "metadata": self._auth_metadata(channel, timeout)})
                 except grpc.RpcError as exc:
+                    with self._lock:
+                        self.errors_by_kind[(kind, exc.code().name if exc.code() else "UNKNOWN")] += 1
                     if self._credentials is not None and _token_rejected(exc):
                         self._forget_token()  # expired (etcd's --auth-token-ttl): authenticate again
                         last_error = exc

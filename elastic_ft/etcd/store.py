@@ -191,6 +191,11 @@ class EtcdStore(dist.Store):
         """``multi_get``, ``multi_set``, ``append`` and ``queue_*`` are real (torch asks before using them)."""
         return True
 
+    @property
+    def client(self) -> EtcdClient:
+        """The etcd connection (shared with clones; the Wrapper's event log uses it too)."""
+        return self._client
+
     def clone(self) -> EtcdStore:
         copy = EtcdStore(self._client, self.prefix, self.timeout)
         with self._token_lease_lock:

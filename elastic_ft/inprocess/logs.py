@@ -5,7 +5,8 @@ Wrapper call runs, that logger does not propagate to the root logger, so an appl
 log shippers) do not receive the Wrapper's messages twice or unexpectedly;
 instead it gets one ``logging.StreamHandler`` modelled on the nearest
 stream handler among its ancestors (same stream, formatter and level), or a
-plain stderr handler when there is none; the call removes it when it ends.
+stderr handler in elastic-ft's log format (:mod:`elastic_ft.observability.log_format`)
+when there is none; the call removes it when it ends.
 The monitor process replaces all of this with a file handler
 (:func:`log_to_file`).
 """
@@ -15,8 +16,9 @@ from __future__ import annotations
 import logging
 import sys
 
+from elastic_ft.observability.log_format import Formatter
+
 LOGGER_NAME = "elastic_ft.inprocess"
-_DEFAULT_FORMAT = "%(asctime)s %(levelname)s %(name)s [pid %(process)d] %(message)s"
 
 
 def get_logger(module: str) -> logging.Logger:
@@ -51,7 +53,7 @@ def configure_logging() -> logging.Handler | None:
     handler.setFormatter(
         template.formatter
         if template is not None and template.formatter is not None
-        else logging.Formatter(_DEFAULT_FORMAT)
+        else Formatter()
     )
     if template is not None:
         handler.setLevel(template.level)
@@ -82,5 +84,5 @@ def log_to_file(path: str | None, level: int) -> None:
         logger.addHandler(logging.NullHandler())
         return
     handler = logging.FileHandler(path, mode="w")
-    handler.setFormatter(logging.Formatter(_DEFAULT_FORMAT))
+    handler.setFormatter(Formatter())
     logger.addHandler(handler)

@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from elastic_ft.fault_records import fault_kind
 from elastic_ft.handoff import WorkerHandoff
 from elastic_ft.inprocess.abort import AbortTorchDistributed
 from elastic_ft.inprocess.arguments import DEFAULT_DURATIONS, apply_job_config_defaults, validate_arguments
@@ -92,6 +93,8 @@ from elastic_ft.keys import (
     TERMINATION_BARRIER,
     parse_count,
 )
+from elastic_ft.observability import sink as event_sink
+from elastic_ft.observability.log_format import set_where
 
 log = get_logger("wrapper")
 
@@ -351,6 +354,7 @@ class CallWrapper:
                 f"with WORLD_SIZE={world_size}"
             )
         self.state = State(None, world_size, initial_rank=rank) if self.joining else State(rank, world_size)
+        set_where(f"rank {rank}")
         #: The exception that interrupted the last iteration on this rank, if it was local.
         self.fn_exception: BaseException | None = None
         self.atomic_lock = threading.RLock()
@@ -392,6 +396,7 @@ class CallWrapper:
         self._step_lock_depth = 0
         try:
             self.base_store = wrapper.store_factory(**wrapper.store_kwargs)
+            self._events = self._install_events()
             self._job_store = job_store(self.base_store)
             self._job_store.record_wrapped(self.state.initial_rank or 0, os.getpid())
             if self.joining:
@@ -426,7 +431,43 @@ class CallWrapper:
         except BaseException:
             self._release_hooks()
             self._monitor_process.stop()
+            self._close_events()
             raise
+
+    def _install_events(self) -> event_sink.EventSink | None:
+        """Record this rank's events in the run's event log, under ``ftrun`` (an ``ELASTIC_FT_EVENTS`` hand-off).
+
+        Through the store's own etcd connection: one the process opened
+        later would be taken for the function's and cut at every restart.
+        Returns the sink this call installed (closed when it ends), or None.
+        """
+        from elastic_ft.etcd.store import EtcdStore
+
+        handoff = event_sink.EventsHandoff.from_env(os.environ)
+        if handoff is None or event_sink.installed() is not None or not isinstance(self.base_store, EtcdStore):
+            return None
+        from elastic_ft.etcd.event_log import EventLog
+        from elastic_ft.keys import RunKeys
+
+        log_ = EventLog(self.base_store.client, RunKeys(handoff.etcd_prefix, handoff.run_id), handoff.capacity)
+        sink = event_sink.EventSink(handoff.run_id, "worker", log_.append, handoff.destination, handoff.node)
+        sink.sample_progress(self._progress_sample, handoff.progress_interval)
+        event_sink.install(sink)
+        return sink
+
+    def _progress_sample(self) -> dict[str, Any] | None:
+        """The ``progress`` event's fields: this rank's optimizer steps, while it is an active rank."""
+        state = self.state
+        if state.mode is not Mode.ACTIVE:
+            return None
+        return {"rank": state.initial_rank, "iteration": state.iteration, "step": self.step}
+
+    def _close_events(self) -> None:
+        sink = getattr(self, "_events", None)
+        if sink is not None:
+            sink.close(timeout=5.0)
+            if event_sink.installed() is sink:
+                event_sink.install(None)
 
     def _register_when_reported_active(self, initial_rank: int) -> None:
         """Register as a joiner once the monitor process's first heartbeat is in the store.
@@ -572,6 +613,7 @@ class CallWrapper:
             self._release_hooks()
             self._watchdog.shutdown()
             self._monitor_process.stop()
+            self._close_events()
             release_logging(self._log_handler)
 
     # ---- the restart loop ----
@@ -599,6 +641,8 @@ class CallWrapper:
             was_reserve = self.joining or self.state.mode is Mode.INACTIVE
             if state.mode is Mode.ACTIVE and was_reserve and state.iteration:
                 self.job_store.record_activation(state.initial_rank or 0, state.iteration)
+                event_sink.emit("spare_activated", rank=state.initial_rank, iteration=state.iteration,
+                                joined=self.joining)  # fmt: skip
             self.joining = False  # a member of the world from now on
             self.state = state
             store = iteration_store(self.base_store, state.iteration)
@@ -607,6 +651,11 @@ class CallWrapper:
             self.job_store.record_position(
                 state.initial_rank or 0, state.iteration, state.rank or 0, state.world_size, state.mode is Mode.ACTIVE
             )
+            event_sink.emit(
+                "iteration_started", rank=state.initial_rank, iteration=state.iteration, iteration_rank=state.rank,
+                world_size=state.world_size, active=state.mode is Mode.ACTIVE,
+                active_world_size=state.active_world_size or state.world_size, step=self.step,
+            )  # fmt: skip
             self._watchdog.reset()
             self.fn_exception = None
             self._steps.start_iteration()
@@ -697,15 +746,19 @@ class CallWrapper:
                 # Without its traceback: the frames it holds would keep the failed
                 # iteration's process group, and so its connections, alive.
                 self.fn_exception = error.with_traceback(None)
-                log.error("rank %s: iteration %d failed: %r", rank, state.iteration, error)
-                store.record_interruption(rank, type(error).__name__, repr(error))
+                # One line per rank; the text once per restart, by the rank that reports it (monitor thread).
+                kind = fault_kind(error)
+                log.info("rank %s: iteration %d failed with %s (%s)", rank, state.iteration, kind, type(error).__name__)
+                event_sink.emit("fault_detected", rank=state.initial_rank, iteration=state.iteration, kind=kind,
+                                exception=type(error).__name__, message=str(error), step=self.step)  # fmt: skip
+                store.record_interruption(rank, kind, repr(error))
                 self._await_restart(monitor)
         except RankShouldRestart as restart:
             self._leave_optimizer_steps()
             if not monitor.restart_started.is_set():
                 self._restart_asked_by_function(restart, monitor, store, state)
             monitor.acknowledge()
-            log.info("rank %s: iteration %d interrupted, restarting", rank, state.iteration)
+            log.debug("rank %s: iteration %d interrupted, restarting", rank, state.iteration)
             return False, None
         except BaseException as error:  # noqa: BLE001 - any other exit makes this rank leave, then re-raises
             self._leave_optimizer_steps()
@@ -773,6 +826,9 @@ class CallWrapper:
             )
         except HealingError as error:
             raise _RankLeaves(error, "healing") from error
+        if result.role == "received":
+            event_sink.emit("healed", rank=state.initial_rank, iteration=state.iteration, step=result.step,
+                            previous_step=self.step, nbytes=result.nbytes, seconds=round(result.seconds, 4))  # fmt: skip
         self.step = result.step
 
     def _check_health(self, state: State) -> None:
@@ -789,6 +845,8 @@ class CallWrapper:
         """Record this rank as gone from the iteration, so the others restart without it."""
         rank = state.rank or 0
         log.error("rank %s leaves the job in iteration %d: %r", rank, state.iteration, leaving.error)
+        event_sink.emit("gave_up", rank=state.initial_rank, iteration=state.iteration, kind=leaving.kind,
+                        message=repr(leaving.error), step=self.step)  # fmt: skip
         try:
             report_rank_gone(store, rank, state.world_size, leaving.kind, repr(leaving.error))
         finally:

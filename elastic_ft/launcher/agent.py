@@ -35,6 +35,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -53,6 +54,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
 from elastic_ft.etcd.client import EtcdRequestError, EtcdUnavailableError, key_missing, put_op
+from elastic_ft.etcd.event_log import EventLog
 from elastic_ft.etcd.store import EtcdStore
 from elastic_ft.handoff import StoreHandoff, WorkerHandoff, job_config_from_env
 from elastic_ft.inprocess.store import iteration_store, job_store, joiner_ready, report_process_gone
@@ -68,6 +70,9 @@ from elastic_ft.keys import (
 )
 from elastic_ft.launcher.escalation import Verdict, WorkerExit, classify_exit, decide, exit_barrier_done, restarts_left
 from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, RecordError
+from elastic_ft.observability.log_format import set_where
+from elastic_ft.observability.metrics import JobMetrics, MetricsEndpoint
+from elastic_ft.observability.sink import EventsHandoff, emit
 from elastic_ft.rendezvous.handler import EtcdftRendezvousHandler
 from elastic_ft.untrusted import json_object
 
@@ -100,6 +105,9 @@ class FtAgent(LocalElasticAgent):
     ``ftrun`` launches).
     """
 
+    #: Serve Prometheus metrics on this port while the agent runs (``ftrun --metrics-port``); None: no endpoint.
+    metrics_port: int | None = None
+
     def __init__(self, spec: WorkerSpec, *args: Any, **kwargs: Any) -> None:
         if not isinstance(spec.rdzv_handler, EtcdftRendezvousHandler):
             raise TypeError(
@@ -121,6 +129,28 @@ class FtAgent(LocalElasticAgent):
         self._admission_asked: set[int] = set()  # iterations interrupted to admit this node's joiners
         self._active_world_size: int | None = None
         self._job_config: JobConfig = job_config_from_env(os.environ) or JobConfig()
+        self._metrics: MetricsEndpoint | None = None
+        set_where(f"node {self._handler.node}")
+
+    # ---- metrics ----
+
+    def _start_metrics(self) -> None:
+        port = self.metrics_port
+        if port is None:
+            return
+        settings, client = self._handler.settings, self._handler.client
+        events = EventLog(client, settings.keys, settings.events_kept)
+        metrics = JobMetrics(
+            self._handler.node, lambda: (dict(client.requests_by_kind), dict(client.errors_by_kind))
+        )
+        self._metrics = MetricsEndpoint(metrics, port, lambda after: events.read(after).events).start()
+        print(f"ftrun: Prometheus metrics of node {self._handler.node} at http://{socket.getfqdn()}:"
+              f"{self._metrics.port}/metrics", file=sys.stderr, flush=True)  # fmt: skip
+
+    def _stop_metrics(self) -> None:
+        if self._metrics is not None:
+            self._metrics.stop()
+            self._metrics = None
 
     # ---- job-wide escalation count ----
 
@@ -133,7 +163,8 @@ class FtAgent(LocalElasticAgent):
         """One key per escalated round; several nodes escalating the same round write it once."""
         key = self._handler.settings.keys.escalation(number)
         value = EscalationRecord(self._handler.node, reason, time.time()).to_json()
-        self._handler.client.txn([key_missing(key)], [put_op(key, value)])
+        if self._handler.client.txn([key_missing(key)], [put_op(key, value)]).succeeded:
+            emit("escalated", source="agent", node=self._handler.node, round=number, reason=reason)
 
     # ---- starting workers ----
 
@@ -142,6 +173,8 @@ class FtAgent(LocalElasticAgent):
         left = restarts_left(worker_group.spec.max_restarts, self._escalated_rounds())
         self._remaining_restarts = max(left, 0)
         super()._rendezvous(worker_group)
+        if self._metrics is not None and self._handler.last_round_seconds is not None:
+            self._metrics.metrics.observe_round(self._handler.last_round_seconds)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         member_of = self._handler.member_of
@@ -159,6 +192,7 @@ class FtAgent(LocalElasticAgent):
             credentials=settings.credentials,
         )
         os.environ.update(handoff.to_env())
+        os.environ.update(self._events_handoff().to_env())
         self._active_world_size = self._round_active_world_size(worker_group, len(member_of.members))
         late = self._handler.late_place is not None
         os.environ.update(WorkerHandoff(self._active_world_size, joining=late).to_env())
@@ -180,7 +214,24 @@ class FtAgent(LocalElasticAgent):
         self._replaced = {}
         self._admission_asked = set()
         self._publish_node_record(worker_group)
+        emit(
+            "workers_started", source="agent", node=self._handler.node, round=member_of.round,
+            ranks=[self._initial_ranks[w.local_rank] for w in worker_group.workers], pids=list(pids.values()),
+            hot_spare=late,
+        )  # fmt: skip
         return pids
+
+    def _events_handoff(self) -> EventsHandoff:
+        """How the workers record their events: into this run's log, as this node, to the same torch handler."""
+        settings = self._handler.settings
+        return EventsHandoff(
+            etcd_prefix=settings.etcd_prefix,
+            run_id=settings.run_id,
+            node=self._handler.node,
+            capacity=settings.events_kept,
+            destination=self._worker_group.spec.event_log_handler,
+            progress_interval=self._job_config.progress_interval,
+        )
 
     def _assign_worker_ranks(
         self, store: Any, group_rank: int, group_world_size: int, spec: WorkerSpec
@@ -271,7 +322,8 @@ class FtAgent(LocalElasticAgent):
                     worker.local_rank, process.pid, exitcode, pcontext.error_files[worker.local_rank]
                 )
             if kind is WorkerExit.ABSORBED:
-                log.warning(
+                # The Wrappers' restart report (one line, by one rank) is the warning users see for it.
+                log.info(
                     "rank %d (pid %d) ended with %s inside elastic_ft.Wrapper; the other workers continue without it",
                     rank,
                     process.pid,
@@ -280,6 +332,12 @@ class FtAgent(LocalElasticAgent):
                 report_process_gone(
                     store, rank, worker.world_size, "terminated", f"pid {process.pid}: {_describe_exit(exitcode)}"
                 )
+            if kind is not WorkerExit.SUCCEEDED:
+                emit(
+                    "fault_detected", source="agent", node=self._handler.node, round=self._round(), rank=rank,
+                    kind="process_died", message=f"pid {process.pid}: {_describe_exit(exitcode)}",
+                    exitcode=exitcode, absorbed=kind is WorkerExit.ABSORBED,
+                )  # fmt: skip
             record = ExitRecord(self._handler.node, process.pid, exitcode, kind.value)
             store.set(f"{FTRUN_EXITS}{rank}", record.to_json())
             self._exits[worker.local_rank] = (kind, failure)
@@ -336,6 +394,10 @@ class FtAgent(LocalElasticAgent):
             self._replaced[self._initial_ranks[local_rank]] = failure
         self._initial_ranks[local_rank] = initial_rank
         self._publish_node_record(worker_group)
+        emit(
+            "respawned", source="agent", node=self._handler.node, round=self._round(), rank=initial_rank,
+            local_rank=local_rank, pid=handler.proc.pid,
+        )  # fmt: skip
         log.warning(
             "local rank %d respawned as pid %d (initial rank %d); it joins the running world at its next restart",
             local_rank,
@@ -409,8 +471,24 @@ class FtAgent(LocalElasticAgent):
                 for rank in record.global_ranks
                 if report_process_gone(store, rank, record.world_size, "node_died", f"node {node} died")
             ]
-            log.warning("node %s died; reported its rank(s) %s terminated", node, reported)
+            # Every surviving agent absorbs the death and one records it; the Wrappers' restart report warns.
+            log.info("node %s died; reported its rank(s) %s terminated", node, reported)
+            if self._reports_deaths(dead):
+                emit("node_died", source="agent", node=node, round=self._round(), ranks=list(record.global_ranks),
+                     reporter=self._handler.node)  # fmt: skip
         return tuple(sorted(self._dead_lost))
+
+    def _reports_deaths(self, dead: tuple[str, ...]) -> bool:
+        """Whether this node is the round's first member still alive: the one that reports member deaths."""
+        member_of = self._handler.member_of
+        if member_of is None:
+            return True
+        alive = [m.node for m in member_of.members if m.node not in dead]
+        return not alive or alive[0] == self._handler.node
+
+    def _round(self) -> int | None:
+        member_of = self._handler.member_of
+        return None if member_of is None else member_of.round
 
     def _failures(self) -> dict[int, ProcessFailure]:
         """Every failed process of this node, by initial rank (respawned ones' predecessors included)."""
@@ -422,7 +500,11 @@ class FtAgent(LocalElasticAgent):
     # ---- the agent's loop ----
 
     def run(self, role: str = DEFAULT_ROLE) -> RunResult:
-        result = super().run(role)
+        self._start_metrics()
+        try:
+            result = super().run(role)
+        finally:
+            self._stop_metrics()
         if result is None:
             # torch's run() returns None after a graceful rendezvous exit (a spare the
             # job finished without), which its launcher cannot handle: report success.
@@ -461,6 +543,7 @@ class FtAgent(LocalElasticAgent):
                 self._exit_barrier()
                 # The job is done: spares still waiting exit instead of starting a new one.
                 log.info("[%s] worker group finished; closing the rendezvous", spec.role)
+                emit("job_finished", source="agent", node=self._handler.node, round=self._round(), state="SUCCEEDED")
                 self._handler.set_closed()
                 return RunResult(
                     state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in group.workers}
@@ -491,6 +574,8 @@ class FtAgent(LocalElasticAgent):
             failures = self._failures()
             self._stop_workers(group)
             group.state = WorkerState.FAILED
+            emit("job_finished", source="agent", node=self._handler.node, round=self._round(), state="FAILED",
+                 reason=decision.reason)  # fmt: skip
             return RunResult(state=WorkerState.FAILED, failures=failures)
 
     def _exit_barrier(self) -> None:

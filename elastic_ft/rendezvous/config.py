@@ -35,6 +35,7 @@ CONF_KEYS: dict[str, tuple[Any, str]] = {
     "connect_timeout": (10.0, "seconds to keep trying unreachable endpoints before failing"),
     "request_timeout": (5.0, "seconds one etcd request may take"),
     "store_timeout": (300.0, "default timeout of the round's store (get, wait, multi_get)"),
+    "events_kept": (4096, "events the run's event log keeps in etcd; the oldest are overwritten (1 to 100000)"),
     "cacert": (None, "CA bundle (PEM) to verify https endpoints"),
     "cert": (None, "client certificate (PEM) for https endpoints"),
     "key": (None, "client private key (PEM) for https endpoints"),
@@ -90,6 +91,7 @@ class EtcdftSettings:
     tls: TlsFiles
     credentials: EtcdCredentials | None = None
     spare_nodes: int = 0
+    events_kept: int = 4096
 
     @property
     def capacity(self) -> int:
@@ -222,7 +224,17 @@ def make_settings(
         tls=tls,
         credentials=credentials,
         spare_nodes=spare_nodes,
+        events_kept=_events_kept(get("events_kept")),
     )
+
+
+def _events_kept(value: Any) -> int:
+    text = str(value).strip()
+    if isinstance(value, bool) or not re.fullmatch(r"[0-9]{1,6}", text) or not 1 <= int(text) <= 100_000:
+        raise RendezvousConfigError(
+            f"rdzv conf events_kept={value!r:.40} is invalid; expected a whole number of events from 1 to 100000"
+        )
+    return int(text)
 
 
 def _spare_nodes(value: Any, max_nodes: int) -> int:

@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Mapping
 from datetime import timedelta
+from typing import Any
 
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
@@ -61,6 +62,7 @@ from elastic_ft.etcd.session import Session
 from elastic_ft.etcd.store import EtcdStore
 from elastic_ft.etcd.view import PrefixView
 from elastic_ft.net import free_port
+from elastic_ft.observability import sink as event_sink
 from elastic_ft.rendezvous import model, rules
 from elastic_ft.rendezvous.config import EtcdftSettings, settings_from_parameters
 
@@ -113,6 +115,30 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         self._warned_malformed: Mapping[str, str] = {}
         self._announced_with: int | None = None  # the session whose lease this member's alive key is on
         self._outage_grace_until = 0.0
+        #: Seconds the last completed ``next_rendezvous`` call took (the round's duration for this node).
+        self.last_round_seconds: float | None = None
+        self._own_events: event_sink.EventSink | None = None
+        self._events_client: EtcdClient | None = None
+
+    def _emit(self, name: str, **fields: Any) -> None:
+        """Record a rendezvous event: through the process's sink (``ftrun`` installs one for the run), else
+        this handler's own, into the run's event log (a plain ``torchrun`` job, or several handlers in one
+        process, each keeping to its own run)."""
+        sink = event_sink.installed()
+        if sink is None or sink.run_id != self.settings.run_id:
+            if self._own_events is None:
+                from elastic_ft.etcd.event_log import EventLog
+
+                # Its own connection: the rendezvous's requests (what benchmarks count) stay its own.
+                settings = self.settings
+                self._events_client = EtcdClient(
+                    settings.endpoints, request_timeout=settings.request_timeout,
+                    connect_timeout=settings.connect_timeout, tls=settings.tls, credentials=settings.credentials,
+                )  # fmt: skip
+                log_ = EventLog(self._events_client, self._keys, settings.events_kept)
+                self._own_events = event_sink.EventSink(settings.run_id, "rendezvous", log_.append).start()
+            sink = self._own_events
+        sink.emit(name, source="rendezvous", node=self.node, **fields)
 
     @classmethod
     def from_parameters(cls, params: RendezvousParameters) -> EtcdftRendezvousHandler:
@@ -145,8 +171,11 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         with self._lock:
             if self._shut_down:
                 raise RendezvousStateError(f"the etcdft handler of node {self.node} has been shut down")
+            start = time.monotonic()
             try:
-                return self._next_rendezvous()
+                info = self._next_rendezvous()
+                self.last_round_seconds = time.monotonic() - start
+                return info
             except (EtcdUnavailableError, EtcdRequestError) as exc:
                 raise RendezvousConnectionError(
                     f"etcdft rendezvous '{self.settings.run_id}' lost etcd at "
@@ -252,6 +281,10 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             self._joined_round = number
             self._announced_with = lease
             self._view.wait_for_revision(result.revision, self.settings.request_timeout)
+            joins = self._snapshot()[0].round(number).joins
+            if self.node in joins and min(joins, key=lambda n: joins[n].create_revision) == self.node:
+                self._emit("round_opened", round=number)  # the round's first join
+            self._emit("node_joined", round=number, host=self._addr)
         else:
             self._view.wait_for_change(version, self.settings.request_timeout)
         return result.succeeded
@@ -291,6 +324,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         self._view.wait_for_revision(outcome.revision, self.settings.request_timeout)
         self.late_place = action.place
         self._member_of = result
+        self._emit("node_joined", round=number, host=self._addr, role="hot_spare", place=action.place)
         log.info(
             "node %s joined running round %d of '%s' as a hot spare (group rank %d)",
             self.node,
@@ -320,6 +354,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         outcome = self._client.txn(guards, ops)
         if outcome.succeeded:
             log.info("closed round %d of '%s' with %d node(s)", number, self.settings.run_id, len(members))
+            self._emit("round_closed", round=number, members=[j.node for j in members], reason=action.reason)
             self._view.wait_for_revision(outcome.revision, self.settings.request_timeout)
         else:
             self._view.wait_for_change(version, self.settings.request_timeout)
@@ -454,11 +489,16 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             try:
                 if self._member_of is not None:
                     self._client.put(self._keys.left(self._member_of.round, self.node), b'{"reason": "shutdown"}')
+                    self._emit("node_left", round=self._member_of.round)
                 if self._session is not None:
                     self._session.close(revoke=True)
             except (EtcdUnavailableError, EtcdRequestError) as exc:
                 log.warning("etcdft shutdown of node %s incomplete: %s", self.node, exc)
                 ok = False
+            if self._own_events is not None:
+                self._own_events.close(timeout=self.settings.request_timeout)  # its last events, bounded
+                if self._events_client is not None:
+                    self._events_client.close()
             self._view.stop()
             self._client.close()
             return ok

@@ -18,7 +18,10 @@ from typing import Any
 import pytest
 
 from elastic_ft.etcd.client import EtcdClient
+from elastic_ft.etcd.event_log import EventLog
 from elastic_ft.etcd.server import EtcdServer
+from elastic_ft.keys import RunKeys
+from elastic_ft.observability.events import JobEvent
 from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
@@ -97,6 +100,15 @@ def escalations(etcd: EtcdServer, run_id: str) -> list[dict[str, Any]]:
     try:
         kvs, _ = client.get_prefix(f"/elastic_ft/{run_id}/ftrun/escalations/")
         return [json.loads(kv.value) for kv in kvs]
+    finally:
+        client.close()
+
+
+def events_of(etcd: EtcdServer, run_id: str) -> list[JobEvent]:
+    """The run's event log (issue 15), in log order."""
+    client = EtcdClient(etcd.endpoints)
+    try:
+        return EventLog(client, RunKeys("/elastic_ft", run_id)).read().events
     finally:
         client.close()
 

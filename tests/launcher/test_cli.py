@@ -228,3 +228,48 @@ def test_status_skips_forged_spare_records(etcd_client: EtcdClient, run_id: str)
     assert world["joined"] == [{"initial_rank": 4, "admitted": "2" * 32}, {"initial_rank": 5, "admitted": None}]
     assert world["activations"] == [{"initial_rank": 4, "iteration": 2}]
     assert [entry["key"] for entry in malformed] == [prefix + FTRUN_WORLD, job + ACTIVATIONS, job + ACTIVATIONS]
+
+
+def test_status_events_and_timeline_name_an_unknown_run(etcd: EtcdServer, run_id: str, tmp_path: Path) -> None:
+    for command in (["status"], ["status", "--json"], ["events"], ["timeline", "-o", str(tmp_path / "t.png")]):
+        done = cli(*command, f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}")
+        assert done.returncode == 2, (command, done.stdout, done.stderr)
+        assert f"no run {run_id!r} at" in done.stderr and f"/elastic_ft/{run_id}/" in done.stderr, done.stderr
+    assert not (tmp_path / "t.png").exists()
+
+
+def test_events_and_timeline_from_etcd_and_files(etcd: EtcdServer, etcd_client: EtcdClient, run_id: str,
+                                                  tmp_path: Path) -> None:  # fmt: skip
+    from elastic_ft.etcd.event_log import EventLog
+    from elastic_ft.keys import RunKeys
+    from elastic_ft.observability.events import JobEvent
+
+    connection = (f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}")
+    etcd_client.put(RunKeys("/elastic_ft", run_id).config, b"{}")  # the run exists, with no event yet
+    empty = cli("timeline", "-o", str(tmp_path / "none.png"), *connection)
+    assert empty.returncode == 2 and "has recorded no events yet" in empty.stderr
+    log = EventLog(etcd_client, RunKeys("/elastic_ft", run_id))
+    log.append(JobEvent("round_closed", 1700000000.0, run_id, "rendezvous", node="a", round=0,
+                        data={"members": ["a"], "reason": "1 node(s) joined"}))  # fmt: skip
+    log.append(JobEvent("fault_detected", 1700000001.0, run_id, "worker", node="a", rank=1, iteration=0,
+                        data={"kind": "RuntimeError", "message": "boom", "step": 3}))  # fmt: skip
+    shown = cli("events", *connection)
+    assert shown.returncode == 0 and "rank 1 iteration 0: fault_detected kind=RuntimeError message=boom" in shown.stdout
+    saved = tmp_path / "events.jsonl"
+    saved.write_text(cli("events", "--json", *connection).stdout)
+    assert [json.loads(line)["name"] for line in saved.read_text().splitlines()] == ["round_closed", "fault_detected"]
+    for source in (connection, ("--events", str(saved))):
+        picture = tmp_path / f"{len(source)}.png"
+        drawn = cli("timeline", "-o", str(picture), *source)
+        assert drawn.returncode == 0 and "1 faults" in drawn.stdout and "1 rounds" in drawn.stdout, drawn.stderr
+        assert picture.read_bytes()[:4] == b"\x89PNG"
+    both = cli("timeline", "-o", str(tmp_path / "x.png"), "--events", str(saved), *connection)
+    assert both.returncode == 2 and "not both" in both.stderr
+    (tmp_path / "empty.jsonl").write_text("")
+    empty_file = cli("timeline", "-o", str(tmp_path / "x.png"), "--events", str(tmp_path / "empty.jsonl"))
+    assert empty_file.returncode == 2 and "empty.jsonl holds no events" in empty_file.stderr
+    missing = cli("timeline", "-o", str(tmp_path / "x.png"), "--events", str(tmp_path / "nope.jsonl"))
+    assert missing.returncode == 2 and "No such file" in missing.stderr
+    neither = cli("timeline", "-o", str(tmp_path / "x.png"))
+    assert neither.returncode == 2 and "give --events FILE, or --rdzv-endpoint" in neither.stderr
+    assert not (tmp_path / "x.png").exists()

@@ -175,7 +175,9 @@ def test_a_sender_killed_while_it_streams_the_state_costs_one_more_restart(
     logged = "\n".join(node.log() for node in nodes)
     # Iteration 1 heals the spare's ranks; its sender dies mid-transfer, so its receivers finish no heal
     # there: they are healed in a later iteration, by the survivor left.
-    (sent,) = re.findall(rf"\[pid {kill['pid']}\] iteration 1: rank (\d+): .* from \[[\d, ]+\]: (.*)", logged)
+    # elastic-ft's log format: "I1124 08:02:11.204 <pid> elastic_ft.inprocess.healing] [rank <r>] <message>"
+    pattern = rf" {kill['pid']} elastic_ft\.inprocess\.healing\] \[rank \d+\] iteration 1: rank (\d+): .* from \[[\d, ]+\]: (.*)"
+    (sent,) = re.findall(pattern, logged)
     receivers = [int(pair.split("->")[1]) for pair in sent[1].split(", ") if pair.split("->")[0] == sent[0]]
     assert receivers, sent
     for receiver in receivers:

@@ -18,7 +18,7 @@ import pytest
 
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command
-from tests.launcher.test_agent import alive, escalations, logs, read, start, status_of, wait_for
+from tests.launcher.test_agent import alive, escalations, events_of, logs, read, start, status_of, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -135,6 +135,13 @@ def test_a_respawned_worker_waits_as_reserve_then_is_activated_by_the_next_fault
     status = status_of(etcd, run_id)
     assert status["respawns"] == 1 and [j["initial_rank"] for j in status["joined"]] == [4]
     assert escalations(etcd, run_id) == []
+    # The run's events tell the same story: the death, the respawn, two restarts, the joiner activated.
+    events = events_of(etcd, run_id)
+    (died,) = [e for e in events if e.name == "fault_detected" and e.data["kind"] == "process_died"]
+    (respawned,) = [e for e in events if e.name == "respawned"]
+    assert died.rank == 3 and respawned.rank == 4 and respawned.time >= died.time
+    assert sorted(e.iteration for e in events if e.name == "restart_decided") == [0, 1]
+    assert [(e.rank, e.iteration) for e in events if e.name == "spare_activated"] == [(4, 2)]
 
 
 def test_a_spare_arriving_while_the_job_trains_joins_without_restarting_anyone(
@@ -169,6 +176,12 @@ def test_a_spare_arriving_while_the_job_trains_joins_without_restarting_anyone(
     logged = by_tag[survivor].log() + spare.log()
     assert "joined running round 0" in spare.log() and "restarting the workers" not in logged
     assert escalations(etcd, run_id) == []
+    events = events_of(etcd, run_id)
+    hot_spare = [e for e in events if e.name == "node_joined" and e.data.get("role") == "hot_spare"]
+    assert [(e.round, e.data["place"]) for e in hot_spare] == [(0, 2)]
+    (died,) = [e for e in events if e.name == "node_died"]  # reported once, by one surviving agent
+    assert sorted(died.data["ranks"]) == [2, 3] and died.data["reporter"] != died.node
+    assert sorted(e.rank for e in events if e.name == "spare_activated") == [4, 5]
 
 
 def test_rejoin_at_once_restores_the_world_size_without_waiting_for_a_fault(

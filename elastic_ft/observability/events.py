@@ -1,0 +1,239 @@
+"""The job's events: one model for the node side and the worker side.
+
+An event says what happened, when (wall time), and where: the run, the
+rendezvous round, the in-process restart iteration, the node and the
+worker's initial rank (each ``None`` where it does not apply). Its ``data``
+holds the rest (a fault's kind and message, a round's members and reason).
+Names are a closed set (:data:`EVENTS`), so readers can rely on them;
+:meth:`JobEvent.from_json` reads a stored event back as untrusted input.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Every event name, with what it means; ``source`` is who records it.
+EVENTS: dict[str, str] = {
+    # node side: the rendezvous
+    "round_opened": "the first node joined a round",
+    "node_joined": "a node asked to be in a round (data: role, waiting)",
+    "round_closed": "a round's members were decided (data: members, reason)",
+    "node_left": "a node left its round cleanly",
+    # node side: the agent
+    "workers_started": "an agent started its workers (data: ranks, pids)",
+    "node_died": "a member node's lease expired; its ranks were reported terminated (data: ranks)",
+    "respawned": "a dead worker was replaced by a new process joining the running world (data: local_rank, pid)",
+    "escalated": "in-process restart could not absorb a fault: a process-level restart (data: reason)",
+    "job_finished": "the job ended (data: state)",
+    # worker side: elastic_ft.Wrapper
+    "iteration_started": "a rank started an in-process iteration (data: world_size, active, active_world_size)",
+    "fault_detected": "a rank's function raised (source worker), or its process died (source agent) "
+    "(data: kind, message)",
+    "restart_decided": "an iteration is restarted (data: faults, grouped by message)",
+    "spare_activated": "a reserve rank or joiner became active",
+    "healed": "a rank's state was loaded from a peer (data: step, sender)",
+    "gave_up": "a rank left the job for good (data: kind, message)",
+    "progress": "a rank's optimizer steps so far (data: step), sampled",
+}
+SOURCES = ("rendezvous", "agent", "worker")
+#: Longest text kept in an event (a fault's message): the event log is bounded in bytes too.
+MAX_TEXT = 500
+_MAX_LIST = 4096
+
+
+class EventError(ValueError):
+    """An event (built here or read back from etcd) does not have the expected shape."""
+
+
+def _scalar(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return value is None or isinstance(value, (str, int, bool))
+
+
+def _clean_data(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` as JSON-safe values: scalars, and lists of scalars or of flat mappings; texts cut to MAX_TEXT."""
+    cleaned: dict[str, Any] = {}
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise EventError(f"event data key {key!r} is not a string")
+        cleaned[key] = _clean_value(key, value)
+    return cleaned
+
+
+def _clean_value(key: str, value: Any) -> Any:
+    if isinstance(value, str):
+        return value[:MAX_TEXT]
+    if _scalar(value):
+        return value
+    if isinstance(value, (list, tuple)) and len(value) <= _MAX_LIST:
+        items = []
+        for item in value:
+            if isinstance(item, Mapping):
+                items.append(
+                    {str(k): _clean_value(key, v) for k, v in item.items() if _scalar(v) or isinstance(v, list)}
+                )
+            elif _scalar(item):
+                items.append(item[:MAX_TEXT] if isinstance(item, str) else item)
+            else:
+                raise EventError(f"event data {key}={value!r:.100}: expected scalars or flat mappings in the list")
+        return items
+    raise EventError(f"event data {key}={value!r:.100}: expected a string, number, boolean, null or a list")
+
+
+def _optional_count(document: Mapping[str, Any], name: str) -> int | None:
+    value = document.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        raise EventError(f"event has {name}={value!r:.40}; expected a non-negative integer or null")
+    return value
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """One event of a run. ``seq`` is its place in the run's event log (set when read back)."""
+
+    name: str
+    time: float
+    run_id: str
+    source: str
+    node: str | None = None
+    round: int | None = None
+    iteration: int | None = None
+    rank: int | None = None
+    data: Mapping[str, Any] = field(default_factory=dict)
+    seq: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in EVENTS:
+            raise EventError(f"unknown event {self.name!r}; expected one of {', '.join(EVENTS)}")
+        if self.source not in SOURCES:
+            raise EventError(f"event source {self.source!r}; expected one of {', '.join(SOURCES)}")
+        if isinstance(self.time, bool) or not isinstance(self.time, (int, float)) or not math.isfinite(self.time):
+            raise EventError(f"event time {self.time!r:.40}: expected seconds since the epoch")
+        if self.time < 0:
+            raise EventError(f"event time {self.time!r:.40}: expected seconds since the epoch")
+        for name in ("round", "iteration", "rank", "seq"):
+            _optional_count({name: getattr(self, name)}, name)
+        if not isinstance(self.run_id, str) or (self.node is not None and not isinstance(self.node, str)):
+            raise EventError("event run_id and node must be strings")
+        object.__setattr__(self, "data", _clean_data(self.data))
+
+    def to_document(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "time": self.time,
+            "run_id": self.run_id,
+            "source": self.source,
+            "node": self.node,
+            "round": self.round,
+            "iteration": self.iteration,
+            "rank": self.rank,
+            "data": dict(self.data),
+            **({} if self.seq is None else {"seq": self.seq}),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_document(), sort_keys=True)
+
+    @classmethod
+    def from_document(cls, document: Any) -> JobEvent:
+        if not isinstance(document, dict):
+            raise EventError(f"an event is a JSON object, got {document!r:.100}")
+        data = document.get("data", {})
+        if not isinstance(data, dict):
+            raise EventError(f"event data {data!r:.100}: expected a JSON object")
+        name, source, run_id, node = (document.get(k) for k in ("name", "source", "run_id", "node"))
+        if not isinstance(name, str) or not isinstance(source, str) or not isinstance(run_id, str):
+            raise EventError(f"event {document!r:.200}: name, source and run_id must be strings")
+        if node is not None and not isinstance(node, str):
+            raise EventError(f"event node {node!r:.60}: expected a string or null")
+        return cls(
+            name=name,
+            time=document.get("time"),  # checked in __post_init__
+            run_id=run_id[:MAX_TEXT],
+            source=source,
+            node=None if node is None else node[:MAX_TEXT],
+            round=_optional_count(document, "round"),
+            iteration=_optional_count(document, "iteration"),
+            rank=_optional_count(document, "rank"),
+            data=data,
+            seq=_optional_count(document, "seq"),
+        )
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> JobEvent:
+        try:
+            document = json.loads(raw)
+        except (ValueError, RecursionError) as error:
+            raise EventError(f"an event is not JSON: {type(error).__name__}") from None
+        return cls.from_document(document)
+
+    def to_torch(self) -> Any:
+        """As a ``torch.distributed.elastic.events.Event``: what ``--event-log-handler`` handlers receive."""
+        from torch.distributed.elastic.events import Event, EventSource
+
+        metadata: dict[str, Any] = {
+            "run_id": self.run_id,
+            "node": self.node,
+            "round": self.round,
+            "iteration": self.iteration,
+            "rank": self.rank,
+        }
+        for key, value in self.data.items():
+            metadata[key] = json.dumps(value) if isinstance(value, list) else value
+        return Event(
+            name=f"elastic_ft.{self.name}",
+            source=EventSource.WORKER if self.source == "worker" else EventSource.AGENT,
+            timestamp=int(self.time * 1000),
+            metadata=metadata,
+        )
+
+    def describe(self) -> str:
+        """One line for people: ``node n0 rank 3 iteration 1: fault_detected kind=terminated``."""
+        where = [f"{label} {value}" for label, value in
+                 (("round", self.round), ("node", self.node), ("rank", self.rank), ("iteration", self.iteration))
+                 if value is not None]  # fmt: skip
+        details = " ".join(f"{key}={_shown(value)}" for key, value in self.data.items())
+        return f"{' '.join(where)}: {self.name}" + (f" {details}" if details else "")
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, str):
+        return repr(value[:120]) if " " in value else value[:120]
+    if isinstance(value, list):
+        return json.dumps(value)[:160]
+    return str(value)
+
+
+def read_events_file(path: str) -> list[JobEvent]:
+    """Events saved by ``ftrun --record`` (one JSON event a line), in the order they happened.
+
+    Raises:
+        EventError: the file is empty, or a line is not an event (its number is named).
+        OSError: the file cannot be read.
+    """
+    with open(path, encoding="utf-8") as file:
+        lines = file.read().splitlines()
+    events = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            events.append(JobEvent.from_json(line))
+        except EventError as error:
+            raise EventError(f"{path}:{number}: {error}") from None
+    if not events:
+        raise EventError(f"{path} holds no events (expected one JSON event a line, as ftrun --record writes)")
+    return sorted(events, key=lambda event: event.time)
+
+
+def write_events_file(path: str, events: list[JobEvent]) -> None:
+    """One JSON event a line (what :func:`read_events_file` reads)."""
+    with open(path, "w", encoding="utf-8") as file:
+        file.writelines(event.to_json() + "\n" for event in events)

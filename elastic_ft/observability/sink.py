@@ -1,0 +1,254 @@
+"""A process's event emitter: torch's elastic events and the run's event log in etcd.
+
+:func:`emit` is what the rendezvous, the agent and the Wrapper call. It
+never blocks and never raises: the event is queued, and one background
+thread hands it to torch's ``events.record`` (so ``--event-log-handler``
+receives it) and appends it to the run's :class:`~elastic_ft.etcd.event_log.EventLog`.
+Keeping etcd I/O off the caller's thread matters on the worker side, where
+the main thread may be interrupted by a restart at any moment; for the same
+reason the queue is a ``collections.deque`` (its ``append`` takes no lock an
+asynchronous exception could leave held), which the thread polls every
+:data:`POLL` seconds. A full queue drops events (counted and logged once),
+rather than slowing training.
+
+Each process has at most one sink (:func:`install`); without one,
+:func:`emit` does nothing. The worker side installs one from the
+``ELASTIC_FT_EVENTS`` hand-off (:class:`EventsHandoff`) that ``ftrun``'s
+agent puts in its workers' environment.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from elastic_ft.observability.events import EventError, JobEvent
+
+log = logging.getLogger(__name__)
+
+EVENTS_ENV = "ELASTIC_FT_EVENTS"
+_QUEUE_SIZE = 10_000
+#: Seconds between two looks of the sending thread at the queue.
+POLL = 0.05
+
+
+@dataclass(frozen=True)
+class EventsHandoff:
+    """What a worker needs to record events: the run's keys, its node, torch's event destination, the sampling."""
+
+    etcd_prefix: str
+    run_id: str
+    node: str
+    capacity: int
+    destination: str = "null"
+    progress_interval: float = 5.0
+
+    def to_env(self) -> dict[str, str]:
+        return {EVENTS_ENV: json.dumps(self.__dict__)}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> EventsHandoff | None:
+        text = environ.get(EVENTS_ENV)
+        if not text:
+            return None
+        try:
+            document = json.loads(text)
+            handoff = cls(**document)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"{EVENTS_ENV}={text!r:.300} is not a valid events hand-off: {error}") from None
+        texts = (handoff.etcd_prefix, handoff.run_id, handoff.node, handoff.destination)
+        if not all(isinstance(value, str) for value in texts):
+            raise ValueError(f"{EVENTS_ENV}={text!r:.300}: etcd_prefix, run_id, node and destination are strings")
+        if isinstance(handoff.capacity, bool) or not isinstance(handoff.capacity, int) or handoff.capacity < 1:
+            raise ValueError(f"{EVENTS_ENV}: capacity={handoff.capacity!r}; expected a positive whole number")
+        interval = handoff.progress_interval
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 < interval < 1e6:
+            raise ValueError(f"{EVENTS_ENV}: progress_interval={interval!r}; expected positive seconds")
+        return handoff
+
+
+class EventSink:
+    """Sends events to torch's ``destination`` handler and to ``append`` (the run's event log), in a thread.
+
+    Args:
+        run_id: the run every event belongs to.
+        source: ``rendezvous``, ``agent`` or ``worker``: the default source of emitted events.
+        append: stores one event (``EventLog.append``), or ``None`` for torch's events only.
+        destination: the torch events handler (``--event-log-handler``); an unknown one is logged once.
+        node: the default node of emitted events.
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        source: str,
+        append: Callable[[JobEvent], object] | None,
+        destination: str = "null",
+        node: str | None = None,
+    ) -> None:
+        self.run_id = run_id
+        self.source = source
+        self.node = node
+        self._append = append
+        self._destination = destination
+        self._queue: deque[JobEvent] = deque()
+        self._sending = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="elastic_ft-events", daemon=True)
+        self._started = False
+        self._start_lock = threading.Lock()
+        self._warned: set[str] = set()
+        self.dropped = 0
+        self.sent = 0
+        self._progress: tuple[Callable[[], dict[str, Any] | None], float] | None = None
+        self._last_progress: dict[str, Any] | None = None
+
+    def emit(self, name: str, **fields: Any) -> None:
+        """Queue one event; ``fields`` are ``node``, ``round``, ``iteration``, ``rank``, ``source``, the rest data."""
+        try:
+            event = self._event(name, fields)
+        except EventError as error:
+            self._warn_once("invalid", "dropping an invalid event %s: %s", name, error)
+            return
+        if len(self._queue) >= _QUEUE_SIZE:
+            self.dropped += 1
+            self._warn_once("full", "the event queue is full (%d): dropping events", _QUEUE_SIZE)
+            return
+        self._queue.append(event)
+
+    def _event(self, name: str, fields: dict[str, Any]) -> JobEvent:
+        where = {key: fields.pop(key) for key in ("node", "round", "iteration", "rank", "source") if key in fields}
+        return JobEvent(
+            name=name,
+            time=time.time(),
+            run_id=self.run_id,
+            source=where.pop("source", self.source),
+            node=where.pop("node", self.node),
+            data=fields,
+            **where,
+        )
+
+    def sample_progress(self, probe: Callable[[], dict[str, Any] | None], interval: float) -> None:
+        """Every ``interval`` s, emit a ``progress`` event from ``probe()`` (event fields) when it changed."""
+        self._progress = (probe, interval)
+
+    def stop_sampling(self) -> None:
+        self._progress = None
+
+    def start(self) -> EventSink:
+        """Start the sending thread (:func:`install` does); events emitted before wait for it."""
+        with self._start_lock:
+            if not self._started:
+                self._started = True
+                self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        next_sample = time.monotonic()
+        while True:
+            stopping = self._stop.wait(POLL)
+            while self._queue:
+                self._sending = True
+                try:
+                    self._send(self._queue.popleft())
+                finally:
+                    self._sending = False
+            progress = self._progress
+            if stopping:
+                if progress is not None:
+                    self._sample(progress[0])  # the last step reached, for the timeline
+                return
+            if progress is not None and time.monotonic() >= next_sample:
+                next_sample = time.monotonic() + progress[1]
+                self._sample(progress[0])
+
+    def _sample(self, probe: Callable[[], dict[str, Any] | None]) -> None:
+        try:
+            fields = probe()
+        except Exception as error:  # noqa: BLE001 - a probe's failure must not stop the sender
+            self._warn_once("probe", "the progress probe failed: %r", error)
+            return
+        if fields is None or fields == self._last_progress:
+            return
+        self._last_progress = dict(fields)
+        try:
+            self._send(self._event("progress", dict(fields)))
+        except EventError as error:
+            self._warn_once("probe-invalid", "the progress probe gave an invalid event: %s", error)
+
+    def _send(self, event: JobEvent) -> None:
+        try:
+            from torch.distributed.elastic import events as torch_events
+
+            torch_events.record(event.to_torch(), self._destination)
+        except KeyError:
+            self._warn_once("destination", "no torch events handler named %r: events go to etcd only",
+                            self._destination)  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - a user's handler must not stop the sender
+            self._warn_once("torch", "torch's events handler %r failed: %r", self._destination, error)
+        if self._append is not None:
+            try:
+                self._append(event)
+            except Exception as error:  # noqa: BLE001 - etcd unreachable: the job goes on, the event is lost
+                self.dropped += 1
+                self._warn_once("etcd", "could not store event %s in etcd (later failures are not logged): %s",
+                                event.name, error)  # fmt: skip
+                return
+        self.sent += 1
+
+    def _warn_once(self, what: str, message: str, *args: Any) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(message, *args)
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until the queued events were sent, at most ``timeout`` s; False if some were not."""
+        deadline = time.monotonic() + timeout
+        while self._started and (self._queue or self._sending) and self._thread.is_alive():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return not self._queue
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Send what is queued and a last progress sample (at most ``timeout`` s), then stop the thread.
+
+        Returns False if events were left unsent.
+        """
+        if not self._started:
+            return True
+        self._stop.set()
+        self._thread.join(timeout)
+        self._progress = None
+        return not self._queue
+
+
+_sink: EventSink | None = None
+_sink_lock = threading.Lock()
+
+
+def install(sink: EventSink | None) -> EventSink | None:
+    """Make ``sink`` this process's emitter (``None`` removes it); returns the one it replaces."""
+    global _sink
+    if sink is not None:
+        sink.start()
+    with _sink_lock:
+        previous, _sink = _sink, sink
+    return previous
+
+
+def installed() -> EventSink | None:
+    return _sink
+
+
+def emit(name: str, **fields: Any) -> None:
+    """Record an event with this process's sink; nothing without one. Never raises, never blocks."""
+    sink = _sink
+    if sink is not None:
+        sink.emit(name, **fields)

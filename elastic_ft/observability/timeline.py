@@ -1,0 +1,206 @@
+"""``elastic-ft timeline``: a picture of a job over time, drawn from its events.
+
+:func:`build_timeline` is pure: it reads the events (in log order) into
+what the picture shows. :func:`draw` renders it with matplotlib (the
+``timeline`` extra) into two panels sharing the time axis:
+
+* top: the active world size (a step line from each iteration's start),
+  faults (red crosses, labelled by rank and kind; a peer's broken
+  connection, ``peer_lost``, is the consequence of another fault and not drawn), in-process restarts
+  (shaded from the first fault to the first rank resuming), process-level
+  restarts (purple lines), rendezvous rounds (grey dashes), spare
+  activations (green triangles) and respawned workers (blue diamonds);
+* bottom: each rank's optimizer steps (from its iteration starts, its
+  sampled progress, its faults and its healing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastic_ft.fault_records import PEER_LOST
+from elastic_ft.observability.events import EventError, JobEvent
+
+
+class TimelineUnavailable(RuntimeError):
+    """matplotlib, which draws the picture, is not installed."""
+
+
+@dataclass(frozen=True)
+class Mark:
+    time: float
+    label: str
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class Span:
+    start: float
+    end: float | None  # None: not resumed by the last event
+    label: str
+
+
+@dataclass
+class Timeline:
+    run_id: str
+    start: float
+    end: float
+    world: list[tuple[float, int]] = field(default_factory=list)
+    faults: list[Mark] = field(default_factory=list)
+    restarts: list[Span] = field(default_factory=list)
+    escalations: list[Mark] = field(default_factory=list)
+    rounds: list[Mark] = field(default_factory=list)
+    activations: list[Mark] = field(default_factory=list)
+    respawns: list[Mark] = field(default_factory=list)
+    progress: dict[int, list[tuple[float, int]]] = field(default_factory=dict)
+
+    def counts(self) -> dict[str, int]:
+        """How many of each thing the picture shows (what ``elastic-ft timeline`` prints, and tests check)."""
+        return {
+            "faults": len(self.faults),
+            "restarts": len(self.restarts),
+            "escalations": len(self.escalations),
+            "rounds": len(self.rounds),
+            "activations": len(self.activations),
+            "respawns": len(self.respawns),
+            "ranks": len(self.progress),
+            "world_changes": len(self.world),
+        }
+
+
+def build_timeline(events: list[JobEvent]) -> Timeline:
+    """What the picture shows, from a run's events in log order.
+
+    Raises:
+        EventError: there are no events, or they belong to several runs.
+    """
+    if not events:
+        raise EventError("no events to draw")
+    runs = {event.run_id for event in events}
+    if len(runs) > 1:
+        raise EventError(f"the events belong to {len(runs)} runs ({', '.join(sorted(runs)[:5])}); expected one")
+    times = [event.time for event in events]
+    timeline = Timeline(events[0].run_id, min(times), max(times))
+    started: set[int] = set()
+    pending: dict[int, float] = {}  # restart of iteration i: its first fault's time
+    # In the order things happened: each process sends its own events, so log order may differ.
+    for event in sorted(events, key=lambda e: e.time):
+        _add(timeline, event, started, pending)
+    for iteration, fault_time in sorted(pending.items()):
+        timeline.restarts.append(Span(fault_time, None, f"iteration {iteration}"))
+    return timeline
+
+
+def _add(timeline: Timeline, event: JobEvent, started: set[int], pending: dict[int, float]) -> None:
+    data, name, rank = event.data, event.name, event.rank
+    step = data.get("step")
+    if isinstance(step, int) and not isinstance(step, bool) and rank is not None:
+        timeline.progress.setdefault(rank, []).append((event.time, step))
+    if name == "iteration_started":
+        iteration = event.iteration or 0
+        size = data.get("active_world_size")
+        if iteration not in started and isinstance(size, int):
+            started.add(iteration)
+            if not timeline.world or timeline.world[-1][1] != size:
+                timeline.world.append((event.time, size))
+        for restarted in [i for i in pending if i < iteration]:
+            timeline.restarts.append(Span(pending.pop(restarted), event.time, f"iteration {restarted}"))
+    elif name == "fault_detected" and data.get("kind") != PEER_LOST:  # a cause, not its broken connections
+        timeline.faults.append(Mark(event.time, f"r{rank} {data.get('kind', '?')}", rank))
+    elif name == "node_died":
+        timeline.faults.append(Mark(event.time, f"{event.node} died", None))
+    elif name == "restart_decided" and event.iteration is not None:
+        fault_time = data.get("fault_time")
+        at = float(fault_time) if isinstance(fault_time, (int, float)) and not isinstance(fault_time, bool) else None
+        pending.setdefault(event.iteration, at if at is not None else event.time)
+    elif name == "escalated":
+        timeline.escalations.append(Mark(event.time, f"process restart (round {event.round})"))
+    elif name == "round_closed":
+        members = data.get("members")
+        count = len(members) if isinstance(members, list) else "?"
+        timeline.rounds.append(Mark(event.time, f"round {event.round}: {count} node(s)"))
+    elif name == "spare_activated":
+        timeline.activations.append(Mark(event.time, f"r{rank} active", rank))
+    elif name == "respawned":
+        timeline.respawns.append(Mark(event.time, f"r{rank} respawned", rank))
+
+
+def draw(timeline: Timeline, path: str, title: str | None = None) -> dict[str, int]:
+    """Render ``timeline`` as a PNG at ``path``; returns :meth:`Timeline.counts`.
+
+    Raises:
+        TimelineUnavailable: matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise TimelineUnavailable("elastic-ft timeline needs matplotlib: pip install 'elastic-ft[timeline]'") from None
+    t0 = timeline.start
+    end = max(timeline.end - t0, 1e-3)
+    figure, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(11, 6.5), height_ratios=(1, 1.3))
+    figure.suptitle(title or f"run {timeline.run_id}", fontsize=11)
+    _draw_world(top, timeline, t0, end)
+    _draw_progress(bottom, timeline, t0)
+    for axis in (top, bottom):
+        for span in timeline.restarts:
+            axis.axvspan(span.start - t0, (span.end if span.end is not None else timeline.end) - t0,
+                         color="orange", alpha=0.25, lw=0)  # fmt: skip
+        for mark in timeline.escalations:
+            axis.axvline(mark.time - t0, color="purple", lw=1.5)
+        for mark in timeline.rounds:
+            axis.axvline(mark.time - t0, color="grey", lw=0.8, ls="--")
+        axis.grid(alpha=0.3)
+    bottom.set_xlabel("seconds since the first event")
+    bottom.set_xlim(0, end * 1.02)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return timeline.counts()
+
+
+def _draw_world(axis: Any, timeline: Timeline, t0: float, end: float) -> None:
+    if timeline.world:
+        xs = [t - t0 for t, _ in timeline.world] + [end]
+        ys = [size for _, size in timeline.world] + [timeline.world[-1][1]]
+        axis.step(xs, ys, where="post", color="black", lw=2, label="active world size")
+        top = max(ys)
+    else:
+        top = 1
+    axis.set_ylim(0, top + 1.5)
+    axis.set_ylabel("active ranks")
+    for row, mark in enumerate(timeline.faults):
+        axis.plot(mark.time - t0, top + 0.4, "x", color="red", ms=9, mew=2)
+        axis.annotate(mark.label, (mark.time - t0, top + 0.4), xytext=(4, 4 + 9 * (row % 3)),
+                      textcoords="offset points", fontsize=7, color="red")  # fmt: skip
+    for mark in timeline.activations:
+        axis.plot(mark.time - t0, 0.4, "^", color="green", ms=8)
+        axis.annotate(mark.label, (mark.time - t0, 0.4), xytext=(4, 2), textcoords="offset points", fontsize=7)
+    for mark in timeline.respawns:
+        axis.plot(mark.time - t0, 0.9, "D", color="tab:blue", ms=6)
+        axis.annotate(mark.label, (mark.time - t0, 0.9), xytext=(4, 2), textcoords="offset points", fontsize=7)
+    for mark in timeline.rounds:
+        axis.annotate(mark.label, (mark.time - t0, 0.1), xytext=(2, 0), textcoords="offset points", fontsize=7,
+                      color="grey")  # fmt: skip
+    handles = [
+        axis.plot([], [], "x", color="red", mew=2, label="fault")[0],
+        axis.fill_between([], [], color="orange", alpha=0.25, label="in-process restart"),
+        axis.plot([], [], color="purple", label="process-level restart")[0],
+        axis.plot([], [], "^", color="green", label="spare activated")[0],
+    ]
+    axis.legend(handles=[*axis.get_lines()[:1], *handles], loc="lower right", fontsize=7, ncol=5)
+
+
+def _draw_progress(axis: Any, timeline: Timeline, t0: float) -> None:
+    for rank in sorted(timeline.progress):
+        points = sorted(timeline.progress[rank])
+        axis.plot([t - t0 for t, _ in points], [step for _, step in points], marker=".", ms=3, lw=1.2,
+                  label=f"rank {rank}")  # fmt: skip
+    for mark in timeline.faults:
+        axis.axvline(mark.time - t0, color="red", lw=0.8, alpha=0.6)
+    axis.set_ylabel("optimizer steps")
+    if timeline.progress:
+        axis.legend(loc="upper left", fontsize=7, ncol=min(8, len(timeline.progress)))
