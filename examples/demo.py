@@ -106,7 +106,8 @@ def show_events(etcd: EtcdServer, run_id: str, since: float) -> None:
     finally:
         client.close()
     for event in sorted(events, key=lambda e: e.time):
-        if event.time >= since and event.name in SHOWN_EVENTS and event.data.get("kind") != "peer_lost":
+        broken = event.name == "fault_detected" and event.data.get("kind") == "peer_lost"  # consequences
+        if event.time >= since and event.name in SHOWN_EVENTS and not broken:
             print(f"    +{event.time - since:6.3f} s  {event.source:<10}  {event.describe()[:110]}")
 
 

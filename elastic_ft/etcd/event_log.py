@@ -21,8 +21,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from elastic_ft.etcd.client import EtcdClient, key_missing, key_modified_at, put_op
-from elastic_ft.etcd.kv import EtcdUnavailableError
+from elastic_ft.etcd.client import Compare, EtcdClient, get_op, key_missing, key_modified_at, put_op
+from elastic_ft.etcd.kv import EtcdUnavailableError, KeyValue
 from elastic_ft.keys import EVENTS_MAIN, EVENTS_PROGRESS, RunKeys, count_suffix, parse_count
 from elastic_ft.observability.events import EventError, JobEvent
 
@@ -50,35 +50,43 @@ class EventLog:
         self.capacity = capacity
 
     def append(self, event: JobEvent) -> int:
-        """Store ``event`` in its stream; returns its sequence number there. Raises the client's errors."""
+        """Store ``event`` in its stream; returns its sequence number there. Raises the client's errors.
+
+        A transaction that loses the race for a number (or a resend of one
+        that had committed) answers with the counter and the slot it tried,
+        so the next attempt needs no read of its own.
+        """
         stream = EVENTS_PROGRESS if event.name == "progress" else EVENTS_MAIN
         counter_key = self.keys.events_next(stream)
         event_id = uuid.uuid4().hex
-        tried: int | None = None
+        counter, _ = self.client.get(counter_key)
         while True:
-            if tried is not None and self._holds(tried, stream, event_id):
-                return tried  # the last attempt's answer was lost, but it committed
-            counter, _ = self.client.get(counter_key)
-            if counter is None:
-                seq, guard = 0, key_missing(counter_key)
-            else:
-                parsed = parse_count(counter.value.decode(errors="replace"))
-                if parsed is None:
-                    raise EventError(f"{counter_key} holds {counter.value!r:.40}; expected a count")
-                seq, guard = parsed, key_modified_at(counter_key, counter.mod_revision)
+            seq, guard = self._next_number(counter_key, counter)
+            slot_key = self.keys.event_slot(seq % self.capacity, stream)
             document = {**event.to_document(), "seq": seq, "id": event_id}
-            ops = [
-                put_op(counter_key, str(seq + 1).encode()),
-                put_op(self.keys.event_slot(seq % self.capacity, stream), json.dumps(document).encode()),
-            ]
-            tried = seq
+            ops = [put_op(counter_key, str(seq + 1).encode()), put_op(slot_key, json.dumps(document).encode())]
             try:
-                if self.client.txn([guard], ops).succeeded:
-                    return seq
+                result = self.client.txn([guard], ops, [get_op(counter_key), get_op(slot_key)])
             except EtcdUnavailableError:
                 if self._holds(seq, stream, event_id):  # raises if etcd is still unreachable
-                    return seq
-            # Another writer took the number first (or the lost attempt did not commit): take the next.
+                    return seq  # the answer was lost, but it committed
+                counter, _ = self.client.get(counter_key)
+                continue
+            if result.succeeded:
+                return seq
+            now, slot = result.ranges
+            if slot and _event_id(slot[0].value) == event_id:
+                return seq  # a resend of a transaction that had committed
+            counter = now[0] if now else None  # another writer took the number: take the next
+
+    @staticmethod
+    def _next_number(counter_key: str, counter: KeyValue | None) -> tuple[int, Compare]:
+        if counter is None:
+            return 0, key_missing(counter_key)
+        parsed = parse_count(counter.value.decode(errors="replace"))
+        if parsed is None:
+            raise EventError(f"{counter_key} holds {counter.value!r:.40}; expected a count")
+        return parsed, key_modified_at(counter_key, counter.mod_revision)
 
     def _holds(self, seq: int, stream: str, event_id: str) -> bool:
         slot, _ = self.client.get(self.keys.event_slot(seq % self.capacity, stream))

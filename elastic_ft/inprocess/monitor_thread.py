@@ -39,12 +39,10 @@ import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 
-from elastic_ft.fault_records import Interruption, group_faults, restart_reporter
 from elastic_ft.inprocess.exception import RankShouldRestart, RestartDelivery
 from elastic_ft.inprocess.logs import get_logger
 from elastic_ft.inprocess.state import State
 from elastic_ft.inprocess.store import COMPLETED, StoreMixin
-from elastic_ft.observability import sink as event_sink
 
 log = get_logger("monitor_thread")
 
@@ -257,7 +255,7 @@ class MonitorThread(threading.Thread):
     def _restart(self) -> None:
         if self._stop_requested.wait(self.last_call_wait):
             return
-        self._report(self.store.interruptions())
+        log.debug("rank %s: restarting after interruptions %s", self.state.rank, self.store.interruptions())
         with self.atomic_lock:
             if self._stop_requested.is_set():
                 return
@@ -308,22 +306,6 @@ class MonitorThread(threading.Thread):
                                         "initiated ones too: a peer may be frozen", self.state.rank, released)  # fmt: skip
                         except Exception:
                             log.exception("rank %s: releasing connections failed", self.state.rank)
-
-    def _report(self, records: list[dict[str, object]]) -> None:
-        """Log and record the restart once for the job (by :func:`restart_reporter`), each fault's text once."""
-        state = self.state
-        faults = group_faults(Interruption(**record) for record in records)  # type: ignore[arg-type]
-        summary = "; ".join(group.describe() for group in faults) or "no fault recorded"
-        if state.rank != restart_reporter(state.world_size, self.store.terminated_ranks()):
-            log.debug("rank %s: iteration %d restarts: %s", state.rank, state.iteration, summary)
-            return
-        log.warning("iteration %d restarts (%d rank(s)): %s", state.iteration, state.world_size, summary)
-        times = [group.time for group in faults if group.time is not None]
-        event_sink.emit(
-            "restart_decided", rank=state.initial_rank, iteration=state.iteration,
-            fault_time=min(times) if times else None, kind=faults[0].kind if faults else "unknown",  # the cause
-            faults=[{"kind": g.kind, "ranks": list(g.ranks), "message": g.message} for g in faults],
-        )  # fmt: skip
 
     def _deliver(self, schedule: bool) -> bool:
         """Signal the main thread; with ``schedule``, schedule the exception too. True if it was scheduled."""

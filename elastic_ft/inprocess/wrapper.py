@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from elastic_ft.fault_records import fault_kind
+from elastic_ft.fault_records import Interruption, fault_kind, group_faults, restart_reporter
 from elastic_ft.handoff import WorkerHandoff
 from elastic_ft.inprocess.abort import AbortTorchDistributed
 from elastic_ft.inprocess.arguments import DEFAULT_DURATIONS, apply_job_config_defaults, validate_arguments
@@ -904,12 +904,39 @@ class CallWrapper:
             wrapper.barrier_timeout,
         )
         result = _termination_result(payload, state.world_size)
+        self._report_restart(store, state, result)
         if result.terminated:
             log.info("rank %s: ranks %s left the job in iteration %d", rank, list(result.terminated), state.iteration)
         if result.joined:
             log.info("rank %s: initial ranks %s join in iteration %d", rank, list(result.joined), state.iteration + 1)
         next_state = next_iteration_state(state, result)
         return self._assign(RankAssignmentCtx(next_state, store, set(result.terminated)))
+
+    def _report_restart(self, store: PrefixStore, state: State, result: TerminationResult) -> None:
+        """Log and record the restart once for the job, with every fault grouped and each text once.
+
+        After the termination barrier, so every fault of the iteration is
+        recorded (a dead node's ranks are reported only once its lease
+        expires), and every rank knows the same ranks left: the lowest rank
+        still in the job (:func:`restart_reporter`) reports, the others log
+        one line at DEBUG.
+        """
+        faults = group_faults(Interruption(**record) for record in store.interruptions())  # type: ignore[arg-type]
+        summary = "; ".join(group.describe() for group in faults) or "no fault recorded"
+        if state.rank != restart_reporter(state.world_size, result.terminated):
+            log.debug("rank %s: iteration %d restarts: %s", state.rank, state.iteration, summary)
+            return
+        log.warning(
+            "iteration %d restarts (%d rank(s), %d left): %s",
+            state.iteration, state.world_size, len(result.terminated), summary,
+        )  # fmt: skip
+        times = [group.time for group in faults if group.time is not None]
+        event_sink.emit(
+            "restart_decided", rank=state.initial_rank, iteration=state.iteration,
+            fault_time=min(times) if times else None, kind=faults[0].kind if faults else "unknown",  # the cause
+            faults=[{"kind": g.kind, "ranks": list(g.ranks), "message": g.message} for g in faults],
+            terminated=list(result.terminated),
+        )  # fmt: skip
 
     def _await_admission(self) -> State | None:
         """A joiner: wait until a restart admits this process, then take its place; None if the job finished.

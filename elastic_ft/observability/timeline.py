@@ -4,9 +4,10 @@
 what the picture shows. :func:`draw` renders it with matplotlib (the
 ``timeline`` extra) into two panels sharing the time axis:
 
-* top: the active world size (a step line from each iteration's start),
-  faults (red crosses, labelled by rank and kind; a peer's broken
-  connection, ``peer_lost``, is the consequence of another fault and not drawn), in-process restarts
+* top: the active world size (a step line from each iteration's start,
+  broken while a restart is under way: nobody trains then), faults (red
+  crosses, labelled by rank and kind; a rank's broken connection,
+  ``peer_lost``, the consequence of a fault elsewhere, a small grey cross), in-process restarts
   (shaded from the first fault to the first rank resuming), process-level
   restarts (purple lines), rendezvous rounds (grey dashes), spare
   activations (green triangles) and respawned workers (blue diamonds);
@@ -48,6 +49,7 @@ class Timeline:
     end: float
     world: list[tuple[float, int]] = field(default_factory=list)
     faults: list[Mark] = field(default_factory=list)
+    broken: list[Mark] = field(default_factory=list)  # peer_lost: a rank's collective broken by a fault elsewhere
     restarts: list[Span] = field(default_factory=list)
     escalations: list[Mark] = field(default_factory=list)
     rounds: list[Mark] = field(default_factory=list)
@@ -59,6 +61,7 @@ class Timeline:
         """How many of each thing the picture shows (what ``elastic-ft timeline`` prints, and tests check)."""
         return {
             "faults": len(self.faults),
+            "broken_connections": len(self.broken),
             "restarts": len(self.restarts),
             "escalations": len(self.escalations),
             "rounds": len(self.rounds),
@@ -83,16 +86,20 @@ def build_timeline(events: list[JobEvent]) -> Timeline:
     times = [event.time for event in events]
     timeline = Timeline(events[0].run_id, min(times), max(times))
     started: set[int] = set()
-    pending: dict[int, float] = {}  # restart of iteration i: its first fault's time
+    restarts: dict[int, float] = {}  # restart of iteration i: its first fault's time
     # In the order things happened: each process sends its own events, so log order may differ.
-    for event in sorted(events, key=lambda e: e.time):
-        _add(timeline, event, started, pending)
-    for iteration, fault_time in sorted(pending.items()):
-        timeline.restarts.append(Span(fault_time, None, f"iteration {iteration}"))
+    ordered = sorted(events, key=lambda e: e.time)
+    for event in ordered:
+        _add(timeline, event, started, restarts)
+    for iteration, fault_time in sorted(restarts.items()):
+        # Until the first rank starts a later iteration (the report itself may come after that).
+        resumed = [e.time for e in ordered if e.name == "iteration_started" and (e.iteration or 0) > iteration
+                   and e.time >= fault_time]  # fmt: skip
+        timeline.restarts.append(Span(fault_time, min(resumed) if resumed else None, f"iteration {iteration}"))
     return timeline
 
 
-def _add(timeline: Timeline, event: JobEvent, started: set[int], pending: dict[int, float]) -> None:
+def _add(timeline: Timeline, event: JobEvent, started: set[int], restarts: dict[int, float]) -> None:
     data, name, rank = event.data, event.name, event.rank
     step = data.get("step")
     if isinstance(step, int) and not isinstance(step, bool) and rank is not None:
@@ -104,16 +111,16 @@ def _add(timeline: Timeline, event: JobEvent, started: set[int], pending: dict[i
             started.add(iteration)
             if not timeline.world or timeline.world[-1][1] != size:
                 timeline.world.append((event.time, size))
-        for restarted in [i for i in pending if i < iteration]:
-            timeline.restarts.append(Span(pending.pop(restarted), event.time, f"iteration {restarted}"))
-    elif name == "fault_detected" and data.get("kind") != PEER_LOST:  # a cause, not its broken connections
+    elif name == "fault_detected" and data.get("kind") == PEER_LOST:  # the consequence of a fault elsewhere
+        timeline.broken.append(Mark(event.time, f"r{rank} peer lost", rank))
+    elif name == "fault_detected":
         timeline.faults.append(Mark(event.time, f"r{rank} {data.get('kind', '?')}", rank))
     elif name == "node_died":
         timeline.faults.append(Mark(event.time, f"{event.node} died", None))
     elif name == "restart_decided" and event.iteration is not None:
         fault_time = data.get("fault_time")
         at = float(fault_time) if isinstance(fault_time, (int, float)) and not isinstance(fault_time, bool) else None
-        pending.setdefault(event.iteration, at if at is not None else event.time)
+        restarts.setdefault(event.iteration, at if at is not None else event.time)
     elif name == "escalated":
         timeline.escalations.append(Mark(event.time, f"process restart (round {event.round})"))
     elif name == "round_closed":
@@ -163,22 +170,22 @@ def draw(timeline: Timeline, path: str, title: str | None = None) -> dict[str, i
 
 
 def _draw_world(axis: Any, timeline: Timeline, t0: float, end: float) -> None:
+    top = max((size for _, size in timeline.world), default=1)
     if timeline.world:
-        xs = [t - t0 for t, _ in timeline.world] + [end]
-        ys = [size for _, size in timeline.world] + [timeline.world[-1][1]]
-        axis.step(xs, ys, where="post", color="black", lw=2, label="active world size")
-        top = max(ys)
-    else:
-        top = 1
-    axis.set_ylim(0, top + 1.5)
+        for xs, ys in _world_segments(timeline, t0, end):
+            axis.step(xs, ys, where="post", color="black", lw=2)
+    axis.set_ylim(0, top + 1.8)
     axis.set_ylabel("active ranks")
     for row, mark in enumerate(timeline.faults):
-        axis.plot(mark.time - t0, top + 0.4, "x", color="red", ms=9, mew=2)
-        axis.annotate(mark.label, (mark.time - t0, top + 0.4), xytext=(4, 4 + 9 * (row % 3)),
+        axis.plot(mark.time - t0, top + 0.6, "x", color="red", ms=9, mew=2)
+        axis.annotate(mark.label, (mark.time - t0, top + 0.6), xytext=(4, 4 + 9 * (row % 3)),
                       textcoords="offset points", fontsize=7, color="red")  # fmt: skip
-    for mark in timeline.activations:
+    for mark in timeline.broken:
+        axis.plot(mark.time - t0, top + 0.25, "x", color="grey", ms=5, mew=1)
+    for row, mark in enumerate(timeline.activations):
         axis.plot(mark.time - t0, 0.4, "^", color="green", ms=8)
-        axis.annotate(mark.label, (mark.time - t0, 0.4), xytext=(4, 2), textcoords="offset points", fontsize=7)
+        axis.annotate(mark.label, (mark.time - t0, 0.4), xytext=(5, 9 * (row % 2)), textcoords="offset points",
+                      fontsize=7, color="green")  # fmt: skip
     for mark in timeline.respawns:
         axis.plot(mark.time - t0, 0.9, "D", color="tab:blue", ms=6)
         axis.annotate(mark.label, (mark.time - t0, 0.9), xytext=(4, 2), textcoords="offset points", fontsize=7)
@@ -186,12 +193,36 @@ def _draw_world(axis: Any, timeline: Timeline, t0: float, end: float) -> None:
         axis.annotate(mark.label, (mark.time - t0, 0.1), xytext=(2, 0), textcoords="offset points", fontsize=7,
                       color="grey")  # fmt: skip
     handles = [
+        axis.plot([], [], color="black", lw=2, label="active world size")[0],
         axis.plot([], [], "x", color="red", mew=2, label="fault")[0],
+        axis.plot([], [], "x", color="grey", label="broken connection (peer_lost)")[0],
         axis.fill_between([], [], color="orange", alpha=0.25, label="in-process restart"),
         axis.plot([], [], color="purple", label="process-level restart")[0],
         axis.plot([], [], "^", color="green", label="spare activated")[0],
+        axis.plot([], [], "D", color="tab:blue", label="respawned")[0],
     ]
-    axis.legend(handles=[*axis.get_lines()[:1], *handles], loc="lower right", fontsize=7, ncol=5)
+    axis.legend(handles=handles, loc="upper left", fontsize=7, ncol=4)
+
+
+def _world_segments(timeline: Timeline, t0: float, end: float) -> list[tuple[list[float], list[int]]]:
+    """The active world size as step segments, cut where a restart is under way (nobody trains then)."""
+    cuts = sorted((span.start, span.end if span.end is not None else timeline.end) for span in timeline.restarts)
+    points = [(t, size) for t, size in timeline.world]
+    segments: list[tuple[list[float], list[int]]] = []
+    bounds = [timeline.world[0][0], *[edge for cut in cuts for edge in cut], timeline.end]
+    for start, stop in zip(bounds[::2], bounds[1::2], strict=False):
+        if stop <= start:
+            continue
+        size = next((s for t, s in reversed(points) if t <= start + 1e-9), points[0][1])
+        xs, ys = [start - t0], [size]
+        for t, s in points:
+            if start < t < stop:
+                xs.append(t - t0)
+                ys.append(s)
+        xs.append(min(stop, t0 + end) - t0)
+        ys.append(ys[-1])
+        segments.append((xs, ys))
+    return segments
 
 
 def _draw_progress(axis: Any, timeline: Timeline, t0: float) -> None:

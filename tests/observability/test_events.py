@@ -97,6 +97,7 @@ def test_the_timeline_model_holds_what_the_picture_draws() -> None:
         event("progress", 2.0, rank=0, iteration=0, step=20),
         event("fault_detected", 3.0, rank=3, source="agent", kind="process_died", message="pid 1: SIGKILL"),
         event("node_died", 3.1, node="b", ranks=[2, 3], reporter="a"),
+        event("fault_detected", 3.05, rank=0, iteration=0, kind="peer_lost", message="Connection reset by peer"),
         event("restart_decided", 3.6, rank=0, iteration=0, fault_time=3.0, kind="terminated", faults=[]),
         event("spare_activated", 3.8, rank=4, iteration=1),
         *[event("iteration_started", 3.9, rank=r, iteration=1, active_world_size=4, world_size=4, step=20)
@@ -105,8 +106,8 @@ def test_the_timeline_model_holds_what_the_picture_draws() -> None:
         event("progress", 10.0, rank=4, iteration=1, step=60),
     ]
     timeline = build_timeline(events)
-    assert timeline.counts() == {"faults": 2, "restarts": 1, "escalations": 1, "rounds": 1, "activations": 1,
-                                 "respawns": 0, "ranks": 6, "world_changes": 1}  # fmt: skip
+    assert timeline.counts() == {"faults": 2, "broken_connections": 1, "restarts": 1, "escalations": 1, "rounds": 1,
+                                 "activations": 1, "respawns": 0, "ranks": 6, "world_changes": 1}  # fmt: skip
     (restart,) = timeline.restarts
     assert (restart.start, restart.end) == (3.0, 3.9)
     assert timeline.progress[4] == [(1.4, 0), (3.9, 20), (10.0, 60)]
