@@ -31,6 +31,7 @@ import faulthandler
 import functools
 import gc
 import inspect
+import logging
 import os
 import re
 import signal
@@ -746,7 +747,7 @@ class CallWrapper:
                 # Without its traceback: the frames it holds would keep the failed
                 # iteration's process group, and so its connections, alive.
                 self.fn_exception = error.with_traceback(None)
-                # One line per rank; the text once per restart, by the rank that reports it (monitor thread).
+                # One line per rank; the text once per restart, by the rank that reports it (_report_restart).
                 kind = fault_kind(error)
                 log.info("rank %s: iteration %d failed with %s (%s)", rank, state.iteration, kind, type(error).__name__)
                 event_sink.emit("fault_detected", rank=state.initial_rank, iteration=state.iteration, kind=kind,
@@ -921,9 +922,12 @@ class CallWrapper:
         still in the job (:func:`restart_reporter`) reports, the others log
         one line at DEBUG.
         """
+        reports = state.rank == restart_reporter(state.world_size, result.terminated)
+        if not reports and not log.isEnabledFor(logging.DEBUG):
+            return  # one store read per restart for the job, not one per rank
         faults = group_faults(Interruption(**record) for record in store.interruptions())  # type: ignore[arg-type]
         summary = "; ".join(group.describe() for group in faults) or "no fault recorded"
-        if state.rank != restart_reporter(state.world_size, result.terminated):
+        if not reports:
             log.debug("rank %s: iteration %d restarts: %s", state.rank, state.iteration, summary)
             return
         log.warning(
