@@ -66,6 +66,8 @@ _LAYER_FLAGS = ("RESERVE", "BACKFILL")
 REJOIN_CHOICES = ("next_fault", "at_once")
 #: The largest count any field may hold (nodes, processes, ranks, restarts): far beyond any job.
 MAX_COUNT = 1_000_000
+#: The most events the run's event log keeps per stream (etcd/event_log.py's bound).
+MAX_EVENTS_KEPT = 100_000
 
 Path = tuple[str | int, ...]
 
@@ -121,12 +123,12 @@ def _invalid(expected: str) -> PydanticCustomError:
     return PydanticCustomError("job_config", "{expected}", {"expected": expected})
 
 
-def _count_check(minimum: int) -> Callable[[Any], int]:
+def _count_check(minimum: int, maximum: int = MAX_COUNT) -> Callable[[Any], int]:
     def check(value: Any) -> int:
         if isinstance(value, float) and value.is_integer():  # JSON's integers may arrive as 2.0
             value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_COUNT:
-            raise _invalid(f"an integer from {minimum} to {MAX_COUNT}")
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+            raise _invalid(f"an integer from {minimum} to {maximum}")
         return value
 
     return check
@@ -228,23 +230,22 @@ class RespawnSection(_Section):
 
 
 class ObservabilitySection(_Section):
-    events_kept: Count(1, "events the run's event log in etcd keeps (the oldest are overwritten)") = 4096
+    events_kept: Annotated[
+        int,
+        Field(ge=1, le=MAX_EVENTS_KEPT, description="events the run's event log in etcd keeps (the oldest are "
+              "overwritten)"),
+        BeforeValidator(_count_check(1, MAX_EVENTS_KEPT)),
+    ] = 4096  # fmt: skip
     progress_interval: Seconds(False, "seconds between two samples of a rank's optimizer steps (timeline)") = 5.0
     metrics_port: (
-        Annotated[int, Field(ge=0, le=65535, description="port of each agent's Prometheus endpoint (0: any free "
-                             "port); unset: no endpoint"), BeforeValidator(_count_check(0))]
+        Annotated[
+            int,
+            Field(ge=0, le=65535, description="port of each agent's Prometheus endpoint (0: any free port); unset: "
+                  "no endpoint"),
+            BeforeValidator(_count_check(0, 65535)),
+        ]
         | None
-    ) = None
-
-    @model_validator(mode="after")
-    def _bounds(self) -> ObservabilitySection:
-        if self.events_kept > 100_000:
-            raise PydanticCustomError(
-                "job_config_relation", "{message}",
-                {"message": f"observability.events_kept={self.events_kept} is invalid; expected at most 100000",
-                 "field": "events_kept", "kind": "field"},
-            )  # fmt: skip
-        return self
+    ) = None  # fmt: skip
 
 
 class RendezvousSection(_Section):

@@ -137,6 +137,9 @@ SECTIONS = {
     "respawn": st.dictionaries(st.sampled_from(["per_rank", "per_job", "rejoin"]), VALUES, max_size=3),
     "rendezvous": st.dictionaries(st.sampled_from(["join_timeout", "last_call_timeout", "lease_ttl"]), VALUES, max_size=2),
     "wrapper": st.dictionaries(st.sampled_from(["soft_timeout", "hard_timeout", "last_call_wait", "x"]), VALUES, max_size=2),
+    "observability": st.dictionaries(st.sampled_from(["events_kept", "progress_interval", "metrics_port", "x"]),
+                                     st.one_of(VALUES, st.sampled_from([100_000, 100_001, 65535, 65536])),
+                                     max_size=2),
     "rank_assignment": st.fixed_dictionaries(
         {}, optional={"tree": st.one_of(st.lists(LAYER, max_size=3), VALUES), "max_active_world_size": VALUES}
     ),
@@ -155,3 +158,16 @@ def test_schema_accepts_exactly_what_the_parser_accepts_field_by_field(document:
         field_errors = [issue for issue in error.issues if issue.kind == "field"]
     schema_errors = list(jsonschema.Draft202012Validator(json_schema()).iter_errors(document))
     assert bool(field_errors) == bool(schema_errors), (document, field_errors, [e.message for e in schema_errors])
+
+
+def test_observability_fields_are_checked() -> None:
+    with pytest.raises(JobConfigError) as caught:
+        load_job_config("observability:\n  events_kept: 0\n  progress_interval: -1\n  metrics_port: 70000\n",
+                        source="job.yaml")  # fmt: skip
+    text = str(caught.value)
+    assert "job.yaml:2:3: observability.events_kept=0 is invalid; expected an integer from 1 to 100000" in text
+    assert "job.yaml:3:3: observability.progress_interval=-1 is invalid" in text
+    assert "job.yaml:4:3: observability.metrics_port=70000 is invalid; expected an integer from 0 to 65535" in text
+    config = load_job_config("observability: {events_kept: 100, progress_interval: 0.5, metrics_port: 0}\n")
+    assert (config.events_kept, config.progress_interval, config.metrics_port) == (100, 0.5, 0)
+    assert parse_job_config(config.to_document()) == config

@@ -28,7 +28,7 @@ from elastic_ft.job_config import JobConfig, JobConfigError, json_schema, load_j
 from elastic_ft.keys import RunKeys
 from elastic_ft.observability.events import EventError, JobEvent
 from elastic_ft.observability.timeline import TimelineUnavailable
-from elastic_ft.rendezvous.config import RendezvousConfigError, make_settings
+from elastic_ft.rendezvous.config import RendezvousConfigError, connect, make_settings
 
 if TYPE_CHECKING:
     from elastic_ft.etcd.client import EtcdClient
@@ -92,8 +92,6 @@ def _seconds(text: str) -> float:
 
 def _client(args: argparse.Namespace) -> tuple[EtcdClient, RunKeys]:
     """The connection and the run's keys, from the command line (checked before any connection)."""
-    from elastic_ft.etcd.client import EtcdClient
-
     settings = make_settings(
         run_id=args.rdzv_id,
         endpoint=args.rdzv_endpoint,
@@ -109,14 +107,7 @@ def _client(args: argparse.Namespace) -> tuple[EtcdClient, RunKeys]:
     )
     # A request's bound is connect_timeout + request_timeout: split the one the user gave.
     half = settings.connect_timeout / 2
-    client = EtcdClient(
-        settings.endpoints,
-        connect_timeout=half,
-        request_timeout=half,
-        tls=settings.tls,
-        credentials=settings.credentials,
-    )
-    return client, settings.keys
+    return connect(settings, timeouts=(half, half)), settings.keys
 
 
 class UnknownRunError(ValueError):

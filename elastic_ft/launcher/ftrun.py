@@ -53,7 +53,7 @@ from elastic_ft.launcher.agent import FtAgent
 from elastic_ft.observability import log_format
 from elastic_ft.observability.events import write_events_file
 from elastic_ft.observability.sink import EventSink, install
-from elastic_ft.rendezvous.config import MAX_NODES, EtcdftSettings, RendezvousConfigError, make_settings
+from elastic_ft.rendezvous.config import MAX_NODES, EtcdftSettings, RendezvousConfigError, connect, make_settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,14 +237,7 @@ def _connect(args: argparse.Namespace) -> tuple[EtcdClient, EtcdftSettings]:
     conf = {key: value for key, value in _rdzv_conf_keys(args.rdzv_conf).items()
             if key in (*_CONNECTION_CONF, "events_kept")}  # fmt: skip
     settings = make_settings(run_id=args.rdzv_id, endpoint=args.rdzv_endpoint, min_nodes=1, max_nodes=1, **conf)
-    client = EtcdClient(
-        settings.endpoints,
-        connect_timeout=settings.connect_timeout,
-        request_timeout=settings.request_timeout,
-        tls=settings.tls,
-        credentials=settings.credentials,
-    )
-    return client, settings
+    return connect(settings), settings
 
 
 @contextmanager

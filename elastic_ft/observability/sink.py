@@ -19,6 +19,7 @@ agent puts in its workers' environment.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -50,7 +51,7 @@ class EventsHandoff:
     progress_interval: float = 5.0
 
     def to_env(self) -> dict[str, str]:
-        return {EVENTS_ENV: json.dumps(self.__dict__)}
+        return {EVENTS_ENV: json.dumps(dataclasses.asdict(self))}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> EventsHandoff | None:
@@ -138,9 +139,6 @@ class EventSink:
         """Every ``interval`` s, emit a ``progress`` event from ``probe()`` (event fields) when it changed."""
         self._progress = (probe, interval)
 
-    def stop_sampling(self) -> None:
-        self._progress = None
-
     def start(self) -> EventSink:
         """Start the sending thread (:func:`install` does); events emitted before wait for it."""
         with self._start_lock:
@@ -206,15 +204,6 @@ class EventSink:
         if what not in self._warned:
             self._warned.add(what)
             log.warning(message, *args)
-
-    def flush(self, timeout: float) -> bool:
-        """Wait until the queued events were sent, at most ``timeout`` s; False if some were not."""
-        deadline = time.monotonic() + timeout
-        while self._started and (self._queue or self._sending) and self._thread.is_alive():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
-        return not self._queue
 
     def close(self, timeout: float = 5.0) -> bool:
         """Send what is queued and a last progress sample (at most ``timeout`` s), then stop the thread.

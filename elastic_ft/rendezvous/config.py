@@ -20,6 +20,8 @@ from elastic_ft.timeouts import check_seconds
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+    from elastic_ft.etcd.client import EtcdClient
+
 log = logging.getLogger(__name__)
 
 #: key -> (default, description).  ``timeout`` is torchrun's name for
@@ -225,6 +227,24 @@ def make_settings(
         credentials=credentials,
         spare_nodes=spare_nodes,
         events_kept=_events_kept(get("events_kept")),
+    )
+
+
+def connect(settings: EtcdftSettings, *, timeouts: tuple[float, float] | None = None) -> EtcdClient:
+    """A client of the run's etcd with the settings' endpoints, TLS and credentials.
+
+    ``timeouts``: ``(connect_timeout, request_timeout)`` instead of the
+    settings'. gRPC is imported here, not with this module.
+    """
+    from elastic_ft.etcd.client import EtcdClient
+
+    connect_timeout, request_timeout = timeouts or (settings.connect_timeout, settings.request_timeout)
+    return EtcdClient(
+        settings.endpoints,
+        connect_timeout=connect_timeout,
+        request_timeout=request_timeout,
+        tls=settings.tls,
+        credentials=settings.credentials,
     )
 
 

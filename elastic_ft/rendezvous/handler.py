@@ -64,7 +64,7 @@ from elastic_ft.etcd.view import PrefixView
 from elastic_ft.net import free_port
 from elastic_ft.observability import sink as event_sink
 from elastic_ft.rendezvous import model, rules
-from elastic_ft.rendezvous.config import EtcdftSettings, settings_from_parameters
+from elastic_ft.rendezvous.config import EtcdftSettings, connect, settings_from_parameters
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +87,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             settings.min_nodes, settings.max_nodes, settings.last_call_timeout, settings.spare_nodes
         )
         self._keys = settings.keys
-        self._client = client or EtcdClient(
-            settings.endpoints,
-            request_timeout=settings.request_timeout,
-            connect_timeout=settings.connect_timeout,
-            tls=settings.tls,
-            credentials=settings.credentials,
-        )
+        self._client = client or connect(settings)
         try:
             self._client.check_connection()
             self._view: PrefixView[model.Fact, model.RendezvousState] = PrefixView(
@@ -131,10 +125,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
 
                 # Its own connection: the rendezvous's requests (what benchmarks count) stay its own.
                 settings = self.settings
-                self._events_client = EtcdClient(
-                    settings.endpoints, request_timeout=settings.request_timeout,
-                    connect_timeout=settings.connect_timeout, tls=settings.tls, credentials=settings.credentials,
-                )  # fmt: skip
+                self._events_client = connect(settings)
                 log_ = EventLog(self._events_client, self._keys, settings.events_kept)
                 self._own_events = event_sink.EventSink(settings.run_id, "rendezvous", log_.append).start()
             sink = self._own_events

@@ -88,6 +88,23 @@ def test_bad_job_config_file_fails_before_anything_starts(tmp_path: Path) -> Non
     assert "embedded etcd" not in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--metrics-port=70000"], "'70000' is not a TCP port; expected a whole number from 0 to 65535"),
+        (["--metrics-port=http"], "'http' is not a TCP port"),
+        (["--record=x", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:1"],
+         "--record and --metrics-port need the etcdft rendezvous, not --rdzv-backend=c10d"),
+    ],
+)  # fmt: skip
+def test_bad_observability_flags_fail_before_anything_starts(
+    tmp_path: Path, flags: list[str], message: str
+) -> None:
+    done = subprocess.run([*FTRUN, *flags, str(TRAIN)], check=False, capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert "embedded etcd" not in done.stderr and not (tmp_path / "x").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("prefix", [None, "/custom/prefix"])
 def test_stored_job_config_sets_the_worker_count(

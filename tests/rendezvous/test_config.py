@@ -90,6 +90,9 @@ def test_from_torchrun_parameters() -> None:
         ({"spare_nodes": "one"}, "spare_nodes='one' is invalid"),
         ({"spare_nodes": True}, "spare_nodes=True is invalid"),
         ({"spare_nodes": 99_999}, "spare_nodes=99999 is invalid.*at most 100000"),
+        ({"events_kept": "0"}, "events_kept='0' is invalid; expected a whole number of events from 1 to 100000"),
+        ({"events_kept": "many"}, "events_kept='many' is invalid"),
+        ({"events_kept": 100_001}, "events_kept=100001 is invalid"),
     ],
 )
 def test_bad_settings(overrides: dict[str, object], message: str) -> None:
