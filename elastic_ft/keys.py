@@ -5,9 +5,13 @@ All of a run's etcd keys live under its *run prefix*, ``<etcd_prefix>/<run_id>/`
 
     config                          the job config (JSON)
     rdzv/closed                     the job is over
+    rdzv/monitor                    on the monitor's lease: which node it is (created once per term)
+    rdzv/board                      on the monitor's lease: its digest of the rendezvous, the
+                                    one key every node watches (see docs/rendezvous.md)
     rdzv/alive/<node>               on the node's lease: its agent is alive
     rdzv/round/<n>/join/<node>      on the node's lease: it asks to be in round n
     rdzv/round/<n>/result           round n's members in rank order (written once)
+    rdzv/round/<n>/ranks/<c>        the same, split by node into chunks: the one each node reads
     rdzv/round/<n>/left/<node>      a member left round n cleanly
     rdzv/round/<n>/slot/<k>         on the node's lease: a hot spare that joined round n
                                     while it ran holds its k-th late place
@@ -78,8 +82,22 @@ class RunKeys:
     def alive(self, node: str) -> str:
         return f"{self.rdzv}alive/{node}"
 
+    @property
+    def monitor(self) -> str:
+        """On the monitor's lease: the election of the node that follows every key and writes the board."""
+        return self.rdzv + "monitor"
+
+    @property
+    def board(self) -> str:
+        """The monitor's digest of the rendezvous: the one key every node watches."""
+        return self.rdzv + "board"
+
     def join(self, number: int, node: str) -> str:
         return f"{self.rdzv}round/{number}/join/{node}"
+
+    def rank_chunk(self, number: int, chunk: int) -> str:
+        """Chunk ``chunk`` of round ``number``'s ranks: the members whose node id hashes to it."""
+        return f"{self.rdzv}round/{number}/ranks/{chunk}"
 
     def result(self, number: int) -> str:
         return f"{self.rdzv}round/{number}/result"

@@ -56,6 +56,8 @@ class PrefixView(Generic[FactT, StateT]):
         self._watch: EtcdWatch | None = None
         self._stopped = False
         self._broken_since: float | None = None
+        #: Watch events received so far (what a node's share of etcd's fan-out is).
+        self.events_received = 0
         self._resync()
 
     def _resync(self) -> None:
@@ -85,6 +87,7 @@ class PrefixView(Generic[FactT, StateT]):
 
     def _on_events(self, events: list[WatchEvent], revision: int) -> None:
         with self._cond:
+            self.events_received += len(events)
             for event in events:
                 self._apply(event.kv.key[len(self._prefix) :], None if event.deleted else event.kv)
             self._revision = max(self._revision, revision)

@@ -111,7 +111,8 @@ class EventSink:
         self._last_progress: dict[str, Any] | None = None
 
     def emit(self, name: str, **fields: Any) -> None:
-        """Queue one event; ``fields`` are ``node``, ``round``, ``iteration``, ``rank``, ``source``, the rest data."""
+        """Queue one event; ``fields`` are ``node``, ``round``, ``iteration``, ``rank``, ``source``, ``at`` (when
+        it happened, if earlier than now: a ``time.time()``), the rest data."""
         try:
             event = self._event(name, fields)
         except EventError as error:
@@ -125,9 +126,10 @@ class EventSink:
 
     def _event(self, name: str, fields: dict[str, Any]) -> JobEvent:
         where = {key: fields.pop(key) for key in ("node", "round", "iteration", "rank", "source") if key in fields}
+        at = fields.pop("at", None)
         return JobEvent(
             name=name,
-            time=time.time(),
+            time=time.time() if at is None else at,
             run_id=self.run_id,
             source=where.pop("source", self.source),
             node=where.pop("node", self.node),

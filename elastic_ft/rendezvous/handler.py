@@ -32,7 +32,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -58,6 +58,7 @@ from elastic_ft.etcd.client import (
     key_missing,
     put_op,
 )
+from elastic_ft.etcd.kv import KeyValue
 from elastic_ft.etcd.session import Session
 from elastic_ft.etcd.store import EtcdStore
 from elastic_ft.etcd.view import PrefixView
@@ -65,6 +66,7 @@ from elastic_ft.net import free_port
 from elastic_ft.observability import sink as event_sink
 from elastic_ft.rendezvous import model, rules
 from elastic_ft.rendezvous.config import EtcdftSettings, connect, settings_from_parameters
+from elastic_ft.rendezvous.monitor import Monitor
 
 log = logging.getLogger(__name__)
 
@@ -90,29 +92,52 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         self._client = client or connect(settings)
         try:
             self._client.check_connection()
-            self._view: PrefixView[model.Fact, model.RendezvousState] = PrefixView(
-                self._client, self._keys.rdzv, model.parse_key, model.build_state
+            self._board_view: PrefixView[model.Board | None, model.Board | None] = PrefixView(
+                self._client, self._keys.board, self._parse_board, _latest
             )
         except (EtcdUnavailableError, EtcdRequestError) as exc:
             self._client.close()
             raise RendezvousConnectionError(
                 f"etcdft rendezvous '{settings.run_id}' cannot use etcd at {self._client.describe_endpoints()}: {exc}"
             ) from exc
+        self._view = WholeState(self._client, self._keys.rdzv, self._board_view)
         self._lock = threading.Lock()
+        self._monitor_lock = threading.Lock()
+        self._monitor: Monitor | None = None
         self._session: Session | None = None
         self._joined_round: int | None = None
-        self._member_of: model.RoundResult | None = None
+        self._joined_at = 0.0
+        self._member_round: int | None = None  # the round this node belongs to
+        self._member_of: model.RoundResult | None = None  # its members, read when first asked for
+        self._announced_with: int | None = None  # the session whose lease this member's alive key is on
+        self._last_board: model.Board | None = None
+        self._board_gone_seen = False
         #: The group rank this node took as a hot spare that joined a running round (None: a member).
         self.late_place: int | None = None
         self._shut_down = False
         self._logged_verdict: tuple[int, rules.CloseVerdict] | None = None
         self._warned_malformed: Mapping[str, str] = {}
-        self._announced_with: int | None = None  # the session whose lease this member's alive key is on
+        self._warned_board: str | None = None
         self._outage_grace_until = 0.0
         #: Seconds the last completed ``next_rendezvous`` call took (the round's duration for this node).
         self.last_round_seconds: float | None = None
         self._own_events: event_sink.EventSink | None = None
         self._events_client: EtcdClient | None = None
+
+    def _parse_board(self, relative: str, raw: KeyValue) -> model.Board | None:
+        if relative:
+            return None  # another key that happens to start with the board's name
+        try:
+            board = model.Board.from_json(raw.value)
+        except model.MalformedValue as exc:
+            if self._warned_board != str(exc):
+                self._warned_board = str(exc)
+                log.warning("ignoring a malformed rendezvous board at %s: %s", self._keys.board, exc)
+            return None
+        # Every board written, in order, even one deleted in the same watch batch: a monitor that left
+        # writes one last board saying so just before its lease (and the board) goes.
+        self._last_board = board
+        return board
 
     def _emit(self, name: str, **fields: Any) -> None:
         """Record a rendezvous event: through the process's sink (``ftrun`` installs one for the run), else
@@ -158,6 +183,17 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         """etcd requests this node has sent so far (for benchmarks)."""
         return self._client.requests
 
+    @property
+    def watch_events(self) -> int:
+        """Watch events this node has received so far: the board's, and those of every key while it monitors
+        or closes a round (for benchmarks)."""
+        return self._board_view.events_received + self._view.events_received
+
+    @property
+    def is_monitor(self) -> bool:
+        monitor = self._monitor
+        return monitor is not None and not monitor.ended.is_set()
+
     def next_rendezvous(self) -> RendezvousInfo:
         with self._lock:
             if self._shut_down:
@@ -178,57 +214,88 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         deadline = time.monotonic() + settings.join_timeout
         session = self._ensure_session()
         joined: int | None = None  # the round this call has joined
+        leading = False  # this call closes its round: it follows the whole state (rules.next_action)
         last_call: tuple[int, float | None] = (-1, None)
-        while True:
-            if session.expired.is_set():
-                session = self._ensure_session()
-                joined = None
-            if self._view.disconnected_for() > settings.connect_timeout:
-                raise EtcdUnavailableError(
-                    f"the watch on etcd has been down for more than {settings.connect_timeout:g} s"
-                )
-            # Waiting sends nothing: a frozen etcd would go unnoticed until the lease ran out.
-            self._client.ensure_reachable()
-            state, version = self._snapshot()
-            now = time.monotonic()
-            number = state.open_round
-            since = last_call[1] if last_call[0] == number else None
-            since = rules.last_call_started(state, number, self._limits, now, since)
-            last_call = (number, since)
-            action = rules.next_action(state, self.node, session.id, joined, self._limits, now, since)
-            self._log_verdict(action)
-            if isinstance(action, rules.Done):
-                return self._completed(action)
-            if isinstance(action, rules.Closed):
-                last = state.last_closed
-                if last is None or last.rank_of(self.node) is None:
-                    # A spare (or late node) the job finished without: nothing failed.
-                    raise RendezvousGracefulExitError(
-                        f"the rendezvous '{settings.run_id}' was closed while node {self.node} waited to join"
+        try:
+            while True:
+                if session.expired.is_set():
+                    session = self._ensure_session()
+                    joined = None
+                if self._view.disconnected_for() > settings.connect_timeout:
+                    raise EtcdUnavailableError(
+                        f"the watch on etcd has been down for more than {settings.connect_timeout:g} s"
                     )
-                raise RendezvousClosedError(f"the rendezvous '{settings.run_id}' is closed")
-            if isinstance(action, rules.Wait) and action.standby:
-                deadline = max(deadline, now + settings.join_timeout)
-            if now >= deadline:
-                self._withdraw()
-                raise RendezvousTimeoutError(self._timeout_message(state, number))
-            if isinstance(action, rules.JoinLate):
-                info = self._join_late(action, state, session.id, version)
-                if info is not None:
-                    return info
-            elif isinstance(action, rules.JoinRound):
-                if self._join(action.number, session.id, version):
-                    joined = action.number
-            elif isinstance(action, rules.CloseRound):
-                self._close(action, version)
-            else:
-                until = action.until if action.until is not None else deadline
-                # Wake up at least once a second to notice a lost connection.
-                self._view.wait_for_change(version, min(until, deadline, now + 1.0) - now)
+                # Waiting sends nothing: a frozen etcd would go unnoticed until the lease ran out.
+                self._client.ensure_reachable()
+                board, board_version = self._board_view.snapshot()
+                if board is None:
+                    self._campaign(session)
+                    board, board_version = self._board_view.snapshot()
+                if board is not None:
+                    self._board_gone_seen = False
+                now = time.monotonic()
+                wake: Any = self._board_view
+                version = board_version
+                if leading:
+                    state, version = self._snapshot()
+                    wake = self._view.live
+                    number = state.open_round
+                    since = last_call[1] if last_call[0] == number else None
+                    since = rules.last_call_started(state, number, self._limits, now, since)
+                    last_call = (number, since)
+                    action = rules.next_action(state, self.node, session.id, joined, self._limits, now, since)
+                elif board is None:
+                    action = rules.Wait(-1, rules.CloseVerdict.WAIT_FOR_MIN, None, False, "no rendezvous monitor yet")
+                else:
+                    action = rules.follower_action(board, self.node, joined, self._member_round, self._limits)
+                    if isinstance(action, rules.Lead):
+                        leading = True
+                        self._view.follow()
+                        self._emit("round_opened", round=action.number, at=self._joined_at)
+                        continue
+                self._log_verdict(action)
+                if isinstance(action, rules.Done):
+                    return self._completed(action)
+                if isinstance(action, rules.Ranked):
+                    info = self._ranked(board, action.number, session.id)
+                    if info is not None:
+                        return info
+                    joined = None  # the round closed without this node (beyond its capacity)
+                    continue
+                if isinstance(action, rules.Closed):
+                    last = state.last_closed if leading else (board.last if board is not None else None)
+                    if last is None or last.round != self._member_round:
+                        # A spare (or late node) the job finished without: nothing failed.
+                        raise RendezvousGracefulExitError(
+                            f"the rendezvous '{settings.run_id}' was closed while node {self.node} waited to join"
+                        )
+                    raise RendezvousClosedError(f"the rendezvous '{settings.run_id}' is closed")
+                if isinstance(action, rules.Wait) and action.standby:
+                    deadline = max(deadline, now + settings.join_timeout)
+                if now >= deadline:
+                    message = self._timeout_message(action.number)
+                    self._withdraw()
+                    raise RendezvousTimeoutError(message)
+                if isinstance(action, rules.JoinLate):
+                    info = self._join_late(action, session.id, version, wake)
+                    if info is not None:
+                        return info
+                elif isinstance(action, rules.JoinRound):
+                    if self._join(action.number, session.id, version, wake, leading):
+                        joined = action.number
+                elif isinstance(action, rules.CloseRound):
+                    self._close(action, version)
+                else:
+                    until = action.until if isinstance(action, rules.Wait) and action.until is not None else deadline
+                    # Wake up at least once a second to notice a lost connection.
+                    wake.wait_for_change(version, min(until, deadline, now + 1.0) - now)
+        finally:
+            if leading:
+                self._view.release()
 
     def _log_verdict(self, action: rules.Action) -> None:
         """Log the close verdict of the round this node waits in, each time it changes, with its reason."""
-        if not isinstance(action, rules.Wait | rules.CloseRound):
+        if not isinstance(action, rules.Wait | rules.CloseRound) or action.number < 0:
             return
         verdict = action.verdict if isinstance(action, rules.Wait) else rules.CloseVerdict.CLOSE
         if self._logged_verdict == (action.number, verdict):
@@ -237,7 +304,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         log.info("round %d of '%s': %s (%s)", action.number, self.settings.run_id, verdict.value, action.reason)
 
     def _snapshot(self) -> tuple[model.RendezvousState, int]:
-        """The view's state; warns once for each malformed key it left out."""
+        """The whole state; warns once for each malformed key it left out."""
         state, version = self._view.snapshot()
         if state.malformed != self._warned_malformed:
             for key, reason in state.malformed.items():
@@ -257,40 +324,100 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         self._joined_round = None
         return session
 
-    def _join(self, number: int, lease: int, version: int) -> bool:
+    # ---- the monitor ----
+
+    def _campaign(self, session: Session) -> None:
+        """Become the monitor if there is none: create ``rdzv/monitor`` on this node's lease, then follow every key."""
+        with self._monitor_lock:
+            if self._shut_down or (self._monitor is not None and not self._monitor.ended.is_set()):
+                return
+            if self._monitor is not None:
+                self._retire_monitor()
+            mark = json.dumps({"node": self.node}).encode()
+            outcome = self._client.txn(
+                [key_missing(self._keys.monitor)], [put_op(self._keys.monitor, mark, session.id)]
+            )
+            if not outcome.succeeded:
+                return
+            view = self._view.follow()
+            view.wait_for_revision(outcome.revision, self.settings.request_timeout)
+            self._monitor = Monitor(
+                self._client, self._keys, self._limits, self.node, session.id, outcome.revision, view,
+                lambda: self._outage_grace_until,
+            ).start()  # fmt: skip
+            monitor = self._monitor
+        log.info("node %s is the rendezvous monitor of '%s'", self.node, self.settings.run_id)
+        monitor.wait_published(lambda _board: True, self.settings.request_timeout)
+
+    def _retire_monitor(self) -> None:
+        if self._monitor is not None:
+            self._monitor.stop()
+            self._monitor = None
+            self._view.release()
+
+    def _board(self, *, campaign: bool) -> tuple[model.Board | None, bool]:
+        """The board, and whether it vanished (the last one seen is returned then).
+
+        A board vanishes with its monitor's lease. The first look after that
+        reports it (the monitor died unless it left first: see
+        :func:`rules.board_change`) without sending anything; with
+        ``campaign``, later looks try to take over.
+        """
+        board, _ = self._board_view.snapshot()
+        if board is not None:
+            self._board_gone_seen = False
+            return board, False
+        if self._last_board is None:
+            return None, False
+        if self._board_gone_seen and campaign and self._session is not None and not self._session.expired.is_set():
+            self._campaign(self._session)
+            board, _ = self._board_view.snapshot()
+            if board is not None:
+                self._board_gone_seen = False
+                return board, False
+        self._board_gone_seen = True
+        return self._last_board, True
+
+    # ---- joining and closing ----
+
+    def _join(self, number: int, lease: int, version: int, wake: Any, leading: bool) -> bool:
         keys = self._keys
         join = model.join_value(self._addr, free_port(self._addr))
         alive = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
         # The alive key rides in the join transaction: one revision, one watch
-        # event batch for every other node, instead of two.
+        # event batch for the monitor, instead of two.
         ops = [put_op(keys.join(number, self.node), join, lease), put_op(keys.alive(self.node), alive, lease)]
         if self._joined_round is not None and self._joined_round != number:
             ops.append(delete_op(keys.join(self._joined_round, self.node)))
         guards = [key_missing(keys.result(number)), key_missing(keys.closed)]
+        self._joined_at = time.time()
         result = self._client.txn(guards, ops)
         if result.succeeded:
             self._joined_round = number
             self._announced_with = lease
-            self._view.wait_for_revision(result.revision, self.settings.request_timeout)
-            joins = self._snapshot()[0].round(number).joins
-            if self.node in joins and min(joins, key=lambda n: joins[n].create_revision) == self.node:
-                self._emit("round_opened", round=number)  # the round's first join
+            if leading and self._view.live is not None:
+                self._view.live.wait_for_revision(result.revision, self.settings.request_timeout)
             self._emit("node_joined", round=number, host=self._addr)
         else:
-            self._view.wait_for_change(version, self.settings.request_timeout)
+            wake.wait_for_change(version, self.settings.request_timeout)
         return result.succeeded
 
     def accept_late_joins(self) -> None:
         """Let this node join a running round as a hot spare (``ftrun``'s agent starts its workers as joiners)."""
         self._limits = dataclasses.replace(self._limits, late_joins=True)
 
-    def _join_late(
-        self, action: rules.JoinLate, state: model.RendezvousState, lease: int, version: int
-    ) -> RendezvousInfo | None:
+    def _master_of(self, number: int) -> tuple[str, int]:
+        """MASTER_ADDR/PORT of closed round ``number``: from the board, else from its result."""
+        board = self._last_board
+        if board is not None and board.last is not None and board.last.round == number:
+            return board.last.master_addr, board.last.master_port
+        result = self._read_result(number)
+        return result.master_addr, result.master_port
+
+    def _join_late(self, action: rules.JoinLate, lease: int, version: int, wake: Any) -> RendezvousInfo | None:
         """Take place ``action.place`` in the running round; its info on success, None if another node won it."""
-        keys, number, result = self._keys, action.number, state.round(action.number).result
-        if result is None:
-            raise RuntimeError(f"round {number} has no result to join late")
+        keys, number = self._keys, action.number
+        master = self._master_of(number)
         alive = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
         late = model.LateMember(self.node, lease, action.place)
         ops = [
@@ -308,13 +435,12 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         ]
         outcome = self._client.txn(guards, ops)
         if not outcome.succeeded:
-            self._view.wait_for_change(version, self.settings.request_timeout)
+            wake.wait_for_change(version, self.settings.request_timeout)
             return None
         self._joined_round = None
         self._announced_with = lease
-        self._view.wait_for_revision(outcome.revision, self.settings.request_timeout)
         self.late_place = action.place
-        self._member_of = result
+        self._member_round, self._member_of = number, None
         self._emit("node_joined", round=number, host=self._addr, role="hot_spare", place=action.place)
         log.info(
             "node %s joined running round %d of '%s' as a hot spare (group rank %d)",
@@ -324,9 +450,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             action.place,
         )
         store = EtcdStore(self._client, self.round_store_prefix(number), timedelta(seconds=self.settings.store_timeout))
-        return RendezvousInfo(
-            store, action.place, action.place + 1, RendezvousStoreInfo(result.master_addr, result.master_port)
-        )
+        return RendezvousInfo(store, action.place, action.place + 1, RendezvousStoreInfo(*master))
 
     def _close(self, action: rules.CloseRound, version: int) -> None:
         keys = self._keys
@@ -339,37 +463,53 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         guards = [key_missing(keys.result(number))]
         if len(members) <= rules.MAX_CHECKED_MEMBERS:
             guards += [key_created_at(keys.join(number, j.node), j.create_revision) for j in members]
+        chunks = rules.chunk_count(len(members))
+        split: list[dict[str, model.Placement]] = [{} for _ in range(chunks)]
+        for rank, join in enumerate(members):
+            split[rules.chunk_of(join.node, chunks)][join.node] = model.Placement(rank, join.lease)
         ops = [put_op(keys.result(number), result.to_json())]
+        ops += [put_op(keys.rank_chunk(number, c), model.chunk_json(number, part)) for c, part in enumerate(split)]
         if number >= 2:
             ops += [delete_prefix_op(keys.rdzv_round(number - 2)), delete_prefix_op(keys.round_data(number - 2))]
         outcome = self._client.txn(guards, ops)
+        live = self._view.live
         if outcome.succeeded:
             log.info("closed round %d of '%s' with %d node(s)", number, self.settings.run_id, len(members))
             self._emit("round_closed", round=number, members=[j.node for j in members], reason=action.reason)
-            self._view.wait_for_revision(outcome.revision, self.settings.request_timeout)
-        else:
-            self._view.wait_for_change(version, self.settings.request_timeout)
+            if live is not None:
+                live.wait_for_revision(outcome.revision, self.settings.request_timeout)
+        elif live is not None:
+            live.wait_for_change(version, self.settings.request_timeout)
 
     def _completed(self, done: rules.Done) -> RendezvousInfo:
         result = done.result
-        self._member_of = result
+        self._member_round, self._member_of = result.round, result
+        return self._round_info(result.round, done.rank, len(result.members), result.master_addr, result.master_port)
+
+    def _ranked(self, board: model.Board | None, number: int, lease: int) -> RendezvousInfo | None:
+        """This node's place in closed round ``number``, read from its chunk of the ranks; None if not a member."""
+        last = board.last if board is not None else None
+        if last is None or last.round != number:
+            raise RuntimeError(f"round {number} is not the board's last closed round")
+        key = self._keys.rank_chunk(number, rules.chunk_of(self.node, last.chunks))
+        kv, _ = self._client.get(key)
+        placement = None
+        if kv is not None:
+            try:
+                placement = model.placement_from_chunk(kv.value, number, self.node)
+            except model.MalformedValue as exc:
+                log.warning("ignoring malformed etcd key %s: %s", key, exc)
+        if placement is None or placement.lease != lease or placement.rank >= last.size:
+            log.info("round %d of '%s' closed without node %s", number, self.settings.run_id, self.node)
+            return None
+        self._member_round, self._member_of = number, None
+        return self._round_info(number, placement.rank, last.size, last.master_addr, last.master_port)
+
+    def _round_info(self, number: int, rank: int, size: int, addr: str, port: int) -> RendezvousInfo:
         self.late_place = None
-        store = EtcdStore(
-            self._client,
-            self.round_store_prefix(result.round),
-            timedelta(seconds=self.settings.store_timeout),
-        )
-        log.info(
-            "node %s is rank %d of %d in round %d of '%s'",
-            self.node,
-            done.rank,
-            len(result.members),
-            result.round,
-            self.settings.run_id,
-        )
-        return RendezvousInfo(
-            store, done.rank, len(result.members), RendezvousStoreInfo(result.master_addr, result.master_port)
-        )
+        store = EtcdStore(self._client, self.round_store_prefix(number), timedelta(seconds=self.settings.store_timeout))
+        log.info("node %s is rank %d of %d in round %d of '%s'", self.node, rank, size, number, self.settings.run_id)
+        return RendezvousInfo(store, rank, size, RendezvousStoreInfo(addr, port))
 
     def _withdraw(self) -> None:
         """Take back this node's join key, so a timed-out node is not counted."""
@@ -381,7 +521,9 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             log.warning("could not withdraw node %s from round %d", self.node, self._joined_round)
         self._joined_round = None
 
-    def _timeout_message(self, state: model.RendezvousState, number: int) -> str:
+    def _timeout_message(self, number: int) -> str:
+        state, _ = self._view.snapshot()  # read once, if this node does not follow every key
+        number = state.open_round if number < 0 else number
         joined = len(state.round(number).joins)
         pending = rules.pending_members(state, number)
         message = (
@@ -396,9 +538,14 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             )
         return message
 
+    # ---- what the agent polls ----
+
     def is_closed(self) -> bool:
         """Closed by ``set_closed()``, or every node of the last round left it (see ``rules.job_finished``)."""
-        return rules.job_finished(self._snapshot()[0])
+        board, vanished = self._board(campaign=False)
+        if board is None or vanished:
+            return rules.job_finished(self._view.snapshot()[0])  # no monitor: read the state once
+        return board.finished
 
     def set_closed(self) -> None:
         try:
@@ -407,35 +554,37 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             raise RendezvousConnectionError(f"cannot close rendezvous '{self.settings.run_id}': {exc}") from exc
 
     def num_nodes_waiting(self) -> int:
-        state, _ = self._snapshot()
-        return rules.num_nodes_waiting(state, self._member_of, self._limits)
+        return rules.waiting_count(self.membership_change())
 
     def membership_change(self) -> rules.MembershipChange:
-        """What changed around this node's round, from the watch-fed view.
+        """What changed around this node's round, from the monitor's board.
 
         Also keeps this member announced: when its own alive key is gone
         (its lease ran out: etcd was frozen or unreachable for a whole
         ``lease_ttl``, which ends every node's lease at once), it opens a new
         session and puts the key again, and for the next ``lease_ttl``
         reports no member dead, giving the others the same time to
-        re-announce themselves. Sends requests only then.
+        re-announce themselves. Sends requests only then, and to take over
+        as monitor when the board's monitor is gone.
         """
-        state, _ = self._snapshot()
-        if self._member_of is not None and not self._shut_down and self._lost_own_announcement(state):
+        board, vanished = self._board(campaign=self._member_round is not None)
+        if self._member_round is not None and not self._shut_down and self._lost_own_announcement(board):
             self._announce_again()
-            state, _ = self._snapshot()
-        change = rules.membership_change(state, self._member_of, self._limits)
+            board, vanished = self._board(campaign=False)
+        if board is None:
+            return rules.MembershipChange()
+        change = rules.board_change(board, self._member_round, vanished=vanished)
+        change = dataclasses.replace(change, dead=tuple(n for n in change.dead if n != self.node))
         if change.dead and time.monotonic() < self._outage_grace_until:
             return dataclasses.replace(change, dead=())
         return change
 
-    def _lost_own_announcement(self, state: model.RendezvousState) -> bool:
+    def _lost_own_announcement(self, board: model.Board | None) -> bool:
         session = self._session
         if session is None or session.expired.is_set():
             return True
-        return state.alive.get(self.node) not in (None, session.id) or (
-            self.node not in state.alive and self._announced_with == session.id
-        )
+        last = board.last if board is not None else None
+        return last is not None and last.round == self._member_round and self.node in board.dead
 
     def _announce_again(self) -> None:
         with self._lock:
@@ -443,7 +592,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
                 self._session.expired.set()  # the key it carried is gone: so is its lease
             session = self._ensure_session()
             value = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
-            revision = self._client.put(self._keys.alive(self.node), value, session.id)
+            self._client.put(self._keys.alive(self.node), value, session.id)
             self._announced_with = session.id
             self._outage_grace_until = time.monotonic() + self.settings.lease_ttl
         log.warning(
@@ -453,11 +602,24 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             self.settings.lease_ttl,
             self.settings.lease_ttl,
         )
-        self._view.wait_for_revision(revision, self.settings.request_timeout)
+
+    def _read_result(self, number: int) -> model.RoundResult:
+        kv, _ = self._client.get(self._keys.result(number))
+        if kv is None:
+            raise RendezvousStateError(f"round {number} of '{self.settings.run_id}' has no result in etcd")
+        try:
+            return model.RoundResult.from_json(kv.value)
+        except model.MalformedValue as exc:
+            raise RendezvousStateError(f"the result of round {number} in etcd is malformed: {exc}") from exc
 
     @property
     def member_of(self) -> model.RoundResult | None:
-        """The round this node belongs to (None before its first rendezvous)."""
+        """The round this node belongs to (None before its first rendezvous); its members are read once, when
+        first asked for (a node learns only its own place when the round closes)."""
+        if self._member_round is None:
+            return None
+        if self._member_of is None or self._member_of.round != self._member_round:
+            self._member_of = self._read_result(self._member_round)
         return self._member_of
 
     def round_store_prefix(self, number: int) -> str:
@@ -475,21 +637,90 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         with self._lock:
             if self._shut_down:
                 return True
-            self._shut_down = True
             ok = True
             try:
-                if self._member_of is not None:
-                    self._client.put(self._keys.left(self._member_of.round, self.node), b'{"reason": "shutdown"}')
-                    self._emit("node_left", round=self._member_of.round)
+                if self._member_round is not None:
+                    self._client.put(self._keys.left(self._member_round, self.node), b'{"reason": "shutdown"}')
+                    self._emit("node_left", round=self._member_round)
+                    monitor = self._monitor
+                    if monitor is not None:  # its board must say it left before the board goes with its lease
+                        monitor.wait_published(lambda b: self.node in b.left, self.settings.request_timeout)
+                self._shut_down = True
+                with self._monitor_lock:
+                    self._retire_monitor()
                 if self._session is not None:
                     self._session.close(revoke=True)
             except (EtcdUnavailableError, EtcdRequestError) as exc:
                 log.warning("etcdft shutdown of node %s incomplete: %s", self.node, exc)
                 ok = False
+            self._shut_down = True
             if self._own_events is not None:
                 self._own_events.close(timeout=self.settings.request_timeout)  # its last events, bounded
                 if self._events_client is not None:
                     self._events_client.close()
+            with self._monitor_lock:
+                self._retire_monitor()
             self._view.stop()
+            self._board_view.stop()
             self._client.close()
             return ok
+
+
+def _latest(boards: Iterable[model.Board | None]) -> model.Board | None:
+    """The board view's state: the board, or None when there is none (or it is malformed)."""
+    return next((b for b in boards if b is not None), None)
+
+
+class WholeState:
+    """The whole rendezvous state: live while this node follows every key (it monitors, or closes a round),
+    else read on demand with one range read (a timeout's message, a look without a monitor)."""
+
+    def __init__(self, client: EtcdClient, prefix: str, board_view: PrefixView[Any, Any]) -> None:
+        self._client = client
+        self._prefix = prefix
+        self._board_view = board_view
+        self.live: PrefixView[model.Fact, model.RendezvousState] | None = None
+        self._users = 0
+        self._events_before = 0  # received by live views since stopped
+        self._lock = threading.Lock()
+
+    def follow(self) -> PrefixView[model.Fact, model.RendezvousState]:
+        """Start (or share) the live view of every key; pair with :meth:`release`."""
+        with self._lock:
+            if self.live is None:
+                self.live = PrefixView(self._client, self._prefix, model.parse_key, model.build_state)
+            self._users += 1
+            return self.live
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users <= 0 and self.live is not None:
+                self._stop_live()
+
+    def snapshot(self) -> tuple[model.RendezvousState, int]:
+        live = self.live
+        if live is not None:
+            return live.snapshot()
+        kvs, revision = self._client.get_prefix(self._prefix)
+        return model.parse_state({kv.key[len(self._prefix) :]: kv for kv in kvs}), -revision
+
+    def disconnected_for(self) -> float:
+        live = self.live
+        return max(self._board_view.disconnected_for(), live.disconnected_for() if live is not None else 0.0)
+
+    @property
+    def events_received(self) -> int:
+        """Watch events every live view of this node received."""
+        live = self.live
+        return self._events_before + (live.events_received if live is not None else 0)
+
+    def _stop_live(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self._events_before += self.live.events_received
+            self.live, self._users = None, 0
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop_live()

@@ -16,6 +16,7 @@ Round ``n + 1`` is the only open round once round ``n`` has a result.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -44,7 +45,10 @@ def _document(raw: bytes) -> dict:
 
 
 def _int(data: dict, name: str, low: int, high: int) -> int:
-    value = data.get(name)
+    return _int_value(data.get(name), name, low, high)
+
+
+def _int_value(value: object, name: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise MalformedValue(f"{name} must be an integer in [{low}, {high}], got {str(value)[:40]!r}")
     return value
@@ -286,3 +290,156 @@ def build_state(facts: Iterable[Fact]) -> RendezvousState:
 def parse_state(keys: Mapping[str, KeyRecord]) -> RendezvousState:
     """Build the state from keys relative to ``<run>/rdzv/``; unknown keys are ignored."""
     return build_state(f for f in (parse_key(k, raw) for k, raw in keys.items()) if f is not None)
+
+
+# ---- what every node reads: the monitor's board and its chunk of the ranks -------
+
+#: The board names at most this many nodes per list, so it stays small whatever the job's size; a
+#: count of waiting nodes read from it is then a lower bound, still positive when any node waits.
+BOARD_NAMES = 64
+
+
+@dataclass(frozen=True)
+class ClosedRound:
+    """What a node needs of the last closed round without reading its members: size, master, chunks."""
+
+    round: int
+    size: int
+    master_addr: str
+    master_port: int
+    chunks: int
+
+
+def _names(data: dict, name: str) -> tuple[str, ...]:
+    value = data.get(name, [])
+    if not isinstance(value, list) or len(value) > max(BOARD_NAMES, 1 << 16):
+        raise MalformedValue(f"{name} must be a list of node ids")
+    for item in value:
+        if not isinstance(item, str) or not 0 < len(item) <= _MAX_TEXT:
+            raise MalformedValue(f"{name} must list node ids (non-empty strings)")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class Board:
+    """The monitor's digest of the rendezvous (``rdzv/board``), the one key every node watches.
+
+    The monitor (the node holding the key, on its lease) keeps the whole
+    state and writes the board when what the other nodes act on changes
+    (:func:`elastic_ft.rendezvous.rules.board_moved`): which round is open
+    and who closes it, the last closed round, whether the job is over, and
+    how the last round's membership changed (:class:`MembershipChange` as
+    lists of at most :data:`BOARD_NAMES` nodes). ``late`` is where a hot
+    spare may join the running round; ``full``: that round is complete and
+    healthy, so a newcomer waits as a spare. ``verdict``/``reason`` say why
+    the open round waits, for logs only.
+    """
+
+    monitor: str
+    open_round: int = 0
+    closer: str | None = None
+    last: ClosedRound | None = None
+    finished: bool = False
+    rejoined: tuple[str, ...] = ()
+    dead: tuple[str, ...] = ()
+    left: tuple[str, ...] = ()
+    admissible: tuple[str, ...] = ()
+    late: tuple[int, int] | None = None
+    full: bool = False
+    #: The monitor is a member of the last closed round (so a board that vanishes without its
+    #: monitor having left says that member died).
+    monitor_member: bool = False
+    verdict: str = ""
+    reason: str = ""
+
+    def to_json(self) -> bytes:
+        data: dict = {
+            "monitor": self.monitor,
+            "open_round": self.open_round,
+            "closer": self.closer,
+            "last": None if self.last is None else dataclasses.asdict(self.last),
+            "finished": self.finished,
+            "rejoined": list(self.rejoined),
+            "dead": list(self.dead),
+            "left": list(self.left),
+            "admissible": list(self.admissible),
+            "late": None if self.late is None else list(self.late),
+            "full": self.full,
+            "monitor_member": self.monitor_member,
+            "verdict": self.verdict,
+            "reason": self.reason[:_MAX_TEXT],
+        }
+        return json.dumps(data, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Board:
+        """Decode a board; raises :class:`MalformedValue` for anything :meth:`to_json` does not write."""
+        data = _document(raw)
+        closer = data.get("closer")
+        if closer is not None:
+            closer = _text(data, "closer")
+        last = data.get("last")
+        closed = None
+        if last is not None:
+            if not isinstance(last, dict):
+                raise MalformedValue("last must be a JSON object or null")
+            closed = ClosedRound(
+                _int(last, "round", 0, _MAX_INT),
+                _int(last, "size", 1, _MAX_INT),
+                _text(last, "master_addr"),
+                _int(last, "master_port", 1, 65535),
+                _int(last, "chunks", 1, 1 << 16),
+            )
+        late = data.get("late")
+        if late is not None:
+            if not isinstance(late, list) or len(late) != 2:
+                raise MalformedValue("late must be [round, place] or null")
+            late = (_int_value(late[0], "late round", 0, _MAX_INT), _int_value(late[1], "late place", 0, _MAX_INT))
+        flags = {name: data.get(name, False) for name in ("finished", "full", "monitor_member")}
+        if not all(isinstance(v, bool) for v in flags.values()):
+            raise MalformedValue("finished, full and monitor_member must be true or false")
+        texts = {name: data.get(name, "") for name in ("verdict", "reason")}
+        if not all(isinstance(v, str) for v in texts.values()):
+            raise MalformedValue("verdict and reason must be strings")
+        return cls(
+            monitor=_text(data, "monitor"),
+            open_round=_int(data, "open_round", 0, _MAX_INT),
+            closer=closer,
+            last=closed,
+            rejoined=_names(data, "rejoined"),
+            dead=_names(data, "dead"),
+            left=_names(data, "left"),
+            admissible=_names(data, "admissible"),
+            late=late,
+            **flags,
+            **texts,
+        )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A member's place in a closed round, as its chunk of the ranks records it."""
+
+    rank: int
+    lease: int
+
+
+def chunk_json(number: int, placements: Mapping[str, Placement]) -> bytes:
+    ranks = {node: [p.rank, p.lease] for node, p in placements.items()}
+    return json.dumps({"round": number, "ranks": ranks}, sort_keys=True).encode()
+
+
+def placement_from_chunk(raw: bytes, number: int, node: str) -> Placement | None:
+    """``node``'s place in round ``number`` from a chunk of its ranks; None when the chunk does not list it."""
+    data = _document(raw)
+    if _int(data, "round", 0, _MAX_INT) != number:
+        raise MalformedValue(f"a chunk of round {data.get('round')!r} stored under round {number}")
+    ranks = data.get("ranks")
+    if not isinstance(ranks, dict):
+        raise MalformedValue("ranks must be a JSON object")
+    entry = ranks.get(node)
+    if entry is None:
+        return None
+    if not isinstance(entry, list) or len(entry) != 2:
+        raise MalformedValue(f"the entry of {node} must be [rank, lease]")
+    return Placement(_int_value(entry[0], "rank", 0, _MAX_INT), _int_value(entry[1], "lease", 0, _MAX_INT))

@@ -10,11 +10,22 @@ out against etcd; the state they read is :mod:`elastic_ft.rendezvous.model`.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
-from elastic_ft.rendezvous.model import Join, Member, RendezvousState, RoundResult
+from elastic_ft.rendezvous.model import (
+    BOARD_NAMES,
+    Board,
+    ClosedRound,
+    Join,
+    Member,
+    RendezvousState,
+    RoundResult,
+)
 
 #: A closing transaction checks every member's join key is still there; etcd
 #: caps a transaction at 128 operations (``--max-txn-ops``), so beyond this
@@ -213,6 +224,20 @@ class CloseRound:
 
 
 @dataclass(frozen=True)
+class Ranked:
+    """Round ``number``, which this node joined, has closed: read its chunk of the ranks for its place."""
+
+    number: int
+
+
+@dataclass(frozen=True)
+class Lead:
+    """This node closes round ``number`` (its earliest joiner): follow the whole state until it completes."""
+
+    number: int
+
+
+@dataclass(frozen=True)
 class Wait:
     number: int
     verdict: CloseVerdict
@@ -221,7 +246,7 @@ class Wait:
     reason: str = ""
 
 
-Action = Done | Closed | JoinLate | JoinRound | CloseRound | Wait
+Action = Done | Closed | JoinLate | JoinRound | CloseRound | Wait | Ranked | Lead
 
 
 def job_finished(state: RendezvousState) -> bool:
@@ -405,5 +430,143 @@ def num_nodes_waiting(state: RendezvousState, member_of: RoundResult | None, lim
     later round without this node.
     """
     change = membership_change(state, member_of, limits)
+    return waiting_count(change)
+
+
+def waiting_count(change: MembershipChange) -> int:
+    """torch's ``num_nodes_waiting()`` from a membership change (see :func:`num_nodes_waiting`)."""
     waiting = len(change.rejoined) + len(change.dead) + len(change.admissible)
     return max(waiting, 1) if change.moved_on else waiting
+
+
+# ---- the board: what the monitor publishes, and what the other nodes decide from it ----
+#
+# One node, the monitor, follows every rendezvous key; every other node
+# watches one key, the board, which the monitor rewrites only when what they
+# act on changes (:func:`board_moved`). A round's cost per node is then a
+# few watch events, whatever the number of nodes (docs/rendezvous.md).
+
+#: Members per chunk of a round's ranks, and the most chunks a round has
+#: (the closing transaction writes them all, under etcd's 128 operations).
+CHUNK_MEMBERS = 64
+MAX_CHUNKS = 100
+
+
+def chunk_count(size: int) -> int:
+    """How many chunks the ranks of a round of ``size`` members are split into."""
+    return max(1, min(MAX_CHUNKS, math.ceil(size / CHUNK_MEMBERS)))
+
+
+def chunk_of(node: str, chunks: int) -> int:
+    """The chunk that lists ``node`` (a stable hash: every node finds its own without reading the others)."""
+    return zlib.crc32(node.encode()) % chunks
+
+
+def board(state: RendezvousState, limits: Limits, monitor: str, *, quiet: bool = False) -> Board:
+    """The board the monitor publishes for ``state``.
+
+    ``late`` and ``full`` are computed for a node that is not a member of the
+    running round (the only nodes that act on them). ``quiet``: report no
+    member dead (the monitor's own lease has just been renewed after an etcd
+    outage, which ended every lease at once; the others get the same time to
+    announce themselves again).
+    """
+    number = state.open_round
+    last = state.last_closed
+    closed = None
+    if last is not None:
+        size = len(last.members)
+        closed = ClosedRound(last.round, size, last.master_addr, last.master_port, chunk_count(size))
+    change = membership_change(state, last, limits)
+    decision = close_verdict(state, number, limits, 0.0, None)
+    full = decision.verdict is CloseVerdict.WAIT_FOR_PREVIOUS and is_spare(state, number, "", limits)
+    return Board(
+        monitor=monitor,
+        open_round=number,
+        closer=closer_of(state.round(number).joins),
+        last=closed,
+        finished=job_finished(state),
+        rejoined=change.rejoined[:BOARD_NAMES],
+        dead=() if quiet else change.dead,
+        left=change.left[:BOARD_NAMES],
+        admissible=change.admissible[:BOARD_NAMES],
+        late=late_place(state, "", dataclasses.replace(limits, late_joins=True)),
+        full=full,
+        monitor_member=last is not None and (last.rank_of(monitor) is not None or monitor in state.round(last.round).late),
+        verdict=decision.verdict.value,
+        reason=decision.reason,
+    )
+
+
+def _acted_on(board: Board) -> tuple:
+    return (
+        board.monitor,
+        board.open_round,
+        board.closer,
+        board.last,
+        board.finished,
+        board.dead,
+        bool(board.rejoined),
+        bool(board.left),
+        bool(board.admissible),
+        board.late,
+        board.full,
+    )
+
+
+def board_moved(published: Board | None, current: Board) -> bool:
+    """Whether the monitor must publish ``current``: something a node acts on changed.
+
+    Who rejoined, left or waits is acted on only as "anyone?": a restart of
+    every node is one board change, not one per node. Deaths are acted on one
+    by one (the launcher absorbs each), and the closed round, the closer and
+    the end of the job change once per round.
+    """
+    return published is None or _acted_on(published) != _acted_on(current)
+
+
+def board_change(board: Board, member_round: int | None, *, vanished: bool = False) -> MembershipChange:
+    """:func:`membership_change` for a member of round ``member_round``, from the board.
+
+    ``vanished``: this is the last board seen, and it is gone: its monitor's
+    lease ended. Unless the monitor left cleanly first, a member died.
+    """
+    last = board.last
+    if last is None or member_round is None or last.round < member_round:
+        return MembershipChange()
+    if last.round > member_round:
+        return MembershipChange(moved_on=True)
+    dead = board.dead
+    if vanished and board.monitor_member and board.monitor not in board.left and board.monitor not in dead:
+        dead = (*dead, board.monitor)
+    return MembershipChange(board.rejoined, dead, board.left, board.admissible)
+
+
+def follower_action(
+    board: Board, node: str, joined_round: int | None, member_round: int | None, limits: Limits
+) -> Action:
+    """The next step of ``node`` in next_rendezvous(), from the board alone.
+
+    ``joined_round``: the round this call has joined, if any;
+    ``member_round``: the round the node last belonged to. The node that
+    closes the open round (its earliest joiner) leads: it follows the whole
+    state and decides with :func:`next_action`.
+    """
+    if board.finished:
+        return Closed()
+    last = board.last
+    if joined_round is not None and last is not None and last.round == joined_round:
+        return Ranked(joined_round)
+    number = board.open_round
+    if limits.late_joins and limits.spare_nodes and board.late is not None and member_round != board.late[0]:
+        return JoinLate(*board.late)
+    if joined_round != number:
+        return JoinRound(number)
+    if board.closer == node:
+        return Lead(number)
+    try:
+        verdict = CloseVerdict(board.verdict)
+    except ValueError:
+        verdict = CloseVerdict.WAIT_FOR_MIN
+    standby = board.full and member_round != number - 1
+    return Wait(number, verdict, None, standby, board.reason)

@@ -71,7 +71,10 @@ def test_a_faulted_job_is_watched_scraped_recorded_and_drawn(tmp_path: Path) -> 
         endpoint = found.group(1)
         # Scraped while the job runs: the SIGKILL counted, the restart's latency observed, the world shrunk.
         metrics: dict = {}
-        while metrics.get(("elastic_ft_fault_to_resume_seconds_count", ())) != 1:
+        # Events from the agent and the workers reach the log in any order: wait for both ends.
+        while metrics.get(("elastic_ft_fault_to_resume_seconds_count", ())) != 1 or not metrics.get(
+            ("elastic_ft_faults_total", (("kind", "process_died"),))
+        ):
             assert ftrun.poll() is None and time.monotonic() < deadline, (metrics, log_path.read_text()[-3000:])
             with contextlib.suppress(OSError):  # not serving yet
                 metrics = scrape(port)

@@ -1,0 +1,420 @@
+"""Scale benchmark: the etcdft rendezvous with thousands of simulated nodes on a real 3-member etcd.
+
+A simulated node is a real ``EtcdftRendezvousHandler`` (its own lease and
+keep-alive stream, its own watches, its own decisions) without torch
+workers. ``--procs`` worker processes hold the nodes, each sharing one gRPC
+connection to etcd among its nodes, as the issue asks ("many per process,
+threads with shared channels"). The etcd is a 3-member cluster on loopback
+(``elastic_ft.testing.etcd_cluster.EtcdCluster``).
+
+For each N:
+
+1. **round**: every node calls ``next_rendezvous()`` at once (min = max = N);
+   the time until the last returns;
+2. **death** (for N up to ``--death-max``, with ``lease_ttl=1``): after a
+   first round, one node (not the monitor) crashes: its lease is left to
+   expire, as when a host dies. The survivors act as torch's agent does: they
+   poll ``num_nodes_waiting()`` every 0.1 s and re-rendezvous when it is
+   positive. The time from the crash until every survivor is in the new
+   round; also for the death of the monitor itself.
+
+Per node and round it counts, on the client: etcd requests (keep-alives
+apart) and watch events received (the median node, the most any node other
+than the monitor and the closer got, and the two of them); on etcd's own
+``/metrics`` (summed over the members): the watch events the members sent
+(``etcd_debugging_mvcc_events_total``), the gRPC requests they handled, their
+CPU seconds, resident memory and database size.
+
+Prints a table, writes ``benchmarks/results/scale.json``. The run's event log
+is left out (a no-op event sink): ``benchmarks/events.py`` measures it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+# ---- the worker process: a share of the nodes -------------------------------------------
+
+
+def worker_main(endpoint: str, run_id: str, count: int, conf_json: str) -> None:
+    from elastic_ft.etcd.client import EtcdClient
+    from elastic_ft.observability import sink as event_sink
+    from elastic_ft.rendezvous import EtcdftRendezvousHandler, make_settings
+    from elastic_ft.rendezvous.config import connect
+
+    conf = json.loads(conf_json)
+    settings = make_settings(run_id=run_id, endpoint=endpoint, local_addr="127.0.0.1", **conf)
+    event_sink.install(event_sink.EventSink(run_id, "rendezvous", None))
+
+    class SharedClient(EtcdClient):
+        """One connection for every node of this process; closed once, when the process ends."""
+
+        def close(self) -> None:
+            pass
+
+        def really_close(self) -> None:
+            super().close()
+
+    base = connect(settings)
+    client = SharedClient(
+        settings.endpoints,
+        connect_timeout=settings.connect_timeout,
+        request_timeout=settings.request_timeout,
+        tls=settings.tls,
+        credentials=settings.credentials,
+    )
+    base.close()
+    nodes = [EtcdftRendezvousHandler(settings, client) for _ in range(count)]
+    alive = list(range(count))
+    reply({"ready": True})
+    for line in sys.stdin:
+        command = json.loads(line)
+        what = command["do"]
+        if what == "round":
+            reply(run_round([nodes[i] for i in alive], client, command["start"]))
+        elif what == "crash":
+            victim = pick_victim(nodes, alive, monitor=command["monitor"])
+            if victim is None:
+                reply({"crashed": None})
+                continue
+            crash(nodes[victim])
+            alive.remove(victim)
+            reply({"crashed": nodes[victim].node, "at": time.time()})
+        elif what == "follow":
+            reply(follow([nodes[i] for i in alive], client, command["timeout"]))
+        elif what == "quit":
+            for i in alive:
+                nodes[i].shutdown()
+            client.really_close()
+            reply({"quit": True})
+            return
+
+
+def reply(message: dict) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def pick_victim(nodes: list, alive: list[int], *, monitor: bool) -> int | None:
+    for index in alive:
+        if nodes[index].is_monitor == monitor:
+            return index
+    return None
+
+
+def crash(handler: Any) -> None:
+    """End a node as a host crash would: nothing said, its lease left to expire."""
+    monitor = handler._monitor
+    if monitor is not None:
+        monitor.stop()
+    handler._view.stop()
+    handler._board_view.stop()
+    if handler._session is not None:
+        handler._session.close(revoke=False)
+
+
+def counters(handlers: list, client: Any) -> dict:
+    kinds = dict(client.requests_by_kind)
+    return {
+        "requests": sum(v for k, v in kinds.items() if k != "keep_alive"),
+        "events": [h.watch_events for h in handlers],
+        "live": [h._view.events_received for h in handlers],  # while it followed every key
+    }
+
+
+def deltas(handlers: list, client: Any, before: dict) -> dict:
+    """Requests and watch events since ``before``, and each node's role: the monitor, a node that closed
+    a round (it followed every key meanwhile), or a plain node."""
+    after = counters(handlers, client)
+    live = [a - b for a, b in zip(after["live"], before["live"], strict=True)]
+    return {
+        "requests": after["requests"] - before["requests"],
+        "events": [a - b for a, b in zip(after["events"], before["events"], strict=True)],
+        "roles": ["monitor" if h.is_monitor else "closer" if d else "node" for h, d in zip(handlers, live, strict=True)],
+    }
+
+
+def run_round(handlers: list, client: Any, start: float) -> dict:
+    before = counters(handlers, client)
+    done: list[float | None] = [None] * len(handlers)
+    sizes: list[int] = [0] * len(handlers)
+    errors: list[str] = []
+
+    def node(i: int) -> None:
+        time.sleep(max(0.0, start - time.time()))
+        try:
+            info = handlers[i].next_rendezvous()
+            sizes[i] = info.world_size
+            done[i] = time.time()
+        except Exception as exc:  # noqa: BLE001 - reported
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"done": done, "sizes": sizes, "errors": errors[:3], **deltas(handlers, client, before)}
+
+
+def follow(handlers: list, client: Any, timeout: float) -> dict:
+    """Act as torch's agent: poll num_nodes_waiting() every 0.1 s; re-rendezvous when positive."""
+    before = counters(handlers, client)
+    done: list[float | None] = [None] * len(handlers)
+    sizes: list[int] = [0] * len(handlers)
+    seen: list[float | None] = [None] * len(handlers)
+    errors: list[str] = []
+
+    def node(i: int) -> None:
+        deadline = time.monotonic() + timeout
+        try:
+            while handlers[i].num_nodes_waiting() == 0:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("no change seen")
+                time.sleep(0.1)
+            seen[i] = time.time()
+            info = handlers[i].next_rendezvous()
+            sizes[i], done[i] = info.world_size, time.time()
+        except Exception as exc:  # noqa: BLE001 - reported
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"done": done, "seen": seen, "sizes": sizes, "errors": errors[:3], **deltas(handlers, client, before)}
+
+
+# ---- the parent: the cluster, the workers, the table -------------------------------------
+
+
+class Workers:
+    def __init__(self, endpoint: str, run_id: str, nodes: int, procs: int, conf: dict) -> None:
+        shares = [nodes // procs + (1 if i < nodes % procs else 0) for i in range(procs)]
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--worker", endpoint, run_id, str(share), json.dumps(conf)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=HERE,
+            )
+            for share in shares
+            if share
+        ]
+        for message in self.gather():
+            if not message.get("ready"):
+                raise RuntimeError(f"a worker did not start: {message}")
+
+    def send(self, command: dict, procs: list | None = None) -> None:
+        for proc in procs or self.procs:
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(command) + "\n")
+            proc.stdin.flush()
+
+    def gather(self, procs: list | None = None) -> list[dict]:
+        messages = []
+        for proc in procs or self.procs:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"worker {proc.pid} ended (exit {proc.wait()})")
+            messages.append(json.loads(line))
+        return messages
+
+    def ask(self, command: dict) -> list[dict]:
+        self.send(command)
+        return self.gather()
+
+    def crash(self, *, monitor: bool) -> dict:
+        for proc in self.procs:
+            self.send({"do": "crash", "monitor": monitor}, [proc])
+            (answer,) = self.gather([proc])
+            if answer["crashed"] is not None:
+                return answer
+        raise RuntimeError(f"no node to crash (monitor={monitor})")
+
+    def close(self) -> None:
+        try:
+            self.ask({"do": "quit"})
+        finally:
+            for proc in self.procs:
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+_METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([-+0-9.eE]+|NaN|\+Inf)$")
+
+
+def etcd_metrics(cluster: Any) -> dict[str, float]:
+    """Sum, over the members, of the etcd metrics this benchmark reads (from each member's /metrics)."""
+    wanted = {
+        "etcd_debugging_mvcc_events_total": "watch_events",
+        "process_cpu_seconds_total": "cpu_s",
+        "process_resident_memory_bytes": "rss_bytes",
+        "etcd_mvcc_db_total_size_in_bytes": "db_bytes",
+        "etcd_debugging_mvcc_watcher_total": "watchers",
+        "grpc_server_handled_total": "grpc_handled",
+    }
+    totals = dict.fromkeys(wanted.values(), 0.0)
+    for endpoint in cluster.endpoints:
+        with urllib.request.urlopen(f"http://{endpoint.host}:{endpoint.port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        for line in text.splitlines():
+            match = _METRIC.match(line)
+            if match and match.group(1) in wanted:
+                labels = match.group(2) or ""
+                if match.group(1) == "grpc_server_handled_total" and 'grpc_type="unary"' not in labels:
+                    continue  # requests, not the streams' ends
+                totals[wanted[match.group(1)]] += float(match.group(3))
+    return totals
+
+
+def metric_delta(before: dict[str, float], after: dict[str, float], nodes: int) -> dict[str, float]:
+    return {
+        "etcd_watch_events_per_node": (after["watch_events"] - before["watch_events"]) / nodes,
+        "etcd_requests_per_node": (after["grpc_handled"] - before["grpc_handled"]) / nodes,
+        "etcd_cpu_s": after["cpu_s"] - before["cpu_s"],
+        "etcd_rss_mib": after["rss_bytes"] / 2**20,
+        "etcd_db_mib": after["db_bytes"] / 2**20,
+        "etcd_watchers": after["watchers"],
+    }
+
+
+def summarize(answers: list[dict], start: float, nodes: int) -> dict:
+    done = [t for a in answers for t in a["done"]]
+    errors = [e for a in answers for e in a["errors"]]
+    if errors or any(t is None for t in done):
+        raise RuntimeError(f"nodes failed: {errors[:3] or 'no answer'}")
+    events = [e for a in answers for e in a["events"]]
+    roles = [r for a in answers for r in a["roles"]]
+    plain = [e for e, r in zip(events, roles, strict=True) if r == "node"] or [0]
+    special = {r: e for e, r in zip(events, roles, strict=True) if r != "node"}
+    return {
+        "seconds": max(done) - start,
+        "sizes": sorted({s for a in answers for s in a["sizes"]}),
+        "client_requests_per_node": sum(a["requests"] for a in answers) / nodes,
+        "events_median_node": statistics.median(plain),
+        "events_max_node": max(plain),
+        "events_monitor": special.get("monitor", 0),
+        "events_closer": special.get("closer", 0),
+        "events_mean": statistics.mean(events),
+    }
+
+
+def bench(cluster: Any, nodes: int, procs: int, death: bool, lease_ttl: int) -> dict:
+    conf = {"min_nodes": nodes, "max_nodes": nodes, "last_call_timeout": 1.0, "lease_ttl": lease_ttl,
+            "join_timeout": 600, "request_timeout": 30, "connect_timeout": 30}  # fmt: skip
+    if death:
+        conf["min_nodes"] = 1
+    run_id = f"scale-{uuid.uuid4().hex[:8]}"
+    workers = Workers(cluster.endpoint, run_id, nodes, procs, conf)
+    row: dict[str, Any] = {"nodes": nodes, "lease_ttl": lease_ttl}
+    try:
+        before = etcd_metrics(cluster)
+        start = time.time() + 0.5
+        answers = workers.ask({"do": "round", "start": start})
+        after = etcd_metrics(cluster)
+        row["round"] = {**summarize(answers, start, nodes), **metric_delta(before, after, nodes)}
+        print(f"N={nodes:<5} round closed in {row['round']['seconds']:.2f} s", flush=True)
+        if death:
+            for monitor in (False, True):
+                time.sleep(1.0)
+                before = etcd_metrics(cluster)
+                crashed = workers.crash(monitor=monitor)
+                answers = workers.ask({"do": "follow", "timeout": 60})
+                after = etcd_metrics(cluster)
+                nodes -= 1
+                summary = summarize(answers, crashed["at"], nodes)
+                seen = [t for a in answers for t in a["seen"] if t is not None]
+                summary["seen_seconds"] = max(seen) - crashed["at"]
+                if summary["sizes"] != [nodes]:
+                    raise RuntimeError(f"the survivors' round has sizes {summary['sizes']}, not {nodes}")
+                name = "monitor_death" if monitor else "death"
+                row[name] = {**summary, **metric_delta(before, after, nodes)}
+                print(f"N={nodes + 1:<5} {name}: seen {summary['seen_seconds']:.2f} s, round again "
+                      f"{summary['seconds']:.2f} s", flush=True)  # fmt: skip
+    finally:
+        workers.close()
+    return row
+
+
+COLUMNS = [
+    ("N", lambda r, p: r["nodes"]),
+    ("what", lambda r, p: p),
+    ("seconds", lambda r, p: r[p]["seconds"]),
+    ("seen s", lambda r, p: r[p].get("seen_seconds", "")),
+    ("req/node", lambda r, p: r[p]["client_requests_per_node"]),
+    ("etcd req/node", lambda r, p: r[p]["etcd_requests_per_node"]),
+    ("events/node", lambda r, p: r[p]["events_median_node"]),
+    ("max node", lambda r, p: r[p]["events_max_node"]),
+    ("monitor", lambda r, p: r[p]["events_monitor"]),
+    ("closer", lambda r, p: r[p]["events_closer"]),
+    ("etcd ev/node", lambda r, p: r[p]["etcd_watch_events_per_node"]),
+    ("etcd cpu s", lambda r, p: r[p]["etcd_cpu_s"]),
+    ("etcd MiB", lambda r, p: r[p]["etcd_rss_mib"]),
+    ("db MiB", lambda r, p: r[p]["etcd_db_mib"]),
+]
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(name for name, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        for part in ("round", "death", "monitor_death"):
+            if part not in row:
+                continue
+            cells = []
+            for _, get in COLUMNS:
+                value = get(row, part)
+                cells.append(f"{value:.2f}" if isinstance(value, float) else str(value))
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="64,256,1024,4096")
+    parser.add_argument("--procs", type=int, default=8, help="worker processes holding the nodes")
+    parser.add_argument("--death-max", type=int, default=1024, help="largest N of the death measurement")
+    parser.add_argument("--lease-ttl", type=int, default=10, help="lease TTL of the round measurement")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "scale.json")
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        endpoint, run_id, count, conf = args.worker
+        worker_main(endpoint, run_id, int(count), conf)
+        return
+    from elastic_ft.testing.etcd_cluster import EtcdCluster
+
+    rows = []
+    with EtcdCluster() as cluster:
+        for nodes in [int(s) for s in args.sizes.split(",")]:
+            rows.append(bench(cluster, nodes, args.procs, death=False, lease_ttl=args.lease_ttl))
+            if nodes <= args.death_max:
+                rows.append(bench(cluster, nodes, args.procs, death=True, lease_ttl=1))
+    print(table(rows))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": os.uname().nodename, "cpus": os.cpu_count(), "rows": rows}, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

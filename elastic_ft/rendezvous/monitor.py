@@ -1,0 +1,121 @@
+"""The monitor: the one node that follows every rendezvous key, and writes the board the others watch.
+
+A node becomes the monitor by creating ``rdzv/monitor`` on its lease (an
+election by creation, as etcd's ``concurrency.Election``). It then follows
+the whole ``rdzv/`` prefix and rewrites ``rdzv/board``, also on its lease,
+each time :func:`rules.board_moved` says what the other nodes act on has
+changed. Its writes are guarded by its election key's create revision, so a
+monitor whose lease ran out can never overwrite its successor's board. When
+its lease ends both keys go: the others see the board vanish and the next
+node to look takes over (``EtcdftRendezvousHandler``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from elastic_ft.etcd.client import EtcdClient, EtcdRequestError, EtcdUnavailableError, key_created_at, put_op
+from elastic_ft.etcd.view import PrefixView
+from elastic_ft.keys import RunKeys
+from elastic_ft.rendezvous import model, rules
+
+log = logging.getLogger(__name__)
+
+#: Changes closer together than this are published as one board: a burst of joins costs one rebuild
+#: of the state per interval, not one per join.
+_SETTLE = 0.005
+_RETRY_PAUSE = 0.1
+
+
+class Monitor:
+    """Publishes the board for ``view``'s state until :meth:`stop`, or until it loses its term.
+
+    ``term``: the create revision of its election key. ``quiet_until()``:
+    the monotonic time before which it reports no member dead.
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        keys: RunKeys,
+        limits: rules.Limits,
+        node: str,
+        lease: int,
+        term: int,
+        view: PrefixView[model.Fact, model.RendezvousState],
+        quiet_until: Callable[[], float],
+    ) -> None:
+        self._client = client
+        self._keys = keys
+        self._limits = limits
+        self.node = node
+        self.lease = lease
+        self._term = term
+        self._view = view
+        self._quiet_until = quiet_until
+        self._stop = threading.Event()
+        #: Set when the term ended: the election key is gone (lease lost) or the node stopped.
+        self.ended = threading.Event()
+        self.published: model.Board | None = None
+        self._thread = threading.Thread(target=self._run, name="etcdft-monitor", daemon=True)
+
+    def start(self) -> Monitor:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                state, version = self._view.snapshot()
+                board = rules.board(state, self._limits, self.node, quiet=time.monotonic() < self._quiet_until())
+                if rules.board_moved(self.published, board) and not self._publish(board):
+                    return
+                self._view.wait_for_change(version, 1.0)
+                self._stop.wait(_SETTLE)
+        finally:
+            self.ended.set()
+
+    def _publish(self, board: model.Board) -> bool:
+        """Write the board; False when this term is over."""
+        while not self._stop.is_set():
+            try:
+                outcome = self._client.txn(
+                    [key_created_at(self._keys.monitor, self._term)],
+                    [put_op(self._keys.board, board.to_json(), self.lease)],
+                )
+            except (EtcdUnavailableError, EtcdRequestError) as exc:
+                log.warning("the rendezvous monitor cannot publish its board yet: %s", exc)
+                self._stop.wait(_RETRY_PAUSE)
+                continue
+            if not outcome.succeeded:
+                log.warning("node %s is no longer the rendezvous monitor (its lease ended)", self.node)
+                return False
+            if self.published is None or self.published.open_round != board.open_round or board.dead:
+                log.info("rendezvous board: round %d open, %s", board.open_round, _describe(board))
+            self.published = board
+            return True
+        return False
+
+    def wait_published(self, check: Callable[[model.Board], bool], timeout: float) -> bool:
+        """Block until a published board passes ``check`` (or the term ends, or ``timeout`` passes)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self.ended.is_set():
+            board = self.published
+            if board is not None and check(board):
+                return True
+            time.sleep(0.01)
+        return False
+
+    def stop(self) -> None:
+        self._stop.set()
+        if threading.current_thread() is not self._thread and self._thread.ident is not None:
+            self._thread.join(5)
+
+
+def _describe(board: model.Board) -> str:
+    last = "no round closed yet" if board.last is None else f"round {board.last.round} has {board.last.size} node(s)"
+    dead = f"; dead: {', '.join(board.dead)}" if board.dead else ""
+    return f"{last}{dead}"
