@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -80,6 +81,8 @@ def worker_main(endpoint: str, run_id: str, count: int, conf_json: str) -> None:
     )
     base.close()
     nodes = [EtcdftRendezvousHandler(settings, client) for _ in range(count)]
+    for handler in nodes:
+        handler._ensure_session()  # a node's lease exists before the timed round, as from its second round on
     alive = list(range(count))
     reply({"ready": True})
     for line in sys.stdin:
@@ -357,9 +360,49 @@ def bench(cluster: Any, nodes: int, procs: int, death: bool, lease_ttl: int) -> 
     return row
 
 
+def bench_barrier(cluster: Any, ranks: int, *, counted: bool = True, threads: int = 32) -> dict:
+    """The Wrapper's barrier on the round's etcd store: ``ranks`` simulated ranks arrive (``threads`` at a
+    time, one etcd connection), then every rank waits for the result. Requests per rank, client and etcd.
+
+    ``counted=False``: the barrier as before this issue, on the store's generic operations (a
+    ``compare_set`` and an ``add``, a read and a compare-and-swap each, then polling for the result)."""
+    import datetime
+    from concurrent.futures import ThreadPoolExecutor
+
+    from elastic_ft.etcd.client import EtcdClient
+    from elastic_ft.etcd.store import EtcdStore
+    from elastic_ft.inprocess.store import iteration_store
+
+    client = EtcdClient(cluster.endpoints, connect_timeout=30, request_timeout=30)
+    base = EtcdStore(client, f"/elastic_ft/barrier-{uuid.uuid4().hex[:8]}/round/0/store/")
+    view = iteration_store(base, 0)
+    if not counted:
+        view.key_prefix = None  # hides the etcd store's one-request arrival: the generic path
+    before, server_before = client.requests, etcd_metrics(cluster)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda r: view.arrive_and_wait("bench", [r], ranks, datetime.timedelta(0)), range(ranks)))
+        arrived = time.perf_counter() - start
+        waited = list(pool.map(lambda r: view.arrive_and_wait("bench", [r], ranks, datetime.timedelta(60)), range(ranks)))
+    elapsed = time.perf_counter() - start
+    server = etcd_metrics(cluster)
+    client.close()
+    if set(waited) != {""}:
+        raise RuntimeError(f"barrier results differ: {set(waited)}")
+    return {
+        "ranks": ranks,
+        "barrier": "one transaction per arrival, a watch" if counted else "before: compare_set + add, polling",
+        "arrive_s": arrived,
+        "seconds": elapsed,
+        "client_requests_per_rank": (client.requests - before) / ranks,
+        "etcd_requests_per_rank": (server["grpc_handled"] - server_before["grpc_handled"]) / ranks,
+    }
+
+
 COLUMNS = [
     ("N", lambda r, p: r["nodes"]),
     ("what", lambda r, p: p),
+    ("lease_ttl", lambda r, p: r["lease_ttl"]),
     ("seconds", lambda r, p: r[p]["seconds"]),
     ("seen s", lambda r, p: r[p].get("seen_seconds", "")),
     ("req/node", lambda r, p: r[p]["client_requests_per_node"]),
@@ -395,6 +438,8 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=8, help="worker processes holding the nodes")
     parser.add_argument("--death-max", type=int, default=1024, help="largest N of the death measurement")
     parser.add_argument("--lease-ttl", type=int, default=10, help="lease TTL of the round measurement")
+    parser.add_argument("--barrier-ranks", default="64,1024,16384", help="simulated ranks of the barrier rows")
+    parser.add_argument("--generic-barrier-max", type=int, default=1024, help="largest N of the before-rows")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "scale.json")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -404,15 +449,27 @@ def main() -> None:
         return
     from elastic_ft.testing.etcd_cluster import EtcdCluster
 
+    # A timeout's SIGTERM must still stop the cluster (its members run in sessions of their own).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows = []
     with EtcdCluster() as cluster:
         for nodes in [int(s) for s in args.sizes.split(",")]:
             rows.append(bench(cluster, nodes, args.procs, death=False, lease_ttl=args.lease_ttl))
             if nodes <= args.death_max:
                 rows.append(bench(cluster, nodes, args.procs, death=True, lease_ttl=1))
+        sizes = [int(n) for n in args.barrier_ranks.split(",") if n]
+        barriers = [bench_barrier(cluster, n) for n in sizes]
+        barriers += [bench_barrier(cluster, n, counted=False) for n in sizes if n <= args.generic_barrier_max]
     print(table(rows))
+    print("\nThe Wrapper's barrier on the etcd store (each rank arrives, then waits for the result):")
+    print("| barrier | ranks | arrive s | total s | requests/rank (client) | requests/rank (etcd) |")
+    print("|---|---|---|---|---|---|")
+    for b in barriers:
+        print(f"| {b['barrier']} | {b['ranks']} | {b['arrive_s']:.2f} | {b['seconds']:.2f} | {b['client_requests_per_rank']:.2f} | "
+              f"{b['etcd_requests_per_rank']:.2f} |")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": os.uname().nodename, "cpus": os.cpu_count(), "rows": rows}, indent=2))
+    result = {"machine": os.uname().nodename, "cpus": os.cpu_count(), "rows": rows, "barriers": barriers}
+    args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
 
 

@@ -39,6 +39,7 @@ from etcd3 import etcdrpc
 from elastic_ft.etcd.endpoints import EndpointError, EtcdCredentials, EtcdEndpoint, TlsFiles
 from elastic_ft.etcd.kv import (
     EtcdCompactedError,
+    EtcdLeaseNotFoundError,
     EtcdRequestError,
     EtcdUnavailableError,
     KeyValue,
@@ -51,6 +52,7 @@ __all__ = [
     "EtcdClient",
     "EtcdCompactedError",
     "EtcdEndpoint",
+    "EtcdLeaseNotFoundError",
     "EtcdRequestError",
     "EtcdUnavailableError",
     "EtcdWatch",
@@ -296,6 +298,8 @@ class EtcdClient:
                             f"etcd at {endpoint} refused the request: permission denied for {who} "
                             "(its roles must grant read-write on the run's prefix, <etcd_prefix>/<run_id>/)"
                         ) from exc
+                    if exc.code() is grpc.StatusCode.NOT_FOUND and "lease not found" in (exc.details() or ""):
+                        raise EtcdLeaseNotFoundError(f"etcd at {endpoint}: {exc.details()}") from exc
                     if exc.code() not in _RETRYABLE_CODES:
                         raise EtcdRequestError(f"etcd at {endpoint} refused the request: {exc.details()}") from exc
                     last_error = exc

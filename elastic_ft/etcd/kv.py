@@ -17,6 +17,10 @@ class EtcdRequestError(RuntimeError):
     """etcd answered, but refused the request."""
 
 
+class EtcdLeaseNotFoundError(EtcdRequestError):
+    """A write named a lease etcd no longer has: it expired (its holder could not refresh it in time)."""
+
+
 class EtcdCompactedError(EtcdRequestError):
     """A watch asked for history that etcd has already compacted away."""
 

@@ -333,6 +333,34 @@ class EtcdStore(dist.Store):
             if committed is not None:
                 return committed
 
+    def arrive_once(self, arrived: str, counter: str, token: str) -> tuple[bool, int]:
+        """Count one arrival at a barrier, at most once: ``(counted, arrivals so far)``.
+
+        One transaction creates ``arrived`` with ``token`` and rewrites
+        ``counter``, whose version (etcd counts a key's writes) is then the
+        number of arrivals: one request however many ranks arrive at once,
+        where ``add`` is a read and a compare-and-swap that concurrent ranks
+        retry. A resend of an arrival that committed finds its own token and
+        counts it once. ``counted`` is False when another token arrived first.
+        """
+        arrived_key, counter_key = self._key(arrived), self._key(counter)
+        outcome = self._client.txn(
+            [key_missing(arrived_key)],
+            [put_op(arrived_key, token.encode()), put_op(counter_key, b""), get_op(counter_key)],
+            [get_op(arrived_key), get_op(counter_key)],
+        )
+        count = outcome.ranges[-1]
+        arrivals = count[0].version if count else 0
+        if outcome.succeeded:
+            return True, arrivals
+        mine = outcome.ranges[0]
+        return bool(mine) and mine[0].value == token.encode(), arrivals
+
+    def arrivals(self, counter: str) -> int:
+        """The number of arrivals :meth:`arrive_once` counted under ``counter``."""
+        kv, _ = self._client.get(self._key(counter))
+        return kv.version if kv is not None else 0
+
     def add(self, key: str, amount: int) -> int:
         def increment(current: bytes | None) -> bytes:
             try:

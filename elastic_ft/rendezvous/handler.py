@@ -50,6 +50,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from elastic_ft.etcd.client import (
     EtcdClient,
+    EtcdLeaseNotFoundError,
     EtcdRequestError,
     EtcdUnavailableError,
     delete_op,
@@ -276,13 +277,18 @@ class EtcdftRendezvousHandler(RendezvousHandler):
                     message = self._timeout_message(action.number)
                     self._withdraw()
                     raise RendezvousTimeoutError(message)
-                if isinstance(action, rules.JoinLate):
-                    info = self._join_late(action, session.id, version, wake)
-                    if info is not None:
-                        return info
-                elif isinstance(action, rules.JoinRound):
-                    if self._join(action.number, session.id, version, wake, leading):
-                        joined = action.number
+                if isinstance(action, rules.JoinLate | rules.JoinRound):
+                    try:
+                        if isinstance(action, rules.JoinLate):
+                            info = self._join_late(action, session.id, version, wake)
+                            if info is not None:
+                                return info
+                        elif self._join(action.number, session.id, version, wake, leading):
+                            joined = action.number
+                    except EtcdLeaseNotFoundError as exc:
+                        # The lease ran out before this node could use it (an overloaded host or etcd).
+                        log.warning("node %s: %s; joining again on a new lease", self.node, exc)
+                        session.expired.set()
                 elif isinstance(action, rules.CloseRound):
                     self._close(action, version)
                 else:
@@ -334,9 +340,13 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             if self._monitor is not None:
                 self._retire_monitor()
             mark = json.dumps({"node": self.node}).encode()
-            outcome = self._client.txn(
-                [key_missing(self._keys.monitor)], [put_op(self._keys.monitor, mark, session.id)]
-            )
+            try:
+                outcome = self._client.txn(
+                    [key_missing(self._keys.monitor)], [put_op(self._keys.monitor, mark, session.id)]
+                )
+            except EtcdLeaseNotFoundError:
+                session.expired.set()  # the next look opens a new session
+                return
             if not outcome.succeeded:
                 return
             view = self._view.follow()

@@ -319,3 +319,45 @@ def test_concurrent_pops_take_each_item_once(store_pair: tuple[dist.Store, dist.
     for t in threads:
         t.join()
     assert sorted(int(x) for x in taken) == list(range(30))
+
+
+def test_arrivals_are_counted_once_in_one_request_each(etcd: EtcdServer, run_id: str) -> None:
+    """The barrier's arrival: concurrent ranks each counted once, a resend of a counted arrival not again."""
+    client = EtcdClient(etcd.endpoints)
+    store = EtcdStore(client, f"/elastic_ft/{run_id}/round/0/store/", TIMEOUT)
+    counts: list[tuple[bool, int]] = []
+
+    def arrive(first: int) -> None:
+        for rank in range(first, first + 25):
+            counts.append(store.arrive_once(f"arrived/{rank}", "count", f"token{rank}"))
+
+    before = client.requests_by_kind["txn"]
+    threads = [threading.Thread(target=arrive, args=(25 * i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert client.requests_by_kind["txn"] - before == 200  # one transaction per arrival, no retries
+    assert all(counted for counted, _ in counts)
+    assert sorted(count for _, count in counts) == list(range(1, 201))  # every number once
+    assert store.arrive_once("arrived/7", "count", "token7") == (True, 200)  # a resend: counted, not again
+    assert store.arrive_once("arrived/7", "count", "other") == (False, 200)  # another process for the rank
+    assert store.arrivals("count") == 200 and store.arrivals("nothing") == 0
+    client.close()
+
+
+def test_wrapper_barrier_on_an_etcd_store_counts_in_one_transaction_per_rank(etcd: EtcdServer, run_id: str) -> None:
+    from elastic_ft.inprocess.store import iteration_store
+
+    client = EtcdClient(etcd.endpoints)
+    base = EtcdStore(client, f"/elastic_ft/{run_id}/round/0/store/", TIMEOUT)
+    views = [iteration_store(base, 3) for _ in range(4)]
+    before = client.requests_by_kind.copy()
+    for rank in range(3):
+        assert views[rank].arrive_and_wait("b", [rank], 4, timedelta(0)) is None
+    assert client.requests_by_kind["txn"] - before["txn"] == 3  # one transaction per arrival
+    assert views[3].arrive_and_wait("b", [3, 1], 4, timedelta(seconds=10)) == ""  # rank 1 again: counted once
+    assert all(view.arrive_and_wait("b", [0], 4, timedelta(seconds=10)) == "" for view in views)
+    with pytest.raises(Exception, match="1 of 2 ranks arrived"):
+        views[0].arrive_and_wait("c", [0], 2, timedelta(seconds=0.5))
+    client.close()
