@@ -399,6 +399,80 @@ def bench_barrier(cluster: Any, ranks: int, *, counted: bool = True, threads: in
     }
 
 
+def bench_exchange(cluster: Any, ranks: int, threads: int = 32) -> dict:
+    """A ``Tree`` (hosts of 8 ranks) at ``ranks`` ranks, its grouping keys exchanged through the etcd store.
+
+    ``gather_keys`` blocks every rank until the last arrives, which a pool of
+    threads cannot do for thousands of ranks; so its three steps are timed in
+    turn: every other rank publishes and counts itself in (the same one
+    transaction ``gather_keys`` sends), the last rank's ``gather_keys`` reads
+    them all and publishes the table, and every other rank reads the table.
+    Then the computation: the tree's first assignment and a reassignment."""
+    import datetime
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    from elastic_ft.etcd.client import EtcdClient
+    from elastic_ft.etcd.store import EtcdStore
+    from elastic_ft.inprocess.rank_assignment.exchange import gather_keys
+    from elastic_ft.inprocess.rank_assignment.tree_engine import (
+        Layer,
+        LayerFlag,
+        build_tree_topology,
+        initial_tree_assignment,
+        reassign_tree,
+    )
+    from elastic_ft.inprocess.store import iteration_store
+    from elastic_ft.keys import exchange_arrived, exchange_published, exchange_table
+
+    def host(rank: int) -> str:
+        return f"host{rank // 8:06d}"
+
+    client = EtcdClient(cluster.endpoints, connect_timeout=30, request_timeout=30)
+    base = EtcdStore(client, f"/elastic_ft/exchange-{uuid.uuid4().hex[:8]}/round/0/store/")
+    view = iteration_store(base, 0)
+    name, prefix = "elastic_ft/rank_assignment/tree/0", f"{view.key_prefix}/"
+    everyone = list(range(ranks))
+    before, server_before = client.requests, etcd_metrics(cluster)
+    start = time.perf_counter()
+
+    def arrive(rank: int) -> None:
+        keys = json.dumps(["root", host(rank)])
+        base.arrive_once(prefix + exchange_published(name, rank), prefix + exchange_arrived(name), keys)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(arrive, everyone[:-1]))
+        arrived = time.perf_counter()
+        columns = gather_keys(view, name, ranks - 1, everyone, ["root", host(ranks - 1)],
+                              datetime.timedelta(seconds=120), "bench")  # fmt: skip
+        tabled = time.perf_counter()
+        list(pool.map(lambda _r: json.loads(view.get(exchange_table(name))), everyone[:-1]))
+    read = time.perf_counter()
+    server = etcd_metrics(cluster)
+    layers = [
+        Layer(min_ranks=1, max_ranks=ranks - ranks // 16, key_or_fn="root", flag=LayerFlag.RESERVE),
+        Layer(min_ranks=1, max_ranks=8, key_or_fn="host", flag=LayerFlag.RESERVE | LayerFlag.BACKFILL),
+    ]
+    topology = build_tree_topology(layers, everyone, columns)
+    initial = initial_tree_assignment(topology)
+    computed = time.perf_counter()
+    terminated = set(random.Random(ranks).sample(range(1, ranks), ranks // 16))
+    reassign_tree(topology, initial, terminated)
+    reassigned = time.perf_counter()
+    client.close()
+    return {
+        "ranks": ranks,
+        "publish_s": arrived - start,
+        "table_s": tabled - arrived,
+        "read_s": read - tabled,
+        "exchange_s": read - start,
+        "first_assignment_s": computed - read,
+        "reassign_s": reassigned - computed,
+        "client_requests_per_rank": (client.requests - before) / ranks,
+        "etcd_requests_per_rank": (server["grpc_handled"] - server_before["grpc_handled"]) / ranks,
+    }
+
+
 COLUMNS = [
     ("N", lambda r, p: r["nodes"]),
     ("what", lambda r, p: p),
@@ -439,6 +513,7 @@ def main() -> None:
     parser.add_argument("--death-max", type=int, default=1024, help="largest N of the death measurement")
     parser.add_argument("--lease-ttl", type=int, default=10, help="lease TTL of the round measurement")
     parser.add_argument("--barrier-ranks", default="64,1024,16384", help="simulated ranks of the barrier rows")
+    parser.add_argument("--exchange-ranks", default="1024,16384", help="ranks of the Tree key-exchange rows")
     parser.add_argument("--generic-barrier-max", type=int, default=1024, help="largest N of the before-rows")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "scale.json")
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
@@ -453,13 +528,14 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows = []
     with EtcdCluster() as cluster:
-        for nodes in [int(s) for s in args.sizes.split(",")]:
+        for nodes in [int(s) for s in args.sizes.split(",") if s]:
             rows.append(bench(cluster, nodes, args.procs, death=False, lease_ttl=args.lease_ttl))
             if nodes <= args.death_max:
                 rows.append(bench(cluster, nodes, args.procs, death=True, lease_ttl=1))
         sizes = [int(n) for n in args.barrier_ranks.split(",") if n]
         barriers = [bench_barrier(cluster, n) for n in sizes]
         barriers += [bench_barrier(cluster, n, counted=False) for n in sizes if n <= args.generic_barrier_max]
+        exchanges = [bench_exchange(cluster, int(n)) for n in args.exchange_ranks.split(",") if n]
     print(table(rows))
     print("\nThe Wrapper's barrier on the etcd store (each rank arrives, then waits for the result):")
     print("| barrier | ranks | arrive s | total s | requests/rank (client) | requests/rank (etcd) |")
@@ -467,8 +543,15 @@ def main() -> None:
     for b in barriers:
         print(f"| {b['barrier']} | {b['ranks']} | {b['arrive_s']:.2f} | {b['seconds']:.2f} | {b['client_requests_per_rank']:.2f} | "
               f"{b['etcd_requests_per_rank']:.2f} |")  # fmt: skip
+    print("\nA Tree's grouping keys exchanged through the etcd store, then computed:")
+    print("| ranks | publish s | table s | read s | exchange s | first assignment s | reassign s | requests/rank |")
+    print("|---|---|---|---|---|---|---|---|")
+    for e in exchanges:
+        print(f"| {e['ranks']} | {e['publish_s']:.2f} | {e['table_s']:.2f} | {e['read_s']:.2f} | {e['exchange_s']:.2f} "
+              f"| {e['first_assignment_s']:.3f} | {e['reassign_s']:.3f} | {e['etcd_requests_per_rank']:.2f} |")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"machine": os.uname().nodename, "cpus": os.cpu_count(), "rows": rows, "barriers": barriers}
+    result = {"machine": os.uname().nodename, "cpus": os.cpu_count(), "rows": rows, "barriers": barriers,
+              "exchanges": exchanges}  # fmt: skip
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
 

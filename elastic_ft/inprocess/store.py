@@ -148,7 +148,7 @@ class StoreMixin:
             BarrierOverflow: more than ``world_size`` distinct ranks arrived.
         """
         done_key = keys.barrier_done(name)
-        counting = _counting_store(self)
+        counting = counting_store(self)
         for rank in ranks:
             token = uuid.uuid4().hex
             if counting is not None:
@@ -421,7 +421,7 @@ class PrefixStore(dist.PrefixStore, StoreMixin):
         self.key_prefix = prefix
 
 
-def _counting_store(view: object) -> tuple[Any, str] | None:
+def counting_store(view: object) -> tuple[Any, str] | None:
     """The store under ``view`` if it counts a barrier's arrivals in one request (an etcd store's
     ``arrive_once``), and the key prefix of the view; None for any other store (its ``add`` counts).
 
@@ -429,6 +429,8 @@ def _counting_store(view: object) -> tuple[Any, str] | None:
     retries that grow with the number arriving at once; one transaction per
     arrival does not.
     """
+    if callable(getattr(view, "arrive_once", None)):
+        return view, ""  # the etcd store itself
     prefix = getattr(view, "key_prefix", None)
     if prefix is None or not isinstance(view, dist.PrefixStore):
         return None

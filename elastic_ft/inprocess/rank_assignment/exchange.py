@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from elastic_ft.inprocess.exception import RankAssignmentTimeout
 from elastic_ft.inprocess.rank_assignment.base import grouping_key
 from elastic_ft.inprocess.state import State
+from elastic_ft.inprocess.store import counting_store
 from elastic_ft.keys import exchange_arrived, exchange_published, exchange_table
 
 if TYPE_CHECKING:
@@ -52,8 +53,17 @@ def gather_keys(
 
     table_key = exchange_table(prefix)
     # Values are JSON text; the store keeps a str as its UTF-8 bytes.
-    store.set(rank_key(rank), json.dumps(keys))
-    if store.add(exchange_arrived(prefix), 1) == len(ranks):
+    published = json.dumps(keys)
+    counting = counting_store(store)
+    if counting is not None:
+        # An etcd store publishes and counts in one transaction (a rank's keys are its token: a resend,
+        # or another process of the rank with the same keys, is counted once).
+        base, view = counting
+        _, arrived = base.arrive_once(view + rank_key(rank), view + exchange_arrived(prefix), published)
+    else:
+        store.set(rank_key(rank), published)
+        arrived = store.add(exchange_arrived(prefix), 1)
+    if arrived == len(ranks):
         values = store.multi_get([rank_key(peer) for peer in ranks])
         store.set(table_key, json.dumps(_encode_columns(values, len(keys))))
     try:
