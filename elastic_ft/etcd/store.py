@@ -356,6 +356,24 @@ class EtcdStore(dist.Store):
         mine = outcome.ranges[0]
         return bool(mine) and mine[0].value == token.encode(), arrivals
 
+    def watch_for(self, key: str) -> tuple[threading.Event, Callable[[], None]]:
+        """A flag set once ``key`` exists, kept by a watch (no request while it is not), and the function that
+        stops the watch. A broken watch sets the flag too, so a caller that checks the key falls back to
+        reading it."""
+        full = self._key(key)
+        appeared = threading.Event()
+        kv, revision = self._client.get(full)
+        if kv is not None:
+            appeared.set()
+            return appeared, lambda: None
+
+        def on_events(events: list[WatchEvent], _revision: int) -> None:
+            if any(not event.deleted for event in events):
+                appeared.set()
+
+        watch = self._client.watch_key(full, revision + 1, on_events, lambda _error: appeared.set())
+        return appeared, watch.close
+
     def arrivals(self, counter: str) -> int:
         """The number of arrivals :meth:`arrive_once` counted under ``counter``."""
         kv, _ = self._client.get(self._key(counter))

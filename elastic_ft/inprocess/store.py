@@ -169,13 +169,14 @@ class StoreMixin:
         if timeout <= datetime.timedelta(0):
             return None
         limit = None if timeout == datetime.timedelta.max else timeout.total_seconds()
-        if counting is not None and getattr(counting[0], "waits_without_polling", False):
-            # One watch per rank, not a request every few milliseconds: what keeps 16k ranks cheap.
+        if counting is not None and callable(getattr(counting[0], "watch_for", None)):
+            # The loop stays a short-sleep poll the Wrapper can interrupt, but what it polls is a watch's
+            # flag: one watch per rank, not a request every few milliseconds.
+            appeared, stop = counting[0].watch_for(counting[1] + done_key)
             try:
-                self.wait([done_key], datetime.timedelta(days=365) if limit is None else timeout)
-                completed = True
-            except dist.DistStoreError:
-                completed = False
+                completed = poll(lambda: appeared.is_set() and self.check([done_key]), limit)
+            finally:
+                stop()
         else:
             completed = poll(lambda: self.check([done_key]), limit)
         if not completed:

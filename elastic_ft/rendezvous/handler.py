@@ -91,6 +91,8 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         )
         self._keys = settings.keys
         self._client = client or connect(settings)
+        self._last_board: model.Board | None = None  # the last board written (set by the board view)
+        self._warned_board: str | None = None
         try:
             self._client.check_connection()
             self._board_view: PrefixView[model.Board | None, model.Board | None] = PrefixView(
@@ -111,14 +113,12 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         self._member_round: int | None = None  # the round this node belongs to
         self._member_of: model.RoundResult | None = None  # its members, read when first asked for
         self._announced_with: int | None = None  # the session whose lease this member's alive key is on
-        self._last_board: model.Board | None = None
         self._board_gone_seen = False
         #: The group rank this node took as a hot spare that joined a running round (None: a member).
         self.late_place: int | None = None
         self._shut_down = False
         self._logged_verdict: tuple[int, rules.CloseVerdict] | None = None
         self._warned_malformed: Mapping[str, str] = {}
-        self._warned_board: str | None = None
         self._outage_grace_until = 0.0
         #: Seconds the last completed ``next_rendezvous`` call took (the round's duration for this node).
         self.last_round_seconds: float | None = None
