@@ -56,7 +56,6 @@ def worker_main(endpoint: str, run_id: str, count: int, conf_json: str) -> None:
     from elastic_ft.etcd.client import EtcdClient
     from elastic_ft.observability import sink as event_sink
     from elastic_ft.rendezvous import EtcdftRendezvousHandler, make_settings
-    from elastic_ft.rendezvous.config import connect
 
     conf = json.loads(conf_json)
     settings = make_settings(run_id=run_id, endpoint=endpoint, local_addr="127.0.0.1", **conf)
@@ -71,7 +70,6 @@ def worker_main(endpoint: str, run_id: str, count: int, conf_json: str) -> None:
         def really_close(self) -> None:
             super().close()
 
-    base = connect(settings)
     client = SharedClient(
         settings.endpoints,
         connect_timeout=settings.connect_timeout,
@@ -79,7 +77,6 @@ def worker_main(endpoint: str, run_id: str, count: int, conf_json: str) -> None:
         tls=settings.tls,
         credentials=settings.credentials,
     )
-    base.close()
     nodes = [EtcdftRendezvousHandler(settings, client) for _ in range(count)]
     for handler in nodes:
         handler._ensure_session()  # a node's lease exists before the timed round, as from its second round on
@@ -152,6 +149,15 @@ def deltas(handlers: list, client: Any, before: dict) -> dict:
     }
 
 
+def run_each(node: Any, count: int) -> None:
+    """Run ``node(i)`` for every simulated node at once, one thread each; return when all have."""
+    threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def run_round(handlers: list, client: Any, start: float) -> dict:
     before = counters(handlers, client)
     done: list[float | None] = [None] * len(handlers)
@@ -167,11 +173,7 @@ def run_round(handlers: list, client: Any, start: float) -> dict:
         except Exception as exc:  # noqa: BLE001 - reported
             errors.append(repr(exc))
 
-    threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in range(len(handlers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_each(node, len(handlers))
     return {"done": done, "sizes": sizes, "errors": errors[:3], **deltas(handlers, client, before)}
 
 
@@ -196,11 +198,7 @@ def follow(handlers: list, client: Any, timeout: float) -> dict:
         except Exception as exc:  # noqa: BLE001 - reported
             errors.append(repr(exc))
 
-    threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in range(len(handlers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_each(node, len(handlers))
     return {"done": done, "seen": seen, "sizes": sizes, "errors": errors[:3], **deltas(handlers, client, before)}
 
 
