@@ -1,17 +1,19 @@
 """Scale benchmark: the etcdft rendezvous with thousands of simulated nodes on a real 3-member etcd.
 
-A simulated node is a real ``EtcdftRendezvousHandler`` (its own lease and
-keep-alive stream, its own watches, its own decisions) without torch
-workers. ``--procs`` worker processes hold the nodes, each sharing one gRPC
-connection to etcd among its nodes, as the issue asks ("many per process,
-threads with shared channels"). The etcd is a 3-member cluster on loopback
-(``elastic_ft.testing.etcd_cluster.EtcdCluster``).
+A simulated node is a real ``EtcdftRendezvousHandler`` (its own lease, its
+own watches, its own decisions) without torch workers. ``--procs`` worker
+processes hold the nodes, each sharing one etcd client among its nodes, as
+the issue asks ("many per process, threads with shared channels"): so a
+process's leases share one keep-alive stream and its watches one watch
+stream, as every client's do (``elastic_ft.etcd.session``). The etcd is a
+3-member cluster on loopback (``elastic_ft.testing.etcd_cluster.EtcdCluster``).
 
 For each N:
 
 1. **round**: every node calls ``next_rendezvous()`` at once (min = max = N);
    the time until the last returns;
-2. **death** (for N up to ``--death-max``, with ``lease_ttl=1``): after a
+2. **death** (for N up to ``--death-max``, with ``--death-lease-ttl``, 1 s
+   by default): after a
    first round, one node (not the monitor) crashes: its lease is left to
    expire, as when a host dies. The survivors act as torch's agent does: they
    poll ``num_nodes_waiting()`` every 0.1 s and re-rendezvous when it is
@@ -326,6 +328,7 @@ def bench(cluster: Any, nodes: int, procs: int, death: bool, lease_ttl: int) -> 
             "join_timeout": 600, "request_timeout": 30, "connect_timeout": 30}  # fmt: skip
     if death:
         conf["min_nodes"] = 1
+        conf["join_timeout"] = 120  # a simulation whose leases expire under its own load fails, not hangs
     run_id = f"scale-{uuid.uuid4().hex[:8]}"
     workers = Workers(cluster.endpoint, run_id, nodes, procs, conf)
     row: dict[str, Any] = {"nodes": nodes, "lease_ttl": lease_ttl}
@@ -405,14 +408,17 @@ def bench_exchange(cluster: Any, ranks: int, threads: int = 32) -> dict:
     turn: every other rank publishes and counts itself in (the same one
     transaction ``gather_keys`` sends), the last rank's ``gather_keys`` reads
     them all and publishes the table, and every other rank reads the table.
-    Then the computation: the tree's first assignment and a reassignment."""
+    Decoding it is each rank's own CPU, timed apart (median of 32): threads
+    here would add 16k ranks' decoding up on 2 cores. Then the computation:
+    the tree's first assignment and a reassignment (which needs no exchange:
+    a ``Tree`` keeps the topology of its first call)."""
     import datetime
     import random
     from concurrent.futures import ThreadPoolExecutor
 
     from elastic_ft.etcd.client import EtcdClient
     from elastic_ft.etcd.store import EtcdStore
-    from elastic_ft.inprocess.rank_assignment.exchange import gather_keys
+    from elastic_ft.inprocess.rank_assignment.exchange import _decode_table, gather_keys
     from elastic_ft.inprocess.rank_assignment.tree_engine import (
         Layer,
         LayerFlag,
@@ -444,9 +450,16 @@ def bench_exchange(cluster: Any, ranks: int, threads: int = 32) -> dict:
         columns = gather_keys(view, name, ranks - 1, everyone, ["root", host(ranks - 1)],
                               datetime.timedelta(seconds=120), "bench")  # fmt: skip
         tabled = time.perf_counter()
-        list(pool.map(lambda _r: json.loads(view.get(exchange_table(name))), everyone[:-1]))
+        tables = set(pool.map(lambda _r: view.get(exchange_table(name)), everyone[:-1]))
     read = time.perf_counter()
     server = etcd_metrics(cluster)
+    (table,) = tables
+    decode = []
+    for _ in range(32):  # what each rank then spends on its own: inflate, parse, expand to columns
+        begin = time.perf_counter()
+        if _decode_table(table, ranks, 2, "bench", exchange_table(name)) != columns:
+            raise RuntimeError("a rank would read another table than the last rank built")
+        decode.append(time.perf_counter() - begin)
     layers = [
         Layer(min_ranks=1, max_ranks=ranks - ranks // 16, key_or_fn="root", flag=LayerFlag.RESERVE),
         Layer(min_ranks=1, max_ranks=8, key_or_fn="host", flag=LayerFlag.RESERVE | LayerFlag.BACKFILL),
@@ -463,6 +476,8 @@ def bench_exchange(cluster: Any, ranks: int, threads: int = 32) -> dict:
         "publish_s": arrived - start,
         "table_s": tabled - arrived,
         "read_s": read - tabled,
+        "table_bytes": len(table),
+        "decode_ms": statistics.median(decode) * 1000,
         "exchange_s": read - start,
         "first_assignment_s": computed - read,
         "reassign_s": reassigned - computed,
@@ -510,6 +525,7 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=8, help="worker processes holding the nodes")
     parser.add_argument("--death-max", type=int, default=1024, help="largest N of the death measurement")
     parser.add_argument("--lease-ttl", type=int, default=10, help="lease TTL of the round measurement")
+    parser.add_argument("--death-lease-ttl", type=int, default=1, help="lease TTL of the death measurement")
     parser.add_argument("--barrier-ranks", default="64,1024,16384", help="simulated ranks of the barrier rows")
     parser.add_argument("--exchange-ranks", default="1024,16384", help="ranks of the Tree key-exchange rows")
     parser.add_argument("--generic-barrier-max", type=int, default=1024, help="largest N of the before-rows")
@@ -529,24 +545,33 @@ def main() -> None:
         for nodes in [int(s) for s in args.sizes.split(",") if s]:
             rows.append(bench(cluster, nodes, args.procs, death=False, lease_ttl=args.lease_ttl))
             if nodes <= args.death_max:
-                rows.append(bench(cluster, nodes, args.procs, death=True, lease_ttl=1))
+                try:
+                    rows.append(bench(cluster, nodes, args.procs, death=True, lease_ttl=args.death_lease_ttl))
+                except RuntimeError as exc:  # reported with the table: the simulation gave out at this size
+                    print(f"N={nodes:<5} death: failed: {exc}", flush=True)
+                    rows.append({"nodes": nodes, "lease_ttl": args.death_lease_ttl, "death_failed": str(exc)})
         sizes = [int(n) for n in args.barrier_ranks.split(",") if n]
         barriers = [bench_barrier(cluster, n) for n in sizes]
         barriers += [bench_barrier(cluster, n, counted=False) for n in sizes if n <= args.generic_barrier_max]
         exchanges = [bench_exchange(cluster, int(n)) for n in args.exchange_ranks.split(",") if n]
     print(table(rows))
+    for row in rows:
+        if "death_failed" in row:
+            print(f"N={row['nodes']}, lease_ttl={row['lease_ttl']}: the death measurement failed: {row['death_failed']}")
     print("\nThe Wrapper's barrier on the etcd store (each rank arrives, then waits for the result):")
     print("| barrier | ranks | arrive s | total s | requests/rank (client) | requests/rank (etcd) |")
     print("|---|---|---|---|---|---|")
     for b in barriers:
         print(f"| {b['barrier']} | {b['ranks']} | {b['arrive_s']:.2f} | {b['seconds']:.2f} | {b['client_requests_per_rank']:.2f} | "
               f"{b['etcd_requests_per_rank']:.2f} |")  # fmt: skip
-    print("\nA Tree's grouping keys exchanged through the etcd store, then computed:")
-    print("| ranks | publish s | table s | read s | exchange s | first assignment s | reassign s | requests/rank |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\nA Tree's grouping keys exchanged through the etcd store (its first call), then computed:")
+    print("| ranks | publish s | table s | read s | table KB | decode ms/rank | exchange s | first assignment s | "
+          "reassign s | requests/rank |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for e in exchanges:
-        print(f"| {e['ranks']} | {e['publish_s']:.2f} | {e['table_s']:.2f} | {e['read_s']:.2f} | {e['exchange_s']:.2f} "
-              f"| {e['first_assignment_s']:.3f} | {e['reassign_s']:.3f} | {e['etcd_requests_per_rank']:.2f} |")  # fmt: skip
+        print(f"| {e['ranks']} | {e['publish_s']:.2f} | {e['table_s']:.2f} | {e['read_s']:.2f} | "
+              f"{e['table_bytes'] / 1024:.1f} | {e['decode_ms']:.2f} | {e['exchange_s']:.2f} | "
+              f"{e['first_assignment_s']:.3f} | {e['reassign_s']:.3f} | {e['etcd_requests_per_rank']:.2f} |")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {"machine": os.uname().nodename, "cpus": os.cpu_count(), "rows": rows, "barriers": barriers,
               "exchanges": exchanges}  # fmt: skip

@@ -26,6 +26,7 @@ endpoints.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -46,7 +47,7 @@ from elastic_ft.etcd.kv import (
     TxnResult,
     WatchEvent,
 )
-from elastic_ft.etcd.watch import EtcdWatch, KeepAliveStream, Stream
+from elastic_ft.etcd.watch import EtcdWatch, KeepAliveStream, Stream, WatchStream
 
 __all__ = [
     "EtcdClient",
@@ -141,6 +142,27 @@ def get_op(key: str) -> Op:
     return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))
 
 
+def _watch_create_request(key: bytes, range_end: bytes, start_revision: int, watch_id: int) -> Any:
+    """A request to create a watch whose id the client picks.
+
+    etcd (3.4 on) takes the id from ``WatchCreateRequest.watch_id``, field 7,
+    which the stubs of the ``etcd3`` package predate; so the field is appended
+    in its wire form (a varint), which protobuf keeps as an unknown field and
+    sends on.
+    """
+    if watch_id <= 0:
+        raise ValueError(f"a watch id must be positive, got {watch_id}")
+    varint = bytearray()
+    while True:
+        byte, watch_id = watch_id & 0x7F, watch_id >> 7
+        varint.append(byte | (0x80 if watch_id else 0))
+        if not watch_id:
+            break
+    known = etcdrpc.WatchCreateRequest(key=key, range_end=range_end, start_revision=start_revision)
+    create = etcdrpc.WatchCreateRequest.FromString(known.SerializeToString() + bytes([7 << 3]) + bytes(varint))
+    return etcdrpc.WatchRequest(create_request=create)
+
+
 _StreamT = TypeVar("_StreamT", bound=Stream)
 
 
@@ -174,6 +196,8 @@ class EtcdClient:
         self._current = 0
         self._closed = False
         self._streams: set[Stream] = set()
+        self._watches: WatchStream | None = None
+        self._watch_ids = itertools.count(1)
         self.requests_by_kind: Counter[str] = Counter()
         #: Failed sends by request kind and error (``("put", "UNAVAILABLE")``), retried ones included.
         self.errors_by_kind: Counter[tuple[str, str]] = Counter()
@@ -406,12 +430,16 @@ class EtcdClient:
             raise EtcdRequestError(f"etcd refused a lease of {ttl} s: {response.error}")
         return response.ID, response.TTL
 
-    def keep_alive_stream(self, lease_id: int) -> KeepAliveStream:
-        """Open one long-lived keep-alive stream for ``lease_id`` (see :class:`elastic_ft.etcd.session.Session`)."""
+    def keep_alive_stream(
+        self, on_answer: Callable[[int, int], None], on_end: Callable[[Exception], None]
+    ) -> KeepAliveStream:
+        """Open one long-lived keep-alive stream (see :mod:`elastic_ft.etcd.session`, which shares it among
+        every lease of this client)."""
         endpoint = self._endpoint_order()[0]
         self._count("keep_alive")
         channel = self._channel(endpoint)
-        return self._track(KeepAliveStream(channel, endpoint, lease_id, self._stream_metadata_or_error(channel)))
+        metadata = self._stream_metadata_or_error(channel)
+        return self._track(KeepAliveStream(channel, endpoint, on_answer, on_end, metadata))
 
     def revoke_lease(self, lease_id: int) -> None:
         """Revoke a lease, deleting every key attached to it; a lease that
@@ -435,9 +463,11 @@ class EtcdClient:
     ) -> EtcdWatch:
         """Stream every change under ``prefix`` from ``start_revision`` on.
 
-        ``on_events(events, revision)`` runs in the watch's own thread for each
-        batch; ``on_error`` runs once if the stream breaks or history was
-        compacted, after which the watch is over and the caller re-lists.
+        ``on_events(events, revision)`` runs for each batch in the reader
+        thread of the stream all this client's watches share, so it must
+        return quickly; ``on_error`` runs once if the stream breaks or
+        history was compacted, after which the watch is over and the caller
+        re-lists.
         """
         return self._watch(prefix, prefix_end(prefix), start_revision, on_events, on_error)
 
@@ -459,16 +489,38 @@ class EtcdClient:
         on_events: Callable[[list[WatchEvent], int], None],
         on_error: Callable[[Exception], None],
     ) -> EtcdWatch:
-        request = etcdrpc.WatchRequest(
-            create_request=etcdrpc.WatchCreateRequest(
-                key=key.encode(), range_end=range_end, start_revision=start_revision
-            )
-        )
-        endpoint = self._endpoint_order()[0]
+        watch_id = next(self._watch_ids)
+        request = _watch_create_request(key.encode(), range_end, start_revision, watch_id)
+        watch = EtcdWatch(watch_id, request, on_events, on_error)
         self._count("watch")
+        while not self._watch_stream().add(watch):
+            pass  # it ended meanwhile: the next call opens another
+        return watch
+
+    def _watch_stream(self) -> WatchStream:
+        """The stream every watch of this client shares, opened (on the current endpoint) when there is none."""
+        with self._lock:
+            stream = self._watches
+        if stream is not None and not stream.ended:
+            return stream
+        endpoint = self._endpoint_order()[0]
         channel = self._channel(endpoint)
-        metadata = self._stream_metadata_or_error(channel)
-        return self._track(EtcdWatch(channel, endpoint, request, on_events, on_error, metadata))
+        opened = WatchStream(channel, endpoint, self._stream_metadata_or_error(channel))
+        with self._lock:
+            if self._closed:
+                extra: WatchStream | None = opened
+                stream = None
+            elif self._watches is None or self._watches.ended:
+                self._watches, extra, stream = opened, None, opened
+                self._streams = {s for s in self._streams if not s.cancelled}
+                self._streams.add(opened)
+            else:
+                extra, stream = opened, self._watches
+        if extra is not None:
+            extra.close()  # another thread opened one first
+        if stream is None:
+            raise EtcdRequestError("the etcd client is closed")
+        return stream
 
     def _track(self, stream: _StreamT) -> _StreamT:
         with self._lock:

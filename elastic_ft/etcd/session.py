@@ -1,12 +1,17 @@
-"""A session: one etcd lease, kept alive over one long-lived keep-alive stream.
+"""Sessions: etcd leases, all of a client's kept alive over one long-lived stream.
 
 As etcd's Go ``concurrency.Session``: everything a node keeps alive hangs on
-its session's lease, and a daemon thread refreshes it every ``ttl / 3``
-seconds over a single stream (reopened, on another endpoint if need be, only
-when it breaks). The session is *lost* (:attr:`Session.expired`) as soon as
-etcd reports the lease gone, or when no refresh has succeeded for a whole
-TTL: by then etcd has dropped the lease and every key on it, whatever the
-client hears later, so waiting longer would only hide the loss.
+its session's lease, refreshed every ``ttl / 3`` seconds. As etcd's Go
+lessor, the sessions of one :class:`EtcdClient` share one keep-alive stream
+and one thread (:class:`_Lessor`; one per :data:`LEASES_PER_STREAM` leases):
+a process that simulates a thousand nodes costs etcd 16 streams, not a
+thousand, and itself 48 threads, not three thousand. A stream is reopened,
+on another endpoint if need be, only when it breaks or stops answering.
+
+A session is *lost* (:attr:`Session.expired`) as soon as etcd reports its
+lease gone, or when no refresh has succeeded for a whole TTL: by then etcd
+has dropped the lease and every key on it, whatever the client hears later,
+so waiting longer would only hide the loss.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.kv import EtcdRequestError, EtcdUnavailableError
@@ -22,6 +28,11 @@ from elastic_ft.etcd.watch import KeepAliveStream
 log = logging.getLogger(__name__)
 
 _RETRY_PAUSE = 0.1
+
+#: Leases one keep-alive stream carries. etcd answers a stream's refreshes one after another (a follower
+#: forwards each to the leader), so one stream renews a few hundred leases a second at best: a process that
+#: holds many leases (the scale benchmark's simulated nodes) gets a stream per this many.
+LEASES_PER_STREAM = 64
 
 
 class Session:
@@ -34,47 +45,152 @@ class Session:
         self._client = client
         self.id, self.ttl = client.grant_lease(ttl)
         self.expired = threading.Event()
-        self._stop = threading.Event()
-        self._last_refresh = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="etcd-session", daemon=True)
-        self._thread.start()
+        #: Seconds between refreshes.
+        self.interval = max(0.1, self.ttl / 3)
+        self.last_refresh = time.monotonic()
+        self.next_refresh = self.last_refresh + self.interval
+        self.sent_at: float | None = None  # a refresh awaits its answer since then
+        self._lessor = _Lessor.of(client)
+        self._lessor.add(self)
 
-    def _run(self) -> None:
-        interval = max(0.1, self.ttl / 3)
-        stream: KeepAliveStream | None = None
-        try:
-            while not self._stop.wait(interval if stream is not None else _RETRY_PAUSE):
-                try:
-                    if stream is None:
-                        stream = self._client.keep_alive_stream(self.id)
-                    remaining = self.ttl - (time.monotonic() - self._last_refresh)
-                    ttl = stream.refresh(timeout=max(0.05, min(self._client.request_timeout, remaining)))
-                except (EtcdUnavailableError, EtcdRequestError) as exc:
-                    if stream is not None:
-                        stream.close()
-                        self._client.avoid(stream.endpoint)
-                        stream = None
-                    if time.monotonic() - self._last_refresh >= self.ttl:
-                        self._mark_lost(f"no refresh for a whole TTL: {exc}")
-                        return
-                    log.warning("cannot refresh etcd lease %x yet: %s", self.id, exc)
-                    continue
-                if ttl <= 0:
-                    self._mark_lost("etcd reports it expired")
-                    return
-                self._last_refresh = time.monotonic()
-        finally:
-            if stream is not None:
-                stream.close()
-
-    def _mark_lost(self, why: str) -> None:
-        silent = time.monotonic() - self._last_refresh
+    def mark_lost(self, why: str) -> None:
+        silent = time.monotonic() - self.last_refresh
         log.warning("etcd lease %x lost (%s; last refreshed %.1f s ago, TTL %d s)", self.id, why, silent, self.ttl)
         self.expired.set()
 
     def close(self, *, revoke: bool) -> None:
         """Stop refreshing; with ``revoke``, delete the lease and every key on it at once."""
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self._lessor.remove(self)
         if revoke and not self.expired.is_set():
             self._client.revoke_lease(self.id)
+
+
+class _Lessor:
+    """Refreshes up to :data:`LEASES_PER_STREAM` sessions of one client over one keep-alive stream, from one
+    thread.
+
+    Refreshes due within a quarter of a session's interval go out together,
+    so sessions granted at different times settle into few wake-ups. A
+    refresh unanswered for ``request_timeout`` (a frozen member) counts as a
+    broken stream: it is closed, its endpoint avoided, and every session
+    refreshed on the next one at once.
+    """
+
+    @classmethod
+    def of(cls, client: EtcdClient) -> _Lessor:
+        """A lessor of ``client`` with room for one more session."""
+        with _LESSORS_LOCK:
+            lessors = _LESSORS.setdefault(client, [])
+            for lessor in lessors:
+                if lessor.size() < LEASES_PER_STREAM:
+                    return lessor
+            lessor = cls(client)
+            lessors.append(lessor)
+            return lessor
+
+    def size(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    def __init__(self, client: EtcdClient) -> None:
+        self._client = client
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._sessions: dict[int, Session] = {}
+        self._thread: threading.Thread | None = None
+        self._broken: Exception | None = None
+        self._opened = 0  # streams opened so far: tells the current one's end from a replaced one's
+
+    def add(self, session: Session) -> None:
+        with self._lock:
+            self._sessions[session.id] = session
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="etcd-session", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def remove(self, session: Session) -> None:
+        with self._lock:
+            self._sessions.pop(session.id, None)
+        self._wake.set()
+
+    def _on_answer(self, lease_id: int, ttl: int) -> None:
+        with self._lock:
+            session = self._sessions.get(lease_id)
+            if session is None:
+                return
+            if ttl <= 0:
+                del self._sessions[lease_id]
+            else:
+                session.last_refresh, session.sent_at = time.monotonic(), None
+        if ttl <= 0:
+            session.mark_lost("etcd reports it expired")
+
+    def _on_end(self, opened: int, error: Exception) -> None:
+        with self._lock:
+            if opened == self._opened:  # not a stream already replaced
+                self._broken = error
+        self._wake.set()
+
+    def _run(self) -> None:
+        stream: KeepAliveStream | None = None
+        try:
+            while True:
+                self._wake.clear()
+                now = time.monotonic()
+                with self._lock:
+                    if not self._sessions:
+                        self._thread = None
+                        return
+                    sessions = list(self._sessions.values())
+                    broken, self._broken = self._broken, None
+                lost = [s for s in sessions if now - s.last_refresh >= s.ttl]
+                for session in lost:
+                    self.remove(session)
+                    session.mark_lost(f"no refresh for a whole TTL ({broken or 'no answer'})")
+                live = [s for s in sessions if s not in lost]
+                late = [s for s in live if s.sent_at is not None and now - s.sent_at >= self._client.request_timeout]
+                if stream is not None and (broken is not None or late):
+                    log.warning("etcd keep-alive stream to %s: %s; reopening", stream.endpoint,
+                                broken or f"no answer within {self._client.request_timeout:g} s")  # fmt: skip
+                    stream.close()
+                    self._client.avoid(stream.endpoint)
+                    stream = None
+                    time.sleep(_RETRY_PAUSE)  # a member that refuses at once is not retried in a busy loop
+                    now = time.monotonic()
+                if stream is None:
+                    try:
+                        with self._lock:
+                            self._opened += 1
+                            opened = self._opened
+                        stream = self._client.keep_alive_stream(
+                            self._on_answer, lambda error, opened=opened: self._on_end(opened, error)
+                        )
+                    except (EtcdUnavailableError, EtcdRequestError) as exc:
+                        log.warning("cannot open an etcd keep-alive stream yet: %s", exc)
+                        self._wake.wait(_RETRY_PAUSE)
+                        continue
+                    for session in live:  # what was sent on the old stream is lost with it
+                        session.next_refresh, session.sent_at = now, None
+                for session in live:
+                    if session.next_refresh - now <= session.interval / 4:
+                        if session.sent_at is None:
+                            session.sent_at = now
+                        session.next_refresh = now + session.interval
+                        stream.send(session.id)
+                timeout = self._client.request_timeout
+                wake_at = min(
+                    (
+                        min(s.next_refresh, s.last_refresh + s.ttl, (s.sent_at or s.next_refresh) + timeout)
+                        for s in live
+                    ),
+                    default=now,
+                )
+                self._wake.wait(max(0.0, wake_at - time.monotonic()))
+        finally:
+            if stream is not None:
+                stream.close()
+
+
+_LESSORS: weakref.WeakKeyDictionary[EtcdClient, list[_Lessor]] = weakref.WeakKeyDictionary()
+_LESSORS_LOCK = threading.Lock()

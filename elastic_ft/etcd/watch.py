@@ -1,6 +1,8 @@
-"""etcd's long-lived streams: a watch, and a lease's keep-alive, each read by one thread.
+"""etcd's long-lived streams: watches, and leases' keep-alives, each kind on one stream per client.
 
-Both are bidirectional gRPC streams whose answers a daemon thread reads.
+Both are bidirectional gRPC streams whose answers a daemon thread reads; as
+in etcd's Go client, one stream carries all of a client's watches (told
+apart by id), and one all of its leases' refreshes.
 :meth:`Stream.close` cancels the call *and joins the thread* before the
 client closes its channels: a reader thread cut off inside gRPC while the
 interpreter shuts down can block it forever in a finaliser.
@@ -95,79 +97,146 @@ class Stream:
         return returned.wait(seconds)
 
 
-class EtcdWatch(Stream):
-    """A watch on a key range; ``on_events(events, revision)`` for each batch, ``on_error`` once at the end."""
+class EtcdWatch:
+    """One watch on a key range, carried by its client's shared :class:`WatchStream`.
+
+    ``on_events(events, revision)`` runs for each batch, in the stream's
+    reader thread, so it must be quick (record and return); ``on_error``
+    runs once at the end: the stream broke, etcd cancelled the watch, or its
+    history was compacted. After that the watch is over and the caller
+    re-lists and watches again.
+    """
+
+    def __init__(
+        self,
+        watch_id: int,
+        request: Any,
+        on_events: Callable[[list[WatchEvent], int], None],
+        on_error: Callable[[Exception], None],
+    ) -> None:
+        self.id = watch_id
+        self.request = request
+        self.on_events = on_events
+        self.on_error = on_error
+        self.stream: WatchStream | None = None
+        self._closed = threading.Event()
+
+    @property
+    def endpoint(self) -> EtcdEndpoint | None:
+        return self.stream.endpoint if self.stream is not None else None
+
+    @property
+    def cancelled(self) -> bool:
+        """Closed, or its stream cancelled (the client closed)."""
+        return self._closed.is_set() or (self.stream is not None and self.stream.cancelled)
+
+    def close(self) -> None:
+        """Stop watching; no callback runs once this has returned, except one already running."""
+        self._closed.set()
+        if self.stream is not None:
+            self.stream.remove(self)
+
+
+class WatchStream(Stream):
+    """Every watch of one client on one stream, told apart by watch ids the client picks (etcd 3.4+).
+
+    As etcd's Go client: a node that watches several ranges costs etcd one
+    stream and the node one reader thread, however many watches come and go.
+    When the stream ends, every watch on it ends with the same error.
+    """
+
+    def __init__(self, channel: grpc.Channel, endpoint: EtcdEndpoint, metadata: tuple[tuple[str, str], ...]) -> None:
+        super().__init__(etcdrpc.WatchStub(channel).Watch, endpoint, "etcd-watch", metadata)
+        self._lock = threading.Lock()
+        self._watches: dict[int, EtcdWatch] = {}
+        self._ended = False
+        self._start()
+
+    @property
+    def ended(self) -> bool:
+        return self._ended or self.cancelled
+
+    def add(self, watch: EtcdWatch) -> bool:
+        """Start ``watch`` on this stream; False if the stream has ended (open another)."""
+        with self._lock:
+            if self.ended:
+                return False
+            self._watches[watch.id] = watch
+            watch.stream = self
+            self._requests.put(watch.request)
+        return True
+
+    def remove(self, watch: EtcdWatch) -> None:
+        with self._lock:
+            if self._watches.pop(watch.id, None) is None or self.ended:
+                return
+            self._requests.put(etcdrpc.WatchRequest(cancel_request=etcdrpc.WatchCancelRequest(watch_id=watch.id)))
+
+    def _end_one(self, watch_id: int, error: Exception) -> None:
+        with self._lock:
+            watch = self._watches.pop(watch_id, None)
+        if watch is not None and not watch.cancelled:
+            watch.on_error(error)
+
+    def _run(self) -> None:
+        try:
+            for response in self._call:
+                watch = self._watches.get(response.watch_id)
+                if watch is None or watch.cancelled:
+                    continue  # cancelled by us, or the answer to a cancel
+                if response.compact_revision:
+                    self._end_one(watch.id, EtcdCompactedError(response.compact_revision))
+                elif response.canceled:
+                    self._end_one(watch.id, EtcdRequestError(f"etcd cancelled the watch: {response.cancel_reason}"))
+                elif response.events:
+                    events = [
+                        WatchEvent(e.type == kv_pb2.Event.DELETE, KeyValue.from_proto(e.kv)) for e in response.events
+                    ]
+                    watch.on_events(events, response.header.revision)
+            raise EtcdUnavailableError("the etcd watch stream ended")
+        except Exception as exc:  # noqa: BLE001 - every end of the stream is reported to each watch on it
+            if isinstance(exc, grpc.RpcError):
+                exc = EtcdUnavailableError(f"the etcd watch stream broke: {exc.details()}")
+            with self._lock:
+                self._ended = True
+                watches = list(self._watches.values())
+                self._watches.clear()
+            if not self.cancelled:
+                for watch in watches:
+                    if not watch.cancelled:
+                        watch.on_error(exc)
+
+
+class KeepAliveStream(Stream):
+    """One keep-alive stream for every lease of a client (see :mod:`elastic_ft.etcd.session`).
+
+    :meth:`send` asks for one lease's refresh; ``on_answer(lease_id, ttl)``
+    runs in the reader thread for each answer (``ttl`` 0: the lease has
+    expired), and ``on_end(error)`` once when the stream ends.
+    """
 
     def __init__(
         self,
         channel: grpc.Channel,
         endpoint: EtcdEndpoint,
-        request: Any,
-        on_events: Callable[[list[WatchEvent], int], None],
-        on_error: Callable[[Exception], None],
+        on_answer: Callable[[int, int], None],
+        on_end: Callable[[Exception], None],
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
-        super().__init__(etcdrpc.WatchStub(channel).Watch, endpoint, "etcd-watch", metadata)
-        self._on_events = on_events
-        self._on_error = on_error
-        self._requests.put(request)
-        self._start()
-
-    def _run(self) -> None:
-        try:
-            for response in self._call:
-                if response.compact_revision:
-                    raise EtcdCompactedError(response.compact_revision)
-                if response.canceled:
-                    raise EtcdRequestError(f"etcd cancelled the watch: {response.cancel_reason}")
-                if response.events:
-                    events = [
-                        WatchEvent(e.type == kv_pb2.Event.DELETE, KeyValue.from_proto(e.kv)) for e in response.events
-                    ]
-                    self._on_events(events, response.header.revision)
-            raise EtcdUnavailableError("the etcd watch stream ended")
-        except Exception as exc:  # noqa: BLE001 - every end of the stream is reported
-            if not self.cancelled:
-                if isinstance(exc, grpc.RpcError):
-                    exc = EtcdUnavailableError(f"the etcd watch stream broke: {exc.details()}")
-                self._on_error(exc)
-
-
-class KeepAliveStream(Stream):
-    """One lease's keep-alive stream: :meth:`refresh` sends one request and waits for its answer."""
-
-    def __init__(
-        self, channel: grpc.Channel, endpoint: EtcdEndpoint, lease_id: int, metadata: tuple[tuple[str, str], ...] = ()
-    ) -> None:
         super().__init__(etcdrpc.LeaseStub(channel).LeaseKeepAlive, endpoint, "etcd-keepalive", metadata)
-        self.lease_id = lease_id
-        self._answers: queue.Queue[int | Exception] = queue.Queue()
+        self._on_answer = on_answer
+        self._on_end = on_end
         self._start()
+
+    def send(self, lease_id: int) -> None:
+        self._requests.put(etcdrpc.LeaseKeepAliveRequest(ID=lease_id))
 
     def _run(self) -> None:
         try:
             for response in self._call:
-                self._answers.put(max(0, int(response.TTL)))
-            self._answers.put(EtcdUnavailableError("the etcd keep-alive stream ended"))
+                self._on_answer(int(response.ID), max(0, int(response.TTL)))
+            error: Exception = EtcdUnavailableError("the etcd keep-alive stream ended")
         except grpc.RpcError as exc:
-            if not self.cancelled:
-                self._answers.put(EtcdUnavailableError(f"the etcd keep-alive stream broke: {exc.details()}"))
-
-    def refresh(self, timeout: float) -> int:
-        """Refresh the lease once; its remaining TTL, 0 if it has expired.
-
-        Raises:
-            EtcdUnavailableError: no answer within ``timeout`` or the stream
-                broke; the stream is unusable afterwards (a late answer would
-                be mistaken for the next one), so open a new one.
-        """
-        self._requests.put(etcdrpc.LeaseKeepAliveRequest(ID=self.lease_id))
-        try:
-            answer = self._answers.get(timeout=timeout)
-        except queue.Empty:
-            raise EtcdUnavailableError(
-                f"no keep-alive answer for lease {self.lease_id:x} within {timeout:g} s"
-            ) from None
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
+            error = EtcdUnavailableError(f"the etcd keep-alive stream broke: {exc.details()}")
+        if not self.cancelled:
+            self._on_end(error)

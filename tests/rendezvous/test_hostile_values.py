@@ -7,10 +7,13 @@ node's handler and ``elastic-ft status`` all read such values.
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import subprocess
 import sys
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -162,6 +165,20 @@ def test_worker_side_readers_skip_malformed_records() -> None:
     assert _termination_result('{"world_size": 4, "terminated": [], "joined": [true]}', 4).joined == ()
     job.set(f"{POSITION}2", '{"iteration": 1, "rank": 0, "world_size": 2, "active": "yes"}')
     assert job.position(2) is None
-    store.set(exchange_table("x"), '{"distinct": [["a"]], "codes": [[5]]}')  # an index beyond the distinct keys
-    with pytest.raises(ValueError, match="is malformed"):
-        gather_keys(store, "x", 0, [0, 1], ["k"], datetime.timedelta(seconds=1), "test")
+    one_index_5 = base64.b64encode(struct.pack("<2I", 0, 5)).decode()  # an index beyond the distinct keys
+    forged = [
+        zlib.compress(json.dumps({"distinct": [["a"]], "codes": [one_index_5]}).encode()),
+        zlib.compress(json.dumps({"distinct": [["a"]], "codes": ["AAAA"]}).encode()),  # indices for 0.75 ranks
+        zlib.compress(json.dumps({"distinct": [[1]], "codes": [base64.b64encode(bytes(8)).decode()]}).encode()),
+        zlib.compress(json.dumps({"distinct": [["a"]], "codes": ["not base64!"]}).encode()),
+        zlib.compress(b"[" * 100_000),
+        zlib.compress(b"\0" * (300 * 2**20)),  # inflates past any real table
+        b'{"distinct": [["a"]], "codes": [[0, 0]]}',  # not compressed
+    ]
+    for i, table in enumerate(forged):  # rank 0 of 2 reads each (one exchange each: rank 1 never comes)
+        store.set(exchange_table(f"x{i}"), table)
+        with pytest.raises(ValueError, match="is malformed"):
+            gather_keys(store, f"x{i}", 0, [0, 1], ["k"], datetime.timedelta(seconds=1), "test")
+    store.set(exchange_table("error"), zlib.compress(b'{"error": "one rank published 3 keys"}'))
+    with pytest.raises(ValueError, match="test: one rank published 3 keys"):
+        gather_keys(store, "error", 0, [0, 1], ["k"], datetime.timedelta(seconds=1), "test")
