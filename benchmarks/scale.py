@@ -34,6 +34,7 @@ is left out (a no-op event sink): ``benchmarks/events.py`` measures it.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -179,29 +180,58 @@ def run_round(handlers: list, client: Any, start: float) -> dict:
     return {"done": done, "sizes": sizes, "errors": errors[:3], **deltas(handlers, client, before)}
 
 
-def follow(handlers: list, client: Any, timeout: float) -> dict:
-    """Act as torch's agent: poll num_nodes_waiting() every 0.1 s; re-rendezvous when positive."""
+def what_it_sees(handler: Any) -> str:
+    """A node's view of the board, for a node that saw no change when it should have."""
+    board, version = handler._board_view.snapshot()
+    if board is None:
+        return f"member of round {handler._member_round}, no board (version {version})"
+    last = board.last.round if board.last is not None else None
+    return (f"member of round {handler._member_round}; board version {version}: monitor {board.monitor}, open round "
+            f"{board.open_round}, last closed {last}, rejoined {len(board.rejoined)}, dead {list(board.dead)}; its "
+            f"watch down for {handler._board_view.disconnected_for():.1f} s")  # fmt: skip
+
+
+def follow(handlers: list, client: Any, timeout: float, settle: float = 3.0) -> dict:
+    """Act as torch's agent: poll num_nodes_waiting() every 0.1 s, and re-rendezvous whenever it is positive.
+
+    As the agent, a node goes on watching after its new round: nodes that
+    lost their lease meanwhile (this simulation's overload) are left out of
+    that round and wait in the next, and the others re-rendezvous again to
+    admit them. A node is done once it has been in a round for ``settle``
+    seconds with nobody waiting; its time is that of its last round.
+    """
     before = counters(handlers, client)
     done: list[float | None] = [None] * len(handlers)
     sizes: list[int] = [0] * len(handlers)
     seen: list[float | None] = [None] * len(handlers)
+    rounds: list[int] = [0] * len(handlers)
     errors: list[str] = []
+    kinds: list[str] = []
 
     def node(i: int) -> None:
         deadline = time.monotonic() + timeout
+        quiet_since: float | None = None
         try:
-            while handlers[i].num_nodes_waiting() == 0:
+            while quiet_since is None or time.monotonic() - quiet_since < settle:
                 if time.monotonic() > deadline:
-                    raise TimeoutError("no change seen")
-                time.sleep(0.1)
-            seen[i] = time.time()
-            info = handlers[i].next_rendezvous()
-            sizes[i], done[i] = info.world_size, time.time()
+                    raise TimeoutError("no change seen" if seen[i] is None else "nodes still waiting")
+                if handlers[i].num_nodes_waiting() == 0:
+                    time.sleep(0.1)
+                    continue
+                seen[i] = seen[i] or time.time()
+                info = handlers[i].next_rendezvous()
+                sizes[i], done[i], rounds[i] = info.world_size, time.time(), rounds[i] + 1
+                quiet_since = time.monotonic()
         except Exception as exc:  # noqa: BLE001 - reported
-            errors.append(repr(exc))
+            errors.append(f"{exc!r} [{what_it_sees(handlers[i])}]")
+            board = handlers[i]._board_view.snapshot()[0]
+            kinds.append(f"{type(exc).__name__} after seeing {'a change' if seen[i] else 'no change'}; member of round "
+                         f"{handlers[i]._member_round}, board: open {board.open_round if board else None}, last "
+                         f"{board.last.round if board and board.last else None}")  # fmt: skip
 
     run_each(node, len(handlers))
-    return {"done": done, "seen": seen, "sizes": sizes, "errors": errors[:3], **deltas(handlers, client, before)}
+    return {"done": done, "seen": seen, "sizes": sizes, "rounds": rounds, "errors": errors[:3], "error_kinds": kinds,
+            **deltas(handlers, client, before)}  # fmt: skip
 
 
 # ---- the parent: the cluster, the workers, the table -------------------------------------
@@ -306,7 +336,8 @@ def summarize(answers: list[dict], start: float, nodes: int) -> dict:
     done = [t for a in answers for t in a["done"]]
     errors = [e for a in answers for e in a["errors"]]
     if errors or any(t is None for t in done):
-        raise RuntimeError(f"nodes failed: {errors[:3] or 'no answer'}")
+        kinds = collections.Counter(k for a in answers for k in a.get("error_kinds", []))
+        raise RuntimeError(f"nodes failed: {dict(kinds)}; the first: {errors[:3] or 'no answer'}")
     events = [e for a in answers for e in a["events"]]
     roles = [r for a in answers for r in a["roles"]]
     plain = [e for e, r in zip(events, roles, strict=True) if r == "node"] or [0]
@@ -350,12 +381,13 @@ def bench(cluster: Any, nodes: int, procs: int, death: bool, lease_ttl: int) -> 
                 summary = summarize(answers, crashed["at"], nodes)
                 seen = [t for a in answers for t in a["seen"] if t is not None]
                 summary["seen_seconds"] = max(seen) - crashed["at"]
+                summary["rounds_max"] = max(r for a in answers for r in a["rounds"])  # more than 1: leases were lost
                 if summary["sizes"] != [nodes]:
                     raise RuntimeError(f"the survivors' round has sizes {summary['sizes']}, not {nodes}")
                 name = "monitor_death" if monitor else "death"
                 row[name] = {**summary, **metric_delta(before, after, nodes)}
                 print(f"N={nodes + 1:<5} {name}: seen {summary['seen_seconds']:.2f} s, round again "
-                      f"{summary['seconds']:.2f} s", flush=True)  # fmt: skip
+                      f"{summary['seconds']:.2f} s ({summary['rounds_max']} round(s) at most)", flush=True)  # fmt: skip
     finally:
         workers.close()
     return row

@@ -176,7 +176,15 @@ class WatchStream(Stream):
         with self._lock:
             watch = self._watches.pop(watch_id, None)
         if watch is not None and not watch.cancelled:
-            watch.on_error(error)
+            _report_end(watch, error)
+
+    def _deliver(self, watch: EtcdWatch, events: list[WatchEvent], revision: int) -> None:
+        """Hand ``events`` to ``watch``; a callback that raises ends its own watch, not the others'."""
+        try:
+            watch.on_events(events, revision)
+        except Exception as exc:  # reported to that watch's owner
+            log.exception("a watch callback raised; ending that watch (%s)", self.endpoint)
+            self._end_one(watch.id, exc)
 
     def _run(self) -> None:
         try:
@@ -192,7 +200,7 @@ class WatchStream(Stream):
                     events = [
                         WatchEvent(e.type == kv_pb2.Event.DELETE, KeyValue.from_proto(e.kv)) for e in response.events
                     ]
-                    watch.on_events(events, response.header.revision)
+                    self._deliver(watch, events, response.header.revision)
             raise EtcdUnavailableError("the etcd watch stream ended")
         except Exception as exc:  # noqa: BLE001 - every end of the stream is reported to each watch on it
             if isinstance(exc, grpc.RpcError):
@@ -204,7 +212,15 @@ class WatchStream(Stream):
             if not self.cancelled:
                 for watch in watches:
                     if not watch.cancelled:
-                        watch.on_error(exc)
+                        _report_end(watch, exc)
+
+
+def _report_end(watch: EtcdWatch, error: Exception) -> None:
+    """Tell a watch's owner it ended; an ``on_error`` that raises is logged, and the other watches still hear."""
+    try:
+        watch.on_error(error)
+    except Exception:  # logged: the stream's other watches must still be told
+        log.exception("a watch's on_error raised")
 
 
 class KeepAliveStream(Stream):

@@ -199,3 +199,27 @@ def test_closing_a_stream_whose_cancel_blocks_returns_within_its_bound(monkeypat
     assert time.monotonic() - start < 2
     assert stream.cancelled
     release.set()
+
+
+def test_a_watch_whose_callback_raises_ends_alone(etcd: EtcdServer, run_id: str) -> None:
+    client = EtcdClient(etcd.endpoints)
+    _, revision = client.get(f"/elastic_ft/{run_id}/none")
+    ended: list[Exception] = []
+    seen: list[str] = []
+
+    def explode(_events: list, _revision: int) -> None:
+        raise RuntimeError("a callback bug")
+
+    client.watch_key(f"/elastic_ft/{run_id}/bad", revision + 1, explode, ended.append)
+    client.watch_key(
+        f"/elastic_ft/{run_id}/good", revision + 1, lambda b, _r: seen.extend(e.kv.key for e in b), ended.append
+    )
+    client.put(f"/elastic_ft/{run_id}/bad", b"x")
+    client.put(f"/elastic_ft/{run_id}/good", b"1")
+    client.put(f"/elastic_ft/{run_id}/good", b"2")
+    deadline = time.monotonic() + 5
+    while (len(seen) < 2 or not ended) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert [str(e) for e in ended] == ["a callback bug"]  # the faulty watch ended, with its own error
+    assert seen == [f"/elastic_ft/{run_id}/good"] * 2  # the other watch on the stream went on
+    client.close()

@@ -266,10 +266,14 @@ def test_node_dying_before_completion_is_dropped(
 
 
 def test_member_death_after_completion_is_watched(
-    make_handler: HandlerFactory, etcd: EtcdServer, run_id: str, reap_pids: list[int]
+    make_handler: HandlerFactory, etcd: EtcdServer, run_id: str, etcd_client: EtcdClient, reap_pids: list[int]
 ) -> None:
     other = NodeProcess(etcd, run_id, 2, 2)
     reap_pids.append(other.proc.pid)
+    # The other node is the monitor (as the first to come): otherwise ``a``'s own monitor thread would publish
+    # the death on the board, a write this test would count as a request of the watching node.
+    monitor_key = f"/elastic_ft/{run_id}/rdzv/monitor"
+    wait_until(lambda: etcd_client.get(monitor_key)[0] is not None, 20, "the other node to become the monitor")
     a = make_handler(min_nodes=1, max_nodes=2, last_call_timeout=30)
     info = a.next_rendezvous()  # max reached with the other node: no last call
     assert other.result()["world_size"] == 2 and info.world_size == 2

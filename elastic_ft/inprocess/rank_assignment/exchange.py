@@ -131,7 +131,10 @@ def _decode_table(raw: bytes, ranks: int, width: int, what: str, table_key: str)
         for distinct, packed in zip(table["distinct"], table["codes"], strict=True):
             if not all(isinstance(key, str) for key in distinct):
                 raise _Malformed("a key is not a string")
-            codes = array.array("I", base64.b64decode(packed, validate=True))
+            raw_codes = base64.b64decode(packed, validate=True)
+            if len(raw_codes) % 4:
+                raise _Malformed(f"{len(raw_codes)} bytes of indices, not a whole number of 4-byte indices")
+            codes = array.array("I", raw_codes)
             if sys.byteorder == "big":
                 codes.byteswap()
             if len(codes) != ranks:
