@@ -493,9 +493,11 @@ class EtcdClient:
         request = _watch_create_request(key.encode(), range_end, start_revision, watch_id)
         watch = EtcdWatch(watch_id, request, on_events, on_error)
         self._count("watch")
-        while not self._watch_stream().add(watch):
-            pass  # it ended meanwhile: the next call opens another
-        return watch
+        for _ in range(3):
+            if self._watch_stream().add(watch):
+                return watch
+            # The stream ended between our look and the add: the next look opens another.
+        raise EtcdUnavailableError(f"etcd watch streams to {self.describe_endpoints()} end as soon as they open")
 
     def _watch_stream(self) -> WatchStream:
         """The stream every watch of this client shares, opened (on the current endpoint) when there is none."""

@@ -122,10 +122,6 @@ class EtcdWatch:
         self._closed = threading.Event()
 
     @property
-    def endpoint(self) -> EtcdEndpoint | None:
-        return self.stream.endpoint if self.stream is not None else None
-
-    @property
     def cancelled(self) -> bool:
         """Closed, or its stream cancelled (the client closed)."""
         return self._closed.is_set() or (self.stream is not None and self.stream.cancelled)

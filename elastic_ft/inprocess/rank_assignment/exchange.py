@@ -100,11 +100,10 @@ def _encode_table(values: list[bytes], width: int) -> bytes:
         # One decode of all values as a JSON array is far cheaper than one per rank.
         published = json.loads(b"[" + b",".join(values) + b"]")
     except ValueError:
-        return zlib.compress(json.dumps({"error": "a rank published keys that are not JSON"}).encode())
+        return _error_table("a rank published keys that are not JSON")
     for value in published:
         if not isinstance(value, list) or len(value) != width:
-            error = f"every rank must publish {width} keys, one rank published {value!r:.200}"
-            return zlib.compress(json.dumps({"error": error}).encode())
+            return _error_table(f"every rank must publish {width} keys, one rank published {value!r:.200}")
     distinct: list[list[str]] = []
     packed: list[str] = []
     for column in range(width):
@@ -115,6 +114,11 @@ def _encode_table(values: list[bytes], width: int) -> bytes:
         packed.append(base64.b64encode(codes.tobytes()).decode())
         distinct.append(list(index))
     return zlib.compress(json.dumps({"distinct": distinct, "codes": packed}).encode())
+
+
+def _error_table(message: str) -> bytes:
+    """A table that tells every rank why there is no table."""
+    return zlib.compress(json.dumps({"error": message}).encode())
 
 
 def _decode_table(raw: bytes, ranks: int, width: int, what: str, table_key: str) -> list[list[str]]:
