@@ -48,6 +48,7 @@ from elastic_ft.etcd.kv import (
     WatchEvent,
 )
 from elastic_ft.etcd.watch import EtcdWatch, KeepAliveStream, Stream, WatchStream
+from elastic_ft.shield import shield, shielded
 
 __all__ = [
     "EtcdClient",
@@ -307,8 +308,10 @@ class EtcdClient:
                 self._count(kind)
                 timeout = min(self.request_timeout, left)
                 try:
-                    channel = self._channel(endpoint)
-                    result = method(channel, {"timeout": timeout, "metadata": self._auth_metadata(channel, timeout)})
+                    with shield():  # a restart raised inside gRPC could leave its locks held (elastic_ft.shield)
+                        channel = self._channel(endpoint)
+                        call = {"timeout": timeout, "metadata": self._auth_metadata(channel, timeout)}
+                        result = method(channel, call)
                 except grpc.RpcError as exc:
                     with self._lock:
                         self.errors_by_kind[(kind, exc.code().name if exc.code() else "UNKNOWN")] += 1
@@ -430,6 +433,7 @@ class EtcdClient:
             raise EtcdRequestError(f"etcd refused a lease of {ttl} s: {response.error}")
         return response.ID, response.TTL
 
+    @shielded
     def keep_alive_stream(
         self, on_answer: Callable[[int, int], None], on_end: Callable[[Exception], None]
     ) -> KeepAliveStream:
@@ -481,6 +485,7 @@ class EtcdClient:
         """As :meth:`watch_prefix`, for the one key ``key``."""
         return self._watch(key, b"", start_revision, on_events, on_error)
 
+    @shielded
     def _watch(
         self,
         key: str,
@@ -499,6 +504,7 @@ class EtcdClient:
             # The stream ended between our look and the add: the next look opens another.
         raise EtcdUnavailableError(f"etcd watch streams to {self.describe_endpoints()} end as soon as they open")
 
+    @shielded
     def _watch_stream(self) -> WatchStream:
         """The stream every watch of this client shares, opened (on the current endpoint) when there is none."""
         with self._lock:
@@ -530,6 +536,7 @@ class EtcdClient:
             self._streams.add(stream)
         return stream
 
+    @shielded
     def close(self) -> None:
         """Close every stream (joining its reader thread), then the channels."""
         with self._lock:

@@ -44,6 +44,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -62,9 +63,29 @@ from elastic_ft.etcd.client import (
     put_op,
 )
 from elastic_ft.keys import store_queue_prefix, store_write_token
+from elastic_ft.shield import shield
 
 # etcd's default --max-txn-ops.
 _TXN_OPS = 128
+_T = TypeVar("_T")
+
+
+#: The longest a blocking wait of the store waits in one shielded slice (see :func:`_next_item`).
+_WAIT_SLICE = 0.1
+
+
+def _next_item(events: queue.Queue[_T], remaining: float) -> _T:
+    """The next item of a watch's queue within ``remaining`` seconds, waited for in one shielded slice.
+
+    ``queue.Queue.get`` takes a Python-level lock, which a restart raised
+    inside it could leave held (:mod:`elastic_ft.shield`); the slice is
+    short so that a restart raised when it ends still ends a long wait at once.
+
+    Raises:
+        queue.Empty: nothing came within the slice.
+    """
+    with shield():
+        return events.get(timeout=min(remaining, _WAIT_SLICE))
 
 
 class StoreWriteOutcomeUnknown(dist.DistStoreError):
@@ -136,7 +157,7 @@ class EtcdStore(dist.Store):
                         + ", ".join(sorted(k[len(self.prefix) :] for k in missing))
                     )
                 try:
-                    item = events.get(timeout=min(remaining, self._client.request_timeout))
+                    item = _next_item(events, remaining)
                 except queue.Empty:
                     # A frozen etcd breaks no watch for a long while: fail within the client's bound instead.
                     self._client.ensure_reachable()
@@ -243,7 +264,7 @@ class EtcdStore(dist.Store):
         try:
             while (remaining := deadline - time.monotonic()) > 0:
                 try:
-                    item = events.get(timeout=min(remaining, self._client.request_timeout))
+                    item = _next_item(events, remaining)
                 except queue.Empty:
                     self._client.ensure_reachable()
                     continue

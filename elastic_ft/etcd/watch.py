@@ -28,6 +28,7 @@ from elastic_ft.etcd.kv import (
     KeyValue,
     WatchEvent,
 )
+from elastic_ft.shield import shielded
 
 _JOIN_TIMEOUT = 5.0
 
@@ -67,6 +68,7 @@ class Stream:
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
+    @shielded
     def close(self) -> None:
         """Cancel the stream and wait for its reader thread (unless called from it), each for a bounded time."""
         self._cancelled.set()
@@ -126,6 +128,7 @@ class EtcdWatch:
         """Closed, or its stream cancelled (the client closed)."""
         return self._closed.is_set() or (self.stream is not None and self.stream.cancelled)
 
+    @shielded
     def close(self) -> None:
         """Stop watching; no callback runs once this has returned, except one already running."""
         self._closed.set()
