@@ -104,6 +104,11 @@ class EtcdServer:
     def member_count(self) -> int:
         return 1
 
+    @property
+    def workdir(self) -> Path | None:
+        """The directory holding the members' data and logs (removed by :meth:`stop`); None before start."""
+        return self._workdir
+
     def start(self, ready_timeout: float = 20.0) -> EtcdServer:
         self.binary = self.binary or find_etcd_binary()
         self._workdir = Path(tempfile.mkdtemp(prefix="elastic-ft-etcd-"))

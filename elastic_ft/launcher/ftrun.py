@@ -53,6 +53,7 @@ from elastic_ft.launcher.agent import FtAgent
 from elastic_ft.observability import log_format
 from elastic_ft.observability.events import write_events_file
 from elastic_ft.observability.sink import EventSink, install
+from elastic_ft.reaper import ensure_reaper
 from elastic_ft.rendezvous.config import MAX_NODES, EtcdftSettings, RendezvousConfigError, connect, make_settings
 
 
@@ -300,6 +301,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     _configure_logging()
     parser = build_parser()
     args, given = parse_args(parser, argv)
+    # Before anything is started: whatever ftrun starts dies with it, even if it is SIGKILLed.
+    reaper = ensure_reaper()
     if "spare_nodes" in given:
         if args.rdzv_backend != "etcdft":
             parser.error(f"--spare-nodes needs the etcdft rendezvous, not --rdzv-backend={args.rdzv_backend}")
@@ -325,6 +328,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 )
             binary = args.etcd_binary or find_etcd_binary()
             etcd = stack.enter_context(EtcdServer(binary=binary))
+            if reaper is not None and etcd.workdir is not None:
+                reaper.remove_on_exit(etcd.workdir)
             args.rdzv_endpoint = etcd.endpoint
             if args.rdzv_id == "none":
                 args.rdzv_id = str(uuid.uuid4())

@@ -1,0 +1,119 @@
+"""No orphans: a SIGKILLed ftrun or torchrun agent takes its workers, monitor processes and embedded etcd along."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_ft.etcd.server import EtcdServer
+from elastic_ft.reaper import REAPER_ENV, kill_marked
+from elastic_ft.testing.local_cluster import descendants, torchrun_command
+
+TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train_ftrun.py"
+FTRUN = [sys.executable, "-m", "elastic_ft.launcher.ftrun"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _names(pids: list[int]) -> list[str]:
+    names = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:
+            names.append("?")
+    return names
+
+
+def _train(launcher: list[str], tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """Start a launcher training two workers, wait until both train, return it and what it started."""
+    work = tmp_path / "work"
+    log = (tmp_path / "launcher.log").open("wb")
+    process = subprocess.Popen(
+        [*launcher, str(TRAIN), "--workdir", str(work), "--steps", "100000"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    deadline = time.monotonic() + 120
+    while not all((work / f"events-{rank}.jsonl").exists() for rank in (0, 1)):
+        assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "launcher.log").read_text()
+        time.sleep(0.1)
+    time.sleep(1.0)  # the data loader workers too
+    return process, descendants(process.pid)
+
+
+def _sigkill_and_watch(process: subprocess.Popen[bytes], started: list[int]) -> tuple[float, list[int]]:
+    """SIGKILL the launcher alone; seconds until nothing it started is alive (or 10), and what was left."""
+    os.kill(process.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    process.wait()
+    while (left := [pid for pid in started if _alive(pid)]) and time.monotonic() - killed < 10:
+        time.sleep(0.02)
+    return time.monotonic() - killed, left
+
+
+@pytest.mark.slow
+def test_a_sigkilled_ftrun_leaves_nothing_behind(tmp_path: Path) -> None:
+    process, started = _train([*FTRUN, "--nproc-per-node=2", "--monitor-interval=0.1"], tmp_path)
+    names = _names(started)
+    # Two workers, their monitor processes and data loader workers, the embedded etcd, the reaper.
+    assert names.count("eft-monitor") == 2 and "etcd" in names and "eft-reaper" in names, names
+    etcd_pid = started[names.index("etcd")]
+    with open(f"/proc/{etcd_pid}/cmdline", "rb") as cmdline:
+        arguments = cmdline.read().split(b"\0")
+    data_dir = Path(arguments[arguments.index(b"--data-dir") + 1].decode())
+    assert data_dir.exists()
+    seconds, left = _sigkill_and_watch(process, started)
+    try:
+        assert not left and seconds < 2.0, (seconds, _names(left))
+        deadline = time.monotonic() + 2
+        while data_dir.parent.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not data_dir.parent.exists(), "the embedded etcd's data directory was left behind"
+    finally:
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_sigkilled_torchrun_agent_on_etcdft_takes_its_workers_along(
+    etcd: EtcdServer, run_id: str, tmp_path: Path
+) -> None:
+    launcher = [*torchrun_command(), "--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=etcdft",
+                f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}", "--monitor-interval=0.1"]  # fmt: skip
+    process, started = _train(launcher, tmp_path)
+    assert _names(started).count("eft-monitor") == 2, _names(started)
+    seconds, left = _sigkill_and_watch(process, started)
+    try:
+        assert not left and seconds < 2.0, (seconds, _names(left))
+    finally:
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_the_reaper_kills_only_what_carries_its_token() -> None:
+    marked = subprocess.Popen(["sleep", "60"], env={**os.environ, REAPER_ENV: "1:test-token"})
+    other = subprocess.Popen(["sleep", "60"], env={**os.environ, REAPER_ENV: "1:another-token"})
+    try:
+        assert kill_marked("1:test-token", sweep=0.2) == [marked.pid]
+        assert marked.wait(5) == -signal.SIGKILL
+        assert other.poll() is None
+    finally:
+        for process in (marked, other):
+            process.kill()
+            process.wait()
