@@ -13,6 +13,7 @@ corrupt or forged value never stops a restart or the status view.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -21,37 +22,86 @@ from dataclasses import asdict, dataclass
 
 #: The longest message kept in an interruption record.
 MESSAGE_LIMIT = 500
+#: The longest traceback kept in an interruption record (its end: the innermost frames and the error).
+TRACEBACK_LIMIT = 6000
+#: The longest origin (``file:line in function``) kept.
+ORIGIN_LIMIT = 500
 
 
 @dataclass(frozen=True)
 class Interruption:
+    """Why a rank interrupted an iteration.
+
+    ``step``: the optimizer steps the rank's state had taken (``CallWrapper.step``);
+    ``origin`` and ``traceback``: where an exception was raised (the innermost
+    frame, ``file:line in function``) and its formatted traceback; None for
+    faults that are not exceptions (a dead process, a hang).
+    """
+
     rank: int
     kind: str
     message: str
     time: float | None
+    step: int | None = None
+    origin: str | None = None
+    traceback: str | None = None
 
 
-def encode_interruption(rank: int, kind: str, message: str, at: float) -> str:
+def encode_interruption(
+    rank: int,
+    kind: str,
+    message: str,
+    at: float,
+    *,
+    step: int | None = None,
+    origin: str | None = None,
+    traceback: str | None = None,
+) -> str:
     """One line (newline included) to append under ``interruptions``."""
-    return json.dumps({"rank": rank, "kind": kind, "message": message[:MESSAGE_LIMIT], "time": at}) + "\n"
+    record: dict[str, object] = {"rank": rank, "kind": kind, "message": message[:MESSAGE_LIMIT], "time": at}
+    if step is not None:
+        record["step"] = step
+    if origin is not None:
+        record["origin"] = origin[:ORIGIN_LIMIT]
+    if traceback is not None:
+        record["traceback"] = traceback[-TRACEBACK_LIMIT:]
+    return json.dumps(record) + "\n"
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
 
 
 def parse_interruption(line: str) -> Interruption | None:
-    """The record on ``line``; None unless it is one (a rank >= 0, a kind, a finite time if any)."""
+    """The record on ``line``; None unless it is one (a rank >= 0, a kind, a finite time if any, a step >= 0 if
+    any, text origin and traceback if any)."""
     try:
         record = json.loads(line)
         rank, kind = record["rank"], record["kind"]
         at = record.get("time")
         message = record.get("message", "")
-    except (ValueError, KeyError, TypeError, AttributeError):
+        step, origin, traceback = record.get("step"), record.get("origin"), record.get("traceback")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0 or not isinstance(kind, str):
+    if not _is_count(rank) or not isinstance(kind, str):
         return None
     if not isinstance(message, str):
         return None
     if at is not None and (isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at)):
         return None
-    return Interruption(rank, kind, message[:MESSAGE_LIMIT], None if at is None else float(at))
+    if (step is not None and not _is_count(step)) or any(
+        value is not None and not isinstance(value, str) for value in (origin, traceback)
+    ):
+        return None
+    return Interruption(
+        rank,
+        kind,
+        message[:MESSAGE_LIMIT],
+        None if at is None else float(at),
+        step,
+        None if origin is None else origin[:ORIGIN_LIMIT],
+        None if traceback is None else traceback[-TRACEBACK_LIMIT:],
+    )
 
 
 def parse_interruptions(text: str) -> tuple[list[Interruption], list[str]]:
@@ -69,7 +119,9 @@ def parse_interruptions(text: str) -> tuple[list[Interruption], list[str]]:
 
 
 def interruption_dict(record: Interruption) -> dict[str, object]:
-    return asdict(record)
+    """The record as a mapping; the fields only exceptions have are left out when empty."""
+    optional = ("step", "origin", "traceback")
+    return {key: value for key, value in asdict(record).items() if value is not None or key not in optional}
 
 
 @dataclass(frozen=True)
@@ -80,6 +132,8 @@ class FaultGroup:
     message: str  # the first one's
     ranks: tuple[int, ...]
     time: float | None
+    #: The first member's traceback, for an exception.
+    traceback: str | None = None
 
     def describe(self) -> str:
         ranks = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {list(self.ranks)}"
@@ -120,7 +174,9 @@ def group_faults(records: Iterable[Interruption]) -> list[FaultGroup]:
         if seen is not None:
             times = [t for t in (seen.time, record.time) if t is not None]
             message = max(seen.message, record.message, key=len)
-            record = Interruption(record.rank, record.kind, message, min(times) if times else None)
+            record = dataclasses.replace(
+                seen if seen.traceback else record, message=message, time=min(times) if times else None
+            )
         by_rank[(record.rank, record.kind)] = record
     groups: dict[tuple[str, str], list[Interruption]] = {}
     for record in by_rank.values():
@@ -131,8 +187,94 @@ def group_faults(records: Iterable[Interruption]) -> list[FaultGroup]:
     for members in groups.values():
         times = [r.time for r in members if r.time is not None]
         ranks = tuple(sorted({r.rank for r in members}))
-        found.append(FaultGroup(members[0].kind, members[0].message, ranks, min(times) if times else None))
+        traceback = next((r.traceback for r in members if r.traceback), None)
+        found.append(FaultGroup(members[0].kind, members[0].message, ranks, min(times) if times else None, traceback))
     return sorted(found, key=lambda g: (g.kind == PEER_LOST, g.time is None, g.time or 0.0, g.ranks))
+
+
+#: Interruptions that ask for a restart without a fault: admitting joiners (``respawn.rejoin: at_once``).
+NOT_FAULTS = ("admit_joiners",)
+
+
+@dataclass(frozen=True)
+class FaultHistory:
+    """The faults of the iterations so far, as the give-up rule counts them (see :func:`next_history`).
+
+    ``signature``: the last fault's cause when it was an exception (its type,
+    where it was raised, and the step), else None; ``repeats``: how many
+    iterations in a row ended on that same signature with no progress in
+    between; ``stalled``: how many iterations in a row ended on a fault
+    before any step. Published in every termination barrier's result, so
+    every rank reads the same counts.
+    """
+
+    signature: str | None = None
+    repeats: int = 0
+    stalled: int = 0
+
+    def to_dict(self) -> dict[str, object]:
+        return {"signature": self.signature, "repeats": self.repeats, "stalled": self.stalled}
+
+    @classmethod
+    def from_dict(cls, record: object) -> FaultHistory | None:
+        """The history in ``record`` (untrusted); None unless it is one."""
+        if not isinstance(record, dict):
+            return None
+        signature, repeats, stalled = record.get("signature"), record.get("repeats"), record.get("stalled")
+        if signature is not None and (not isinstance(signature, str) or len(signature) > 2 * ORIGIN_LIMIT):
+            return None
+        if not _is_count(repeats) or not _is_count(stalled):
+            return None
+        return cls(signature, repeats, stalled)
+
+
+def fault_signature(record: Interruption) -> str | None:
+    """What makes two exceptions the same fault: the type, where it was raised, and the step; None for others."""
+    if record.origin is None or record.kind == PEER_LOST:
+        return None
+    step = "?" if record.step is None else record.step
+    return f"{record.kind} raised at {record.origin}, step {step}"
+
+
+def next_history(previous: FaultHistory, records: Iterable[Interruption], progressed: bool) -> FaultHistory:
+    """The history after an iteration that ended on ``records`` (pure).
+
+    ``progressed``: a rank made a step (an optimizer step, or a ping) in the
+    iteration before the fault. Interruptions that are not faults
+    (:data:`NOT_FAULTS`) and broken connections alone (the consequence of a
+    fault recorded elsewhere) leave the history as it was. The cause is the
+    earliest exception among the iteration's faults, if any.
+    """
+    faults = [r for r in records if r.kind not in NOT_FAULTS and r.kind != PEER_LOST]
+    if not faults:
+        return previous
+    exceptions = sorted(
+        (r for r in faults if fault_signature(r) is not None),
+        key=lambda r: (r.time is None, r.time or 0.0, r.rank),
+    )
+    signature = fault_signature(exceptions[0]) if exceptions else None
+    if signature is None:
+        repeats = 0
+    elif signature == previous.signature and not progressed:
+        repeats = previous.repeats + 1
+    else:
+        repeats = 1
+    return FaultHistory(signature, repeats, 0 if progressed else previous.stalled + 1)
+
+
+def give_up_reason(history: FaultHistory, max_identical_faults: int | None, max_stalled: int | None) -> str | None:
+    """Why in-process restart stops here, or None to go on (pure; a limit of None is no limit)."""
+    if max_identical_faults is not None and history.signature is not None and history.repeats >= max_identical_faults:
+        return (
+            f"the same fault ended {history.repeats} iterations in a row with no progress in between "
+            f"(max_identical_faults={max_identical_faults}): {history.signature}"
+        )
+    if max_stalled is not None and history.stalled >= max_stalled:
+        return (
+            f"{history.stalled} iterations in a row ended on a fault before any step "
+            f"(max_restarts_without_progress={max_stalled})"
+        )
+    return None
 
 
 def restart_reporter(world_size: int, terminated: Iterable[int]) -> int | None:
@@ -145,17 +287,43 @@ def restart_reporter(world_size: int, terminated: Iterable[int]) -> int | None:
     return next((rank for rank in range(world_size) if rank not in gone), None)
 
 
-def encode_heartbeat(sent_at: float, active_at: float) -> str:
-    return json.dumps({"t": sent_at, "active": active_at})
+@dataclass(frozen=True)
+class Heartbeat:
+    """A rank's heartbeat: when it was sent and when the rank was last active (wall clock), whether its main
+    thread, blocked in C code, waits for other ranks (``waiting``; None: it was not blocked), and whether the
+    rank is a reserve rank (a spare, not running the function)."""
+
+    sent_at: float
+    active_at: float
+    waiting: bool | None = None
+    reserve: bool = False
+
+
+def encode_heartbeat(sent_at: float, active_at: float, waiting: bool | None = None, reserve: bool = False) -> str:
+    record: dict[str, object] = {"t": sent_at, "active": active_at}
+    if waiting is not None:
+        record["waiting"] = waiting
+    if reserve:
+        record["reserve"] = True
+    return json.dumps(record)
+
+
+def parse_heartbeat_record(text: str) -> Heartbeat | None:
+    """The heartbeat in ``text``, with finite times; None for anything else (untrusted)."""
+    try:
+        record = json.loads(text)
+        values = (record["t"], record["active"])
+        waiting, reserve = record.get("waiting"), record.get("reserve", False)
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return None
+    if any(isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) for v in values):
+        return None
+    if (waiting is not None and not isinstance(waiting, bool)) or not isinstance(reserve, bool):
+        return None
+    return Heartbeat(float(values[0]), float(values[1]), waiting, reserve)
 
 
 def parse_heartbeat(text: str) -> tuple[float, float] | None:
     """(sent at, last active at), both finite; None for anything else."""
-    try:
-        record = json.loads(text)
-        values = (record["t"], record["active"])
-    except (ValueError, KeyError, TypeError):
-        return None
-    if any(isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) for v in values):
-        return None
-    return float(values[0]), float(values[1])
+    record = parse_heartbeat_record(text)
+    return None if record is None else (record.sent_at, record.active_at)

@@ -19,15 +19,21 @@ Sections (all optional; omitted fields keep their defaults):
 ``max_restarts``     process-level restarts, as torchrun's ``--max-restarts``
 ``respawn``          ``per_rank`` and ``per_job``: how many times a worker
                      that died inside the Wrapper is replaced by a new
-                     process that joins the running world (0: never);
-                     ``rejoin``: ``next_fault`` (the new process waits in
-                     reserve for the next restart) or ``at_once`` (its node
-                     asks for an in-process restart to admit it as soon as
-                     it is ready, restoring the world size)
+                     process that joins the running world (0: never):
+                     ``per_rank`` counts a local rank's new processes in
+                     a row that died before they trained (a crash loop),
+                     ``per_job`` all of the job's;
+                     ``rejoin``: ``at_once`` (the default: its node asks
+                     for an in-process restart to admit it as soon as it
+                     is ready, restoring the world size) or ``next_fault``
+                     (the new process waits in reserve for the next
+                     restart)
 ``rendezvous``       ``join_timeout``, ``last_call_timeout``, ``lease_ttl``
                      (the etcdft ``--rdzv-conf`` keys of the same names)
-``wrapper``          the in-process restart timeouts, in seconds, by the
-                     ``elastic_ft.Wrapper`` argument names
+``wrapper``          the in-process restart timeouts, in seconds, and its
+                     restart limits (``max_identical_faults``,
+                     ``max_restarts_without_progress``; 0: no limit), by
+                     the ``elastic_ft.Wrapper`` argument names
 ``observability``    ``events_kept`` (the run's event log in etcd keeps
                      the last this many events), ``progress_interval``
                      (seconds between two samples of a rank's optimizer
@@ -219,14 +225,16 @@ class NodesSection(_Section):
 
 
 class RespawnSection(_Section):
-    per_rank: Count(0, "replacements of a dead worker per local rank of a node (0: never)") = 2
-    per_job: Count(0, "replacements of dead workers in the whole job") = 16
+    per_rank: Count(
+        0, "replacements in a row of a local rank's worker that died before it trained (a crash loop; 0: never)"
+    ) = 2
+    per_job: Count(0, "replacements of dead workers in the whole job") = 256
     rejoin: Annotated[
         Literal["next_fault", "at_once"],
         Field(description="next_fault: the new process waits in reserve for the next restart; "
               "at_once: its node asks for a restart to admit it as soon as it is ready"),
         BeforeValidator(_choice_check(REJOIN_CHOICES, " or ".join(map(repr, REJOIN_CHOICES)))),
-    ] = "next_fault"  # fmt: skip
+    ] = "at_once"  # fmt: skip
 
 
 class ObservabilitySection(_Section):
@@ -287,16 +295,28 @@ _WRAPPER_HELP = {
     "last_call_wait": "how long to wait for concurrent faults before restarting",
     "termination_grace_time": "time between SIGTERM and SIGKILL at a hard timeout",
 }
+#: The Wrapper's restart limits (counts) a job config may set, with their help; 0 means no limit.
+RESTART_LIMITS = {
+    "max_identical_faults": "iterations in a row that may end on the same exception (type, line, step) with no "
+    "progress in between before the job stops; default 3, 0: no limit",
+    "max_restarts_without_progress": "iterations in a row that may end on a fault before any step before the "
+    "Wrapper gives up; default 10, 0: no limit",
+}
 WrapperSection = type(
     "WrapperSection",
     (_Section,),
     {
         "__annotations__": {
-            name: Seconds(name in MAY_BE_ZERO, f"{_WRAPPER_HELP[name]}; default {WRAPPER_DEFAULTS[name]:g} s") | None
-            for name in WRAPPER_DEFAULTS
+            **{
+                name: Seconds(name in MAY_BE_ZERO, f"{_WRAPPER_HELP[name]}; default {WRAPPER_DEFAULTS[name]:g} s")
+                | None
+                for name in WRAPPER_DEFAULTS
+            },
+            **{name: Count(0, help_text) | None for name, help_text in RESTART_LIMITS.items()},
         },
         **dict.fromkeys(WRAPPER_DEFAULTS),
-        "__doc__": "The elastic_ft.Wrapper durations, in seconds, by argument name.",
+        **dict.fromkeys(RESTART_LIMITS),
+        "__doc__": "The elastic_ft.Wrapper durations, in seconds, and restart limits, by argument name.",
         "__module__": __name__,
     },
 )
@@ -424,10 +444,13 @@ class JobConfig:
     nproc_per_node: int = 1
     max_restarts: int = 0
     respawns_per_rank: int = 2
-    respawns_per_job: int = 16
-    respawn_rejoin: str = "next_fault"
+    respawns_per_job: int = 256
+    respawn_rejoin: str = "at_once"
     rendezvous: Mapping[str, float] = field(default_factory=dict)
+    #: The Wrapper durations the config sets, in seconds.
     wrapper: Mapping[str, float] = field(default_factory=dict)
+    #: The Wrapper restart limits the config sets (``max_identical_faults``, ...; 0: no limit).
+    restart_limits: Mapping[str, int] = field(default_factory=dict)
     tree: tuple[LayerConfig, ...] = ()
     max_active_world_size: int | None = None
     active_world_size_divisible_by: int = 1
@@ -450,7 +473,7 @@ class JobConfig:
                 "rejoin": self.respawn_rejoin,
             },
             "rendezvous": dict(self.rendezvous),
-            "wrapper": dict(self.wrapper),
+            "wrapper": {**self.wrapper, **self.restart_limits},
             "observability": {
                 "events_kept": self.events_kept,
                 "progress_interval": self.progress_interval,
@@ -595,7 +618,7 @@ def _valid_wrapper_fields(wrapper: Any) -> dict[str, float]:
         except ValidationError:
             continue
         valid[name] = getattr(checked, name)
-    return {name: value for name, value in valid.items() if value is not None}
+    return {name: value for name, value in valid.items() if value is not None and name in WRAPPER_DEFAULTS}
 
 
 def _to_config(document: JobDocument) -> JobConfig:
@@ -610,7 +633,10 @@ def _to_config(document: JobDocument) -> JobConfig:
         respawns_per_job=respawn.per_job,
         respawn_rejoin=respawn.rejoin,
         rendezvous=document.rendezvous.values(),
-        wrapper=document.wrapper.model_dump(exclude_none=True),
+        wrapper={k: v for k, v in document.wrapper.model_dump(exclude_none=True).items() if k in WRAPPER_DEFAULTS},
+        restart_limits={
+            k: v for k, v in document.wrapper.model_dump(exclude_none=True).items() if k in RESTART_LIMITS
+        },
         tree=tuple(LayerConfig(l.min_ranks, l.max_ranks, l.key, tuple(l.flags)) for l in policy.tree),
         max_active_world_size=policy.max_active_world_size,
         active_world_size_divisible_by=policy.active_world_size_divisible_by,

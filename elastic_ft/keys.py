@@ -240,6 +240,8 @@ OUTCOME = "outcome"
 INTERRUPTIONS = "interruptions"
 TERMINATED = "terminated"
 ANY_COMPLETED = "any_completed"
+#: Set once a rank made a step (optimizer step or ping) in the iteration.
+PROGRESSED = "progressed"
 RANK_OF_INITIAL = "rank_of_initial/"
 ACTIVE_WORLD_SIZE = "active_world_size"
 
@@ -255,6 +257,11 @@ def heal_progress(active_rank: int) -> str:
 def heal_group(sender: int) -> str:
     """Store prefix under which sender ``sender`` and its receivers bootstrap their transfer group."""
     return f"{HEAL}/group/{sender}/"
+
+
+def heal_group_ready(sender: int) -> str:
+    """The barrier every member of ``sender``'s transfer group reaches once its side of the group is connected."""
+    return f"{HEAL}/ready/{sender}"
 
 
 def wrapper_iteration(number: int) -> str:

@@ -8,9 +8,11 @@
    checkpoint.
 4. Runs two ``ftrun`` nodes (two workers each) of ``train_ftrun.py`` (DDP,
    AdamW, a DataLoader, ``elastic_ft.Wrapper``) and SIGKILLs one worker: the
-   other three keep their processes and their state and finish in-process
-   without it, from the step they were at (no checkpoint read, no step
-   redone).
+   other three keep their processes and their state and go on in-process
+   at once, from the step they were at (no checkpoint read, no step
+   redone); the killed worker's node starts a new process for it, which
+   rejoins the running world, healed from a peer: the world size is 4
+   again.
 5. Runs ``ftrun --spare-nodes=1`` with three nodes: two train, the third's
    workers wait initialised as reserve ranks. One training node is
    SIGKILLed: the spare's ranks take its place in-process, healed with the
@@ -220,7 +222,8 @@ def main() -> None:
         print(
             f"    {'OK' if ok2 else 'FAILED'}: survivors re-rendezvoused without B in {time.monotonic() - start:.1f} s"
         )
-        print("\n[3] ftrun, two nodes x two workers (DDP + AdamW); the worker of rank 3 is SIGKILLed at step 30")
+        print("\n[3] ftrun, two nodes x two workers (DDP + AdamW); the worker of rank 3 is SIGKILLed at step 30,"
+              " and its node respawns it")
         start = time.monotonic()
         workdir = root / "job3"
         nodes = [
@@ -266,14 +269,20 @@ def main() -> None:
                 f"    {r['node']:>4}  {codes[r['node']]:>4}  {r['initial_rank']:>4}  {r['pid']:<7}  {r['world_size']:>5}  "
                 f"{r['iteration']:>20}  {r['resumed_at']:>15}  {r['process_restarts']:>16}  {r['loss']:.4f}"
             )
+        # Rank 3 died; its node respawned it as initial rank 4, admitted into the running world at once.
         ok3 = (
-            sorted(r["initial_rank"] for r in done) == [0, 1, 2]
-            and all(r["world_size"] == 3 and r["iteration"] == 1 and r["process_restarts"] == 0 for r in done)
+            sorted(r["initial_rank"] for r in done) == [0, 1, 2, 4]
+            and all(r["world_size"] == 4 and r["iteration"] == 2 and r["process_restarts"] == 0 for r in done)
             and all(code == 0 for code in codes.values())
         )
-        recovery = f"training resumed {max(resumed) - fault:.2f} s after the kill, " if resumed and fault else ""
+        shrunk = [t for t in resumed if any(e["t"] == t and e["world_size"] == 3 for e in events)]
+        regrown = [e["t"] for e in events if e["event"] == "first_step" and e["world_size"] == 4 and e["iteration"] > 0]
+        recovery = f"training resumed {max(shrunk) - fault:.2f} s after the kill, " if shrunk and fault else ""
+        if regrown and fault:
+            recovery += f"world size 4 again {max(regrown) - fault:.2f} s after it, "
         print(
-            f"    {'OK' if ok3 else 'FAILED'}: three workers went on in-process ({recovery}{time.monotonic() - start:.1f} s in all)"
+            f"    {'OK' if ok3 else 'FAILED'}: three workers went on in-process, the respawned one rejoined "
+            f"({recovery}{time.monotonic() - start:.1f} s in all)"
         )
         draw_timeline(etcd, "demo-ftrun", args.out / "timeline-ftrun.png",
                       "demo [3]: ftrun, 2 nodes x 2 workers; rank 3 SIGKILLed at step 30")  # fmt: skip

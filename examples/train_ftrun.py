@@ -205,7 +205,7 @@ def train(args: argparse.Namespace, state: TrainingState, call_wrapper: CallWrap
         loss = torch.zeros(())
         first_step_done = time.perf_counter()
         first_step_cpu = (time.thread_time(), time.process_time())
-        while step < args.steps:
+        while step < stop_step(args):
             sampler.set_epoch(epoch)
             sampler.skip = batch * local_batch  # the batches of this epoch done before the checkpoint
             for index, (inputs, targets) in enumerate(loader, start=batch):
@@ -225,7 +225,7 @@ def train(args: argparse.Namespace, state: TrainingState, call_wrapper: CallWrap
                 if step % args.checkpoint_every == 0 and rank == 0:
                     with call_wrapper.atomic() if call_wrapper is not None else contextlib.nullcontext():
                         state.save_checkpoint(args.workdir / "checkpoint.pt")
-                if step >= args.steps:
+                if step >= stop_step(args):
                     break
             else:
                 epoch, batch = epoch + 1, 0
@@ -240,7 +240,8 @@ def train(args: argparse.Namespace, state: TrainingState, call_wrapper: CallWrap
         )
         return {"step": step, "iteration": iteration, "world_size": world_size, "rank": rank,
                 "loss": float(loss.detach()), "checksum": checksum, "resumed_at": position["step"],
-                "step_seconds": step_seconds, "step_cpu_seconds": step_cpu}  # fmt: skip
+                "step_seconds": step_seconds, "step_cpu_seconds": step_cpu,
+                "digest": state.digest() if args.record_digests else None}  # fmt: skip
     finally:
         dist.destroy_process_group()
 
@@ -266,6 +267,8 @@ def inject(args: argparse.Namespace, call_wrapper: CallWrapper | None, step: int
     a later iteration at which PATH exists (and removes it): a fault a
     benchmark triggers when it is ready.
     """
+    if args.fault_dir is not None:
+        inject_requested(args, step)
     later = call_wrapper is not None and call_wrapper.iteration > 0
     mine = int(os.environ["ELASTIC_FT_INITIAL_RANK"]) == args.fault_file_rank
     if later and mine and args.fault_file is not None and args.fault_file.exists():
@@ -291,6 +294,38 @@ def inject(args: argparse.Namespace, call_wrapper: CallWrapper | None, step: int
         time.sleep(3600)
     if args.fault == "slow_step":
         slow_computation(args.slow_seconds)
+
+
+#: The faults ``--fault-dir`` injects from inside a rank (the others come from outside: signals).
+REQUESTED_FAULTS = ("raise", "hang_gil_held", "hang_gil_released")
+
+
+def inject_requested(args: argparse.Namespace, step: int) -> None:
+    """``--fault-dir DIR``: the fault a benchmark asks of this rank now, in ``DIR/fault-<initial rank>`` (once)."""
+    path = args.fault_dir / f"fault-{os.environ['ELASTIC_FT_INITIAL_RANK']}"
+    if not path.exists():
+        return
+    try:
+        kind = path.read_text().strip()
+        path.unlink()
+    except OSError:  # taken meanwhile
+        return
+    record(args, "fault", kind=kind, step=step)
+    if kind == "raise":
+        raise RuntimeError(f"injected fault at step {step}")
+    if kind == "hang_gil_held":
+        ctypes.PyDLL(None).sleep(3600)
+    if kind == "hang_gil_released":
+        time.sleep(3600)
+
+
+def stop_step(args: argparse.Namespace) -> int:
+    """The step training ends at: ``--steps``, or the one a benchmark wrote in ``--stop-file`` (every rank reads
+    the same number, so every rank stops at the same step)."""
+    if args.stop_file is not None and args.stop_file.exists():
+        with contextlib.suppress(OSError, ValueError):
+            return min(args.steps, int(args.stop_file.read_text()))
+    return args.steps
 
 
 def _claim_once(path: Path) -> bool:
@@ -363,6 +398,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--kill-sender-delay", type=float, default=0.05, help="seconds into the send")
     parser.add_argument("--fail-load-rank", type=int, help="load_state_dict raises on this initial rank (once)")
+    parser.add_argument(
+        "--fault-dir", type=Path, help=f"inject the fault a file DIR/fault-<initial rank> names: {REQUESTED_FAULTS}"
+    )
+    parser.add_argument("--stop-file", type=Path, help="end training at the step this file holds, once it exists")
     return parser.parse_args(argv)
 
 

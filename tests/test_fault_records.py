@@ -6,10 +6,19 @@ import pytest
 
 from elastic_ft.fault_records import (
     MESSAGE_LIMIT,
+    PEER_LOST,
+    TRACEBACK_LIMIT,
+    FaultHistory,
+    Heartbeat,
     Interruption,
     encode_heartbeat,
     encode_interruption,
+    fault_signature,
+    give_up_reason,
+    group_faults,
+    next_history,
     parse_heartbeat,
+    parse_heartbeat_record,
     parse_interruption,
     parse_interruptions,
 )
@@ -62,3 +71,78 @@ def test_a_heartbeat_round_trips() -> None:
 def test_a_malformed_or_forged_heartbeat_is_none(text: str) -> None:
     # An infinite "last active" would make every peer look busy forever and disable hang detection.
     assert parse_heartbeat(text) is None
+
+
+def test_a_heartbeat_says_whether_the_rank_waits_for_others_and_whether_it_is_a_reserve() -> None:
+    assert parse_heartbeat_record(encode_heartbeat(10.0, 9.5)) == Heartbeat(10.0, 9.5, None, False)
+    assert parse_heartbeat_record(encode_heartbeat(10.0, 9.5, True, True)) == Heartbeat(10.0, 9.5, True, True)
+    for forged in ('{"t": 1, "active": 1, "waiting": "yes"}', '{"t": 1, "active": 1, "reserve": 1}'):
+        assert parse_heartbeat_record(forged) is None
+
+
+def test_an_exception_records_its_step_origin_and_traceback() -> None:
+    line = encode_interruption(
+        1, "KeyError", "KeyError('x')", 5.0, step=7, origin="/job/train.py:42 in train", traceback="t" * 10_000
+    )
+    record = parse_interruption(line)
+    assert record is not None and (record.step, record.origin) == (7, "/job/train.py:42 in train")
+    assert record.traceback == "t" * TRACEBACK_LIMIT  # its end: the innermost frames and the error
+    for forged in ('"step": -1', '"step": true', '"step": 1.5', '"origin": 3', '"traceback": ["t"]'):
+        assert parse_interruption(f'{{"rank": 1, "kind": "x", {forged}}}') is None
+
+
+def test_a_fault_seen_twice_keeps_its_traceback_in_the_report() -> None:
+    with_traceback = Interruption(1, "KeyError", "KeyError('x')", 2.0, 3, "f.py:1 in g", "Traceback ...")
+    plain = Interruption(1, "KeyError", "KeyError('x') with more text", 1.0)
+    (group,) = group_faults([plain, with_traceback])
+    assert group.traceback == "Traceback ..." and group.time == 1.0 and "more text" in group.message
+
+
+def exception(rank: int, step: int, origin: str = "/job/train.py:42 in train", at: float = 1.0) -> Interruption:
+    return Interruption(rank, "KeyError", "KeyError('x')", at, step, origin, "Traceback ...")
+
+
+def test_the_same_exception_at_the_same_step_without_progress_counts_up() -> None:
+    history = next_history(FaultHistory(), [exception(1, 5)], progressed=True)
+    assert history == FaultHistory("KeyError raised at /job/train.py:42 in train, step 5", 1, 0)
+    history = next_history(history, [exception(1, 5)], progressed=False)
+    history = next_history(history, [exception(1, 5)], progressed=False)
+    assert (history.repeats, history.stalled) == (3, 2)
+    assert "the same fault ended 3 iterations in a row" in (give_up_reason(history, 3, None) or "")
+    assert give_up_reason(history, 4, None) is None and give_up_reason(history, None, None) is None
+
+
+def test_progress_or_another_fault_starts_the_count_again() -> None:
+    history = FaultHistory(fault_signature(exception(1, 5)), 2, 2)
+    assert next_history(history, [exception(1, 5)], progressed=True).repeats == 1  # steps in between
+    assert next_history(history, [exception(1, 6)], progressed=False).repeats == 1  # another step
+    assert next_history(history, [exception(1, 5, origin="/job/train.py:43 in train")], False).repeats == 1
+    # A dead process has no origin: no exception repeats, but the iteration still made no progress.
+    died = Interruption(2, "terminated", "process 12 died", 1.0)
+    assert next_history(history, [died], progressed=False) == FaultHistory(None, 0, 3)
+
+
+def test_the_cause_is_the_earliest_exception_and_consequences_do_not_count() -> None:
+    later = exception(2, 5, origin="/job/other.py:9 in f", at=2.0)
+    history = next_history(FaultHistory(), [later, exception(1, 5, at=1.0)], progressed=False)
+    assert history.signature is not None and "train.py:42" in history.signature
+    previous = FaultHistory("x", 2, 4)
+    lost = Interruption(0, PEER_LOST, "Connection reset by peer", 1.0, 5, "f.py:1 in g")
+    admit = Interruption(0, "admit_joiners", "initial rank(s) [6] ready", 1.0)
+    assert next_history(previous, [lost, admit], progressed=False) == previous
+
+
+def test_restarts_without_progress_give_up_without_being_fatal() -> None:
+    history = FaultHistory(None, 0, 10)
+    assert "10 iterations in a row ended on a fault before any step" in (give_up_reason(history, 3, 10) or "")
+    assert give_up_reason(history, 3, None) is None
+
+
+@pytest.mark.parametrize(
+    "record",
+    [None, [], {"repeats": 1}, {"signature": 3, "repeats": 1, "stalled": 0}, {"signature": None, "repeats": -1,
+     "stalled": 0}, {"signature": None, "repeats": True, "stalled": 0}, {"signature": "x" * 5000, "repeats": 0,
+     "stalled": 0}],
+)  # fmt: skip
+def test_a_forged_fault_history_is_refused(record: object) -> None:
+    assert FaultHistory.from_dict(record) is None

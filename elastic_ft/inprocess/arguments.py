@@ -24,6 +24,18 @@ DEFAULT_DURATIONS: dict[str, datetime.timedelta] = {
 }
 
 
+class _DefaultCount(int):
+    """A default count the Wrapper's signature holds: equal to the number, but not the same object as a count
+    given in code, so the job config replaces only the default."""
+
+
+#: The defaults of the restart limits (see :func:`elastic_ft.fault_records.give_up_reason`).
+DEFAULT_LIMITS: dict[str, int] = {
+    "max_identical_faults": _DefaultCount(3),
+    "max_restarts_without_progress": _DefaultCount(10),
+}
+
+
 def validate_arguments(arguments: dict[str, Any]) -> None:
     """Check the Wrapper's arguments and the relations between its timeouts.
 
@@ -49,6 +61,10 @@ def validate_arguments(arguments: dict[str, Any]) -> None:
     for name in (*hooks, "state_dict", "load_state_dict"):
         if arguments[name] is not None and not callable(arguments[name]):
             raise TypeError(f"Wrapper {name} must be callable or None, got {arguments[name]!r}")
+    for name in DEFAULT_LIMITS:
+        value = arguments[name]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"Wrapper {name} must be a whole number >= 1, or None for no limit; got {value!r}")
     if (arguments["state_dict"] is None) != (arguments["load_state_dict"] is None):
         given = "state_dict" if arguments["state_dict"] is not None else "load_state_dict"
         raise ValueError(
@@ -89,6 +105,7 @@ def job_config_defaults() -> dict[str, Any]:
     if config is None:
         return {}
     defaults: dict[str, Any] = {name: datetime.timedelta(seconds=value) for name, value in config.wrapper.items()}
+    defaults.update({name: value or None for name, value in config.restart_limits.items()})  # 0: no limit
     policy = policy_from_config(config)
     if policy is not None:
         defaults["rank_assignment"] = policy
@@ -99,5 +116,6 @@ def apply_job_config_defaults(arguments: dict[str, Any]) -> None:
     """Replace, in ``arguments``, the defaults the code left alone by the job config's values."""
     for name, value in job_config_defaults().items():
         given = arguments[name]
-        if given is DEFAULT_DURATIONS.get(name) or (name == "rank_assignment" and given is None):
+        default = DEFAULT_DURATIONS.get(name, DEFAULT_LIMITS.get(name))
+        if given is default or (name == "rank_assignment" and given is None):
             arguments[name] = value

@@ -77,6 +77,20 @@ class RestartAbort(BaseException):
     """
 
 
+class RestartLimitError(RestartAbort):
+    """The Wrapper stopped restarting: a fault repeats (``max_identical_faults``) or restarts make no progress
+    (``max_restarts_without_progress``). Raised alike on every rank after the same restart.
+
+    ``fatal``: the fault repeated identically, so the job ends (a process
+    restart would only repeat it; ``ftrun``'s agent does not restart the
+    workers); otherwise the node side may still escalate.
+    """
+
+    def __init__(self, message: str, fatal: bool) -> None:
+        super().__init__(message)
+        self.fatal = fatal
+
+
 class RankShouldRestart(BaseException):
     """Raised asynchronously in the main thread to unwind the wrapped function.
 

@@ -135,6 +135,7 @@ class RankActivity:
     cpu_idle_for: float  # since the rank (or its data loader workers) last used CPU
     stopped: bool  # the process is stopped (SIGSTOP, or traced)
     threads_silent_for: float  # since any of its Python threads last ran (the GIL held throughout)
+    restart_pending_for: float = 0.0  # since a restart started that the main thread has not taken (0: none)
 
     @property
     def inactive_for(self) -> float:
@@ -149,6 +150,9 @@ class Timeouts:
     hard: float
     soft_limit: float
     hard_limit: float
+    #: How long a restart may take to reach the main thread: the adaptive hard timeout of the job's
+    #: steps, kept across iterations, at least twice the adaptive floor (3 s by default).
+    delivery: float = math.inf
 
 
 def heartbeat_period(rank: RankActivity, soft: float, interval: float) -> float:
@@ -182,6 +186,15 @@ def judge_stall(
         peers_inactive_for: seconds since any other rank was last active; ``None`` if not known.
         restart_requested: this rank already asked for a restart in this iteration.
     """
+    if rank.restart_pending_for >= timeouts.delivery and rank.progress_age >= timeouts.delivery:
+        # Released connections and the interrupt signal did not bring the main thread back to Python: it is
+        # wedged in C code (a gloo operation that missed its peer's closed connection, a connect to a dead
+        # peer). Only a new process can take its place.
+        return StallVerdict(
+            StallAction.KILL,
+            f"a restart has not reached the main thread for {rank.restart_pending_for:.1f} s (blocked in C code; "
+            f"the job's steps give {timeouts.delivery:.1f} s)",
+        )
     if rank.progress_age >= timeouts.hard_limit:
         return StallVerdict(StallAction.KILL, f"no progress for {rank.progress_age:.1f} s (hard_timeout)")
     if rank.progress_age >= timeouts.soft_limit and not restart_requested:
@@ -219,3 +232,32 @@ def judge_stall(
     return StallVerdict(
         StallAction.RESTART, f"inactive for {rank.inactive_for:.1f} s (adaptive soft timeout {timeouts.soft:.1f} s)"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class StalledRank:
+    """What a heartbeat (or the monitor process, for its own rank) says of a rank in a hung iteration."""
+
+    rank: int  # the rank's initial rank
+    active_at: float  # when it was last active (wall clock)
+    waiting: bool | None  # its main thread, blocked, waits for other ranks (None: it was not blocked)
+
+
+def hang_culprit(ranks: Sequence[StalledRank]) -> tuple[StalledRank, str]:
+    """The rank a hang is blamed on, and why (pure; ``ranks`` not empty).
+
+    The rank whose progress stopped first, not the one whose timer expired
+    first: the ranks blocked outside any collective come first (the others
+    wait for them in one), then the one last active earliest.
+    """
+    if not ranks:
+        raise ValueError("hang_culprit needs at least one rank")
+    outside = [rank for rank in ranks if rank.waiting is False]
+    candidates = outside or list(ranks)
+    culprit = min(candidates, key=lambda rank: (rank.active_at, rank.rank))
+    waiting = sorted(rank.rank for rank in ranks if rank.waiting)
+    if outside and waiting:
+        why = f"it is blocked outside any collective, and initial rank(s) {waiting} wait for it in one"
+    else:
+        why = "its progress stopped first"
+    return culprit, why

@@ -103,14 +103,20 @@ def _transfer_group(
 ) -> Iterator[Any]:
     """The gloo group of ``sender`` and its receivers; gloo's errors become :class:`StateTransferError`.
 
-    The group is kept alive for good if the transfer does not finish (see the
-    module docstring); once it finished, it is freed as usual.
+    The group is kept alive if the transfer does not finish (see the
+    module docstring); once it finished, it is freed as usual. Members meet
+    at a store barrier once their side of the group is connected: gloo
+    connects every pair of members, receivers too, and a receiver that
+    finished and freed its group would otherwise close its connections
+    under another receiver still connecting (which then fails with
+    "Connection closed by peer").
     """
+    member = members.index(active_rank)
     try:
-        group = dist.ProcessGroupGloo(
-            dist.PrefixStore(keys.heal_group(sender), store), members.index(active_rank), len(members), timeout
-        )
+        group = dist.ProcessGroupGloo(dist.PrefixStore(keys.heal_group(sender), store), member, len(members), timeout)
         keeper.track(group)
+        if len(members) > 2:  # two members share one connection: nothing else to close under them
+            store.arrive_and_wait(keys.heal_group_ready(sender), [member], len(members), timeout)
         yield group
     except RuntimeError as error:  # gloo: a peer's connection closed, a timeout
         raise StateTransferError(f"the state transfer from rank {sender} to {members[1:]} failed: {error}") from error

@@ -40,7 +40,9 @@ import torch.distributed as dist
 from elastic_ft.inprocess.hang_detection import (
     RankActivity,
     StallAction,
+    StalledRank,
     Timeouts,
+    hang_culprit,
     heartbeat_period,
     judge_stall,
     peer_read_period,
@@ -59,7 +61,9 @@ from elastic_ft.inprocess.store import (
     report_process_gone,
     report_rank_gone,
 )
+from elastic_ft.inprocess.worker_events import close_events, install_store_events
 from elastic_ft.keys import EXIT_BARRIER
+from elastic_ft.observability.sink import EventSink, emit
 
 log = get_logger("monitor_process")
 
@@ -208,8 +212,10 @@ class MonitorProcess:
         """The store exists (its host is up): the monitor may connect."""
         self._send({"type": "store_ready"})
 
-    def start_iteration(self, iteration: int, rank: int, world_size: int) -> None:
-        self._send({"type": "iteration", "iteration": iteration, "rank": rank, "world_size": world_size})
+    def start_iteration(self, iteration: int, rank: int, world_size: int, active: bool = True) -> None:
+        self._send(
+            {"type": "iteration", "iteration": iteration, "rank": rank, "world_size": world_size, "active": active}
+        )
 
     def stop(self, timeout: float = 5.0) -> None:
         """Ask the monitor to exit and reap it."""
@@ -252,6 +258,8 @@ class _Iteration:
     world_size: int
     store: PrefixStore
     restart_requested: bool = False
+    #: The rank runs the function (False: a reserve rank, which waits).
+    active: bool = True
 
 
 class _CpuMeter:
@@ -298,6 +306,9 @@ class _Monitor:
         self.pidfd = self._open_pidfd(target_pid)
         self.cpu = _CpuMeter(target_pid)
         self._peers: tuple[float, float | None] = (-float("inf"), None)  # (read at, inactive for then)
+        #: The other active ranks, as their heartbeats last read said.
+        self._stalled_peers: list[StalledRank] = []
+        self.events: EventSink | None = None
 
     @staticmethod
     def _open_pidfd(pid: int) -> int | None:
@@ -323,6 +334,15 @@ class _Monitor:
                 return
         forbid_hosting()
         base_store = self.store_factory(**self.store_kwargs)
+        self.events = install_store_events(base_store)
+        try:
+            self._watch(base_store, early)
+        finally:
+            close_events(self.events, timeout=2.0)
+
+    def _watch(self, base_store: dist.Store, early: list[dict[str, Any]]) -> None:
+        """The monitor's loop once the store is ready, until the rank leaves or the main process stops it."""
+        config = self.config
         job = job_store(base_store)
         watching_since = time.time()
         next_heartbeat = next_check = 0.0
@@ -339,6 +359,7 @@ class _Monitor:
                         message["rank"],
                         message["world_size"],
                         iteration_store(base_store, number),
+                        active=message.get("active", True),
                     )
                     log.info("iteration %d: rank %d of %d", number, message["rank"], message["world_size"])
             if not process_is_alive(self.target_pid):
@@ -349,7 +370,10 @@ class _Monitor:
             activity = self._activity(monotonic_now)
             timeouts = self._timeouts()
             if now >= next_heartbeat:
-                job.send_heartbeat(config.initial_rank, now - activity.inactive_for)
+                reserve = self.iteration is not None and not self.iteration.active
+                job.send_heartbeat(
+                    config.initial_rank, now - activity.inactive_for, self.timestamps.waiting(), reserve
+                )
                 next_heartbeat = now + heartbeat_period(activity, timeouts.soft, config.heartbeat_interval)
             if now >= next_check:
                 self._check_heartbeats(job, now, watching_since)
@@ -364,6 +388,7 @@ class _Monitor:
             cpu_idle_for=now - self.cpu.busy_at,
             stopped=stopped,
             threads_silent_for=self.timestamps.threads_silent_for(),
+            restart_pending_for=self.timestamps.restart_pending_for(),
         )
 
     def _timeouts(self) -> Timeouts:
@@ -371,7 +396,7 @@ class _Monitor:
         soft, hard = self.timestamps.timeouts()
         if self.timestamps.in_long_section():
             soft, hard = config.soft_timeout, config.hard_timeout
-        return Timeouts(soft, hard, config.soft_timeout, config.hard_timeout)
+        return Timeouts(soft, hard, config.soft_timeout, config.hard_timeout, self.timestamps.delivery_bound())
 
     def _judge(
         self,
@@ -389,20 +414,67 @@ class _Monitor:
         verdict = judge_stall(activity, timeouts, config.gil_held_limit, peers, iteration.restart_requested)
         if verdict.action is StallAction.RESTART:
             iteration.restart_requested = True
-            log.warning("soft timeout: %s", verdict.reason)
-            iteration.store.record_interruption(iteration.rank, "soft_timeout", verdict.reason)
+            self._report_hang(job, iteration, activity, verdict.reason)
         elif verdict.action is StallAction.KILL:
-            log.warning(
-                "hard timeout: %s; terminating %d (its stacks go to its stderr)", verdict.reason, self.target_pid
-            )
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.target_pid, STACK_DUMP_SIGNAL)
+            kind = "stopped" if activity.stopped else "hard_timeout"
+            if activity.restart_pending_for >= timeouts.delivery:
+                kind = "restart_blocked"
+            log.warning("%s: %s; terminating %d (its stacks go to its stderr)", kind, verdict.reason, self.target_pid)
+            emit("fault_detected", rank=config.initial_rank, iteration=iteration.number, kind=kind,
+                 message=verdict.reason)  # fmt: skip
+            self._dump_stacks(verdict.reason)
+            # Reported before a stopped rank continues for its dump: the iteration is interrupted first,
+            # so nothing the rank computes in the moments it runs again can complete it.
+            self._report_terminated(base_store, kind, verdict.reason)
+            if activity.stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.target_pid, signal.SIGCONT)  # the dump runs now; SIGTERM comes after it
             time.sleep(_STACK_DUMP_PAUSE)
-            self._report_terminated(base_store, "hard_timeout", verdict.reason)
             terminate_process(self.target_pid, config.termination_grace_time)
             log.info("target %d terminated", self.target_pid)
             return True
         return False
+
+    def _report_hang(self, job: PrefixStore, iteration: _Iteration, activity: RankActivity, reason: str) -> None:
+        """Every rank made no progress for the soft timeout: record the hang, blamed on the rank that stopped first.
+
+        Every stalled rank's monitor process may get here, each with the
+        same heartbeats: they name the same culprit, and the restart report
+        shows the hang once (:func:`~elastic_ft.inprocess.hang_detection.hang_culprit`).
+        """
+        config = self.config
+        self._peers_inactive_for(job, peer_read_period(self._timeouts().soft, config.heartbeat_interval))
+        me = StalledRank(config.initial_rank, time.time() - activity.inactive_for, self.timestamps.waiting())
+        culprit, why = hang_culprit([me, *self._stalled_peers])
+        rank = iteration.rank if culprit.rank == config.initial_rank else None
+        if rank is None:
+            rank = iteration.store.rank_of_initial(culprit.rank)
+        if rank is None:
+            culprit, why, rank = me, "the rank it was blamed on is not in this iteration", iteration.rank
+        message = (
+            f"rank {rank} (initial rank {culprit.rank}) made no progress for {time.time() - culprit.active_at:.1f} s: "
+            f"{why} (seen by initial rank {config.initial_rank}: {reason})"
+        )
+        log.warning("soft timeout: %s", message)
+        emit("fault_detected", rank=culprit.rank, iteration=iteration.number, kind="hang", message=message)
+        iteration.store.record_interruption(rank, "hang", message)
+
+    def _dump_stacks(self, reason: str) -> None:
+        """Have the rank write every thread's stack to its stderr, under a line that says whose and why.
+
+        The dump comes from the rank's own signal handler (``faulthandler``),
+        which runs even while it holds the GIL; a stopped rank writes it once
+        it continues.
+        """
+        config = self.config
+        header = (
+            f"\n[elastic_ft monitor process] stacks of initial rank {config.initial_rank} (pid {self.target_pid}), "
+            f"about to be terminated: {reason}\n"
+        )
+        with contextlib.suppress(OSError), open(f"/proc/{self.target_pid}/fd/2", "a") as stderr:
+            stderr.write(header)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.target_pid, STACK_DUMP_SIGNAL)
 
     def _peers_inactive_for(self, job: PrefixStore, read_period: float) -> float | None:
         """Seconds since any other rank was last active, from their heartbeats (read once per ``read_period``)."""
@@ -412,14 +484,19 @@ class _Monitor:
             return None if inactive_for is None else inactive_for + (now - read_at)
         config = self.config
         latest = None
+        stalled = []
         for rank in range(config.initial_world_size):
             if rank == config.initial_rank or rank in self.reported_silent or job.has_arrived(EXIT_BARRIER, rank):
                 continue
-            active = job.last_activity(rank)
-            if active is not None and (latest is None or active > latest):
-                latest = active
+            heartbeat = job.heartbeat(rank)
+            if heartbeat is None or heartbeat.reserve:
+                continue  # a reserve rank waits by design: its activity says nothing of the iteration's
+            stalled.append(StalledRank(rank, heartbeat.active_at, heartbeat.waiting))
+            if latest is None or heartbeat.active_at > latest:
+                latest = heartbeat.active_at
         inactive_for = None if latest is None else max(0.0, now - latest)
         self._peers = (now, inactive_for)
+        self._stalled_peers = stalled
         return inactive_for
 
     def _receive(self, timeout: float) -> list[dict[str, Any]]:

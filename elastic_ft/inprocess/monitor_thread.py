@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 
+from elastic_ft import shield
 from elastic_ft.inprocess.exception import RankShouldRestart, RestartDelivery
 from elastic_ft.inprocess.logs import get_logger
 from elastic_ft.inprocess.state import State
@@ -174,21 +175,39 @@ class InterruptSignal:
 
     def install(self) -> None:
         self._previous = signal.signal(self.signum, self._handle)
+        shield.set_deferred_raise(self._raise_deferred)
 
     def uninstall(self) -> None:
+        shield.set_deferred_raise(None)
         signal.signal(self.signum, self._previous if self._previous is not None else signal.SIG_DFL)
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
+    def _due(self, frame: FrameType | None) -> bool:
+        """A restart waits to be raised in the main thread, and ``frame`` is a place to raise it."""
         delivery = RankShouldRestart.delivery
-        if self.pending.is_set() and delivery is not None:
-            # Not inside a finalizer (a data loader's shutdown, say), where the exception
-            # would be dropped with the cleanup half done; the next signal comes soon.
-            if not delivery.delivered.is_set() and not _in_finalizer(frame):
+        # Not inside a finalizer (a data loader's shutdown, say), where the exception would be
+        # dropped with the cleanup half done; the next signal comes soon.
+        return (
+            self.pending.is_set()
+            and delivery is not None
+            and not delivery.delivered.is_set()
+            and not _in_finalizer(frame)
+        )
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.pending.is_set() and RankShouldRestart.delivery is not None:
+            # Inside the etcd client the raise waits for the section's end (elastic_ft.shield).
+            if self._due(frame) and not shield.active():
                 clear_main_thread_pending_exception()  # this raise takes the place of the scheduled one
                 raise RankShouldRestart()
             return
         if callable(self._previous):
             self._previous(signum, frame)
+
+    def _raise_deferred(self) -> None:
+        """At the end of a shielded section: raise the restart its signal found there, if it is still due."""
+        if self.pending.is_set() and self._due(sys._getframe(1)):
+            clear_main_thread_pending_exception()
+            raise RankShouldRestart()
 
     def send(self) -> None:
         signal.pthread_kill(_main_thread_ident(), self.signum)
@@ -208,6 +227,10 @@ class MonitorThread(threading.Thread):
         atomic_lock: the lock of ``CallWrapper.atomic()``.
         interrupt: the interrupt signal, or ``None`` to rely on the
             asynchronous exception alone.
+        pending: ``pending(True)`` once a restart is being delivered,
+            ``pending(False)`` once the main thread took it: the monitor
+            process terminates a rank whose main thread a restart cannot
+            reach (:func:`~elastic_ft.inprocess.hang_detection.judge_stall`).
     """
 
     #: How long one wait for the outcome lasts before the thread checks whether it was stopped.
@@ -223,6 +246,7 @@ class MonitorThread(threading.Thread):
         last_call_wait: float,
         atomic_lock: threading.RLock,
         interrupt: InterruptSignal | None,
+        pending: Callable[[bool], None] | None = None,
     ) -> None:
         super().__init__(name=f"elastic_ft-monitor-thread-{state.rank}", daemon=True)
         self.store = store
@@ -238,6 +262,7 @@ class MonitorThread(threading.Thread):
         self._raise_lock = threading.Lock()
         self._held = False  # the main thread left the wrapped function: nothing more is delivered to it
         self.restart_started = threading.Event()
+        self._pending = pending or (lambda _pending: None)
 
     def run(self) -> None:
         try:
@@ -271,9 +296,14 @@ class MonitorThread(threading.Thread):
                 except Exception:
                     log.exception("rank %s: abort failed", self.state.rank)
             delivery = RestartDelivery()
-            RankShouldRestart.delivery = delivery
-            if self.interrupt is not None:
-                self.interrupt.pending.set()
+            with self._raise_lock:
+                # Nothing is armed for a main thread that left the function already (it raises the restart
+                # itself) or took it: a signal or a shielded section's end would raise it again later.
+                if not (self._held or self._acknowledged.is_set() or self._stop_requested.is_set()):
+                    RankShouldRestart.delivery = delivery
+                    self._pending(True)
+                    if self.interrupt is not None:
+                        self.interrupt.pending.set()
             started = time.monotonic()
             scheduled = self._deliver(schedule=self.interrupt is None)
             blocked_logged = released_everything = False
@@ -312,6 +342,7 @@ class MonitorThread(threading.Thread):
         with self._raise_lock:
             if self._acknowledged.is_set() or self._stop_requested.is_set() or self._held:
                 return False
+            schedule = schedule and not shield.active()  # not into the etcd client: the next round tries again
             if schedule:
                 raise_in_main_thread(RankShouldRestart)
             if self.interrupt is not None:
@@ -329,6 +360,7 @@ class MonitorThread(threading.Thread):
         """
         with self._raise_lock:
             self._held = True
+            self._pending(False)
             if self.interrupt is not None:
                 self.interrupt.pending.clear()
             clear_main_thread_pending_exception()
@@ -348,6 +380,7 @@ class MonitorThread(threading.Thread):
             try:
                 with self._raise_lock:
                     event.set()
+                    self._pending(False)
                     if self.interrupt is not None:
                         self.interrupt.pending.clear()
                     RankShouldRestart.delivery = None

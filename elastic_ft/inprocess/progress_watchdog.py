@@ -28,6 +28,7 @@ import collections
 import ctypes
 import math
 import mmap
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,8 +39,12 @@ from elastic_ft.inprocess.logs import get_logger
 log = get_logger("progress_watchdog")
 
 # Slots of the shared block, each one aligned 8-byte double; times are time.monotonic() seconds.
-_AUTOMATIC, _MANUAL, _THREADS, _SOFT, _HARD, _LONG = range(6)
-_Slots = ctypes.c_double * 6
+_AUTOMATIC, _MANUAL, _THREADS, _SOFT, _HARD, _LONG, _WAITING, _RESTART_PENDING, _DELIVERY = range(9)
+_Slots = ctypes.c_double * 9
+
+#: Modules whose frames on the main thread's stack mean it waits for other ranks: a collective, DDP's
+#: backward (its all-reduces), a process group being built.
+_COLLECTIVE_MODULES = ("torch.distributed", "torch.nn.parallel", "torch.autograd")
 
 
 def progress_age(automatic: float, manual: float, now: float) -> float:
@@ -56,7 +61,17 @@ class ProgressTimestamps:
     Both processes use ``time.monotonic()``, a system-wide clock on Linux.
     ``MANUAL`` is NaN until the first ping of an iteration; ``SOFT`` and
     ``HARD`` are the timeouts in effect, in seconds; ``LONG`` counts the
-    sections marked long the main thread is in.
+    sections marked long the main thread is in. ``WAITING`` is 1 while the
+    main thread, blocked in C code, waits for other ranks (a collective, a
+    backward pass with DDP's all-reduces), 0 while it is blocked elsewhere,
+    NaN while it runs Python code: it tells the rank that hung from the
+    ranks waiting for it. ``RESTART_PENDING`` is when the monitor thread
+    started a restart the main thread has not taken yet (NaN: none).
+    ``DELIVERY`` is how long a restart may take to reach the main thread
+    before the monitor process terminates the rank: the adaptive hard
+    timeout the job's steps last gave, kept across iterations, and at least
+    twice the adaptive floor (3 s by default; the configured soft timeout
+    without adaptive timeouts).
     """
 
     def __init__(self, soft: float = math.inf, hard: float = math.inf) -> None:
@@ -67,6 +82,8 @@ class ProgressTimestamps:
         # whole uptime.)
         self._slots = _Slots.from_buffer(self._memory)
         self.set_timeouts(soft, hard)
+        self._slots[_DELIVERY] = soft
+        self._slots[_RESTART_PENDING] = math.nan
         self.reset()
 
     def reset(self) -> None:
@@ -74,6 +91,30 @@ class ProgressTimestamps:
         self._slots[_MANUAL] = math.nan
         self._slots[_AUTOMATIC] = now
         self._slots[_THREADS] = now
+        self._slots[_WAITING] = math.nan
+
+    def set_waiting(self, waiting: bool | None) -> None:
+        """Whether the main thread, blocked in C code, waits for other ranks (None: it runs Python code)."""
+        self._slots[_WAITING] = math.nan if waiting is None else float(waiting)
+
+    def waiting(self) -> bool | None:
+        value = self._slots[_WAITING]
+        return None if math.isnan(value) else value > 0
+
+    def set_restart_pending(self, pending: bool) -> None:
+        """The monitor thread started a restart (True) that the main thread has now taken (False)."""
+        self._slots[_RESTART_PENDING] = time.monotonic() if pending else math.nan
+
+    def restart_pending_for(self) -> float:
+        """Seconds since a restart the main thread has not taken was started; 0 when none is pending."""
+        since = self._slots[_RESTART_PENDING]
+        return 0.0 if math.isnan(since) else time.monotonic() - since
+
+    def set_delivery_bound(self, seconds: float) -> None:
+        self._slots[_DELIVERY] = seconds
+
+    def delivery_bound(self) -> float:
+        return self._slots[_DELIVERY]
 
     def beat_automatic(self) -> None:
         self._slots[_AUTOMATIC] = time.monotonic()
@@ -134,6 +175,11 @@ class StepClock:
         self._last_step: float | None = None
         self._steps_in_iteration = 0
         self._adapted: tuple[float, float] = (soft_limit, hard_limit)
+        # How long a restart may take to reach the main thread (the monitor process terminates the rank
+        # after that): the adaptive hard timeout, at least twice the adaptive floor (3 s by default), which
+        # holds too until the job's steps give one, as a restart abandons whatever the rank does.
+        self._delivery_floor = min(hard_limit, 2 * config.soft_floor.total_seconds()) if config else soft_limit
+        timestamps.set_delivery_bound(self._delivery_floor)
 
     def start_iteration(self) -> None:
         """A new iteration warms up again; the configured timeouts hold until it has."""
@@ -150,6 +196,7 @@ class StepClock:
             self.samples.append(now - self._last_step)
             if len(self.samples) % self._RECOMPUTE_EVERY == 0 or len(self.samples) == self.config.min_samples:
                 self._adapted = adaptive_timeouts(self.samples, self.config, self.soft_limit, self.hard_limit)
+                self.timestamps.set_delivery_bound(max(self._delivery_floor, self._adapted[1]))
         self._last_step = now
         if self._steps_in_iteration > self.config.warmup_steps and not self.timestamps.in_long_section():
             self.timestamps.set_timeouts(*self._adapted)
@@ -209,6 +256,19 @@ def _main_thread_probe() -> _MainThreadProbe:
     return _probe
 
 
+def main_thread_waits_for_peers() -> bool:
+    """Whether the main thread blocks in a collective, DDP's backward or a process group's set-up.
+
+    Read from another thread while the main thread is blocked in C code:
+    its innermost Python frame made the call that blocks (a ``time.sleep``
+    in a model's ``forward`` under DDP is the user's frame, not DDP's).
+    """
+    ident = threading.main_thread().ident
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    module = frame.f_globals.get("__name__", "") if frame is not None else ""
+    return isinstance(module, str) and module.startswith(_COLLECTIVE_MODULES)
+
+
 class ProgressWatchdog(threading.Thread):
     """Takes the automatic heartbeat every ``interval`` seconds.
 
@@ -242,7 +302,11 @@ class ProgressWatchdog(threading.Thread):
                     log.exception("the watchdog's per-round call failed")
                     self.each_round = None
             if not self._probe.answered():
-                continue  # the main thread executed no bytecode since the last round
+                # The main thread executed no bytecode since the last round: blocked in C code. Where?
+                if self.timestamps.waiting() is None:
+                    self.timestamps.set_waiting(main_thread_waits_for_peers())
+                continue
+            self.timestamps.set_waiting(None)
             self.timestamps.beat_automatic()
             if not self._probe.schedule():
                 log.debug("Py_AddPendingCall refused the probe; retrying next round")

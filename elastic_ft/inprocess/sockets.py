@@ -38,8 +38,11 @@ Linux only: sockets are read from ``/proc``.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import socket
+import struct
+import sys
 from dataclasses import dataclass
 
 from elastic_ft.inprocess.logs import get_logger
@@ -57,6 +60,8 @@ class TcpSocket:
     local_port: int
     remote_port: int
     state: str
+    #: The local address (``127.0.0.1``, ``::``); empty when unknown.
+    local_host: str = ""
 
 
 def _own_socket_inodes() -> dict[int, int]:
@@ -72,9 +77,16 @@ def _own_socket_inodes() -> dict[int, int]:
     return found
 
 
-def _tcp_entries() -> dict[int, tuple[int, int, str]]:
-    """inode -> (local port, remote port, state) of the TCP sockets of this network namespace."""
-    entries: dict[int, tuple[int, int, str]] = {}
+def _host(hexadecimal: str) -> str:
+    """An address of ``/proc/net/tcp{,6}`` (32-bit words in host order, as hex) as text."""
+    raw = bytes.fromhex(hexadecimal)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)) if sys.byteorder == "little" else raw
+    return str(ipaddress.ip_address(words))
+
+
+def _tcp_entries() -> dict[int, tuple[int, int, str, str]]:
+    """inode -> (local port, remote port, state, local address) of the TCP sockets of this network namespace."""
+    entries: dict[int, tuple[int, int, str, str]] = {}
     for table in ("tcp", "tcp6"):
         try:
             with open(f"/proc/self/net/{table}") as lines:
@@ -82,7 +94,8 @@ def _tcp_entries() -> dict[int, tuple[int, int, str]]:
                 for line in lines:
                     fields = line.split()
                     local, remote, state, inode = fields[1], fields[2], fields[3], int(fields[9])
-                    entries[inode] = (int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16), state)
+                    host, port = local.rsplit(":", 1)
+                    entries[inode] = (int(port, 16), int(remote.rsplit(":", 1)[1], 16), state, _host(host))
         except OSError:  # no IPv6 in this namespace
             continue
     return entries
@@ -92,6 +105,50 @@ def tcp_sockets() -> list[TcpSocket]:
     """The TCP sockets this process holds."""
     entries = _tcp_entries()
     return [TcpSocket(inode, fd, *entries[inode]) for inode, fd in _own_socket_inodes().items() if inode in entries]
+
+
+def gloo_listeners(sockets: list[TcpSocket], baseline: frozenset[int]) -> list[TcpSocket]:
+    """Listeners created since ``baseline`` that are bound to one address, as gloo's devices are (pure).
+
+    A TCPStore, and most servers, listen on every address (``0.0.0.0``,
+    ``::``): they are left out.
+    """
+    return [
+        s
+        for s in sockets
+        if s.state == _LISTEN
+        and s.inode not in baseline
+        and s.local_host
+        and not ipaddress.ip_address(s.local_host).is_unspecified
+    ]
+
+
+def unblock_listeners(listeners: list[TcpSocket], ranks: range) -> int:
+    """End gloo's wait for peers that will never connect: connect to each listener as each of ``ranks``, and close.
+
+    A gloo pair that waits as the passive side of its connection (the peer
+    connects to this rank's listener and writes the pair's sequence
+    number: on a group's own device, the peer's rank) waits in C code,
+    holding no socket a release could cut, for the group's timeout (30
+    minutes by default): a peer that died while the group was being built
+    leaves every rank waiting for it blocked there, out of reach of a
+    restart. Writing a waiting pair's number and closing at once hands it a
+    connection that ends: its set-up fails (or its first collective does)
+    and the main thread comes back to Python, where the restart waits for
+    it. Numbers of pairs already connected land in gloo's table of early
+    connections, unused. Only used once a restart is under way and the
+    main thread has ignored every other release. Returns the connections made.
+    """
+    made = 0
+    for listener in listeners:
+        for rank in ranks:
+            try:
+                with socket.create_connection((listener.local_host, listener.local_port), timeout=0.2) as connection:
+                    connection.sendall(struct.pack("=Q", rank))
+                made += 1
+            except OSError:  # gone meanwhile, or refusing: nothing waits there
+                break
+    return made
 
 
 def socket_inodes() -> frozenset[int]:

@@ -51,10 +51,13 @@ import torch.distributed as dist
 
 from elastic_ft import keys
 from elastic_ft.fault_records import (
+    FaultHistory,
+    Heartbeat,
     encode_heartbeat,
     encode_interruption,
     interruption_dict,
-    parse_heartbeat,
+    next_history,
+    parse_heartbeat_record,
     parse_interruptions,
 )
 from elastic_ft.handoff import StoreHandoff
@@ -201,8 +204,14 @@ class StoreMixin:
             return json.dumps([self.heal_progress(rank) for rank in range(world_size)])
         if name == TERMINATION_BARRIER:
             iteration = getattr(self, "iteration", None)
-            joined = [] if iteration is None else admit_joiners(job_store(self.underlying_store), iteration + 1)
-            return TerminationResult(world_size, tuple(self.terminated_ranks()), tuple(joined)).to_json()
+            if iteration is None:
+                return TerminationResult(world_size, tuple(self.terminated_ranks())).to_json()
+            base = self.underlying_store
+            joined = admit_joiners(job_store(base), iteration + 1)
+            recorded = _text(self.get(keys.INTERRUPTIONS)) if self.check([keys.INTERRUPTIONS]) else ""
+            records, _ = parse_interruptions(recorded)
+            history = next_history(previous_history(base, iteration), records, self.progressed())
+            return TerminationResult(world_size, tuple(self.terminated_ranks()), tuple(joined), history).to_json()
         return ""
 
     def has_arrived(self, name: str, rank: int) -> bool:
@@ -238,10 +247,31 @@ class StoreMixin:
             time.sleep(min(poll_interval, remaining))
         return outcome
 
-    def record_interruption(self, rank: int, kind: str, message: str = "") -> str:
-        """Record why ``rank`` interrupts the iteration (and when), then propose :data:`INTERRUPTED`."""
-        self.append(keys.INTERRUPTIONS, encode_interruption(rank, kind, message, time.time()))
+    def record_interruption(
+        self,
+        rank: int,
+        kind: str,
+        message: str = "",
+        *,
+        step: int | None = None,
+        origin: str | None = None,
+        traceback: str | None = None,
+    ) -> str:
+        """Record why ``rank`` interrupts the iteration (and when), then propose :data:`INTERRUPTED`.
+
+        An exception also records the rank's step, where it was raised, and
+        its traceback (:class:`~elastic_ft.fault_records.Interruption`).
+        """
+        line = encode_interruption(rank, kind, message, time.time(), step=step, origin=origin, traceback=traceback)
+        self.append(keys.INTERRUPTIONS, line)
         return self.decide_outcome(INTERRUPTED)
+
+    def mark_progressed(self) -> None:
+        """A rank made a step in this iteration (the give-up rule counts iterations without one)."""
+        self.set(keys.PROGRESSED, "1")
+
+    def progressed(self) -> bool:
+        return self.check([keys.PROGRESSED])
 
     def interruptions(self) -> list[dict[str, object]]:
         """The iteration's well-formed interruption records (a malformed line is logged and skipped)."""
@@ -302,17 +332,25 @@ class StoreMixin:
         key = f"{keys.RANK_OF_INITIAL}{initial_rank}"
         return int(_text(self.get(key))) if self.check([key]) else None
 
-    def send_heartbeat(self, rank: int, active_at: float | None = None) -> None:
-        """A heartbeat for initial rank ``rank``: now, and when (wall clock) the rank was last active."""
+    def send_heartbeat(
+        self, rank: int, active_at: float | None = None, waiting: bool | None = None, reserve: bool = False
+    ) -> None:
+        """A heartbeat for initial rank ``rank`` (:class:`~elastic_ft.fault_records.Heartbeat`), sent now."""
         now = time.time()
-        self.set(f"{keys.HEARTBEAT}{rank}", encode_heartbeat(now, now if active_at is None else active_at))
+        text = encode_heartbeat(now, now if active_at is None else active_at, waiting, reserve)
+        self.set(f"{keys.HEARTBEAT}{rank}", text)
 
-    def _heartbeat(self, rank: int) -> tuple[float, float] | None:
-        """(sent at, last active at); None without a heartbeat or with one that is not well-formed."""
+    def heartbeat(self, rank: int) -> Heartbeat | None:
+        """Initial rank ``rank``'s last heartbeat; None without one, or with one that is not well-formed."""
         key = f"{keys.HEARTBEAT}{rank}"
         if not self.check([key]):
             return None
-        return parse_heartbeat(_text(self.get(key)))
+        return parse_heartbeat_record(_text(self.get(key)))
+
+    def _heartbeat(self, rank: int) -> tuple[float, float] | None:
+        """(sent at, last active at); None without a heartbeat or with one that is not well-formed."""
+        record = self.heartbeat(rank)
+        return None if record is None else (record.sent_at, record.active_at)
 
     def last_heartbeat(self, rank: int) -> float | None:
         record = self._heartbeat(rank)
@@ -395,8 +433,10 @@ class StoreMixin:
     def finished(self) -> bool:
         return self.check([keys.FINISHED])
 
-    def record_left(self, initial_rank: int, kind: str, gave_up: bool, message: str = "") -> None:
-        record = {"kind": kind, "gave_up": gave_up, "message": message[:500]}
+    def record_left(self, initial_rank: int, kind: str, gave_up: bool, message: str = "", fatal: bool = False) -> None:
+        """How the rank left the Wrapper; ``fatal``: it gave up on the job for good (a fault repeats: the node side
+        must not restart the workers)."""
+        record = {"kind": kind, "gave_up": gave_up, "message": message[:500], "fatal": fatal}
         self.set(f"{keys.LEFT}{initial_rank}", json.dumps(record))
 
     def left(self, initial_rank: int) -> dict[str, object] | None:
@@ -463,15 +503,25 @@ class TerminationResult:
     ``world_size``: the iteration's world size; ``terminated``: its ranks
     that left; ``joined``: initial ranks of the processes admitted into the
     next iteration, which take ranks ``world_size, world_size + 1, ...`` in
-    this order before the rank assignment renumbers everyone.
+    this order before the rank assignment renumbers everyone; ``history``:
+    the job's faults so far as the give-up rule counts them
+    (:func:`~elastic_ft.fault_records.next_history`).
     """
 
     world_size: int
     terminated: tuple[int, ...] = ()
     joined: tuple[int, ...] = ()
+    history: FaultHistory = FaultHistory()  # noqa: RUF009 - frozen: one shared instance is safe
 
     def to_json(self) -> str:
-        return json.dumps({"world_size": self.world_size, "terminated": self.terminated, "joined": self.joined})
+        return json.dumps(
+            {
+                "world_size": self.world_size,
+                "terminated": self.terminated,
+                "joined": self.joined,
+                "history": self.history.to_dict(),
+            }
+        )
 
     @classmethod
     def from_json(cls, payload: str | bytes | None, world_size: int | None) -> TerminationResult:
@@ -485,6 +535,7 @@ class TerminationResult:
         terminated = record.get("terminated") if record else None
         joined = record.get("joined") if record else None
         size = record.get("world_size") if record else None
+        history = FaultHistory.from_dict(record.get("history", {"repeats": 0, "stalled": 0})) if record else None
         if (
             record is None
             or not _count(size)
@@ -496,12 +547,28 @@ class TerminationResult:
             or len(joined) > _JOINED_MAX
             or len(set(joined)) != len(joined)
             or not all(_count(r) for r in joined)
+            or history is None
         ):
             raise ValueError(
                 f"malformed termination result {payload!r:.200} for a world of {world_size or 'any number of'} "
-                'ranks; expected {"world_size": N, "terminated": [ranks below N], "joined": [distinct initial ranks]}'
+                'ranks; expected {"world_size": N, "terminated": [ranks below N], "joined": [distinct initial ranks], '
+                '"history": {"signature": text or null, "repeats": n, "stalled": n}}'
             )
-        return cls(size, tuple(sorted(set(terminated))), tuple(joined))
+        return cls(size, tuple(sorted(set(terminated))), tuple(joined), history)
+
+
+def previous_history(base: dist.Store, iteration: int) -> FaultHistory:
+    """The fault history published by the termination barrier of ``iteration - 1`` (empty for the first, or when
+    that result is unreadable: the store is untrusted, and forgetting counts only delays a give-up)."""
+    if iteration == 0:
+        return FaultHistory()
+    payload = iteration_store(base, iteration - 1).termination_result()
+    try:
+        return TerminationResult.from_json(payload, None).history
+    except ValueError as error:
+        log.warning("iteration %d: the previous termination result is unreadable; fault counts restart: %s",
+                    iteration, error)  # fmt: skip
+        return FaultHistory()
 
 
 #: A joiner is admitted only if its monitor process reported it active this recently (seconds): a

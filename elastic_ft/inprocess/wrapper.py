@@ -35,8 +35,10 @@ import logging
 import os
 import re
 import signal
+import sys
 import threading
 import time
+import traceback
 import typing
 import warnings
 from collections.abc import Callable, Iterator
@@ -46,10 +48,22 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from elastic_ft.fault_records import Interruption, fault_kind, group_faults, restart_reporter
+from elastic_ft.fault_records import (
+    PEER_LOST,
+    Interruption,
+    fault_kind,
+    give_up_reason,
+    group_faults,
+    restart_reporter,
+)
 from elastic_ft.handoff import WorkerHandoff
 from elastic_ft.inprocess.abort import AbortTorchDistributed
-from elastic_ft.inprocess.arguments import DEFAULT_DURATIONS, apply_job_config_defaults, validate_arguments
+from elastic_ft.inprocess.arguments import (
+    DEFAULT_DURATIONS,
+    DEFAULT_LIMITS,
+    apply_job_config_defaults,
+    validate_arguments,
+)
 from elastic_ft.inprocess.compose import Compose
 from elastic_ft.inprocess.exception import (
     BarrierOverflow,
@@ -60,6 +74,7 @@ from elastic_ft.inprocess.exception import (
     RankAssignmentTimeout,
     RankShouldRestart,
     RestartAbort,
+    RestartLimitError,
 )
 from elastic_ft.inprocess.growth import joiner_state, next_iteration_state
 from elastic_ft.inprocess.hang_detection import AdaptiveTimeouts
@@ -71,7 +86,14 @@ from elastic_ft.inprocess.process_groups import ProcessGroupKeeper
 from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps, ProgressWatchdog, StepClock
 from elastic_ft.inprocess.rank_assignment.base import RankAssignment, RankAssignmentCtx, admits_new_ranks
 from elastic_ft.inprocess.rank_assignment.policies import ActivateAllRanks, MaxActiveWorldSize, ShiftRanks
-from elastic_ft.inprocess.sockets import close_inherited_in_child, release_connections, socket_inodes
+from elastic_ft.inprocess.sockets import (
+    close_inherited_in_child,
+    gloo_listeners,
+    release_connections,
+    socket_inodes,
+    tcp_sockets,
+    unblock_listeners,
+)
 from elastic_ft.inprocess.state import Mode, State
 from elastic_ft.inprocess.store import (
     COMPLETED,
@@ -86,6 +108,7 @@ from elastic_ft.inprocess.store import (
     poll,
     report_rank_gone,
 )
+from elastic_ft.inprocess.worker_events import close_events, install_store_events, progress_interval
 from elastic_ft.keys import (
     COMPLETION_BARRIER,
     EXIT_BARRIER,
@@ -190,6 +213,17 @@ class Wrapper:
             :class:`State` applied after ``rank_assignment``, such as
             :mod:`elastic_ft.inprocess.rank_filter`'s filters; put filters in
             ``rank_assignment`` instead.
+        max_identical_faults: the Wrapper stops the job once this many
+            iterations in a row ended on the same exception (its type, the
+            line that raised it, and the step) with no progress in between:
+            a bug that raises on every call. Every rank raises
+            :class:`~elastic_ft.inprocess.exception.RestartLimitError`, the
+            restart report shows the traceback, and ``ftrun`` does not
+            restart the workers. ``None``: no limit.
+        max_restarts_without_progress: the Wrapper gives up (``RestartLimitError``,
+            which ``ftrun`` may escalate to a process restart) once this
+            many iterations in a row ended on a fault before any step (an
+            optimizer step or a :meth:`CallWrapper.ping`). ``None``: no limit.
     """
 
     def __init__(
@@ -222,6 +256,8 @@ class Wrapper:
         completion: StateHook | None = None,
         terminate: StateHook | None = None,
         rank_filter: StateHook | None = None,
+        max_identical_faults: int | None = DEFAULT_LIMITS["max_identical_faults"],
+        max_restarts_without_progress: int | None = DEFAULT_LIMITS["max_restarts_without_progress"],
     ) -> None:
         arguments = dict(locals())
         del arguments["self"]
@@ -284,6 +320,17 @@ def _termination_result(payload: str | bytes | None, world_size: int) -> Termina
 
 def _secs(value: datetime.timedelta) -> float:
     return value.total_seconds()
+
+
+def exception_origin(error: BaseException) -> tuple[str | None, str]:
+    """Where ``error`` was raised (``file:line in function``, its innermost frame) and its formatted traceback.
+
+    The origin is what makes two exceptions the same fault for the give-up
+    rule; the traceback is what the restart report shows, once.
+    """
+    frames = traceback.extract_tb(error.__traceback__)
+    origin = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else None
+    return origin, "".join(traceback.format_exception(error)).rstrip()
 
 
 class _RankLeaves(BaseException):
@@ -358,6 +405,7 @@ class CallWrapper:
         set_where(f"rank {rank}")
         #: The exception that interrupted the last iteration on this rank, if it was local.
         self.fn_exception: BaseException | None = None
+        self._excepthook = sys.excepthook
         self.atomic_lock = threading.RLock()
         #: Optimizer steps this rank's state has taken (set to the sender's when it is healed).
         self.step = 0
@@ -395,6 +443,9 @@ class CallWrapper:
         self._step_hooks: list[Any] = []
         #: Levels of ``atomic_lock`` the main thread holds for optimizer steps under way.
         self._step_lock_depth = 0
+        #: The current iteration's store view, and whether its progress is recorded (see _mark_progress).
+        self._iteration_store: PrefixStore | None = None
+        self._progress_marked = False
         try:
             self.base_store = wrapper.store_factory(**wrapper.store_kwargs)
             self._events = self._install_events()
@@ -436,24 +487,12 @@ class CallWrapper:
             raise
 
     def _install_events(self) -> event_sink.EventSink | None:
-        """Record this rank's events in the run's event log, under ``ftrun`` (an ``ELASTIC_FT_EVENTS`` hand-off).
-
-        Through the store's own etcd connection: one the process opened
-        later would be taken for the function's and cut at every restart.
-        Returns the sink this call installed (closed when it ends), or None.
-        """
-        from elastic_ft.etcd.store import EtcdStore
-
-        handoff = event_sink.EventsHandoff.from_env(os.environ)
-        if handoff is None or event_sink.installed() is not None or not isinstance(self.base_store, EtcdStore):
-            return None
-        from elastic_ft.etcd.event_log import EventLog
-        from elastic_ft.keys import RunKeys
-
-        log_ = EventLog(self.base_store.client, RunKeys(handoff.etcd_prefix, handoff.run_id), handoff.capacity)
-        sink = event_sink.EventSink(handoff.run_id, "worker", log_.append, handoff.destination, handoff.node)
-        sink.sample_progress(self._progress_sample, handoff.progress_interval)
-        event_sink.install(sink)
+        """Record this rank's events in the run's event log, under ``ftrun``; returns the sink this call installed
+        (closed when it ends), or None (:mod:`elastic_ft.inprocess.worker_events`)."""
+        sink = install_store_events(self.base_store)
+        interval = progress_interval()
+        if sink is not None and interval is not None:
+            sink.sample_progress(self._progress_sample, interval)
         return sink
 
     def _progress_sample(self) -> dict[str, Any] | None:
@@ -464,11 +503,7 @@ class CallWrapper:
         return {"rank": state.initial_rank, "iteration": state.iteration, "step": self.step}
 
     def _close_events(self) -> None:
-        sink = getattr(self, "_events", None)
-        if sink is not None:
-            sink.close(timeout=5.0)
-            if event_sink.installed() is sink:
-                event_sink.install(None)
+        close_events(getattr(self, "_events", None))
 
     def _register_when_reported_active(self, initial_rank: int) -> None:
         """Register as a joiner once the monitor process's first heartbeat is in the store.
@@ -519,7 +554,26 @@ class CallWrapper:
     def _on_optimizer_step(self, *_: object) -> None:
         self.step += 1
         self._steps.step()
-        self._leave_optimizer_steps(1)
+        try:
+            self._mark_progress()
+        finally:
+            self._leave_optimizer_steps(1)
+
+    def _mark_progress(self) -> None:
+        """Active rank 0's first step of an iteration: record that the iteration progressed (once).
+
+        The give-up rule counts iterations that end on a fault before any
+        step. Called with ``atomic_lock`` held, so no restart lands inside
+        the store write; a failed write only delays a give-up.
+        """
+        store = self._iteration_store
+        if store is None or self._progress_marked or self.state.active_rank != 0:
+            return
+        self._progress_marked = True
+        try:
+            store.mark_progressed()
+        except Exception as error:  # noqa: BLE001 - training goes on; the rule then counts one restart too many
+            log.warning("rank %s: could not record the iteration's progress: %s", self.state.rank, error)
 
     def _leave_optimizer_steps(self, levels: int | None = None) -> None:
         """Release ``levels`` optimizer-step holds of ``atomic_lock`` (all: a step that raised left them)."""
@@ -550,6 +604,12 @@ class CallWrapper:
         """
         self._watchdog.ping()
         self._steps.step()
+        if not self._progress_marked and self.state.active_rank == 0:
+            if threading.current_thread() is threading.main_thread():
+                with self._atomic_lock_held():  # no restart lands inside the store write
+                    self._mark_progress()
+            else:
+                self._mark_progress()
 
     @contextmanager
     def long_section(self) -> Iterator[None]:
@@ -574,11 +634,16 @@ class CallWrapper:
         under way can still interrupt the waiting thread. The block is a
         :meth:`long_section`: typically a checkpoint.
         """
+        with self._atomic_lock_held(), self.long_section():
+            yield
+
+    @contextmanager
+    def _atomic_lock_held(self) -> Iterator[None]:
+        """Hold ``atomic_lock``, waiting in short steps that a restart under way can interrupt."""
         while not self.atomic_lock.acquire(timeout=0.001):
             pass
         try:
-            with self.long_section():
-                yield
+            yield
         finally:
             self.atomic_lock.release()
 
@@ -590,8 +655,9 @@ class CallWrapper:
             if self._job_store is not None:
                 gave_up = isinstance(error, GIVE_UP_ERRORS)
                 kind = "completed" if error is None else type(error).__name__
+                fatal = isinstance(error, RestartLimitError) and error.fatal
                 self._job_store.record_left(
-                    self.state.initial_rank or 0, kind, gave_up, "" if error is None else repr(error)
+                    self.state.initial_rank or 0, kind, gave_up, "" if error is None else repr(error), fatal=fatal
                 )
         finally:
             self.shutdown()
@@ -611,6 +677,7 @@ class CallWrapper:
                 )
         finally:
             gc.unfreeze()
+            self._groups.keep_until_exit()
             self._release_hooks()
             self._watchdog.shutdown()
             self._monitor_process.stop()
@@ -647,6 +714,7 @@ class CallWrapper:
             self.joining = False  # a member of the world from now on
             self.state = state
             store = iteration_store(self.base_store, state.iteration)
+            self._iteration_store, self._progress_marked = store, False
             store.set_initial_rank(state.rank or 0, state.initial_rank or 0)
             store.set_active_world_size(state.active_world_size or state.world_size)
             self.job_store.record_position(
@@ -659,8 +727,13 @@ class CallWrapper:
             )  # fmt: skip
             self._watchdog.reset()
             self.fn_exception = None
+            # torch's init_process_group wraps sys.excepthook to prefix "[rank<r>]: " on every call: one
+            # prefix per iteration, not one more per restart.
+            sys.excepthook = self._excepthook
             self._steps.start_iteration()
-            self._monitor_process.start_iteration(state.iteration, state.rank or 0, state.world_size)
+            self._monitor_process.start_iteration(
+                state.iteration, state.rank or 0, state.world_size, state.mode is Mode.ACTIVE
+            )
             state.set_distributed_vars()
             store.arrive_and_wait(ITERATION_BARRIER, [state.rank or 0], state.world_size, wrapper.barrier_timeout)
             log.debug("rank %s: iteration %d starts as %s", state.rank, state.iteration, state.mode.name)
@@ -702,6 +775,7 @@ class CallWrapper:
             _secs(wrapper.last_call_wait),
             self.atomic_lock,
             self._interrupt,
+            self._timestamps.set_restart_pending,
         )
         try:
             try:
@@ -714,6 +788,7 @@ class CallWrapper:
                     self._heal(store, state)
                     self._fresh = False
                     result = fn(*args, **kwargs)
+                    self._left_function()
                     store.mark_any_completed()
                 elif state.mode is Mode.INACTIVE:
                     poll(store.any_completed, None, interval_max=_secs(wrapper.progress_watchdog_interval) / 4)
@@ -739,11 +814,11 @@ class CallWrapper:
                 # From here the main thread runs the Wrapper's own code (store writes over gRPC):
                 # no asynchronous restart exception may land in it.
                 monitor.hold()
-                # The iteration is lost: cut its connections first, here. Dropping the
-                # traceback below can free the frames' process group, whose destructor
-                # waits for its pending work while holding the GIL; the monitor thread
-                # could then never cut them, and a peer's blocked collective never ends.
+                self._left_function()
+                # The iteration is lost: cut its connections first, here, before the frames the
+                # traceback holds (and their process groups) can be freed.
                 self._abort(state)
+                origin, text = exception_origin(error)
                 # Without its traceback: the frames it holds would keep the failed
                 # iteration's process group, and so its connections, alive.
                 self.fn_exception = error.with_traceback(None)
@@ -751,10 +826,13 @@ class CallWrapper:
                 kind = fault_kind(error)
                 log.info("rank %s: iteration %d failed with %s (%s)", rank, state.iteration, kind, type(error).__name__)
                 event_sink.emit("fault_detected", rank=state.initial_rank, iteration=state.iteration, kind=kind,
-                                exception=type(error).__name__, message=str(error), step=self.step)  # fmt: skip
-                store.record_interruption(rank, kind, repr(error))
+                                exception=type(error).__name__, message=str(error), step=self.step,
+                                origin=origin)  # fmt: skip
+                store.record_interruption(rank, kind, repr(error), step=self.step, origin=origin, traceback=text)
+                del error, text
                 self._await_restart(monitor)
         except RankShouldRestart as restart:
+            self._left_function()
             self._leave_optimizer_steps()
             if not monitor.restart_started.is_set():
                 self._restart_asked_by_function(restart, monitor, store, state)
@@ -769,6 +847,15 @@ class CallWrapper:
             raise leaving.error from None
         raise InternalError("unreachable")
 
+    def _left_function(self) -> None:
+        """The main thread runs the Wrapper's code now, not the function's: its pings stop by design.
+
+        A function that pinged would otherwise look hung to its monitor
+        process while the rank waits at a barrier (and be blamed for a hang,
+        then terminated at the hard timeout); the automatic heartbeat goes on.
+        """
+        self._watchdog.reset()
+
     def _restart_asked_by_function(
         self, restart: RankShouldRestart, monitor: MonitorThread, store: PrefixStore, state: State
     ) -> None:
@@ -780,9 +867,13 @@ class CallWrapper:
         rank = state.rank or 0
         monitor.hold()
         self._abort(state)
+        origin, text = exception_origin(restart)
         self.fn_exception = restart.with_traceback(None)
         log.info("rank %s: the function asked for a restart in iteration %d", rank, state.iteration)
-        store.record_interruption(rank, "RankShouldRestart", "the function raised RankShouldRestart")
+        store.record_interruption(
+            rank, "RankShouldRestart", "the function raised RankShouldRestart", step=self.step, origin=origin,
+            traceback=text,
+        )  # fmt: skip
         with suppress(RankShouldRestart):
             self._await_restart(monitor)
 
@@ -861,9 +952,20 @@ class CallWrapper:
                     raise error from leaving.error
 
     def _release_connections(self, everything: bool = False) -> int:
-        """The iteration is lost: keep its gloo groups from being destroyed, then cut their connections."""
+        """The iteration is lost: keep its gloo groups from being destroyed, then cut their connections.
+
+        With ``everything`` (the main thread ignored the first release), also
+        end gloo's waits for peers that never connect (:func:`unblock_listeners`):
+        a peer that died while the ranks built a process group.
+        """
         self._groups.retire()
-        return release_connections(self._socket_baseline, everything=everything)
+        released = release_connections(self._socket_baseline, everything=everything)
+        if everything:
+            listeners = gloo_listeners(tcp_sockets(), self._socket_baseline)
+            unblocked = unblock_listeners(listeners, range(self.state.world_size))
+            if unblocked:
+                log.info("rank %s: ended gloo's waits on %d listener(s)", self.state.rank, len(listeners))
+        return released
 
     def _abort(self, state: State) -> None:
         """Release the function's connections, then the ``abort`` hook (idempotent; the monitor thread ran both)."""
@@ -884,10 +986,10 @@ class CallWrapper:
         rank = state.rank or 0
         state = dataclasses.replace(state, fn_exception=self.fn_exception)
         self._abort(state)
-        # Free what the unwound function left in reference cycles, above all its process
-        # groups: a group's connections close only when it is freed, and peers blocked in
-        # a collective with this rank unblock only then.
+        # Free what the unwound function left in reference cycles (its frames, DDP's reducer), then
+        # the process groups retired one restart ago, which nothing else can hold by now.
         gc.collect()
+        self._groups.release()
         try:
             try:
                 if wrapper.finalize is not None:
@@ -905,7 +1007,8 @@ class CallWrapper:
             wrapper.barrier_timeout,
         )
         result = _termination_result(payload, state.world_size)
-        self._report_restart(store, state, result)
+        cause_traceback = self._report_restart(store, state, result)
+        self._check_limits(state, result, cause_traceback)
         if result.terminated:
             log.info("rank %s: ranks %s left the job in iteration %d", rank, list(result.terminated), state.iteration)
         if result.joined:
@@ -913,26 +1016,35 @@ class CallWrapper:
         next_state = next_iteration_state(state, result)
         return self._assign(RankAssignmentCtx(next_state, store, set(result.terminated)))
 
-    def _report_restart(self, store: PrefixStore, state: State, result: TerminationResult) -> None:
+    def _report_restart(self, store: PrefixStore, state: State, result: TerminationResult) -> str | None:
         """Log and record the restart once for the job, with every fault grouped and each text once.
 
         After the termination barrier, so every fault of the iteration is
         recorded (a dead node's ranks are reported only once its lease
         expires), and every rank knows the same ranks left: the lowest rank
-        still in the job (:func:`restart_reporter`) reports, the others log
-        one line at DEBUG.
+        still in the job (:func:`restart_reporter`) reports, with the
+        traceback of the exception that caused the restart, if one did; the
+        others log one line at DEBUG. Returns that traceback on the
+        reporting rank.
         """
         reports = state.rank == restart_reporter(state.world_size, result.terminated)
         if not reports and not log.isEnabledFor(logging.DEBUG):
-            return  # one store read per restart for the job, not one per rank
+            return None  # one store read per restart for the job, not one per rank
         faults = group_faults(Interruption(**record) for record in store.interruptions())  # type: ignore[arg-type]
         summary = "; ".join(group.describe() for group in faults) or "no fault recorded"
         if not reports:
             log.debug("rank %s: iteration %d restarts: %s", state.rank, state.iteration, summary)
-            return
+            return None
+        cause = next((group for group in faults if group.traceback and group.kind != PEER_LOST), None)
+        if cause is None:
+            shown = ""
+        elif result.history.repeats > 1:  # its traceback was shown at its first restart
+            shown = f" (the same fault as in the last {result.history.repeats - 1} iteration(s))"
+        else:
+            shown = f"\n{cause.kind} on rank {cause.ranks[0]}:\n{cause.traceback}"
         log.warning(
-            "iteration %d restarts (%d rank(s), %d left): %s",
-            state.iteration, state.world_size, len(result.terminated), summary,
+            "iteration %d restarts (%d rank(s), %d left): %s%s",
+            state.iteration, state.world_size, len(result.terminated), summary, shown,
         )  # fmt: skip
         times = [group.time for group in faults if group.time is not None]
         event_sink.emit(
@@ -941,6 +1053,36 @@ class CallWrapper:
             faults=[{"kind": g.kind, "ranks": list(g.ranks), "message": g.message} for g in faults],
             terminated=list(result.terminated),
         )  # fmt: skip
+        return None if cause is None else cause.traceback
+
+    def _check_limits(self, state: State, result: TerminationResult, cause_traceback: str | None) -> None:
+        """Stop restarting when the restart limits are reached (every rank decides alike, from the same result).
+
+        Raises:
+            RestartLimitError: on every rank; its message carries the cause's
+                traceback on the reporting rank, which also logs it.
+        """
+        wrapper, history = self.wrapper, result.history
+        reason = give_up_reason(history, wrapper.max_identical_faults, wrapper.max_restarts_without_progress)
+        if reason is None:
+            return
+        fatal = (
+            wrapper.max_identical_faults is not None
+            and history.signature is not None
+            and history.repeats >= wrapper.max_identical_faults
+        )
+        reports = state.rank == restart_reporter(state.world_size, result.terminated)
+        message = f"in-process restart gives up after iteration {state.iteration}: {reason}"
+        if reports:
+            log.error("%s", message)
+            event_sink.emit("gave_up", rank=state.initial_rank, iteration=state.iteration, kind="restart_limit",
+                            message=reason, step=self.step, fatal=fatal)  # fmt: skip
+            if cause_traceback:
+                message += f"\nThe fault, as it was raised:\n{cause_traceback}"
+        else:
+            reporter = restart_reporter(state.world_size, result.terminated)
+            message += f" (rank {reporter}'s log shows its traceback)"
+        raise RestartLimitError(message, fatal)
 
     def _await_admission(self) -> State | None:
         """A joiner: wait until a restart admits this process, then take its place; None if the job finished.

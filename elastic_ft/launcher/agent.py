@@ -57,7 +57,7 @@ from elastic_ft.etcd.client import EtcdRequestError, EtcdUnavailableError, key_m
 from elastic_ft.etcd.event_log import EventLog
 from elastic_ft.etcd.store import EtcdStore
 from elastic_ft.handoff import StoreHandoff, WorkerHandoff, job_config_from_env
-from elastic_ft.inprocess.store import iteration_store, job_store, joiner_ready, report_process_gone
+from elastic_ft.inprocess.store import PrefixStore, iteration_store, job_store, joiner_ready, report_process_gone
 from elastic_ft.job_config import JobConfig
 from elastic_ft.keys import (
     FTRUN_EXIT_BARRIER,
@@ -124,7 +124,8 @@ class FtAgent(LocalElasticAgent):
         self._dead_lost: set[str] = set()
         #: The initial rank each local rank's process holds now (a respawned one has a new one).
         self._initial_ranks: dict[int, int] = {}
-        self._respawns: dict[int, int] = {}  # by local rank, this round
+        #: By local rank: new processes in a row not yet seen taking part in training.
+        self._respawns: dict[int, int] = {}
         self._replaced: dict[int, ProcessFailure] = {}  # failures of respawned processes, by initial rank
         self._admission_asked: set[int] = set()  # iterations interrupted to admit this node's joiners
         self._active_world_size: int | None = None
@@ -311,6 +312,7 @@ class FtAgent(LocalElasticAgent):
             exitcode = process.poll()
             if exitcode is None:
                 kinds[rank] = WorkerExit.RUNNING
+                self._note_useful_respawn(job, worker.local_rank, rank)
                 continue
             failure = None
             if exitcode == 0:
@@ -349,20 +351,40 @@ class FtAgent(LocalElasticAgent):
 
     # ---- respawning workers ----
 
+    def _note_useful_respawn(self, job: PrefixStore, local_rank: int, initial_rank: int) -> None:
+        """A respawned process that took part in training (admitted, active) ends its local rank's run of respawns.
+
+        ``respawn.per_rank`` bounds a crash loop (new processes that die
+        before they are of any use), not the replacements a long job needs.
+        """
+        if not self._respawns.get(local_rank):
+            return
+        position = job.position(initial_rank)
+        if position is not None and position["active"]:
+            self._respawns[local_rank] = 0
+
     def _respawn(self, worker_group: WorkerGroup, local_rank: int, world_size: int) -> bool:
         """Start a new process for ``local_rank``, to join the running world at its next restart.
 
-        Within the job config's ``respawn`` budget (per local rank this
-        round, and per job), and only while the world can grow (its rank
-        assignment admits new ranks) and has not finished. The process gets
-        a new initial rank above the world's and waits, initialised, as a
-        joiner (:class:`elastic_ft.handoff.WorkerHandoff` with ``joining``).
+        Within the job config's ``respawn`` budget (``per_rank``: new
+        processes of this local rank in a row that died before they took
+        part in training; ``per_job``: all of the job's), and only while
+        the world can grow (its rank assignment admits new ranks) and has
+        not finished. The process gets a new initial rank above the world's
+        and waits, initialised, as a joiner
+        (:class:`elastic_ft.handoff.WorkerHandoff` with ``joining``).
         """
         config, store = self._job_config, worker_group.store
         used = self._respawns.get(local_rank, 0)
         job = job_store(store)
         if used >= config.respawns_per_rank:
-            log.info("local rank %d is not respawned: respawn.per_rank=%d used", local_rank, config.respawns_per_rank)
+            log.info(
+                "local rank %d is not respawned: its last %d new process(es) died before they trained "
+                "(respawn.per_rank=%d)",
+                local_rank,
+                used,
+                config.respawns_per_rank,
+            )
             return False
         if job.finished() or not job.accepts_joiners():
             log.info("local rank %d is not respawned: the job finished, or its rank assignment cannot grow", local_rank)
@@ -556,6 +578,8 @@ class FtAgent(LocalElasticAgent):
             if member_of is None:
                 raise RuntimeError("FtAgent watched workers outside any rendezvous round")
             left = restarts_left(spec.max_restarts, self._escalated_rounds(), member_of.round)
+            if decision.verdict is Verdict.FAIL:
+                left = 0  # the fault would repeat in new processes: the job ends
             if left > 0:
                 log.warning(
                     "[%s] %s: escalating to a process-level restart (%d of %d left)",
@@ -568,9 +592,15 @@ class FtAgent(LocalElasticAgent):
                 group.state = WorkerState.FAILED
                 self._restart_workers(group)
                 continue
-            log.error(
-                "[%s] %s, and no restarts are left (--max-restarts=%d)", spec.role, decision.reason, spec.max_restarts
-            )
+            if decision.verdict is Verdict.FAIL:
+                log.error("[%s] %s; ending the job", spec.role, decision.reason)
+            else:
+                log.error(
+                    "[%s] %s, and no restarts are left (--max-restarts=%d)",
+                    spec.role,
+                    decision.reason,
+                    spec.max_restarts,
+                )
             failures = self._failures()
             self._stop_workers(group)
             group.state = WorkerState.FAILED

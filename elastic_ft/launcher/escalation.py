@@ -3,9 +3,13 @@
 Pure functions of what the agent observed; :mod:`elastic_ft.launcher.agent`
 gathers the observations and carries out the decision. The rules, in order:
 
-1. A worker whose in-process layer gave up (its ``elastic_ft.Wrapper`` left
-   with ``RestartAbort``, a barrier timeout or an internal error, the same on
-   every rank) -> **escalate**.
+1. A worker whose in-process layer stopped the job (its ``elastic_ft.Wrapper``
+   left with ``RestartLimitError`` for a fault that repeats identically: a
+   bug that a process restart would only run into again) -> **fail**: stop
+   the workers and end the job, whatever ``--max-restarts`` allows.
+   A worker whose in-process layer gave up otherwise (``RestartAbort``, a
+   barrier timeout or an internal error, the same on every rank) ->
+   **escalate**.
 2. A worker that failed outside the Wrapper (it never entered one, or failed
    after its Wrapper completed) -> **escalate**: nothing in-process can
    recover it, so torchrun's behaviour applies.
@@ -49,6 +53,8 @@ class WorkerExit(enum.Enum):
     ABSORBED = "absorbed"
     #: Its Wrapper gave up on the job.
     GAVE_UP = "gave_up"
+    #: Its Wrapper stopped the job for good: a fault repeats identically.
+    FATAL = "fatal"
     #: Failed outside any Wrapper (before entering one or after it completed).
     UNWRAPPED = "unwrapped"
 
@@ -76,7 +82,7 @@ def classify_exit(
     if not wrapped or (left is not None and left.get("kind") == "completed"):
         return WorkerExit.UNWRAPPED
     if left is not None and left.get("gave_up"):
-        return WorkerExit.GAVE_UP
+        return WorkerExit.FATAL if left.get("fatal") is True else WorkerExit.GAVE_UP
     return WorkerExit.ABSORBED
 
 
@@ -85,6 +91,7 @@ class Verdict(enum.Enum):
     SUCCEEDED = "succeeded"
     ESCALATE = "escalate"
     FOLLOW = "follow"
+    FAIL = "fail"
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,12 @@ def decide(workers: Mapping[int, WorkerExit], change: MembershipChange, lost: tu
     """
     if not workers:
         raise ValueError("decide() needs at least one local worker")
+    fatal = _ranks(workers, WorkerExit.FATAL)
+    if fatal:
+        return Decision(
+            Verdict.FAIL,
+            f"the in-process restart layer stopped the job on rank(s) {fatal}: a fault repeats (see their logs)",
+        )
     gave_up = _ranks(workers, WorkerExit.GAVE_UP)
     if gave_up:
         return Decision(Verdict.ESCALATE, f"the in-process restart layer gave up on rank(s) {gave_up}")

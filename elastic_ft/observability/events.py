@@ -31,8 +31,9 @@ EVENTS: dict[str, str] = {
     "job_finished": "the job ended (data: state)",
     # worker side: elastic_ft.Wrapper
     "iteration_started": "a rank started an in-process iteration (data: world_size, active, active_world_size)",
-    "fault_detected": "a rank's function raised (source worker), or its process died (source agent) "
-    "(data: kind, message)",
+    "fault_detected": "a rank's function raised, hung or stopped (source worker: the rank, or its monitor process "
+    "for kinds hang, stopped, hard_timeout, restart_blocked), or its process died (source agent) (data: kind, "
+    "message)",
     "restart_decided": "an iteration is restarted (data: faults, grouped by message)",
     "spare_activated": "a reserve rank or joiner became active",
     "healed": "a rank's state was loaded from a peer (data: step, sender)",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime
 import math
+import socket
+import struct
 
 import pytest
 
@@ -11,15 +13,24 @@ from elastic_ft.inprocess.hang_detection import (
     AdaptiveTimeouts,
     RankActivity,
     StallAction,
+    StalledRank,
     Timeouts,
     adaptive_timeouts,
+    hang_culprit,
     heartbeat_period,
     judge_stall,
     peer_read_period,
     percentile,
 )
 from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps, StepClock
-from elastic_ft.inprocess.sockets import TcpSocket, accepted_connections, created_connections
+from elastic_ft.inprocess.sockets import (
+    TcpSocket,
+    accepted_connections,
+    created_connections,
+    gloo_listeners,
+    tcp_sockets,
+    unblock_listeners,
+)
 
 CONFIG = AdaptiveTimeouts()
 
@@ -146,6 +157,42 @@ def test_a_busy_rank_holding_the_gil_is_killed_at_the_soft_timeout() -> None:
     assert judge_stall(activity(1.6, cpu_idle=0.0, silent=1.2), TIMEOUTS, 1.0, 0.1, False).action is StallAction.NONE
 
 
+def test_a_restart_that_cannot_reach_the_main_thread_kills_the_rank_at_its_bound() -> None:
+    # Wedged in C code after a restart started (gloo missed its peer's closed connection), and busy:
+    # no timeout on inactivity would act before the configured 60 s.
+    timeouts = Timeouts(soft=1.5, hard=3.0, soft_limit=60, hard_limit=90, delivery=1.5)
+    wedged = RankActivity(1.6, 0.0, False, 0.1, restart_pending_for=1.6)
+    verdict = judge_stall(wedged, timeouts, 1.0, peers_inactive_for=0.1, restart_requested=False)
+    assert verdict.action is StallAction.KILL and "has not reached the main thread for 1.6 s" in verdict.reason
+    # Not yet at the bound; or the main thread runs Python code (a finalizer, a swallowed restart): left alone.
+    early = RankActivity(1.4, 0.0, False, 0.1, restart_pending_for=1.4)
+    assert judge_stall(early, timeouts, 1.0, 0.1, False).action is StallAction.NONE
+    running = RankActivity(0.05, 0.0, False, 0.1, restart_pending_for=10.0)
+    assert judge_stall(running, timeouts, 1.0, 0.1, False).action is StallAction.NONE
+    # Without a pending restart the same blocked rank is a slow one.
+    busy = RankActivity(1.6, 0.0, False, 0.1)
+    assert judge_stall(busy, timeouts, 1.0, 0.1, False).action is StallAction.NONE
+
+
+def test_a_hang_is_blamed_on_the_rank_outside_any_collective() -> None:
+    # Rank 1 sleeps in Python; ranks 0 and 2 wait for it in an all-reduce, the slot of rank 0's last
+    # activity even a little earlier (the watchdog's resolution).
+    ranks = [StalledRank(0, 99.95, True), StalledRank(1, 100.0, False), StalledRank(2, 100.02, True)]
+    culprit, why = hang_culprit(ranks)
+    assert culprit.rank == 1 and "outside any collective" in why and "[0, 2]" in why
+    # Whoever's monitor asks, with the same heartbeats: the same culprit.
+    assert hang_culprit(list(reversed(ranks)))[0].rank == 1
+
+
+def test_a_hang_inside_collectives_is_blamed_on_the_rank_that_stopped_first() -> None:
+    ranks = [StalledRank(0, 100.3, True), StalledRank(1, 100.1, True), StalledRank(2, 100.2, None)]
+    culprit, why = hang_culprit(ranks)
+    assert culprit.rank == 1 and why == "its progress stopped first"
+    assert hang_culprit([StalledRank(4, 7.0, None)])[0].rank == 4
+    with pytest.raises(ValueError):
+        hang_culprit([])
+
+
 def test_a_rank_that_does_not_restart_is_killed_at_the_hard_timeout() -> None:
     assert judge_stall(activity(2.5), TIMEOUTS, 1.0, None, True).action is StallAction.NONE
     assert judge_stall(activity(3.1), TIMEOUTS, 1.0, None, True).action is StallAction.KILL
@@ -179,6 +226,36 @@ def test_a_waiting_rank_sees_a_busy_peer_within_its_soft_timeout(soft: float) ->
         latest_read = soft - peer_read_period(soft, interval)
         seen = max(beat for beat in beats if beat <= latest_read)
         assert soft - seen < soft, (soft, first_beat, beats)
+
+
+def test_only_listeners_bound_to_one_address_since_the_baseline_are_taken_for_gloo_s() -> None:
+    sockets = [
+        TcpSocket(1, 101, 4000, 0, "0A", "127.0.0.1"),  # a gloo device: new, one address
+        TcpSocket(2, 102, 4001, 0, "0A", "0.0.0.0"),  # a TCPStore: every address
+        TcpSocket(3, 103, 4002, 0, "0A", "::"),
+        TcpSocket(4, 104, 4003, 0, "0A", "10.0.0.7"),  # in the baseline: the process's own
+        TcpSocket(5, 105, 4004, 4000, "01", "127.0.0.1"),  # a connection, not a listener
+    ]
+    assert [s.inode for s in gloo_listeners(sockets, frozenset({4}))] == [1]
+
+
+def test_a_listener_waiting_for_a_peer_gets_a_connection_that_ends() -> None:
+    # What a gloo listener sees: a connection that writes the 8-byte sequence number of the pair it
+    # is for, once per rank, then closes.
+    baseline = frozenset(s.inode for s in tcp_sockets())
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        (found,) = gloo_listeners(tcp_sockets(), baseline)
+        assert (found.local_host, found.local_port) == listener.getsockname()
+        assert unblock_listeners([found], range(3)) == 3
+        numbers = []
+        for _ in range(3):
+            connection, _ = listener.accept()
+            with connection:
+                numbers.append(struct.unpack("=Q", connection.recv(8))[0])
+                assert connection.recv(1) == b""  # then it ends
+        assert numbers == [0, 1, 2]
 
 
 def test_only_ranks_working_without_progress_heartbeat_faster() -> None:

@@ -57,9 +57,24 @@ def write(record: dict[str, Any]) -> None:
 def fault_here(iteration: int, step: int) -> str | None:
     """The fault this rank must inject now, if any."""
     for fault in SCENARIO.get("faults", []):
-        if fault["rank"] == INITIAL_RANK and fault.get("iteration", 0) == iteration and fault.get("step", 0) == step:
+        if "until_iteration" in fault:  # every iteration before it
+            if_iteration = iteration < fault["until_iteration"]
+        else:
+            if_iteration = fault.get("iteration", 0) == iteration
+        if fault["rank"] == INITIAL_RANK and if_iteration and fault.get("step", 0) == step:
             return fault["kind"]
     return None
+
+
+def resources() -> dict[str, int]:
+    """This process's threads, open file descriptors and resident memory (KiB), from /proc."""
+    with open("/proc/self/statm") as statm:
+        rss_pages = int(statm.read().split()[1])
+    return {
+        "threads": len(os.listdir("/proc/self/task")),
+        "fds": len(os.listdir("/proc/self/fd")),
+        "rss_kib": rss_pages * os.sysconf("SC_PAGE_SIZE") // 1024,
+    }
 
 
 def inject(kind: str, call_wrapper: CallWrapper) -> None:
@@ -68,6 +83,22 @@ def inject(kind: str, call_wrapper: CallWrapper) -> None:
         raise RuntimeError(f"injected fault on initial rank {INITIAL_RANK}")
     if kind == "raise":
         raise RuntimeError(f"injected fault on initial rank {INITIAL_RANK}")
+    if kind == "key_error":
+        settings: dict[str, int] = {}
+        settings["learning_rate"] += 1  # the bug: a missing key, on every call
+    if kind == "sleep_python":
+        time.sleep(1000)  # a hang in the rank's own code, outside any collective
+    if kind == "sigstop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if kind == "wedged":
+        # Blocked in C code that neither the interrupt signal nor released connections end (as gloo
+        # is when it misses its peer's closed connection): the restart cannot reach this thread.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+        ctypes.CDLL(None).sleep(1000)
+    if kind == "sigkill_soon":
+        # Dies while the others build the iteration's process group.
+        delay = SCENARIO.get("kill_delay", 0.0) + INITIAL_RANK * 0.001
+        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
     if kind == "exit":
         os._exit(17)
     if kind == "sigkill":
@@ -172,7 +203,15 @@ def train(pg_store: dist.Store, call_wrapper: CallWrapper | None = None) -> dict
     iteration = call_wrapper.iteration
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     call = {"iteration": iteration, "rank": rank, "world_size": world_size, "optimizer_steps": call_wrapper.step}
+    if SCENARIO.get("record_resources"):
+        call["resources"] = resources()
     CALLS.append(call)
+    kind = fault_here(iteration, "init")
+    if kind is not None:
+        call["fault"] = kind
+        inject(kind, call_wrapper)
+    if SCENARIO.get("pg_on_wrapper_store"):
+        pg_store = call_wrapper.base_store  # as under ftrun: the group meets in the Wrapper's (etcd) store
     dist.init_process_group(
         "gloo",
         store=dist.PrefixStore(f"pg/{iteration}", pg_store),
@@ -188,6 +227,9 @@ def train(pg_store: dist.Store, call_wrapper: CallWrapper | None = None) -> dict
                 call["fault"] = kind
                 inject(kind, call_wrapper)
             dist.all_reduce(value)
+            if SCENARIO.get("ping"):
+                call_wrapper.ping()
+            time.sleep(SCENARIO.get("step_sleep", 0.0))
         kind = fault_here(iteration, "end")
         if kind is not None:
             inject(kind, call_wrapper)
@@ -262,6 +304,9 @@ def build_wrapper() -> Wrapper:
         hooks["store_factory"] = functools.partial(etcd_store, SCENARIO["etcd_endpoints"], SCENARIO["etcd_prefix"])
     else:
         hooks["store_kwargs"] = {"timeout": datetime.timedelta(seconds=20)}
+    for name in ("max_identical_faults", "max_restarts_without_progress"):
+        if name in SCENARIO:
+            hooks[name] = SCENARIO[name]
     return Wrapper(
         monitor_thread_interval=seconds("monitor_thread_interval", 0.05),
         monitor_process_interval=seconds("monitor_process_interval", 0.05),

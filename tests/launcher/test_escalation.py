@@ -38,6 +38,9 @@ NOTHING = MembershipChange()
         (1, True, {"kind": "RestartAbort", "gave_up": True}, G),
         (1, False, None, U),  # never entered a Wrapper
         (1, True, {"kind": "completed", "gave_up": False}, U),  # failed after its Wrapper completed
+        (1, True, {"kind": "RestartLimitError", "gave_up": True, "fatal": True}, WorkerExit.FATAL),  # a bug
+        (1, True, {"kind": "RestartLimitError", "gave_up": True, "fatal": False}, G),  # no progress
+        (1, True, {"kind": "RestartLimitError", "gave_up": True, "fatal": "yes"}, G),  # untrusted: not True
     ],
 )
 def test_classify_exit(exitcode: int | None, wrapped: bool, left: dict | None, expected: WorkerExit) -> None:
@@ -51,6 +54,7 @@ def test_classify_exit(exitcode: int | None, wrapped: bool, left: dict | None, e
         ({0: R, 1: A}, NOTHING, Verdict.CONTINUE, ""),  # absorbed in-process
         ({0: R, 1: R}, MembershipChange(dead=("b",)), Verdict.CONTINUE, ""),  # a dead node is absorbed too
         ({0: R, 1: G}, NOTHING, Verdict.ESCALATE, "gave up on rank(s) [1]"),
+        ({0: WorkerExit.FATAL, 1: G}, NOTHING, Verdict.FAIL, "stopped the job on rank(s) [0]: a fault repeats"),
         ({0: R, 1: U}, NOTHING, Verdict.ESCALATE, "rank(s) [1] failed outside elastic_ft.Wrapper"),
         ({0: A, 1: A}, NOTHING, Verdict.ESCALATE, "every local worker exited with an error"),
         ({0: S, 1: A}, NOTHING, Verdict.SUCCEEDED, ""),  # the job completed; the failure was absorbed

@@ -165,8 +165,8 @@ def test_a_sender_killed_while_it_streams_the_state_costs_one_more_restart(
 ) -> None:
     """The first survivor to send a 100 MB state is SIGKILLed 50 ms into it; the receivers heal later."""
     script = ("--steps", "80", "--hidden", "2900", "--kill-first-sender")
-    for tag in "ABC":
-        start(nodes, tmp_path, etcd, run_id, tag, *script, spare=True)
+    for tag in "ABC":  # the respawned sender waits in reserve (next_fault): the world keeps the survivors
+        start(nodes, tmp_path, etcd, run_id, tag, *script, spare=True, job_config="respawn: {rejoin: next_fault}\n")
     holder = node_holding(nodes, tmp_path, 2)
     holder.kill()
     survivors = [node for node in nodes if node is not holder]

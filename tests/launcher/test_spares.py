@@ -118,13 +118,16 @@ def test_when_spares_run_out_the_world_shrinks(
 def test_a_respawned_worker_waits_as_reserve_then_is_activated_by_the_next_fault(
     etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
 ) -> None:
-    """SIGKILL rank 3: the world shrinks to 3, its node respawns the process, which joins at the next restart."""
+    """respawn.rejoin=next_fault (the default is at_once): SIGKILL rank 3, the world shrinks to 3, its node
+    respawns the process, which joins at the next restart."""
     scenario = {
         "steps": 200,
         "step_seconds": 0.05,
         "faults": [{"rank": 3, "kind": "sigkill", "step": 5}, {"rank": 0, "kind": "raise", "iteration": 1, "step": 90}],
     }
-    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
+    config = tmp_path / "job.yaml"
+    config.write_text("respawn: {rejoin: next_fault}\n")
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, job_config=config) for tag in "AB")
     assert [a.wait(150), b.wait(150)] == [0, 0], logs(nodes)
     done = read(tmp_path, "done-*.json")
     assert sorted(r["initial_rank"] for r in done.values()) == [0, 1, 2, 4]
@@ -212,7 +215,7 @@ def test_respawns_stop_at_the_job_budget(
         "faults": [{"rank": 1, "kind": "sigkill", "step": 5}, {"rank": 3, "kind": "sigkill", "step": 5}],
     }
     config = tmp_path / "job.yaml"
-    config.write_text("respawn: {per_rank: 1, per_job: 1}\n")
+    config.write_text("respawn: {per_rank: 1, per_job: 1, rejoin: next_fault}\n")
     a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, job_config=config) for tag in "AB")
     assert [a.wait(150), b.wait(150)] == [0, 0], logs(nodes)
     logged = a.log() + b.log()
