@@ -198,10 +198,14 @@ class Soak:
             self.seen_pids.update(pids)
 
     def _trains(self, since: float, iteration: int | None) -> float | None:
-        """The time of the first step after ``since`` (in an iteration after ``iteration``, when given)."""
+        """The time of the first step after ``since``: in an iteration after ``iteration`` when given, or by a
+        process that started after ``since`` (a process restart begins at iteration 0 again)."""
         self.job.refresh()
+        started_before = {e["pid"] for e in self.job.events if e["t"] <= since}
         times = [
-            e["t"] for e in self.job.steps() if e["t"] > since and (iteration is None or e["iteration"] > iteration)
+            e["t"]
+            for e in self.job.steps()
+            if e["t"] > since and (iteration is None or e["iteration"] > iteration or e["pid"] not in started_before)
         ]
         return min(times) if times else None
 
@@ -387,6 +391,9 @@ class Soak:
         digests = {d["initial_rank"]: d.get("digest") for d in done}
         checked, lost, twice = self._steps_lost_or_repeated()
         escalations = [e for e in events if e.name == "escalated"]
+        # Every round after the first restarted the workers of every node (an escalation, or a node that
+        # followed one: a process-level restart either way).
+        process_restarts = max(0, len({e.round for e in events if e.name == "round_closed"}) - 1)
         by_kind: dict[str, dict[str, Any]] = {}
         for kind in KINDS:
             mine = [f for f in self.faults if f.kind == kind]
@@ -418,8 +425,10 @@ class Soak:
             for pid, r in resources.items()
         }
         problems = []
-        if escalations:
-            problems.append(f"{len(escalations)} escalation(s) to a process restart")
+        if escalations or process_restarts:
+            problems.append(
+                f"{len(escalations)} escalation(s), {process_restarts} process-level restart(s) of the workers"
+            )
         if lost or twice:
             problems.append(f"{lost} step(s) lost and {twice} done twice over {checked} restarts")
         if len(set(digests.values())) != 1 or None in digests.values():
@@ -444,6 +453,7 @@ class Soak:
             "by_kind": by_kind,
             "all": {"faults": len(self.faults), **overall},
             "escalations": len(escalations),
+            "process_restarts": process_restarts,
             "restarts_checked": checked,
             "steps_lost": lost,
             "steps_twice": twice,
@@ -467,7 +477,8 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"| {kind} | {row['faults']} | {' | '.join(cells)} | {row.get('unresolved', '-')} |")
     growth = report["growth"].values()
     worst = {name: max((g[name] for g in growth), default=0) for name in ("threads", "fds", "rss_kib")}
-    print(f"\nescalations: {report['escalations']}; restarts checked: {report['restarts_checked']}, steps lost: "
+    print(f"\nescalations: {report['escalations']}, process-level restarts: {report['process_restarts']}; "
+          f"restarts checked: {report['restarts_checked']}, steps lost: "
           f"{report['steps_lost']}, done twice: {report['steps_twice']}; ranks finished at step "
           f"{report['stop_step']}: {report['finished_ranks']}, same state bit for bit: {report['same_state']}")  # fmt: skip
     print(f"worker processes sampled: {len(report['resources'])}; largest growth from the first step to the last "

@@ -247,12 +247,13 @@ def hang_culprit(ranks: Sequence[StalledRank]) -> tuple[StalledRank, str]:
     """The rank a hang is blamed on, and why (pure; ``ranks`` not empty).
 
     The rank whose progress stopped first, not the one whose timer expired
-    first: the ranks blocked outside any collective come first (the others
-    wait for them in one), then the one last active earliest.
+    first: the ranks not known to wait in a collective come first (blocked
+    elsewhere, or with no thread left to say: stopped, or the GIL held),
+    since the others wait for them; then the one last active earliest.
     """
     if not ranks:
         raise ValueError("hang_culprit needs at least one rank")
-    outside = [rank for rank in ranks if rank.waiting is False]
+    outside = [rank for rank in ranks if rank.waiting is not True]
     candidates = outside or list(ranks)
     culprit = min(candidates, key=lambda rank: (rank.active_at, rank.rank))
     waiting = sorted(rank.rank for rank in ranks if rank.waiting)

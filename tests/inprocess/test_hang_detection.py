@@ -185,9 +185,12 @@ def test_a_hang_is_blamed_on_the_rank_outside_any_collective() -> None:
 
 
 def test_a_hang_inside_collectives_is_blamed_on_the_rank_that_stopped_first() -> None:
-    ranks = [StalledRank(0, 100.3, True), StalledRank(1, 100.1, True), StalledRank(2, 100.2, None)]
+    ranks = [StalledRank(0, 100.3, True), StalledRank(1, 100.1, True), StalledRank(2, 100.2, True)]
     culprit, why = hang_culprit(ranks)
     assert culprit.rank == 1 and why == "its progress stopped first"
+    # A stopped rank's threads never said where they were (None): the others wait for it in a collective.
+    stopped = [StalledRank(0, 99.9, True), StalledRank(3, 100.0, None), StalledRank(5, 99.95, True)]
+    assert hang_culprit(stopped)[0].rank == 3
     assert hang_culprit([StalledRank(4, 7.0, None)])[0].rank == 4
     with pytest.raises(ValueError):
         hang_culprit([])

@@ -1,0 +1,34 @@
+"""The two-minute soak (``benchmarks/soak.py --minutes 2``): random faults, one job, every check of the long run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_minutes_of_random_faults_are_absorbed(tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    # Every kind of fault at least once in two minutes: evenly weighted.
+    done = subprocess.run(
+        [sys.executable, str(SOAK), "--minutes", "2", "--weights", "1,1,1,1,1,1,1", "--seed", "7", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=840,
+        check=False,
+    )
+    assert out.exists(), done.stdout[-5000:] + done.stderr[-5000:]
+    report = json.loads(out.read_text())
+    assert done.returncode == 0, (report["problems"], done.stdout[-5000:])
+    assert report["all"]["faults"] >= 15, report["by_kind"]
+    assert report["escalations"] == 0 and report["steps_lost"] == 0 and report["steps_twice"] == 0
+    assert report["same_state"] and not report["processes_left"]
+    for pid, growth in report["growth"].items():
+        assert growth["threads"] <= 8 and growth["fds"] <= 8, (pid, growth)
