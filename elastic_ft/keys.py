@@ -221,10 +221,13 @@ JOINERS = "joiners"
 ADMITTED = "admitted/"
 #: A reserve rank (or joiner) that became active: one JSON line each, {"initial_rank", "iteration"}.
 ACTIVATIONS = "activations"
-#: Set once the ranks accept joiners (their rank assignment can grow the world).
+#: "1" once the ranks accept joiners (their rank assignment can grow the world), "0" if they cannot.
 ACCEPTS_JOINERS = "accepts_joiners"
 #: Set once an iteration completed: the job is done, and joiners still waiting leave.
 FINISHED = "finished"
+#: The iteration the last restart began (absent: iteration 0): where a node with no rank in the world
+#: asks for a restart that admits its joiners.
+LATEST_ITERATION = "latest_iteration"
 
 #: The Wrapper's barriers (names of key groups, see :func:`barrier_arrived`).
 INITIAL_BARRIER = "initial_barrier"
@@ -237,6 +240,9 @@ HEAL_BARRIER = "heal_barrier"
 
 #: Keys of one restart iteration's view.
 OUTCOME = "outcome"
+#: A planned restart's step boundary: the restart happens before the optimizer step of this number (counted
+#: from the iteration's start) on every active rank, so that no collective is in flight when it lands.
+RESTART_STEP = "restart_step"
 INTERRUPTIONS = "interruptions"
 TERMINATED = "terminated"
 ANY_COMPLETED = "any_completed"

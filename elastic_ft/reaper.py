@@ -50,7 +50,8 @@ class Reaper:
         self.token = token
 
     def remove_on_exit(self, path: str | os.PathLike[str]) -> None:
-        """Have the reaper remove the directory ``path`` once the launcher is gone (an embedded etcd's data)."""
+        """Have the reaper remove ``path`` (a directory or a file) once the launcher is gone: an embedded etcd's
+        data, the node's shared-memory board."""
         if self.process.stdin is None:
             return
         line = f"rmtree {os.fspath(path)}\n".encode()
@@ -142,8 +143,12 @@ def _watch(launcher: int, token: str) -> None:
             if command == "rmtree" and argument:
                 directories.append(argument)
     kill_marked(token)
-    for directory in directories:
-        shutil.rmtree(directory, ignore_errors=True)
+    for path in directories:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def main(argv: list[str]) -> None:

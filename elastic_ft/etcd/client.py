@@ -186,6 +186,11 @@ class EtcdClient:
     ) -> None:
         if not endpoints:
             raise ValueError("EtcdClient needs at least one endpoint, got none")
+        for endpoint in endpoints:
+            if not isinstance(endpoint, EtcdEndpoint):
+                raise TypeError(
+                    f"EtcdClient endpoints must be EtcdEndpoint objects (see parse_endpoints), got {endpoint!r:.100}"
+                )
         self.endpoints = tuple(endpoints)
         self.request_timeout = request_timeout
         self.connect_timeout = connect_timeout

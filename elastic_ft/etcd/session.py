@@ -43,7 +43,11 @@ class Session:
 
     def __init__(self, client: EtcdClient, ttl: int) -> None:
         self._client = client
+        asked = time.monotonic()
         self.id, self.ttl = client.grant_lease(ttl)
+        #: When the lease was last proven alive from etcd's side: the send time of the last answered
+        #: refresh (etcd restarted its TTL no earlier), or of the grant.
+        self.proven_at = asked
         self.expired = threading.Event()
         #: Seconds between refreshes.
         self.interval = max(0.1, self.ttl / 3)
@@ -52,6 +56,13 @@ class Session:
         self.sent_at: float | None = None  # a refresh awaits its answer since then
         self._lessor = _Lessor.of(client)
         self._lessor.add(self)
+
+    def valid_until(self) -> float:
+        """Until when (``time.monotonic()``) etcd cannot have dropped the lease; 0 once it is lost.
+
+        What the node's workers check before committing a step (``elastic_ft.local_board``).
+        """
+        return 0.0 if self.expired.is_set() else self.proven_at + self.ttl
 
     def mark_lost(self, why: str) -> None:
         silent = time.monotonic() - self.last_refresh
@@ -100,6 +111,10 @@ class _Lessor:
         self._thread: threading.Thread | None = None
         self._broken: Exception | None = None
         self._opened = 0  # streams opened so far: tells the current one's end from a replaced one's
+        #: Since when streams keep breaking with no answer in between (None: the last one answered), and how
+        #: many broke: the first break is logged, then one line when an answer comes again.
+        self._failing_since: float | None = None
+        self._breaks = 0
 
     def add(self, session: Session) -> None:
         with self._lock:
@@ -119,12 +134,28 @@ class _Lessor:
             session = self._sessions.get(lease_id)
             if session is None:
                 return
+            failing_since, breaks = self._failing_since, self._breaks
+            self._failing_since, self._breaks = None, 0
             if ttl <= 0:
                 del self._sessions[lease_id]
             else:
-                session.last_refresh, session.sent_at = time.monotonic(), None
+                now = time.monotonic()
+                session.proven_at = session.sent_at if session.sent_at is not None else session.proven_at
+                session.last_refresh, session.sent_at = now, None
+        if failing_since is not None:
+            log.warning("etcd keep-alive answered again, after %.1f s and %d broken stream(s)",
+                        time.monotonic() - failing_since, breaks)  # fmt: skip
         if ttl <= 0:
             session.mark_lost("etcd reports it expired")
+
+    def _note_break(self, endpoint: str, why: object) -> None:
+        """Log the first of a run of broken streams; the rest go to debug (one reopen every 0.1 s)."""
+        with self._lock:
+            first = self._failing_since is None
+            if first:
+                self._failing_since = time.monotonic()
+            self._breaks += 1
+        (log.warning if first else log.debug)("etcd keep-alive stream to %s: %s; reopening", endpoint, why)
 
     def _on_end(self, opened: int, error: Exception) -> None:
         with self._lock:
@@ -151,8 +182,7 @@ class _Lessor:
                 live = [s for s in sessions if s not in lost]
                 late = [s for s in live if s.sent_at is not None and now - s.sent_at >= self._client.request_timeout]
                 if stream is not None and (broken is not None or late):
-                    log.warning("etcd keep-alive stream to %s: %s; reopening", stream.endpoint,
-                                broken or f"no answer within {self._client.request_timeout:g} s")  # fmt: skip
+                    self._note_break(stream.endpoint, broken or f"no answer within {self._client.request_timeout:g} s")
                     stream.close()
                     self._client.avoid(stream.endpoint)
                     stream = None
@@ -167,7 +197,7 @@ class _Lessor:
                             self._on_answer, lambda error, opened=opened: self._on_end(opened, error)
                         )
                     except (EtcdUnavailableError, EtcdRequestError) as exc:
-                        log.warning("cannot open an etcd keep-alive stream yet: %s", exc)
+                        self._note_break("etcd", f"cannot open one yet: {exc}")
                         self._wake.wait(_RETRY_PAUSE)
                         continue
                     for session in live:  # what was sent on the old stream is lost with it

@@ -54,6 +54,12 @@ class RankDiscarded(RestartError):
     """This rank takes no further part in the job: it was terminated or discarded by the rank assignment."""
 
 
+class Fenced(RestartError):
+    """This rank's node announced itself on a new etcd lease since the iteration began: the others may have
+    counted it out and gone on without it. Nothing it computed for the old membership may count: the
+    iteration restarts, into the membership the job has now (which discards the rank if it was counted out)."""
+
+
 class RankAssignmentTimeout(TimeoutError):
     """Ranks did not all publish their rank-assignment data to the store in time."""
 

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import select
 import signal
@@ -50,6 +51,7 @@ from elastic_ft.inprocess.hang_detection import (
 from elastic_ft.inprocess.logs import get_logger, log_to_file
 from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps
 from elastic_ft.inprocess.sibling_monitor import ring_successor, silent_ranks
+from elastic_ft.inprocess.sockets import sending_unacknowledged
 from elastic_ft.inprocess.store import (
     COMPLETED,
     NO_WAIT,
@@ -281,6 +283,23 @@ class _CpuMeter:
         self._used, self._sampled_at = used, now
 
 
+class _NetworkMeter:
+    """When the rank last had data in flight the network had not delivered, sampled every
+    ``_CPU_SAMPLE_PERIOD`` (``time.monotonic()``; never: -inf)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._sampled_at = -math.inf
+        self.busy_at = -math.inf
+
+    def sample(self, now: float) -> None:
+        if now - self._sampled_at < _CPU_SAMPLE_PERIOD:
+            return
+        self._sampled_at = now
+        if sending_unacknowledged(self.pid):
+            self.busy_at = now
+
+
 class _Monitor:
     """The loop of the monitor process."""
 
@@ -305,6 +324,7 @@ class _Monitor:
         self.reported_silent: set[int] = set()
         self.pidfd = self._open_pidfd(target_pid)
         self.cpu = _CpuMeter(target_pid)
+        self.network = _NetworkMeter(target_pid)
         self._peers: tuple[float, float | None] = (-float("inf"), None)  # (read at, inactive for then)
         #: The other active ranks, as their heartbeats last read said.
         self._stalled_peers: list[StalledRank] = []
@@ -367,6 +387,7 @@ class _Monitor:
                 return
             monotonic_now, now = time.monotonic(), time.time()
             self.cpu.sample(monotonic_now)
+            self.network.sample(monotonic_now)
             activity = self._activity(monotonic_now)
             timeouts = self._timeouts()
             if now >= next_heartbeat:
@@ -386,6 +407,7 @@ class _Monitor:
         return RankActivity(
             progress_age=self.timestamps.age(),
             cpu_idle_for=now - self.cpu.busy_at,
+            network_idle_for=now - self.network.busy_at,
             stopped=stopped,
             threads_silent_for=self.timestamps.threads_silent_for(),
             restart_pending_for=self.timestamps.restart_pending_for(),

@@ -2,7 +2,10 @@
 
 One thread per restart iteration waits for the iteration's outcome in the
 store: through a watch on an etcd store (the fault reaches it within
-milliseconds), by polling every ``interval`` elsewhere. When some rank
+milliseconds), by polling every ``interval`` elsewhere. A planned restart
+(one nothing forces: admitting joiners) first lets the main thread reach an
+agreed step boundary, where no collective is in flight, and become an
+interruption there (see ``_await_step_boundary``). When some rank
 recorded an interruption, it waits ``last_call_wait`` so that concurrent
 faults on other ranks get recorded too, then, holding the lock of
 ``CallWrapper.atomic()`` (so it never starts while the main thread is
@@ -43,7 +46,7 @@ from elastic_ft import shield
 from elastic_ft.inprocess.exception import RankShouldRestart, RestartDelivery
 from elastic_ft.inprocess.logs import get_logger
 from elastic_ft.inprocess.state import State
-from elastic_ft.inprocess.store import COMPLETED, StoreMixin
+from elastic_ft.inprocess.store import COMPLETED, INTERRUPTED, PLANNED, StoreMixin
 
 log = get_logger("monitor_thread")
 
@@ -231,6 +234,8 @@ class MonitorThread(threading.Thread):
             ``pending(False)`` once the main thread took it: the monitor
             process terminates a rank whose main thread a restart cannot
             reach (:func:`~elastic_ft.inprocess.hang_detection.judge_stall`).
+        planned_bound: how long a planned restart waits for the main
+            thread's step boundary before it interrupts anyway.
     """
 
     #: How long one wait for the outcome lasts before the thread checks whether it was stopped.
@@ -247,6 +252,7 @@ class MonitorThread(threading.Thread):
         atomic_lock: threading.RLock,
         interrupt: InterruptSignal | None,
         pending: Callable[[bool], None] | None = None,
+        planned_bound: float = 1.5,
     ) -> None:
         super().__init__(name=f"elastic_ft-monitor-thread-{state.rank}", daemon=True)
         self.store = store
@@ -262,12 +268,17 @@ class MonitorThread(threading.Thread):
         self._raise_lock = threading.Lock()
         self._held = False  # the main thread left the wrapped function: nothing more is delivered to it
         self.restart_started = threading.Event()
+        #: A planned restart waits for the main thread at a step boundary (see _await_step_boundary).
+        self.restart_planned = threading.Event()
+        self.planned_bound = planned_bound
         self._pending = pending or (lambda _pending: None)
 
     def run(self) -> None:
         try:
             while not self._stop_requested.is_set():
                 outcome = self.store.wait_for_outcome(self.WAIT_SLICE, self.interval)
+                if outcome == PLANNED:
+                    outcome = self._await_step_boundary()
                 if self._stop_requested.is_set() or outcome == COMPLETED:
                     return
                 if outcome is not None:
@@ -276,6 +287,22 @@ class MonitorThread(threading.Thread):
         except Exception:
             if not self._stop_requested.is_set():
                 log.exception("rank %s: monitor thread failed", self.state.rank)
+
+    def _await_step_boundary(self) -> str | None:
+        """A planned restart: let the main thread reach the agreed step boundary, where it turns the outcome
+        into an interruption itself (``CallWrapper``'s optimizer hook, with no collective in flight); after
+        ``planned_bound`` (no step comes: a reserve rank, a long section, no ``torch.optim``), interrupt."""
+        self.restart_planned.set()
+        deadline = time.monotonic() + self.planned_bound
+        while not self._stop_requested.wait(self.interval):
+            outcome = self.store.outcome()
+            if outcome != PLANNED:
+                return outcome
+            if time.monotonic() >= deadline:
+                log.debug("rank %s: no step boundary within %g s: interrupting now", self.state.rank,
+                          self.planned_bound)  # fmt: skip
+                return self.store.decide_outcome(INTERRUPTED)
+        return None
 
     def _restart(self) -> None:
         if self._stop_requested.wait(self.last_call_wait):

@@ -28,6 +28,7 @@ import collections
 import ctypes
 import math
 import mmap
+import statistics
 import sys
 import threading
 import time
@@ -187,6 +188,15 @@ class StepClock:
         self._steps_in_iteration = 0
         self.timestamps.set_timeouts(self.soft_limit, self.hard_limit)
 
+    @property
+    def steps_in_iteration(self) -> int:
+        """Optimizer steps (or pings) taken since the iteration started."""
+        return self._steps_in_iteration
+
+    def typical_step(self) -> float | None:
+        """The median of the sampled step intervals (seconds); None before any sample."""
+        return statistics.median(self.samples) if self.samples else None
+
     def step(self) -> None:
         now = time.monotonic()
         self._steps_in_iteration += 1
@@ -280,15 +290,22 @@ class ProgressWatchdog(threading.Thread):
         timestamps: where the heartbeats are written.
         interval: seconds between two rounds.
         each_round: also called every round, from this thread (must be cheap; dropped if it raises).
+        on_waiting: told, from this thread, when the main thread starts (True) or stops (False) waiting for
+            other ranks in C code (a collective).
     """
 
     def __init__(
-        self, timestamps: ProgressTimestamps, interval: float, each_round: Callable[[], None] | None = None
+        self,
+        timestamps: ProgressTimestamps,
+        interval: float,
+        each_round: Callable[[], None] | None = None,
+        on_waiting: Callable[[bool], None] | None = None,
     ) -> None:
         super().__init__(name="elastic_ft-progress-watchdog", daemon=True)
         self.timestamps = timestamps
         self.interval = interval
         self.each_round = each_round
+        self.on_waiting = on_waiting
         self._probe = _main_thread_probe()
         self._stop_requested = threading.Event()
 
@@ -304,8 +321,13 @@ class ProgressWatchdog(threading.Thread):
             if not self._probe.answered():
                 # The main thread executed no bytecode since the last round: blocked in C code. Where?
                 if self.timestamps.waiting() is None:
-                    self.timestamps.set_waiting(main_thread_waits_for_peers())
+                    waiting = main_thread_waits_for_peers()
+                    self.timestamps.set_waiting(waiting)
+                    if waiting and self.on_waiting is not None:
+                        self.on_waiting(True)
                 continue
+            if self.timestamps.waiting() and self.on_waiting is not None:
+                self.on_waiting(False)
             self.timestamps.set_waiting(None)
             self.timestamps.beat_automatic()
             if not self._probe.schedule():

@@ -101,6 +101,46 @@ def _tcp_entries() -> dict[int, tuple[int, int, str, str]]:
     return entries
 
 
+_RETRANSMIT_TIMER = 1  # the ``tr`` field of /proc/net/tcp: data sent and not yet acknowledged
+
+
+def sending_unacknowledged(pid: int) -> bool:
+    """Whether a TCP socket of process ``pid`` has data in flight that the network has not delivered yet.
+
+    Its retransmit timer runs (``tr`` 1 in ``/proc/<pid>/net/tcp``): the
+    data is on its way, or being sent again after a loss. A hung peer's
+    kernel still acknowledges what it receives (and a full window runs the
+    probe timer, not this one), so this is never true of a rank that only
+    waits for a hung peer; on a lossy link it stays true through the
+    retransmission backoff. Read from another process (the monitor process).
+    """
+    inodes = set()
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    if not inodes:
+        return False
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as lines:
+                next(lines, None)
+                for line in lines:
+                    fields = line.split()
+                    if int(fields[5].split(":", 1)[0], 16) == _RETRANSMIT_TIMER and fields[9] in inodes:
+                        return True
+        except (OSError, IndexError, ValueError):
+            continue
+    return False
+
+
 def tcp_sockets() -> list[TcpSocket]:
     """The TCP sockets this process holds."""
     entries = _tcp_entries()

@@ -69,6 +69,9 @@ from elastic_ft.untrusted import json_object
 #: The per-iteration outcome: exactly one of these wins the ``compare_set``.
 COMPLETED = "completed"
 INTERRUPTED = "interrupted"
+#: A restart nothing forces (admitting joiners): it waits for a step boundary (:data:`keys.RESTART_STEP`),
+#: and either final outcome above replaces it.
+PLANNED = "planned"
 #: A joiner's admission when it died before any restart admitted it.
 WITHDRAWN = "withdrawn"
 
@@ -207,7 +210,9 @@ class StoreMixin:
             if iteration is None:
                 return TerminationResult(world_size, tuple(self.terminated_ranks())).to_json()
             base = self.underlying_store
-            joined = admit_joiners(job_store(base), iteration + 1)
+            job = job_store(base)
+            joined = admit_joiners(job, iteration + 1)
+            job.set(keys.LATEST_ITERATION, str(iteration + 1))
             recorded = _text(self.get(keys.INTERRUPTIONS)) if self.check([keys.INTERRUPTIONS]) else ""
             records, _ = parse_interruptions(recorded)
             history = next_history(previous_history(base, iteration), records, self.progressed())
@@ -220,8 +225,23 @@ class StoreMixin:
     # ---- the iteration's outcome and the fault records ----
 
     def decide_outcome(self, outcome: str) -> str:
-        """Propose the iteration's outcome; returns the one that won (the first proposed)."""
-        return _text(self.compare_set(keys.OUTCOME, "", outcome))
+        """Propose the iteration's outcome; returns the one that won (the first final one proposed: a
+        :data:`PLANNED` restart gives way to either final outcome)."""
+        held = _text(self.compare_set(keys.OUTCOME, "", outcome))
+        if held == PLANNED and outcome != PLANNED:
+            held = _text(self.compare_set(keys.OUTCOME, PLANNED, outcome))
+        return held
+
+    def request_restart(self, rank: int, kind: str, message: str = "") -> str:
+        """Ask for a :data:`PLANNED` restart on ``rank``'s behalf (recorded like an interruption, which it
+        becomes at the next step boundary); returns the outcome that holds."""
+        self.append(keys.INTERRUPTIONS, encode_interruption(rank, kind, message, time.time()))
+        return self.decide_outcome(PLANNED)
+
+    def restart_step(self, proposed: int) -> int:
+        """The planned restart's step boundary: the first proposed (a malformed record reads as 0: at once)."""
+        held = _text(self.compare_set(keys.RESTART_STEP, "", str(int(proposed))))
+        return keys.parse_count(held) or 0
 
     def outcome(self) -> str | None:
         return _text(self.get(keys.OUTCOME)) if self.check([keys.OUTCOME]) else None
@@ -392,11 +412,18 @@ class StoreMixin:
 
     # ---- growing the world (job-wide view) ----
 
-    def set_accepts_joiners(self) -> None:
-        self.set(keys.ACCEPTS_JOINERS, "1")
+    def set_accepts_joiners(self, accepts: bool = True) -> None:
+        """Whether the ranks' rank assignment can grow the world (every rank of the world writes the same)."""
+        self.set(keys.ACCEPTS_JOINERS, "1" if accepts else "0")
 
     def accepts_joiners(self) -> bool:
-        return self.check([keys.ACCEPTS_JOINERS])
+        return self.joiners_accepted() is True
+
+    def joiners_accepted(self) -> bool | None:
+        """Whether the world can grow: None until its ranks said (they say so as they enter the Wrapper)."""
+        if not self.check([keys.ACCEPTS_JOINERS]):
+            return None
+        return _text(self.get(keys.ACCEPTS_JOINERS)) == "1"
 
     def register_joiner(self, initial_rank: int) -> None:
         """A process that is not in the world asks to join it at the next restart."""
@@ -426,6 +453,12 @@ class StoreMixin:
         self.append(
             keys.ACTIVATIONS, json.dumps({"initial_rank": int(initial_rank), "iteration": int(iteration)}) + "\n"
         )
+
+    def latest_iteration(self) -> int:
+        """The iteration the last restart began (0 before any; a malformed record reads as 0)."""
+        if not self.check([keys.LATEST_ITERATION]):
+            return 0
+        return keys.parse_count(_text(self.get(keys.LATEST_ITERATION))) or 0
 
     def mark_finished(self) -> None:
         self.set(keys.FINISHED, "1")

@@ -32,6 +32,7 @@ import functools
 import gc
 import inspect
 import logging
+import math
 import os
 import re
 import signal
@@ -68,6 +69,7 @@ from elastic_ft.inprocess.compose import Compose
 from elastic_ft.inprocess.exception import (
     BarrierOverflow,
     BarrierTimeout,
+    Fenced,
     HealingError,
     HealthCheckError,
     InternalError,
@@ -97,6 +99,7 @@ from elastic_ft.inprocess.sockets import (
 from elastic_ft.inprocess.state import Mode, State
 from elastic_ft.inprocess.store import (
     COMPLETED,
+    INTERRUPTED,
     JOINER_ACTIVITY_LIMIT,
     NO_WAIT,
     WITHDRAWN,
@@ -117,6 +120,7 @@ from elastic_ft.keys import (
     TERMINATION_BARRIER,
     parse_count,
 )
+from elastic_ft.local_board import LocalBoard
 from elastic_ft.observability import sink as event_sink
 from elastic_ft.observability.log_format import set_where
 
@@ -124,6 +128,12 @@ log = get_logger("wrapper")
 
 #: How often a joiner looks for its admission (a restart admits it; it then has a barrier timeout to arrive).
 _JOIN_POLL = 0.05
+#: A planned restart's lead: the time, beyond two monitor-thread intervals, every rank gets to learn of it
+#: before the step boundary; and how much longer the monitor thread waits for that boundary.
+_PLANNED_LEAD = 0.1
+_PLANNED_GRACE = 1.0
+#: How long a rank at the boundary waits for its monitor thread to deliver the restart (far beyond need).
+_PLANNED_DELIVERY = 30.0
 
 F = TypeVar("F", bound=Callable[..., Any])
 StateHook = Callable[[State], Any]
@@ -435,8 +445,21 @@ class CallWrapper:
             wrapper.store_kwargs,
         )
         self._groups = ProcessGroupKeeper()
+        #: Shared with this node's agent (under ftrun): the node's fence, and this rank's stalls.
+        self._board = LocalBoard.from_env()
+        self._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if self._board is not None and not 0 <= self._local_rank < self._board.ranks:
+            self._board = None  # a process its agent did not start (a test, a hand-made launch)
+        #: The generation of the node's lease the current iteration began under (see _await_fence).
+        self._fence_generation = 0
+        #: The current iteration's monitor thread, and its planned restart's step boundary once agreed.
+        self._monitor: MonitorThread | None = None
+        self._restart_step: int | None = None
         self._watchdog = ProgressWatchdog(
-            self._timestamps, _secs(wrapper.progress_watchdog_interval), self._groups.observe
+            self._timestamps,
+            _secs(wrapper.progress_watchdog_interval),
+            self._groups.observe,
+            self._note_collective_wait if self._board is not None else None,
         )
         self._job_store: PrefixStore | None = None
         self._interrupt: InterruptSignal | None = None
@@ -457,8 +480,7 @@ class CallWrapper:
                 self._monitor_process.store_ready()
                 self._register_when_reported_active(self.state.initial_rank or 0)
             else:
-                if admits_new_ranks(wrapper.rank_assignment):
-                    self._job_store.set_accepts_joiners()
+                self._job_store.set_accepts_joiners(admits_new_ranks(wrapper.rank_assignment))
                 self._job_store.arrive_and_wait(
                     INITIAL_BARRIER, [self.state.rank or 0], self.state.world_size, wrapper.barrier_timeout
                 )
@@ -517,6 +539,12 @@ class CallWrapper:
         job = self.job_store
         if not poll(lambda: job.last_activity(initial_rank) is not None, JOINER_ACTIVITY_LIMIT):
             log.warning("initial rank %d: no heartbeat from the monitor process yet; registering anyway", initial_rank)
+        board = self._board
+        if board is not None and not board.may_join():
+            # Its node was cut off and counted out: a joiner that cannot reach the others would stall them again.
+            log.info("initial rank %d waits until its node reaches the other members again", initial_rank)
+            while not board.may_join() and not job.finished():
+                time.sleep(_JOIN_POLL)
         job.register_joiner(initial_rank)
 
     def _install_interrupt(self, signum: signal.Signals | None) -> None:
@@ -545,11 +573,95 @@ class CallWrapper:
 
         The optimizer's own pre and post hooks run inside too (a position
         counter kept in a post hook moves with the parameters). A restart
-        under way first interrupts this wait, as in :meth:`atomic`.
+        under way first interrupts this wait, as in :meth:`atomic`. No step
+        commits while the node's fence is down (:meth:`_await_fence`). A
+        planned restart lands here (:meth:`_reach_step_boundary`).
         """
+        self._reach_step_boundary()
+        self._await_fence("an optimizer step")
         while not self.atomic_lock.acquire(timeout=0.001):
             pass
         self._step_lock_depth += 1
+
+    def _planned_lead(self) -> float:
+        """How long every rank's monitor thread may take to learn of a planned restart."""
+        return _PLANNED_LEAD + 2 * _secs(self.wrapper.monitor_thread_interval)
+
+    def _reach_step_boundary(self) -> None:
+        """A planned restart (admitting joiners) lands between two optimizer steps, with no collective in flight.
+
+        Interrupting a rank inside a collective (DDP's all-reduce in
+        ``backward``) can strand its work in gloo: the rank then waits for
+        its restart to be delivered until the monitor process kills it. So
+        the first active rank to see the plan proposes a step boundary far
+        enough ahead for every rank to learn of it (``restart_step`` keeps
+        the first proposal), and each rank, reaching it, turns the plan into
+        an interruption and waits here for its restart. A rank that never
+        reaches it is interrupted as usual after the monitor thread's bound.
+        """
+        monitor, store = self._monitor, self._iteration_store
+        if monitor is None or store is None or not monitor.restart_planned.is_set():
+            return
+        done = self._steps.steps_in_iteration
+        if self._restart_step is None:
+            typical = self._steps.typical_step()
+            lead = 5 if typical is None else math.ceil(self._planned_lead() / max(typical, 1e-3))
+            self._restart_step = store.restart_step(done + max(2, lead))
+        if done < self._restart_step:
+            return
+        log.debug("rank %s: the planned restart's step boundary (%d steps)", self.state.rank, done)
+        store.decide_outcome(INTERRUPTED)
+        deadline = time.monotonic() + _PLANNED_DELIVERY
+        while time.monotonic() < deadline:  # the monitor thread delivers the restart into this sleep
+            time.sleep(0.002)
+        raise InternalError(f"a planned restart did not reach rank {self.state.rank} within {_PLANNED_DELIVERY:g} s")
+
+    def _await_fence(self, what: str) -> None:
+        """Let ``what`` begin only under the lease this iteration began under, proven alive (``local_board``).
+
+        While the node cannot prove its lease alive, the others may be
+        counting it out: the rank waits (a restart under way ends the wait).
+        Once the node holds a new lease, they may have done so: the rank
+        raises :class:`Fenced`, and the restart that follows takes it into
+        the membership the job has now, or discards it. An etcd outage
+        shorter than a whole TTL never gets here.
+        """
+        board = self._board
+        if board is None:
+            return
+        if board.fence_valid() and board.generation() == self._fence_generation:
+            return
+        if board.generation() == self._fence_generation:
+            log.warning("rank %s: %s waits: its node cannot prove its lease alive (fenced for %.1f s)",
+                        self.state.rank, what, -board.fence_left())  # fmt: skip
+            event_sink.emit("fenced", rank=self.state.initial_rank, iteration=self.state.iteration, what=what)
+            while not board.fence_valid() and board.generation() == self._fence_generation:
+                time.sleep(0.01)
+            if board.generation() == self._fence_generation:
+                log.warning("rank %s: its node proved its lease again; %s goes on", self.state.rank, what)
+                return
+        raise Fenced(
+            f"rank {self.state.rank}: its node announced itself on a new etcd lease (generation "
+            f"{board.generation()}, the iteration began under {self._fence_generation}) before {what}: the others "
+            "may have counted it out"
+        )
+
+    def _note_collective_wait(self, waiting: bool) -> None:
+        """The progress watchdog saw the main thread start (or stop) waiting for other ranks in C code."""
+        if self._board is not None:
+            self._board.set_in_collective(self._local_rank, time.monotonic() if waiting else None)
+
+    @contextmanager
+    def _at_barrier(self) -> Iterator[None]:
+        """This rank waits at one of the Wrapper's barriers: its agent may suspect the other members."""
+        board = self._board
+        if board is not None:
+            board.set_at_barrier(self._local_rank, time.monotonic())
+        try:
+            yield
+        finally:
+            if board is not None:
+                board.set_at_barrier(self._local_rank, None)
 
     def _on_optimizer_step(self, *_: object) -> None:
         self.step += 1
@@ -634,6 +746,7 @@ class CallWrapper:
         under way can still interrupt the waiting thread. The block is a
         :meth:`long_section`: typically a checkpoint.
         """
+        self._await_fence("an atomic section")
         with self._atomic_lock_held(), self.long_section():
             yield
 
@@ -735,7 +848,9 @@ class CallWrapper:
                 state.iteration, state.rank or 0, state.world_size, state.mode is Mode.ACTIVE
             )
             state.set_distributed_vars()
-            store.arrive_and_wait(ITERATION_BARRIER, [state.rank or 0], state.world_size, wrapper.barrier_timeout)
+            self._fence_generation = self._board.generation() if self._board is not None else 0
+            with self._at_barrier():
+                store.arrive_and_wait(ITERATION_BARRIER, [state.rank or 0], state.world_size, wrapper.barrier_timeout)
             log.debug("rank %s: iteration %d starts as %s", state.rank, state.iteration, state.mode.name)
             completed, result = self._run_iteration(fn, args, kwargs, store, state)
             if completed:
@@ -776,7 +891,9 @@ class CallWrapper:
             self.atomic_lock,
             self._interrupt,
             self._timestamps.set_restart_pending,
+            planned_bound=self._planned_lead() + _PLANNED_GRACE,
         )
+        self._monitor, self._restart_step = monitor, None
         try:
             try:
                 monitor.start()
@@ -1000,12 +1117,8 @@ class CallWrapper:
         except _RankLeaves as leaving:
             self._leave(store, state, leaving)
             raise leaving.error from None
-        payload = store.arrive_and_wait(
-            TERMINATION_BARRIER,
-            [rank],
-            state.world_size,
-            wrapper.barrier_timeout,
-        )
+        with self._at_barrier():
+            payload = store.arrive_and_wait(TERMINATION_BARRIER, [rank], state.world_size, wrapper.barrier_timeout)
         result = _termination_result(payload, state.world_size)
         cause_traceback = self._report_restart(store, state, result)
         self._check_limits(state, result, cause_traceback)

@@ -30,12 +30,14 @@ escalations in job-wide keys.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
 import signal
 import socket
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -70,15 +72,29 @@ from elastic_ft.keys import (
 )
 from elastic_ft.launcher.escalation import Verdict, WorkerExit, classify_exit, decide, exit_barrier_done, restarts_left
 from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, RecordError
+from elastic_ft.local_board import LocalBoard
 from elastic_ft.observability.log_format import set_where
 from elastic_ft.observability.metrics import JobMetrics, MetricsEndpoint
 from elastic_ft.observability.sink import EventsHandoff, emit
+from elastic_ft.reaper import ensure_reaper
 from elastic_ft.rendezvous.handler import EtcdftRendezvousHandler
+from elastic_ft.rendezvous.liveness import (
+    Answer,
+    Detection,
+    bounds_for,
+    judge,
+    peers_reachable,
+    probe_targets,
+    should_probe,
+)
+from elastic_ft.rendezvous.probe import probe_all
 from elastic_ft.untrusted import json_object
 
 log = logging.getLogger(__name__)
 
 _EXIT_BARRIER_POLL = 0.1
+#: How long a ready joiner waits for its node's other joiners before a restart admits it alone.
+_ADMISSION_BATCH_WAIT = 2.0
 
 
 def _keep_old_log(path: str | None) -> str | None:
@@ -128,9 +144,21 @@ class FtAgent(LocalElasticAgent):
         self._respawns: dict[int, int] = {}
         self._replaced: dict[int, ProcessFailure] = {}  # failures of respawned processes, by initial rank
         self._admission_asked: set[int] = set()  # iterations interrupted to admit this node's joiners
+        self._joiners_accepted: bool | None = None  # whether the world can grow (None: not known yet)
+        self._joiners_ready_since: float | None = None  # when the first of this node's joiners was ready
         self._active_world_size: int | None = None
         self._job_config: JobConfig = job_config_from_env(os.environ) or JobConfig()
         self._metrics: MetricsEndpoint | None = None
+        #: What this node's workers and this agent tell each other (the fence, the stalls); made with the workers.
+        self._board: LocalBoard | None = None
+        self._detection = Detection()
+        self._last_probe: float | None = None  # time.monotonic() of the last round of probes
+        self._probing: threading.Thread | None = None
+        self._verdicts: dict[str, str] = {}  # the state (lost, alive) last logged per node
+        self._answer_times: dict[str, collections.deque[float]] = {}  # recent answer times per node
+        #: The lease the node announced itself on last, and its generation (see local_board).
+        self._fence_lease = 0
+        self._fence_generation = 0
         set_where(f"node {self._handler.node}")
 
     # ---- metrics ----
@@ -141,9 +169,7 @@ class FtAgent(LocalElasticAgent):
             return
         settings, client = self._handler.settings, self._handler.client
         events = EventLog(client, settings.keys, settings.events_kept)
-        metrics = JobMetrics(
-            self._handler.node, lambda: (dict(client.requests_by_kind), dict(client.errors_by_kind))
-        )
+        metrics = JobMetrics(self._handler.node, lambda: (dict(client.requests_by_kind), dict(client.errors_by_kind)))
         self._metrics = MetricsEndpoint(metrics, port, lambda after: events.read(after).events).start()
         print(f"ftrun: Prometheus metrics of node {self._handler.node} at http://{socket.getfqdn()}:"
               f"{self._metrics.port}/metrics", file=sys.stderr, flush=True)  # fmt: skip
@@ -194,6 +220,15 @@ class FtAgent(LocalElasticAgent):
         )
         os.environ.update(handoff.to_env())
         os.environ.update(self._events_handoff().to_env())
+        if self._board is None:
+            self._board = LocalBoard.create(worker_group.spec.local_world_size, self._handler.node)
+            reaper = ensure_reaper()
+            if reaper is not None:
+                reaper.remove_on_exit(self._board.path)
+        self._update_fence(self._board)
+        for local_rank in range(self._board.ranks):
+            self._board.clear_stalls(local_rank)
+        os.environ.update(self._board.to_env())
         self._active_world_size = self._round_active_world_size(worker_group, len(member_of.members))
         late = self._handler.late_place is not None
         os.environ.update(WorkerHandoff(self._active_world_size, joining=late).to_env())
@@ -214,6 +249,7 @@ class FtAgent(LocalElasticAgent):
         self._respawns = {}
         self._replaced = {}
         self._admission_asked = set()
+        self._joiners_accepted = None
         self._publish_node_record(worker_group)
         emit(
             "workers_started", source="agent", node=self._handler.node, round=member_of.round,
@@ -263,7 +299,12 @@ class FtAgent(LocalElasticAgent):
         ]
 
     def _round_active_world_size(self, worker_group: WorkerGroup, members: int) -> int | None:
-        """The ranks of the round's first ``max_nodes`` members: those above it are the hot spares' reserve."""
+        """How many ranks run the training function at most: those of ``max_nodes`` nodes.
+
+        The round's ranks above it (its hot spares') start as reserve ranks;
+        below it, the world grows in-process as nodes join the running round
+        (a node that comes back, or arrives below ``max_nodes``).
+        """
         workers = worker_group.workers
         if not workers:
             return None
@@ -271,7 +312,7 @@ class FtAgent(LocalElasticAgent):
         if world_size % members:
             log.warning("nodes run different numbers of workers: no reserve ranks, every rank is active")
             return None
-        return world_size // members * min(members, self._handler.settings.max_nodes)
+        return world_size // members * self._handler.settings.max_nodes
 
     def _publish_node_record(self, worker_group: WorkerGroup) -> None:
         """Tell the other agents this node's initial ranks and pids (they report them if the node dies)."""
@@ -410,6 +451,8 @@ class FtAgent(LocalElasticAgent):
             numa_options=getattr(pcontext, "_numa_options", None),
         )
         pcontext.subprocess_handlers[local_rank] = handler
+        if self._board is not None:
+            self._board.clear_stalls(local_rank)
         self._respawns[local_rank] = used + 1
         _, failure = self._exits.pop(local_rank)
         if failure is not None:
@@ -429,11 +472,13 @@ class FtAgent(LocalElasticAgent):
         return True
 
     def _ask_admission(self, worker_group: WorkerGroup) -> None:
-        """``respawn.rejoin: at_once``: interrupt the running iteration once a local joiner is ready.
+        """``respawn.rejoin: at_once``: ask the running iteration to restart once a local joiner is ready.
 
         The restart that follows admits every registered joiner, so the
         world size comes back without waiting for the next fault, at the
-        cost of one in-process restart. Asked at most once per iteration.
+        cost of one in-process restart, planned: it lands at a step
+        boundary, not inside a collective. Asked at most once per iteration,
+        and only while fewer ranks are active than the job runs at most.
         """
         if self._job_config.respawn_rejoin != "at_once":
             return
@@ -441,23 +486,47 @@ class FtAgent(LocalElasticAgent):
         job = job_store(store)
         world_size = worker_group.workers[0].world_size if worker_group.workers else 0
         live = [r for local, r in self._initial_ranks.items() if local not in self._exits]
-        waiting = [r for r in live if r >= world_size and job.admission(r) is None and joiner_ready(job, r)]
-        if not waiting or not set(waiting) & set(job.joiners()):
+        joiners = [r for r in live if r >= world_size and job.admission(r) is None]
+        registered = set(job.joiners()) if joiners else set()
+        waiting = [r for r in joiners if r in registered and joiner_ready(job, r)]
+        if not waiting or (self._board is not None and not self._board.may_join()):
+            self._joiners_ready_since = None
             return
+        now = time.monotonic()
+        if self._joiners_ready_since is None:
+            self._joiners_ready_since = now
+        if len(waiting) < len(joiners) and now - self._joiners_ready_since < _ADMISSION_BATCH_WAIT:
+            return  # the node's other joiners are nearly ready: one restart admits them all
         in_world = [r for r in live if r < world_size or job.admission(r) is not None]
         positions = [p for p in map(job.position, in_world) if p is not None]
-        iterations = [p["iteration"] for p in positions]
-        if not iterations or max(iterations) in self._admission_asked:
+        if positions:
+            iteration = max(p["iteration"] for p in positions)
+            rank = next(p["rank"] for p in positions if p["iteration"] == iteration)
+        else:
+            # No rank of this node is in the world (it rejoins, or joined late): ask the one the job is in.
+            iteration, rank = job.latest_iteration(), 0  # recorded on the iteration's rank 0's behalf
+        if iteration in self._admission_asked:
             return
-        iteration = max(iterations)
         self._admission_asked.add(iteration)
-        rank = next(p["rank"] for p in positions if p["iteration"] == iteration)
+        active = iteration_store(store, iteration).active_world_size()
+        if self._active_world_size is not None and active is not None and active >= self._active_world_size:
+            log.info("joiner(s) %s ready: they wait as reserve ranks (%d of %d ranks active)",
+                     waiting, active, self._active_world_size)  # fmt: skip
+            return
         log.info(
             "joiner(s) %s ready: asking iteration %d to restart and admit them (respawn.rejoin=at_once)",
             waiting,
             iteration,
         )
-        iteration_store(store, iteration).record_interruption(rank, "admit_joiners", f"initial rank(s) {waiting} ready")
+        iteration_store(store, iteration).request_restart(rank, "admit_joiners", f"initial rank(s) {waiting} ready")
+
+    def _cannot_grow(self, worker_group: WorkerGroup) -> bool:
+        """This node took a place in the running round, and the world's ranks said it cannot take joiners."""
+        if self._handler.late_place is None:
+            return False
+        if self._joiners_accepted is None:
+            self._joiners_accepted = job_store(worker_group.store).joiners_accepted()
+        return self._joiners_accepted is False
 
     def _absorb_dead_members(self, worker_group: WorkerGroup, dead: tuple[str, ...]) -> tuple[str, ...]:
         """Report the ranks of member nodes that died, so in-process restart goes on without them.
@@ -527,6 +596,8 @@ class FtAgent(LocalElasticAgent):
             result = super().run(role)
         finally:
             self._stop_metrics()
+            if self._board is not None:
+                self._board.close(remove=True)
         if result is None:
             # torch's run() returns None after a graceful rendezvous exit (a spare the
             # job finished without), which its launcher cannot handle: report success.
@@ -541,6 +612,7 @@ class FtAgent(LocalElasticAgent):
         self._initialize_workers(group)
         while True:
             time.sleep(spec.monitor_interval)
+            self._watch_the_network()
             try:
                 workers = self._observe_workers(group)
                 self._ask_admission(group)
@@ -549,7 +621,7 @@ class FtAgent(LocalElasticAgent):
             except (EtcdUnavailableError, EtcdRequestError) as error:
                 log.warning("etcd unavailable while watching the workers; retrying: %s", error)
                 continue
-            decision = decide(workers, change, lost)
+            decision = decide(workers, change, lost, self._cannot_grow(group))
             if decision.verdict is Verdict.CONTINUE:
                 group.state = WorkerState.HEALTHY
                 continue
@@ -572,6 +644,8 @@ class FtAgent(LocalElasticAgent):
                 )
             if decision.verdict is Verdict.FOLLOW:
                 log.info("[%s] %s: restarting the workers into the next round", spec.role, decision.reason)
+                if self._handler.late_place is not None:
+                    self._handler.accept_late_joins(False)  # its next round is a whole one
                 self._restart_workers(group)
                 continue
             member_of = self._handler.member_of
@@ -607,6 +681,70 @@ class FtAgent(LocalElasticAgent):
             emit("job_finished", source="agent", node=self._handler.node, round=self._round(), state="FAILED",
                  reason=decision.reason)  # fmt: skip
             return RunResult(state=WorkerState.FAILED, failures=failures)
+
+    # ---- node loss at network speed ----
+
+    def _update_fence(self, board: LocalBoard) -> None:
+        """Tell the workers until when the node's lease is proven alive, and on which lease (its generation).
+
+        A new lease means the node lost the one before: the others may have
+        counted it out, so its new workers wait to join until it reaches them.
+        """
+        lease, valid_until = self._handler.lease_proof()
+        if lease and lease != self._fence_lease:
+            if self._fence_lease:
+                board.set_may_join(False)
+                self._last_probe = None  # probe the others now: they decide when its joiners may ask
+            self._fence_lease, self._fence_generation = lease, self._fence_generation + 1
+        board.set_fence(valid_until, self._fence_generation)
+
+    def _watch_the_network(self) -> None:
+        """Keep the workers' fence current, and probe the other members when a local rank stays blocked.
+
+        See :mod:`elastic_ft.rendezvous.liveness`: a probe refused or left
+        unanswered confirms a member lost, and its lease is revoked at once
+        (every node that confirms it may do so), instead of waiting for it
+        to expire. A node that lost its own lease probes too, until it
+        reaches every other member again.
+        """
+        board = self._board
+        if board is None:
+            return
+        self._update_fence(board)
+        now = time.monotonic()
+        since = None if self._last_probe is None else now - self._last_probe
+        stalled = board.stalled_for(now)
+        if not board.may_join():
+            stalled = max(stalled or 0.0, self._detection.suspect_after)
+        if (self._probing is not None and self._probing.is_alive()) or not should_probe(
+            stalled, since, self._detection
+        ):
+            return
+        self._last_probe = now
+        self._probing = threading.Thread(target=self._probe_members, args=(board,), name="elastic_ft-probes",
+                                         daemon=True)  # fmt: skip
+        self._probing.start()
+
+    def _probe_members(self, board: LocalBoard) -> None:
+        try:
+            alive = self._handler.alive_nodes()
+            targets = probe_targets(alive, alive, self._handler.node)
+            detections = {node: bounds_for(self._answer_times.get(node, ()), self._detection) for node in targets}
+            answers = probe_all({node: alive[node][1] for node in targets}, detections)
+            for node, (answer, seconds) in answers.items():
+                if answer is Answer.ANSWERED:
+                    self._answer_times.setdefault(node, collections.deque(maxlen=8)).append(seconds)
+            for verdict in judge(answers, self._handler.node):
+                if self._verdicts.get(verdict.node) != verdict.state:
+                    self._verdicts[verdict.node] = verdict.state
+                    (log.warning if verdict.lost else log.info)("probe of node %s: %s", verdict.node, verdict.reason)
+                if verdict.lost:
+                    self._handler.revoke(verdict.node, alive[verdict.node][0], verdict.reason)
+            if not board.may_join() and peers_reachable(answers):
+                log.info("node %s reaches every other member again: its new workers may join", self._handler.node)
+                board.set_may_join(True)
+        except (EtcdUnavailableError, EtcdRequestError) as error:
+            log.warning("could not probe the other nodes: %s", error)
 
     def _exit_barrier(self) -> None:
         """Wait until every member of the round finished or died (bounded by the exit barrier timeout).

@@ -19,11 +19,12 @@ gathers the observations and carries out the decision. The rules, in order:
 4. A member died before its workers had all entered the Wrapper (or before
    it published its ranks), a member re-joined the rendezvous (its node
    escalated), the job moved on to a later round, or nodes wait for which
-   the round has room (a newcomer below ``max``; with hot spares only while
-   fewer than ``max`` members are alive, since otherwise the newcomer joins
-   the running round as a spare) -> **follow**: restart the local workers
-   into the next round; in-process restart cannot finish a start-up a rank
-   never reached.
+   the round has room (a newcomer below ``max`` that cannot take a place in
+   the running round: a plain ``torchrun`` node, or none is open), or this
+   node took a place in the running round but its world cannot grow
+   in-process (its rank assignment admits no new ranks) -> **follow**:
+   restart the local workers into the next round; in-process restart
+   cannot finish a start-up a rank never reached, nor grow such a world.
 5. Otherwise -> **continue**: failed workers that ran under the Wrapper are
    left to it (the agent reports them terminated in the round's store), and
    dead members whose workers were all under the Wrapper are absorbed the
@@ -104,11 +105,18 @@ def _ranks(workers: Mapping[int, WorkerExit], kind: WorkerExit) -> list[int]:
     return sorted(rank for rank, exit_kind in workers.items() if exit_kind is kind)
 
 
-def decide(workers: Mapping[int, WorkerExit], change: MembershipChange, lost: tuple[str, ...] = ()) -> Decision:
+def decide(
+    workers: Mapping[int, WorkerExit],
+    change: MembershipChange,
+    lost: tuple[str, ...] = (),
+    cannot_grow: bool = False,
+) -> Decision:
     """The agent's next step, from its workers (by global rank) and the membership; see the module docstring.
 
     ``lost``: dead member nodes in-process restart cannot absorb (their
-    workers had not all entered the Wrapper, or their ranks are unknown).
+    workers had not all entered the Wrapper, or their ranks are unknown);
+    ``cannot_grow``: this node joined the running round, whose world
+    cannot take its workers in.
     """
     if not workers:
         raise ValueError("decide() needs at least one local worker")
@@ -130,6 +138,11 @@ def decide(workers: Mapping[int, WorkerExit], change: MembershipChange, lost: tu
         return Decision(Verdict.ESCALATE, f"every local worker exited with an error: ranks {sorted(workers)}")
     if lost:
         return Decision(Verdict.FOLLOW, f"node(s) {list(lost)} died before in-process restart could take over")
+    if cannot_grow:
+        return Decision(
+            Verdict.FOLLOW, "this node joined the running round, but its world cannot grow in-process (its rank "
+            "assignment admits no new ranks)"
+        )  # fmt: skip
     if change.rejoined:
         return Decision(Verdict.FOLLOW, f"node(s) {list(change.rejoined)} re-joined the rendezvous")
     if change.moved_on:

@@ -23,6 +23,8 @@ EVENTS: dict[str, str] = {
     "node_joined": "a node asked to be in a round (data: role, waiting)",
     "round_closed": "a round's members were decided (data: members, reason)",
     "node_left": "a node left its round cleanly",
+    "node_revoked": "a node confirmed another one lost (a probe refused or unanswered) and ended its lease "
+    "(data: lost, reason)",
     # node side: the agent
     "workers_started": "an agent started its workers (data: ranks, pids)",
     "node_died": "a member node's lease expired; its ranks were reported terminated (data: ranks)",
@@ -38,6 +40,7 @@ EVENTS: dict[str, str] = {
     "spare_activated": "a reserve rank or joiner became active",
     "healed": "a rank's state was loaded from a peer (data: step, sender)",
     "gave_up": "a rank left the job for good (data: kind, message)",
+    "fenced": "a rank waits before a step or an atomic section: its node cannot prove its lease alive (data: what)",
     "progress": "a rank's optimizer steps so far (data: step), sampled",
 }
 SOURCES = ("rendezvous", "agent", "worker")

@@ -68,6 +68,7 @@ from elastic_ft.observability import sink as event_sink
 from elastic_ft.rendezvous import model, rules
 from elastic_ft.rendezvous.config import EtcdftSettings, connect, settings_from_parameters
 from elastic_ft.rendezvous.monitor import Monitor
+from elastic_ft.rendezvous.probe import ProbeServer, parse_address
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,8 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         self.last_round_seconds: float | None = None
         self._own_events: event_sink.EventSink | None = None
         self._events_client: EtcdClient | None = None
+        #: Where peers probe this node's agent (started with its first alive record).
+        self._probe: ProbeServer | None = None
 
     def _parse_board(self, relative: str, raw: KeyValue) -> model.Board | None:
         if relative:
@@ -319,6 +322,38 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             self._warned_malformed = state.malformed
         return state, version
 
+    def _alive_record(self) -> bytes:
+        """This node's ``alive`` value: its host, its agent's pid, and where peers probe it (see ``probe.py``)."""
+        if self._probe is None:
+            self._probe = ProbeServer(self._addr).start()
+        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "probe": self._probe.address}).encode()
+
+    def lease_proof(self) -> tuple[int, float]:
+        """This node's lease, and until when (``time.monotonic()``) it is proven alive; (0, 0) without one (see
+        ``local_board``)."""
+        session = self._session
+        return (0, 0.0) if session is None else (session.id, session.valid_until())
+
+    def alive_nodes(self) -> dict[str, tuple[int, tuple[str, int] | None]]:
+        """Every node holding an alive key: its lease and probe address (one range read)."""
+        prefix = self._keys.alive("")
+        kvs, _ = self._client.get_prefix(prefix)
+        found = {}
+        for kv in kvs:
+            try:
+                record = json.loads(kv.value)
+            except (ValueError, RecursionError):
+                record = None
+            address = parse_address(record.get("probe")) if isinstance(record, dict) else None
+            found[kv.key[len(prefix) :]] = (kv.lease, address)
+        return found
+
+    def revoke(self, node: str, lease: int, reason: str) -> None:
+        """End ``node``'s lease, so every node sees it dead through its watch at once (idempotent)."""
+        self._client.revoke_lease(lease)
+        log.warning("node %s revoked the lease of node %s: %s", self.node, node, reason)
+        self._emit("node_revoked", round=self._member_round, lost=node, reason=reason)
+
     def _ensure_session(self) -> Session:
         """Hold a live session; the node's alive key goes on its lease when it joins."""
         if self._session is not None and not self._session.expired.is_set():
@@ -392,8 +427,8 @@ class EtcdftRendezvousHandler(RendezvousHandler):
 
     def _join(self, number: int, lease: int, version: int, wake: Any, leading: bool) -> bool:
         keys = self._keys
-        join = model.join_value(self._addr, free_port(self._addr))
-        alive = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
+        join = model.join_value(self._addr, free_port(self._addr), self._limits.late_joins)
+        alive = self._alive_record()
         # The alive key rides in the join transaction: one revision, one watch
         # event batch for the monitor, instead of two.
         ops = [put_op(keys.join(number, self.node), join, lease), put_op(keys.alive(self.node), alive, lease)]
@@ -412,9 +447,9 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             wake.wait_for_change(version, self.settings.request_timeout)
         return result.succeeded
 
-    def accept_late_joins(self) -> None:
-        """Let this node join a running round as a hot spare (``ftrun``'s agent starts its workers as joiners)."""
-        self._limits = dataclasses.replace(self._limits, late_joins=True)
+    def accept_late_joins(self, accept: bool = True) -> None:
+        """Let this node join a running round (``ftrun``'s agent starts its workers as joiners), or no more."""
+        self._limits = dataclasses.replace(self._limits, late_joins=accept)
 
     def _master_of(self, number: int) -> tuple[str, int]:
         """MASTER_ADDR/PORT of closed round ``number``: from the board, else from its result."""
@@ -428,7 +463,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         """Take place ``action.place`` in the running round; its info on success, None if another node won it."""
         keys, number = self._keys, action.number
         master = self._master_of(number)
-        alive = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
+        alive = self._alive_record()
         late = model.LateMember(self.node, lease, action.place)
         ops = [
             put_op(keys.slot(number, action.place), json.dumps({"node": self.node}).encode(), lease),
@@ -601,13 +636,13 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             if self._session is not None and self._announced_with == self._session.id:
                 self._session.expired.set()  # the key it carried is gone: so is its lease
             session = self._ensure_session()
-            value = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
-            self._client.put(self._keys.alive(self.node), value, session.id)
+            self._client.put(self._keys.alive(self.node), self._alive_record(), session.id)
             self._announced_with = session.id
             self._outage_grace_until = time.monotonic() + self.settings.lease_ttl
         log.warning(
-            "node %s: its etcd lease ran out (etcd unreachable or frozen for %g s?); announced again on a new "
-            "lease, and no member counts as dead for the next %g s",
+            "node %s: its etcd lease is gone (revoked by a member that lost it, or not refreshed for %g s: its "
+            "link to etcd was cut, or etcd was unreachable or frozen); announced again on a new lease, and no "
+            "member counts as dead for the next %g s",
             self.node,
             self.settings.lease_ttl,
             self.settings.lease_ttl,
@@ -673,6 +708,8 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             self._view.stop()
             self._board_view.stop()
             self._client.close()
+            if self._probe is not None:
+                self._probe.stop()
             return ok
 
 

@@ -68,6 +68,8 @@ class Join:
     create_revision: int
     addr: str
     port: int
+    #: The node would take a place in the running round (``ftrun``'s agent), if one opened.
+    late_joins: bool = False
 
 
 @dataclass(frozen=True)
@@ -197,8 +199,11 @@ class RawKey:
     create_revision: int
 
 
-def join_value(addr: str, port: int) -> bytes:
-    return json.dumps({"addr": addr, "port": port}, sort_keys=True).encode()
+def join_value(addr: str, port: int, late_joins: bool = False) -> bytes:
+    document: dict[str, object] = {"addr": addr, "port": port}
+    if late_joins:
+        document["late_joins"] = True
+    return json.dumps(document, sort_keys=True).encode()
 
 
 @dataclass(frozen=True)
@@ -238,7 +243,13 @@ def parse_key(key: str, raw: KeyRecord) -> Fact | None:
             return Fact("result", round=shape.round, result=result)
         if shape.kind == "join":
             data = _document(raw.value)
-            join = Join(shape.node, raw.lease, raw.create_revision, _text(data, "addr"), _int(data, "port", 1, 65535))
+            late_joins = data.get("late_joins", False)
+            if not isinstance(late_joins, bool):
+                raise MalformedValue(f"late_joins must be a boolean, got {str(late_joins)[:40]!r}")
+            join = Join(
+                shape.node, raw.lease, raw.create_revision, _text(data, "addr"), _int(data, "port", 1, 65535),
+                late_joins,
+            )  # fmt: skip
             return Fact("join", round=shape.round, node=shape.node, join=join)
         if shape.kind == "late":
             data = _document(raw.value)

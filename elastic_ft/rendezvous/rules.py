@@ -311,17 +311,19 @@ def next_action(
 
 
 def late_place(state: RendezvousState, node: str, limits: Limits) -> tuple[int, int] | None:
-    """Where ``node`` may join the running round as a hot spare: ``(round, place)``, or None.
+    """Where ``node`` may join the running round: ``(round, place)``, or None.
 
-    Only where late joins are allowed, and only as a spare: the running
-    round's active part is complete (at least ``max_nodes`` of its members
-    alive), it has room below its capacity counting its live late members,
-    and no member is leaving or re-joining (no shutdown or restart under
-    way). The place is the lowest group rank above the members' that no live
-    late member holds. Otherwise the node joins the next round, as before.
+    Only where late joins are allowed (``ftrun``'s agent starts such a
+    node's workers as joiners of the running world, which grows in-process
+    up to ``max_nodes`` nodes' ranks; the ranks beyond wait as reserve
+    ranks: hot spares): the running round has room below its capacity,
+    counting its live members and late members, and no member is leaving
+    or re-joining (no shutdown or restart under way). The place is the
+    lowest group rank above the members' that no live late member holds.
+    Otherwise the node joins the next round, as before.
     """
     last = state.last_closed
-    if not limits.late_joins or not limits.spare_nodes or state.closed or last is None:
+    if not limits.late_joins or state.closed or last is None:
         return None
     record = state.round(last.round)
     if record.left or last.rank_of(node) is not None or node in record.late:
@@ -330,7 +332,7 @@ def late_place(state: RendezvousState, node: str, limits: Limits) -> tuple[int, 
         return None
     alive = sum(1 for m in last.members if state.is_alive(m))
     late_alive = len(record.slots)  # a late member holds its place on its lease: a dead one's is gone
-    if alive < limits.max_nodes or alive + late_alive >= limits.capacity:
+    if alive + late_alive >= limits.capacity:
         return None
     place = len(last.members)
     while place in record.slots:
@@ -390,30 +392,31 @@ class MembershipChange:
 def membership_change(state: RendezvousState, member_of: RoundResult | None, limits: Limits) -> MembershipChange:
     """What changed since ``member_of`` closed (nothing when not a member of any round).
 
-    Late members (hot spares that joined the running round) that died count
-    as dead members. With hot spares, a waiting node is admissible only when
-    fewer than ``max_nodes`` members are left: otherwise it joins the running
-    round as a spare itself (:func:`late_place`) and nobody restarts.
+    Late members (nodes that joined the running round) that died count as
+    dead members. A waiting node is admissible while fewer than
+    ``max_nodes`` nodes run the round (members alive or finished, and live
+    late members: a dead member frees its place), unless it takes a place
+    in the running round itself (:func:`late_place`: it said it would, and
+    one is open), and nobody restarts.
     """
     if member_of is None:
         return MembershipChange()
     next_joins = state.round(member_of.round + 1).joins
     members = {m.node for m in member_of.members}
-    left = state.round(member_of.round).left
+    record = state.round(member_of.round)
+    left = record.left
     dead = tuple(m.node for m in member_of.members if not state.is_alive(m) and m.node not in left)
-    if limits.spare_nodes:
-        present = sum(1 for m in member_of.members if state.is_alive(m) or m.node in left)
-        has_room = present < limits.max_nodes
-    else:
-        # A dead member frees its place; one that left cleanly has finished the job.
-        has_room = len(member_of.members) < limits.capacity or bool(dead)
+    present = sum(1 for m in member_of.members if state.is_alive(m) or m.node in left) + len(record.slots)
+    waiting = [n for n in next_joins if n not in members]
+    if waiting and late_place(state, "", dataclasses.replace(limits, late_joins=True)) is not None:
+        waiting = [n for n in waiting if not next_joins[n].late_joins]
     dead += late_members_dead(state, member_of.round)
     last = state.last_closed
     return MembershipChange(
         rejoined=tuple(sorted(n for n in next_joins if n in members)),
         dead=dead,
         left=tuple(sorted(m.node for m in member_of.members if m.node in left)),
-        admissible=tuple(sorted(n for n in next_joins if n not in members)) if has_room else (),
+        admissible=tuple(sorted(waiting)) if present < limits.max_nodes else (),
         moved_on=last is not None and last.round > member_of.round,
     )
 
@@ -492,7 +495,8 @@ def board(state: RendezvousState, limits: Limits, monitor: str, *, quiet: bool =
         admissible=change.admissible[:BOARD_NAMES],
         late=late_place(state, "", dataclasses.replace(limits, late_joins=True)),
         full=full,
-        monitor_member=last is not None and (last.rank_of(monitor) is not None or monitor in state.round(last.round).late),
+        monitor_member=last is not None
+        and (last.rank_of(monitor) is not None or monitor in state.round(last.round).late),
         verdict=decision.verdict.value,
         reason=decision.reason,
     )
@@ -558,7 +562,7 @@ def follower_action(
     if joined_round is not None and last is not None and last.round == joined_round:
         return Ranked(joined_round)
     number = board.open_round
-    if limits.late_joins and limits.spare_nodes and board.late is not None and member_round != board.late[0]:
+    if limits.late_joins and board.late is not None and member_round != board.late[0]:
         return JoinLate(*board.late)
     if joined_round != number:
         return JoinRound(number)

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+from elastic_ft import keys
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.inprocess.exception import BarrierOverflow, BarrierTimeout, RestartAbort
 from elastic_ft.inprocess.initialize import RetryController
@@ -21,9 +22,11 @@ from elastic_ft.inprocess.store import (
     COMPLETED,
     COMPLETION_BARRIER,
     INTERRUPTED,
+    PLANNED,
     TERMINATION_BARRIER,
     TerminationResult,
     iteration_store,
+    job_store,
 )
 from elastic_ft.inprocess.wrapper import Wrapper
 
@@ -192,6 +195,42 @@ def test_one_outcome_per_iteration(tcp_store: dist.Store) -> None:
     assert completed.arrive_and_wait(COMPLETION_BARRIER, [0], 1, seconds(1)) == COMPLETED
     assert completed.record_interruption(0, "late", "") == COMPLETED
     assert completed.outcome() == COMPLETED
+
+
+def test_a_planned_restart_waits_for_a_step_and_gives_way_to_a_final_outcome(tcp_store: dist.Store) -> None:
+    planned = iteration_store(tcp_store, 0)
+    assert planned.request_restart(0, "admission", "2 joiners") == PLANNED
+    assert planned.request_restart(1, "admission", "again") == PLANNED  # idempotent: still planned
+    assert [r["rank"] for r in planned.interruptions()] == [0, 1]
+    # The first proposed step boundary holds for every rank.
+    assert planned.restart_step(17) == 17
+    assert planned.restart_step(12) == 17
+    # At the boundary (or on a real fault before it) the restart becomes final, once.
+    assert planned.decide_outcome(INTERRUPTED) == INTERRUPTED
+    assert planned.decide_outcome(COMPLETED) == INTERRUPTED
+    assert planned.outcome() == INTERRUPTED
+
+    # A completion that comes first overrules a planned restart: the joiners wait for the next iteration.
+    finished = iteration_store(tcp_store, 1)
+    assert finished.request_restart(0, "admission") == PLANNED
+    assert finished.arrive_and_wait(COMPLETION_BARRIER, [0], 1, seconds(1)) == COMPLETED
+    assert finished.request_restart(0, "admission") == COMPLETED
+
+
+def test_the_latest_iteration_and_whether_joiners_are_accepted_are_job_wide(tcp_store: dist.Store) -> None:
+    job = job_store(tcp_store)
+    assert job.latest_iteration() == 0
+    assert job.joiners_accepted() is None and not job.accepts_joiners()
+    store = iteration_store(tcp_store, 0)
+    store.record_terminated([])
+    store.arrive_and_wait(TERMINATION_BARRIER, [0], 1, seconds(1))
+    assert job.latest_iteration() == 1
+    job.set_accepts_joiners(False)
+    assert job.joiners_accepted() is False
+    job.set_accepts_joiners(True)
+    assert job.joiners_accepted() is True and job.accepts_joiners()
+    job.set(keys.LATEST_ITERATION, "-3")  # forged: read as no restart yet, never as a crash
+    assert job.latest_iteration() == 0
 
 
 def test_iterations_do_not_share_keys(tcp_store: dist.Store) -> None:

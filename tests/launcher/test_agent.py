@@ -306,5 +306,9 @@ def test_spare_replaces_a_killed_node(etcd: EtcdServer, run_id: str, tmp_path: P
     done = read(tmp_path, "done-*.json")
     assert sorted(r["node"] for r in done.values()) == ["A", "A", "C", "C"]
     assert {r["result"]["world_size"] for r in done.values()} == {4}
-    assert "wait to join and the round has room: restarting the workers" in a.log()
+    # The waiting node takes the dead one's place in the running round: its workers join the running
+    # world in-process, and A's workers are not restarted (no rule-4 restart into a new round).
+    assert "joined running round 0" in spare.log(), spare.log()
+    assert "restarting the workers" not in a.log(), a.log()
+    assert len({r["pid"] for r in read(tmp_path, "start-A-*.json").values()}) == 2
     assert escalations(etcd, run_id) == []  # a membership change, not counted as a restart

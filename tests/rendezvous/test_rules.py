@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 from elastic_ft.rendezvous import model, rules
@@ -90,10 +91,15 @@ def test_a_node_beyond_max_plus_spares_is_a_standby_not_waiting() -> None:
     assert rules.late_place(dead, "x", late) == (0, 3)
     assert rules.next_action(dead, "x", hash("x") & 0xFFFF, None, late, 0.0, None) == rules.JoinLate(0, 3)
     assert rules.late_place(dead, "x", limits) is None  # only where ftrun's agent allows it
-    # Below max_nodes members the node is admissible as before: the world grows through a restart.
+    # Below max_nodes members a node that only joins whole rounds (plain torchrun) is admissible: the world
+    # grows through a restart ...
     two_dead = make_state(alive=["a", "x"], rounds=[RoundRecord(0, result=full), RoundRecord(1, joins(join("x", 9)))])
     assert rules.membership_change(two_dead, full, limits).admissible == ("x",)
-    assert rules.late_place(two_dead, "x", late) is None
+    # ... while ftrun's node takes a place in the running round, and the world grows in-process.
+    assert rules.late_place(two_dead, "x", late) == (0, 3)
+    late_x = dataclasses.replace(join("x", 9), late_joins=True)
+    growing = make_state(alive=["a", "x"], rounds=[RoundRecord(0, result=full), RoundRecord(1, joins(late_x))])
+    assert rules.membership_change(growing, full, limits).admissible == ()
 
 
 def test_late_members_hold_places_and_count_dead_when_their_lease_goes() -> None:
