@@ -414,6 +414,8 @@ def main(argv: list[str] | None = None) -> None:
         cpus = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cpus[int(os.environ["LOCAL_RANK"]) % len(cpus)]})
     state = TrainingState(args.hidden, args.samples)
+    if args.record_steps:  # the process is ready to train: what a join is timed from
+        record(args, "ready", node=os.environ.get("NODE_TAG", "?"))
     logfile = str(args.workdir.resolve() / "monitor-{rank}.log") if args.monitor_logs else None
     if args.no_wrapper:
         result = train(args, state)

@@ -12,6 +12,15 @@ import pytest
 SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 
 
+def _log_tails(workdir: Path, lines: int = 40) -> str:
+    """The end of every node's log, warnings and errors only: what a failed run in CI leaves to read."""
+    tails = []
+    for log in sorted(workdir.glob("node-*.log")):
+        kept = [line for line in log.read_text(errors="replace").splitlines() if line[:1] in ("W", "E")]
+        tails.append(f"--- {log.name}\n" + "\n".join(line[:400] for line in kept[-lines:]))
+    return "\n".join(tails)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_minutes_of_random_faults_are_absorbed(tmp_path: Path) -> None:
@@ -26,7 +35,7 @@ def test_two_minutes_of_random_faults_are_absorbed(tmp_path: Path) -> None:
     )
     assert out.exists(), done.stdout[-5000:] + done.stderr[-5000:]
     report = json.loads(out.read_text())
-    assert done.returncode == 0, (report["problems"], done.stdout[-5000:])
+    assert done.returncode == 0, (report["problems"], done.stdout[-5000:], _log_tails(Path(report["workdir"])))
     assert report["all"]["faults"] >= 15, report["by_kind"]
     assert report["escalations"] == 0 and report["steps_lost"] == 0 and report["steps_twice"] == 0
     assert report["same_state"] and not report["processes_left"]

@@ -1,0 +1,442 @@
+"""Hosts and links fail: ftrun side by side with torchrun's c10d backend on three test hosts.
+
+Three hosts (network namespaces on a bridge, :mod:`elastic_ft.testing.netns`;
+etcd on the bridge) run the reference script (``examples/train_ftrun.py``:
+DDP, ``torch.optim.AdamW``, a ``DataLoader``, a checkpoint) with 2 workers
+each, ``--nnodes=2:3``, default settings otherwise:
+
+* ``ftrun``: ``--rdzv-backend=etcdft``, the default Wrapper (healing from a
+  peer);
+* ``torchrun-c10d``: plain ``torchrun --rdzv-backend=c10d`` (the store on
+  host 0), the script without the Wrapper (``--no-wrapper``).
+
+Every fault hits host 2 (never the c10d store's host), each in a job of its
+own:
+
+* ``cut``: its link goes down (no FIN, no RST), then up again;
+* ``sigkill``: every process of the host SIGKILLed, its launcher started
+  again;
+* ``sigstop``: every process of the host SIGSTOPped, then continued;
+* ``peers_only``: the host reaches etcd but not the other hosts, then all;
+* ``etcd_only``: the host reaches the other hosts but not etcd, then all;
+* ``lossy``: 30 % of the host's packets dropped both ways (and 200 ms of
+  delay where the kernel has ``netem``) for ``--window`` seconds: nothing
+  may restart;
+* ``cpu``: busy loops on every core inside the host for ``--window``
+  seconds: nothing may restart;
+* ``arrival``: the job trains on hosts 0 and 1, then host 2 starts.
+
+Measured (median of ``--repeats``): ``resume`` (fault to the first step of
+a survivor in the shrunken world), ``stale`` (steps host 2's ranks complete
+in the old membership after the survivors resumed without them),
+``rejoin`` (heal, restart or arrival to the first step of host 2 at the
+full world size; for ``arrival``: from the moment host 2's workers are
+ready to train), ``restarted`` (worker processes of hosts 0 and 1 that
+did not survive), ``restarts`` (for ``lossy`` and ``cpu``: ranks that
+started a new in-process iteration during the window: false alarms),
+``revoked`` (leases the agents revoked: confirmed losses; for ``lossy`` and
+``cpu``, false deaths). A step that does
+not come within ``--cap`` seconds is reported as the cap, marked ``>``.
+
+Needs root and ``ip netns`` (:func:`elastic_ft.testing.netns.unavailable`).
+Prints a table, writes ``benchmarks/results/network_faults.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "train_ftrun.py"
+RESULTS = Path(__file__).resolve().parent / "results" / "network_faults.json"
+SYSTEMS = ("ftrun", "torchrun-c10d")
+#: Faults that do not apply to a system: c10d keeps its store on host 0 and never talks to etcd.
+NOT_APPLICABLE = {("torchrun-c10d", "etcd_only")}
+SCENARIOS = ("cut", "sigkill", "sigstop", "peers_only", "etcd_only", "lossy", "cpu", "arrival")
+HOSTS = 3
+FAULTY = 2  # the host every fault hits
+C10D_PORT = 29411
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+class Job:
+    """One job on a fresh test bed: its hosts' launchers, and what their workers recorded."""
+
+    def __init__(self, system: str, bed: Any, etcd: Any, workdir: Path, args: argparse.Namespace) -> None:
+        self.system, self.bed, self.etcd, self.workdir, self.args = system, bed, etcd, workdir, args
+        self.run_id = f"net-{uuid.uuid4().hex[:8]}"
+        self.launchers: dict[int, subprocess.Popen[bytes]] = {}
+        self.events: list[dict[str, Any]] = []
+        self._offsets: dict[Path, int] = {}
+        self.stop_file = workdir / "stop"
+
+    # ---- the launchers ----
+
+    def start(self, host: int) -> None:
+        from elastic_ft.testing.local_cluster import ftrun_command, torchrun_command
+
+        address = self.bed.address(host)
+        script = [str(SCRIPT), "--workdir", str(self.workdir), "--steps", "100000000", "--record-steps",
+                  "--stop-file", str(self.stop_file)]  # fmt: skip
+        common = ["--nnodes=2:3", "--nproc-per-node=2", f"--local-addr={address}", "--max-restarts=3"]
+        if self.system == "ftrun":
+            argv = [*ftrun_command(), *common, "--rdzv-backend=etcdft", f"--rdzv-endpoint={self.etcd.endpoint}",
+                    f"--rdzv-id={self.run_id}", *script]  # fmt: skip
+        else:
+            argv = [*torchrun_command(), *common, "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint={self.bed.address(0)}:{C10D_PORT}", f"--rdzv-id={self.run_id}",
+                    f"--rdzv-conf=is_host={int(host == 0)}", *script, "--no-wrapper"]  # fmt: skip
+        env = {**os.environ, "NODE_TAG": str(host), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        with open(self.workdir / f"host{host}-{len(self.launchers)}-{int(time.time())}.log", "wb") as log:
+            self.launchers[host] = self.bed.popen(host, argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def signal_host(self, host: int, sig: int) -> None:
+        for pid in self.bed.processes(host):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def stop(self) -> None:
+        if self.stop_file.exists() or not self.steps():
+            return
+        self.stop_file.write_text(str(max(e["step"] for e in self.steps()) + 20))
+
+    # ---- what the workers recorded ----
+
+    def refresh(self) -> None:
+        for path in self.workdir.glob("events-*.jsonl"):
+            offset = self._offsets.get(path, 0)
+            with path.open() as file:
+                file.seek(offset)
+                chunk = file.read()
+            complete = chunk[: chunk.rfind("\n") + 1]
+            self._offsets[path] = offset + len(complete.encode())
+            for line in complete.splitlines():
+                with contextlib.suppress(ValueError):
+                    self.events.append(json.loads(line))
+
+    def steps(self) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == "step"]
+
+    def host_of(self) -> dict[int, int]:
+        return {e["pid"]: int(e["node"]) for e in self.events if e["event"] == "ready"}
+
+    def first(self, predicate: Any, cap: float) -> float | None:
+        """When the first event matching ``predicate`` was recorded, waiting up to ``cap`` s for it."""
+        deadline = time.monotonic() + cap
+        while True:
+            self.refresh()
+            times = [e["t"] for e in self.events if predicate(e)]
+            if times:
+                return min(times)
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+
+    def full_world(self, since: float, host: int | None, cap: float) -> float | None:
+        """The first step at the full world size after ``since`` (by a rank of ``host`` when given)."""
+        hosts = self.host_of
+
+        def matches(e: dict[str, Any]) -> bool:
+            return (e["event"] == "step" and e["t"] > since and e["world_size"] == 2 * HOSTS
+                    and (host is None or hosts().get(e["pid"]) == host))  # fmt: skip
+
+        return self.first(matches, cap)
+
+    def revocations(self) -> int:
+        """Leases the agents revoked (each a confirmed loss), from their logs."""
+        return sum(log.read_text(errors="replace").count("revoked the lease of node")
+                   for log in self.workdir.glob("host*.log"))  # fmt: skip
+
+    def iteration_of(self, pids: set[int]) -> int:
+        self.refresh()
+        return max((e["iteration"] for e in self.steps() if e["pid"] in pids), default=0)
+
+
+def _survivor_workers(job: Job) -> set[int]:
+    job.refresh()
+    return {pid for pid, host in job.host_of().items() if host != FAULTY and _alive(pid)}
+
+
+def run_one(system: str, scenario: str, args: argparse.Namespace) -> dict[str, Any]:
+    from elastic_ft.etcd.server import EtcdServer
+    from elastic_ft.testing.netns import TestBed, TestBedUnavailable
+
+    workdir = Path(tempfile.mkdtemp(prefix=f"netfault-{system}-{scenario}-"))
+    row: dict[str, Any] = {"system": system, "scenario": scenario}
+    with TestBed(HOSTS) as bed, EtcdServer(host=bed.bridge_address) as etcd:
+        job = Job(system, bed, etcd, workdir, args)
+        try:
+            first_hosts = [0, 1] if scenario == "arrival" else list(range(HOSTS))
+            for host in first_hosts:
+                job.start(host)
+            size = 2 * len(first_hosts)
+            started = job.first(lambda e: e["event"] == "step" and e["world_size"] == size, args.start_timeout)
+            if started is None:
+                raise RuntimeError(f"{system}: the job did not train at world size {size} ({workdir})")
+            time.sleep(args.settle)
+            survivors = _survivor_workers(job)
+            faulty = {pid for pid, host in job.host_of().items() if host == FAULTY}
+            old_iteration = max(job.iteration_of(survivors), job.iteration_of(faulty))
+            iteration_count = len({(e["pid"], e["iteration"]) for e in job.events if e["event"] == "start"})
+
+            def resumed(since: float) -> float | None:
+                return job.first(
+                    lambda e: e["event"] == "step" and e["t"] > since and e["pid"] not in faulty
+                    and e["world_size"] == 2 * (HOSTS - 1)
+                    and (e["iteration"] > old_iteration or e["pid"] not in survivors),
+                    args.cap,
+                )  # fmt: skip
+
+            at = time.time()
+            heal_at: float | None = None
+            if scenario == "cut":
+                bed.cut(FAULTY)
+                resume = resumed(at)
+                time.sleep(args.downtime)
+                heal_at = time.time()
+                bed.heal(FAULTY)
+            elif scenario == "sigkill":
+                job.signal_host(FAULTY, signal.SIGKILL)
+                job.launchers[FAULTY].wait()
+                resume = resumed(at)
+                time.sleep(args.downtime)
+                heal_at = time.time()
+                job.start(FAULTY)
+            elif scenario == "sigstop":
+                job.signal_host(FAULTY, signal.SIGSTOP)
+                resume = resumed(at)
+                time.sleep(args.downtime)
+                heal_at = time.time()
+                job.signal_host(FAULTY, signal.SIGCONT)
+            elif scenario in ("peers_only", "etcd_only"):
+                (bed.isolate_from_peers if scenario == "peers_only" else bed.isolate_from_etcd)(FAULTY)
+                resume = resumed(at)
+                time.sleep(args.downtime)
+                heal_at = time.time()
+                bed.clear(FAULTY)
+            elif scenario in ("lossy", "cpu"):
+                hogs: list[subprocess.Popen[bytes]] = []
+                if scenario == "lossy":
+                    bed.lose(FAULTY, 0.3)
+                    try:
+                        bed.delay(FAULTY, 200)
+                        row["delay_ms"] = 200
+                    except TestBedUnavailable as error:
+                        row["delay_ms"] = 0
+                        row["note"] = f"no delay: {error}"
+                else:
+                    hogs = [bed.popen(FAULTY, [sys.executable, "-c", "while True: pass"])
+                            for _ in range(os.cpu_count() or 2)]  # fmt: skip
+                time.sleep(args.window)
+                for hog in hogs:
+                    hog.kill()
+                    hog.wait()
+                if scenario == "lossy":
+                    bed.clear(FAULTY)
+                    with contextlib.suppress(TestBedUnavailable):
+                        bed.undelay(FAULTY)
+                time.sleep(2.0)
+                job.refresh()
+                after = len({(e["pid"], e["iteration"]) for e in job.events if e["event"] == "start"})
+                gone = sorted(pid for pid in survivors | faulty if not _alive(pid))
+                row.update(restarts=after - iteration_count, restarted=len(gone), resume=None)
+                resume = None
+            else:  # arrival
+                job.start(FAULTY)
+                ready = job.first(lambda e: e["event"] == "ready" and e["node"] == str(FAULTY)
+                                  and len([x for x in job.events if x["event"] == "ready"
+                                           and x["node"] == str(FAULTY)]) >= 2, args.start_timeout)  # fmt: skip
+                if ready is not None:  # both of its workers ready: the later one
+                    ready = max(e["t"] for e in job.events if e["event"] == "ready" and e["node"] == str(FAULTY))
+                joined = job.full_world(at, FAULTY, args.cap) if ready is not None else None
+                row["rejoin"] = None if joined is None or ready is None else max(0.0, joined - ready)
+                row["rejoin_capped"] = joined is None
+                resume = None
+            if scenario not in ("lossy", "cpu", "arrival"):
+                row["resume"] = None if resume is None else resume - at
+                row["resume_capped"] = resume is None
+                job.refresh()
+                moved_on = resume if resume is not None else time.time()
+                row["stale"] = sum(
+                    1
+                    for e in job.steps()
+                    if e["pid"] in faulty and e["t"] > moved_on and e["iteration"] <= old_iteration
+                )
+                assert heal_at is not None
+                back = job.full_world(heal_at, FAULTY, args.cap)
+                row["rejoin"] = None if back is None else back - heal_at
+                row["rejoin_capped"] = back is None
+            if scenario not in ("lossy", "cpu"):
+                row["restarted"] = sum(not _alive(pid) for pid in survivors)
+        finally:
+            job.stop()
+            deadline = time.monotonic() + 20
+            while any(p.poll() is None for p in job.launchers.values()) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            for host in range(HOSTS):
+                job.signal_host(host, signal.SIGKILL)
+            for launcher in job.launchers.values():
+                with contextlib.suppress(Exception):
+                    launcher.wait(5)
+    row["revocations"] = job.revocations()
+    row["workdir"] = str(workdir)
+    return row
+
+
+def _median(rows: list[dict[str, Any]], key: str) -> tuple[float | None, bool]:
+    values = [r.get(key) for r in rows]
+    capped = any(r.get(f"{key}_capped") for r in rows)
+    numbers = [v for v in values if isinstance(v, int | float)]
+    if not numbers and not capped:
+        return None, False
+    return (statistics.median(numbers) if numbers else None), capped
+
+
+def summarize(rows: list[dict[str, Any]], cap: float) -> list[dict[str, Any]]:
+    table = []
+    for scenario in SCENARIOS:
+        for system in SYSTEMS:
+            mine = [r for r in rows if r["system"] == system and r["scenario"] == scenario and "error" not in r]
+            errors = [r["error"] for r in rows if r["system"] == system and r["scenario"] == scenario and "error" in r]
+            if not mine and not errors:
+                continue
+            entry: dict[str, Any] = {"scenario": scenario, "system": system, "runs": len(mine), "errors": errors}
+            if (system, scenario) in NOT_APPLICABLE:
+                entry["note"] = "not applicable: this system does not use etcd"
+                table.append(entry)
+                continue
+            for key in ("resume", "rejoin"):
+                value, capped = _median(mine, key)
+                # A run that never resumed counts as the cap (a lower bound) in the median.
+                if capped:
+                    filled = [r.get(key) if not r.get(f"{key}_capped") else cap for r in mine]
+                    value = statistics.median([v for v in filled if v is not None]) if filled else None
+                entry[key] = value
+                entry[f"{key}_capped"] = capped
+            for key in ("stale", "restarted", "restarts", "revocations"):
+                values = [r[key] for r in mine if r.get(key) is not None]
+                entry[key] = statistics.median(values) if values else None
+            table.append(entry)
+    return table
+
+
+def _cell(entry: dict[str, Any], key: str) -> str:
+    value = entry.get(key)
+    if value is None:
+        return "-"
+    if key in ("resume", "rejoin"):
+        return (">" if entry.get(f"{key}_capped") else "") + f"{value:.2f} s"
+    return f"{value:g}"
+
+
+def print_table(table: list[dict[str, Any]]) -> None:
+    header = f"{'scenario':<12} {'system':<14} {'runs':>4} {'resume':>10} {'stale':>6} {'rejoin':>10} " \
+             f"{'restarted':>9} {'restarts':>8} {'revoked':>7}  ratio"  # fmt: skip
+    print(header)
+    print("-" * len(header))
+    by = {(e["scenario"], e["system"]): e for e in table}
+    for entry in table:
+        if entry.get("note"):
+            print(f"{entry['scenario']:<12} {entry['system']:<14} {entry['runs']:>4}  {entry['note']}")
+            continue
+        ratio = ""
+        if entry["system"] == "ftrun":
+            other = by.get((entry["scenario"], "torchrun-c10d"))
+            for key in ("resume", "rejoin"):
+                if key == "rejoin" and (other or {}).get("resume_capped"):
+                    continue  # it never went on without the host: there was nothing to rejoin
+                mine, theirs = entry.get(key), (other or {}).get(key)
+                if mine and theirs and not (other or {}).get("note"):
+                    ratio += f" {key} {'>' if other.get(f'{key}_capped') else ''}{theirs / mine:.1f}x"
+        print(f"{entry['scenario']:<12} {entry['system']:<14} {entry['runs']:>4} {_cell(entry, 'resume'):>10} "
+              f"{_cell(entry, 'stale'):>6} {_cell(entry, 'rejoin'):>10} {_cell(entry, 'restarted'):>9} "
+              f"{_cell(entry, 'restarts'):>8} {_cell(entry, 'revocations'):>7} {ratio}")  # fmt: skip
+        for error in entry["errors"]:
+            print(f"{'':<12} error: {error}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--baseline-repeats", type=int, help="repeats of torchrun-c10d (default: --repeats)")
+    parser.add_argument("--cap", type=float, default=60.0, help="seconds to wait for a resume or a rejoin")
+    parser.add_argument("--downtime", type=float, default=3.0, help="seconds from the resume to the heal")
+    parser.add_argument("--window", type=float, default=20.0, help="seconds of loss or CPU load")
+    parser.add_argument("--settle", type=float, default=3.0, help="seconds of training before the fault")
+    parser.add_argument("--start-timeout", type=float, default=180.0)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--table-from", type=Path,
+                        help="recompute and print the table of an earlier run's JSON (written back to it), run nothing")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.table_from is not None:
+        earlier = json.loads(args.table_from.read_text())
+        earlier["table"] = summarize(earlier["runs"], float(earlier["args"]["cap"]))
+        print_table(earlier["table"])
+        args.table_from.write_text(json.dumps(earlier, indent=2))
+        return 0
+    from elastic_ft.testing.netns import unavailable
+
+    systems, scenarios = args.systems.split(","), args.scenarios.split(",")
+    for name, chosen, known in (("system", systems, SYSTEMS), ("scenario", scenarios, SCENARIOS)):
+        bad = [c for c in chosen if c not in known]
+        if bad:
+            parser.error(f"unknown {name} {bad[0]!r}; expected some of {', '.join(known)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    reason = unavailable()
+    if reason is not None:
+        print(f"network_faults: cannot run here: {reason}", file=sys.stderr)
+        return 2
+    if args.baseline_repeats is not None and args.baseline_repeats < 1:
+        parser.error(f"--baseline-repeats must be at least 1, got {args.baseline_repeats}")
+    baseline_repeats = args.repeats if args.baseline_repeats is None else args.baseline_repeats
+    rows = []
+    for repeat in range(max(args.repeats, baseline_repeats)):
+        for scenario in scenarios:
+            for system in systems:
+                if repeat >= (args.repeats if system == "ftrun" else baseline_repeats):
+                    continue
+                started = time.monotonic()
+                try:
+                    row = run_one(system, scenario, args)
+                except Exception as error:  # noqa: BLE001 - one failed run is reported, the others go on
+                    row = {"system": system, "scenario": scenario, "error": f"{type(error).__name__}: {error}"}
+                row["repeat"] = repeat
+                row["seconds"] = round(time.monotonic() - started, 1)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    table = summarize(rows, args.cap)
+    print()
+    print_table(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+                                    "args": {k: str(v) for k, v in vars(args).items()},
+                                    "table": table, "runs": rows}, indent=2))  # fmt: skip
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

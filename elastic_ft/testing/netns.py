@@ -1,0 +1,213 @@
+"""Test hosts on one machine: Linux network namespaces on a bridge, each with its own address.
+
+A :class:`TestBed` builds, in the root namespace, a bridge with the
+address ``10.A.B.1/24`` (where etcd listens) and one namespace per host,
+joined to the bridge by a veth pair whose inner end is ``eth0`` with the
+address ``10.A.B.(10 + i)``. Every process started in a host
+(:meth:`TestBed.popen`) sees only that host's interfaces, so gloo binds to
+its host's address (``GLOO_SOCKET_IFNAME=eth0``) and ``ftrun`` announces it
+(``--local-addr``).
+
+Faults on a host's link, none of which sends a FIN or an RST:
+
+* :meth:`cut` / :meth:`heal`: the bridge's end of the host's veth goes down
+  (every packet to or from the host is dropped), then up;
+* :meth:`lose`: drop a fraction of the host's packets, both ways
+  (``iptables`` ``statistic`` match);
+* :meth:`isolate_from_peers`: the host reaches etcd but not the other
+  hosts; :meth:`isolate_from_etcd`: the other hosts but not etcd;
+  :meth:`clear` lifts both and the losses.
+
+Packet delay needs the kernel's ``netem`` queueing discipline, which some
+kernels lack (this project's CI machine among them): :meth:`delay` raises
+:class:`TestBedUnavailable` there, with the reason.
+
+Needs root, ``ip`` (iproute2) and ``iptables-legacy``; :func:`unavailable`
+says why a machine cannot run it, for tests to skip with that reason. Every
+name carries a random tag and :meth:`TestBed.stop` removes everything, so
+beds of concurrent tests do not meet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import subprocess
+from collections.abc import Sequence
+from typing import Any
+
+#: The interface name of a host's link, inside its namespace (the same in every host).
+HOST_INTERFACE = "eth0"
+
+
+class TestBedUnavailable(RuntimeError):
+    """This machine cannot build the test bed (or this fault); the message says why."""
+
+
+def _run(*argv: str) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise TestBedUnavailable(f"{' '.join(argv)} failed: {done.stderr.strip() or done.stdout.strip()}")
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot build a test bed (None if it can)."""
+    if os.geteuid() != 0:
+        return "the network-namespace test bed needs root (ip netns, veth, iptables)"
+    for tool in ("ip", "iptables-legacy"):
+        if shutil.which(tool) is None:
+            return f"the network-namespace test bed needs {tool} (apt install iproute2 iptables)"
+    probe = f"eftprobe{random.randrange(16**4):04x}"
+    done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        return f"ip netns does not work here: {done.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
+    return None
+
+
+class TestBed:
+    """``hosts`` test hosts on a bridge (see the module docstring); a context manager."""
+
+    __test__ = False  # not a pytest class
+
+    def __init__(self, hosts: int) -> None:
+        if not 1 <= hosts <= 200:
+            raise ValueError(f"a test bed holds 1 to 200 hosts, got {hosts}")
+        self.hosts = hosts
+        self.tag = f"{random.randrange(16**4):04x}"
+        self._subnet = f"10.{random.randrange(100, 250)}.{random.randrange(1, 250)}"
+        self._started = False
+
+    # ---- names and addresses ----
+
+    @property
+    def bridge(self) -> str:
+        return f"eft{self.tag}br"
+
+    @property
+    def bridge_address(self) -> str:
+        """Where etcd (in the root namespace) listens, as the hosts reach it."""
+        return f"{self._subnet}.1"
+
+    def namespace(self, host: int) -> str:
+        return f"eft{self.tag}h{host}"
+
+    def address(self, host: int) -> str:
+        return f"{self._subnet}.{10 + host}"
+
+    def _outer(self, host: int) -> str:
+        """The bridge's end of the host's link."""
+        return f"eft{self.tag}v{host}"
+
+    # ---- life ----
+
+    def start(self) -> TestBed:
+        reason = unavailable()
+        if reason is not None:
+            raise TestBedUnavailable(reason)
+        self._started = True
+        try:
+            _run("ip", "link", "add", self.bridge, "type", "bridge")
+            _run("ip", "addr", "add", f"{self.bridge_address}/24", "dev", self.bridge)
+            _run("ip", "link", "set", self.bridge, "up")
+            for host in range(self.hosts):
+                ns, outer, inner = self.namespace(host), self._outer(host), f"eft{self.tag}i{host}"
+                _run("ip", "netns", "add", ns)
+                _run("ip", "link", "add", outer, "type", "veth", "peer", "name", inner)
+                _run("ip", "link", "set", inner, "netns", ns)
+                _run("ip", "-n", ns, "link", "set", inner, "name", HOST_INTERFACE)
+                _run("ip", "-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", HOST_INTERFACE)
+                _run("ip", "-n", ns, "link", "set", HOST_INTERFACE, "up")
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
+                _run("ip", "link", "set", outer, "master", self.bridge)
+                _run("ip", "link", "set", outer, "up")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Remove the namespaces (killing what still runs in them), the links and the bridge."""
+        if not self._started:
+            return
+        for host in range(self.hosts):
+            for pid in self.processes(host):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, 9)
+            subprocess.run(["ip", "netns", "del", self.namespace(host)], capture_output=True, check=False)
+            subprocess.run(["ip", "link", "del", self._outer(host)], capture_output=True, check=False)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
+        self._started = False
+
+    def __enter__(self) -> TestBed:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- processes ----
+
+    def command(self, host: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside host ``host``."""
+        return ["ip", "netns", "exec", self.namespace(host), *argv]
+
+    def processes(self, host: int) -> list[int]:
+        """The PIDs of every process running in host ``host``."""
+        listed = subprocess.run(["ip", "netns", "pids", self.namespace(host)], capture_output=True, text=True,
+                                check=False)  # fmt: skip
+        return [int(pid) for pid in listed.stdout.split() if pid.isdigit()]
+
+    def popen(self, host: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        """Start ``argv`` in host ``host``, with gloo bound to the host's link."""
+        env = dict(kwargs.pop("env", None) or os.environ)
+        env.setdefault("GLOO_SOCKET_IFNAME", HOST_INTERFACE)
+        return subprocess.Popen(self.command(host, argv), env=env, **kwargs)
+
+    # ---- faults ----
+
+    def cut(self, host: int) -> None:
+        """Drop every packet to and from ``host``, silently (the bridge's end of its link goes down)."""
+        _run("ip", "link", "set", self._outer(host), "down")
+
+    def heal(self, host: int) -> None:
+        _run("ip", "link", "set", self._outer(host), "up")
+
+    def _iptables(self, host: int, *rule: str) -> None:
+        _run("ip", "netns", "exec", self.namespace(host), "iptables-legacy", *rule)
+
+    def lose(self, host: int, fraction: float) -> None:
+        """Drop ``fraction`` of the packets ``host`` sends and receives."""
+        if not 0 < fraction < 1:
+            raise ValueError(f"a loss fraction is in (0, 1), got {fraction}")
+        for chain in ("INPUT", "OUTPUT"):
+            self._iptables(host, "-A", chain, "-m", "statistic", "--mode", "random",
+                           "--probability", f"{fraction:.4f}", "-j", "DROP")  # fmt: skip
+
+    def _isolate(self, host: int, addresses: list[str]) -> None:
+        for address in addresses:
+            self._iptables(host, "-A", "OUTPUT", "-d", address, "-j", "DROP")
+            self._iptables(host, "-A", "INPUT", "-s", address, "-j", "DROP")
+
+    def isolate_from_peers(self, host: int) -> None:
+        """``host`` keeps reaching etcd, but no other host."""
+        self._isolate(host, [self.address(other) for other in range(self.hosts) if other != host])
+
+    def isolate_from_etcd(self, host: int) -> None:
+        """``host`` keeps reaching the other hosts, but not etcd."""
+        self._isolate(host, [self.bridge_address])
+
+    def clear(self, host: int) -> None:
+        """Lift the losses and isolations of ``host``."""
+        for chain in ("INPUT", "OUTPUT"):
+            self._iptables(host, "-F", chain)
+
+    def delay(self, host: int, milliseconds: float) -> None:
+        """Delay every packet ``host`` sends (``tc netem``)."""
+        _run("ip", "netns", "exec", self.namespace(host), "tc", "qdisc", "add", "dev", HOST_INTERFACE, "root",
+             "netem", "delay", f"{milliseconds:g}ms")  # fmt: skip
+
+    def undelay(self, host: int) -> None:
+        """Lift :meth:`delay`."""
+        _run("ip", "netns", "exec", self.namespace(host), "tc", "qdisc", "del", "dev", HOST_INTERFACE, "root")

@@ -1,0 +1,74 @@
+"""Hosts and links fail, on three test hosts (network namespaces): ``benchmarks/network_faults.py`` for ftrun.
+
+Each scenario is one job of 3 hosts x 2 workers running the reference
+script with default settings; every fault hits host 2. The checks are the
+issue's goals, loosened for a loaded 2-core CI machine (the benchmark
+carries the numbers).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic_ft.testing.netns import unavailable
+
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "network_faults.py"
+REASON = unavailable()
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(REASON is not None, reason=REASON or ""),
+]
+
+
+def run(tmp_path: Path, scenarios: str) -> dict[str, dict]:
+    out = tmp_path / "network_faults.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--systems", "ftrun", "--scenarios", scenarios, "--repeats", "1",
+         "--window", "10", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        check=False,
+    )
+    assert done.returncode == 0 and out.exists(), done.stdout[-5000:] + done.stderr[-5000:]
+    rows = {row["scenario"]: row for row in json.loads(out.read_text())["runs"]}
+    for row in rows.values():
+        assert "error" not in row, (row, done.stdout[-5000:])
+    return rows
+
+
+@pytest.mark.timeout(1600)
+def test_lost_hosts_are_fenced_and_counted_out_fast_and_come_back_without_restarting_the_others(
+    tmp_path: Path,
+) -> None:
+    rows = run(tmp_path, "cut,sigkill,sigstop,peers_only,etcd_only")
+    for scenario, row in rows.items():
+        # The survivors train again in the shrunken world well before a 10 s lease would expire (a host
+        # that reaches its peers but not etcd is left to its lease: it still trains with them meanwhile) ...
+        bound = 20.0 if scenario == "etcd_only" else 6.0
+        assert row["resume"] is not None and row["resume"] < bound, (scenario, row)
+        # ... nothing the lost host computes in the old membership counts after they did ...
+        assert row["stale"] == 0, (scenario, row)
+        # ... and it trains again in the running world, with no survivor's process restarted.
+        assert row["rejoin"] is not None, (scenario, row)
+        assert row["restarted"] == 0, (scenario, row)
+
+
+@pytest.mark.timeout(1200)
+def test_an_arriving_host_joins_in_process_and_a_lossy_link_or_a_busy_host_kills_nobody(tmp_path: Path) -> None:
+    rows = run(tmp_path, "arrival,lossy,cpu")
+    arrival = rows["arrival"]
+    assert arrival["rejoin"] is not None and arrival["rejoin"] < 15.0, arrival
+    assert arrival["restarted"] == 0, arrival
+    for scenario in ("lossy", "cpu"):
+        # No node is taken for dead (no lease revoked), no process restarted.
+        assert rows[scenario]["revocations"] == 0 and rows[scenario]["restarted"] == 0, rows[scenario]
+    # A host whose cores are saturated is not even restarted in-process. (Under 30 % loss the Wrapper's
+    # adaptive hang detection may restart the iteration in-process: the benchmark reports how often.)
+    assert rows["cpu"]["restarts"] == 0, rows["cpu"]
