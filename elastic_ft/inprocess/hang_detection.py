@@ -17,10 +17,10 @@ compilation) and inside sections marked long (``CallWrapper.long_section()``,
 
 **Stalls.** A rank is *active* when its main thread executes Python code
 (the automatic heartbeat), reports a step, burns CPU (itself or its data
-loader workers: a long computation in C is work, not a hang), or has data
-in flight that the network is still delivering (a lossy link retransmits
-for seconds: slow, not hung; a hung peer's kernel still acknowledges what
-it receives, so waiting for it never looks like this). The configured
+loader workers: a long computation in C is work, not a hang), or is
+resending data the network lost (a lossy link retransmits for seconds:
+slow, not hung; a hung peer's kernel still acknowledges what it receives,
+so waiting for it never looks like this). The configured
 ``soft_timeout`` and ``hard_timeout`` keep their plain meaning (no progress
 for that long restarts, kills, whatever the rank does). A rank none of
 whose Python threads ran for the adaptive soft timeout (the GIL held, or
@@ -139,8 +139,8 @@ class RankActivity:
     stopped: bool  # the process is stopped (SIGSTOP, or traced)
     threads_silent_for: float  # since any of its Python threads last ran (the GIL held throughout)
     restart_pending_for: float = 0.0  # since a restart started that the main thread has not taken (0: none)
-    #: Since the rank last had data in flight on a TCP connection that the network had not delivered (a lossy
-    #: link retransmitting is slow, not hung: :func:`elastic_ft.inprocess.sockets.sending_unacknowledged`).
+    #: Since the rank last resent data the network lost on a TCP connection (a lossy link retransmitting is
+    #: slow, not hung: :func:`elastic_ft.inprocess.sockets.resending_lost_data`).
     network_idle_for: float = math.inf
 
     @property

@@ -51,7 +51,7 @@ from elastic_ft.inprocess.hang_detection import (
 from elastic_ft.inprocess.logs import get_logger, log_to_file
 from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps
 from elastic_ft.inprocess.sibling_monitor import ring_successor, silent_ranks
-from elastic_ft.inprocess.sockets import sending_unacknowledged
+from elastic_ft.inprocess.sockets import resending_lost_data
 from elastic_ft.inprocess.store import (
     COMPLETED,
     NO_WAIT,
@@ -284,8 +284,8 @@ class _CpuMeter:
 
 
 class _NetworkMeter:
-    """When the rank last had data in flight the network had not delivered, sampled every
-    ``_CPU_SAMPLE_PERIOD`` (``time.monotonic()``; never: -inf)."""
+    """When the rank last resent data the network lost, sampled every ``_CPU_SAMPLE_PERIOD``
+    (``time.monotonic()``; never: -inf)."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -296,7 +296,7 @@ class _NetworkMeter:
         if now - self._sampled_at < _CPU_SAMPLE_PERIOD:
             return
         self._sampled_at = now
-        if sending_unacknowledged(self.pid):
+        if resending_lost_data(self.pid):
             self.busy_at = now
 
 

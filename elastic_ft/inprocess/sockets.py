@@ -104,15 +104,18 @@ def _tcp_entries() -> dict[int, tuple[int, int, str, str]]:
 _RETRANSMIT_TIMER = 1  # the ``tr`` field of /proc/net/tcp: data sent and not yet acknowledged
 
 
-def sending_unacknowledged(pid: int) -> bool:
-    """Whether a TCP socket of process ``pid`` has data in flight that the network has not delivered yet.
+def resending_lost_data(pid: int) -> bool:
+    """Whether a TCP socket of process ``pid`` is resending data the network lost.
 
-    Its retransmit timer runs (``tr`` 1 in ``/proc/<pid>/net/tcp``): the
-    data is on its way, or being sent again after a loss. A hung peer's
-    kernel still acknowledges what it receives (and a full window runs the
-    probe timer, not this one), so this is never true of a rank that only
-    waits for a hung peer; on a lossy link it stays true through the
-    retransmission backoff. Read from another process (the monitor process).
+    Its retransmit timer runs and has already expired at least once
+    (``tr`` 1 and ``retrnsmt`` > 0 in ``/proc/<pid>/net/tcp``): the data is
+    being sent again after a loss, and stays so through the backoff. Data
+    merely in flight is not enough: a request its server answers later (a
+    store's blocking wait) holds the timer until the delayed ACK, which made
+    ranks that only waited look busy. A hung peer's kernel still
+    acknowledges what it receives (and a full window runs the probe timer),
+    so this is never true of a rank that only waits for a hung peer. Read
+    from another process (the monitor process).
     """
     inodes = set()
     try:
@@ -134,7 +137,8 @@ def sending_unacknowledged(pid: int) -> bool:
                 next(lines, None)
                 for line in lines:
                     fields = line.split()
-                    if int(fields[5].split(":", 1)[0], 16) == _RETRANSMIT_TIMER and fields[9] in inodes:
+                    timer, timeouts = int(fields[5].split(":", 1)[0], 16), int(fields[6], 16)
+                    if timer == _RETRANSMIT_TIMER and timeouts > 0 and fields[9] in inodes:
                         return True
         except (OSError, IndexError, ValueError):
             continue

@@ -1,4 +1,4 @@
-"""A rank whose data the network is still delivering is slow, not hung; one waiting for a hung peer is not.
+"""A rank resending what the network lost is slow, not hung; one waiting for a hung peer is neither.
 
 Real sockets in a network namespace of their own (the test bed's), with
 real packet loss (``iptables``), read from another process as the monitor
@@ -21,10 +21,10 @@ REASON = unavailable()
 SCENARIO = textwrap.dedent(
     """
     import os, socket, subprocess, sys, time
-    from elastic_ft.inprocess.sockets import sending_unacknowledged
+    from elastic_ft.inprocess.sockets import resending_lost_data
 
     def seen_by_another_process():
-        code = f"from elastic_ft.inprocess.sockets import sending_unacknowledged as s; print(s({os.getpid()}))"
+        code = f"from elastic_ft.inprocess.sockets import resending_lost_data as s; print(s({os.getpid()}))"
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
 
     listener = socket.create_server(("127.0.0.1", 0))
@@ -65,7 +65,7 @@ SCENARIO = textwrap.dedent(
 
 
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
-def test_only_data_the_network_has_not_delivered_counts_as_activity() -> None:
+def test_only_data_the_network_lost_and_the_rank_resends_counts_as_activity() -> None:
     with TestBed(1) as bed:
         done = subprocess.run(
             bed.command(0, [sys.executable, "-c", SCENARIO]), capture_output=True, text=True, timeout=120, check=False
