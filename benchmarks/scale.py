@@ -184,9 +184,9 @@ def what_it_sees(handler: Any) -> str:
     """A node's view of the board, for a node that saw no change when it should have."""
     board, version = handler._board_view.snapshot()
     if board is None:
-        return f"member of round {handler._member_round}, no board (version {version})"
+        return f"member of round {handler._state.member_round}, no board (version {version})"
     last = board.last.round if board.last is not None else None
-    return (f"member of round {handler._member_round}; board version {version}: monitor {board.monitor}, open round "
+    return (f"member of round {handler._state.member_round}; board version {version}: monitor {board.monitor}, open round "
             f"{board.open_round}, last closed {last}, rejoined {len(board.rejoined)}, dead {list(board.dead)}; its "
             f"watch down for {handler._board_view.disconnected_for():.1f} s")  # fmt: skip
 

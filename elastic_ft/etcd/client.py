@@ -490,8 +490,25 @@ class EtcdClient:
         """As :meth:`watch_prefix`, for the one key ``key``."""
         return self._watch(key, b"", start_revision, on_events, on_error)
 
-    @shielded
     def _watch(
+        self,
+        key: str,
+        range_end: bytes,
+        start_revision: int,
+        on_events: Callable[[list[WatchEvent], int], None],
+        on_error: Callable[[Exception], None],
+    ) -> EtcdWatch:
+        watch: EtcdWatch | None = None
+        try:
+            with shield():
+                watch = self._open_watch(key, range_end, start_revision, on_events, on_error)
+        except BaseException:
+            if watch is not None:
+                watch.close()  # a restart deferred to the section's end: nobody would ever close it
+            raise
+        return watch
+
+    def _open_watch(
         self,
         key: str,
         range_end: bytes,

@@ -32,7 +32,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -65,7 +65,7 @@ from elastic_ft.etcd.store import EtcdStore
 from elastic_ft.etcd.view import PrefixView
 from elastic_ft.net import free_port
 from elastic_ft.observability import sink as event_sink
-from elastic_ft.rendezvous import model, rules
+from elastic_ft.rendezvous import model, node_state, rules
 from elastic_ft.rendezvous.config import EtcdftSettings, connect, settings_from_parameters
 from elastic_ft.rendezvous.monitor import Monitor
 from elastic_ft.rendezvous.probe import ProbeServer, parse_address
@@ -109,18 +109,13 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         self._monitor_lock = threading.Lock()
         self._monitor: Monitor | None = None
         self._session: Session | None = None
-        self._joined_round: int | None = None
-        self._joined_at = 0.0
-        self._member_round: int | None = None  # the round this node belongs to
-        self._member_of: model.RoundResult | None = None  # its members, read when first asked for
-        self._announced_with: int | None = None  # the session whose lease this member's alive key is on
-        self._board_gone_seen = False
-        #: The group rank this node took as a hot spare that joined a running round (None: a member).
-        self.late_place: int | None = None
+        #: The node's own rendezvous history, replaced only through node_state's transitions (``_apply``).
+        self._state = node_state.NodeState(self.node)
+        self._state_lock = threading.Lock()
         self._shut_down = False
         self._logged_verdict: tuple[int, rules.CloseVerdict] | None = None
+        self._logged_membership = ""
         self._warned_malformed: Mapping[str, str] = {}
-        self._outage_grace_until = 0.0
         #: Seconds the last completed ``next_rendezvous`` call took (the round's duration for this node).
         self.last_round_seconds: float | None = None
         self._own_events: event_sink.EventSink | None = None
@@ -193,6 +188,18 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         or closes a round (for benchmarks)."""
         return self._board_view.events_received + self._view.events_received
 
+    def _apply(self, transition: Callable[..., node_state.NodeState], *args: Any) -> node_state.NodeState:
+        """Replace the node's state by ``transition(state, *args)`` (the agent's thread and
+        ``next_rendezvous()`` may both step it)."""
+        with self._state_lock:
+            self._state = transition(self._state, *args)
+            return self._state
+
+    @property
+    def late_place(self) -> int | None:
+        """The group rank this node took as a hot spare that joined a running round (None: a member)."""
+        return self._state.late_place
+
     @property
     def is_monitor(self) -> bool:
         monitor = self._monitor
@@ -235,8 +242,8 @@ class EtcdftRendezvousHandler(RendezvousHandler):
                 if board is None:
                     self._campaign(session)
                     board, board_version = self._board_view.snapshot()
-                if board is not None:
-                    self._board_gone_seen = False
+                if board is not None and self._state.board_gone_seen:
+                    self._apply(node_state.board_seen)
                 now = time.monotonic()
                 wake: Any = self._board_view
                 version = board_version
@@ -251,11 +258,11 @@ class EtcdftRendezvousHandler(RendezvousHandler):
                 elif board is None:
                     action = rules.Wait(-1, rules.CloseVerdict.WAIT_FOR_MIN, None, False, "no rendezvous monitor yet")
                 else:
-                    action = rules.follower_action(board, self.node, joined, self._member_round, self._limits)
+                    action = rules.follower_action(board, self.node, joined, self._state.member_round, self._limits)
                     if isinstance(action, rules.Lead):
                         leading = True
                         self._view.follow()
-                        self._emit("round_opened", round=action.number, at=self._joined_at)
+                        self._emit("round_opened", round=action.number, at=self._state.joined_at)
                         continue
                 self._log_verdict(action)
                 if isinstance(action, rules.Done):
@@ -268,7 +275,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
                     continue
                 if isinstance(action, rules.Closed):
                     last = state.last_closed if leading else (board.last if board is not None else None)
-                    if last is None or last.round != self._member_round:
+                    if last is None or last.round != self._state.member_round:
                         # A spare (or late node) the job finished without: nothing failed.
                         raise RendezvousGracefulExitError(
                             f"the rendezvous '{settings.run_id}' was closed while node {self.node} waited to join"
@@ -352,7 +359,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         """End ``node``'s lease, so every node sees it dead through its watch at once (idempotent)."""
         self._client.revoke_lease(lease)
         log.warning("node %s revoked the lease of node %s: %s", self.node, node, reason)
-        self._emit("node_revoked", round=self._member_round, lost=node, reason=reason)
+        self._emit("node_revoked", round=self._state.member_round, lost=node, reason=reason)
 
     def _ensure_session(self) -> Session:
         """Hold a live session; the node's alive key goes on its lease when it joins."""
@@ -362,7 +369,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             self._session.close(revoke=False)
         session = Session(self._client, self.settings.lease_ttl)
         self._session = session
-        self._joined_round = None
+        self._apply(node_state.new_session)
         return session
 
     # ---- the monitor ----
@@ -388,7 +395,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             view.wait_for_revision(outcome.revision, self.settings.request_timeout)
             self._monitor = Monitor(
                 self._client, self._keys, self._limits, self.node, session.id, outcome.revision, view,
-                lambda: self._outage_grace_until,
+                lambda: self._state.quiet_until,
             ).start()  # fmt: skip
             monitor = self._monitor
         log.info("node %s is the rendezvous monitor of '%s'", self.node, self.settings.run_id)
@@ -400,28 +407,24 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             self._monitor = None
             self._view.release()
 
-    def _board(self, *, campaign: bool) -> tuple[model.Board | None, bool]:
-        """The board, and whether it vanished (the last one seen is returned then).
-
-        A board vanishes with its monitor's lease. The first look after that
-        reports it (the monitor died unless it left first: see
-        :func:`rules.board_change`) without sending anything; with
-        ``campaign``, later looks try to take over.
-        """
-        board, _ = self._board_view.snapshot()
-        if board is not None:
-            self._board_gone_seen = False
-            return board, False
-        if self._last_board is None:
-            return None, False
-        if self._board_gone_seen and campaign and self._session is not None and not self._session.expired.is_set():
-            self._campaign(self._session)
-            board, _ = self._board_view.snapshot()
-            if board is not None:
-                self._board_gone_seen = False
-                return board, False
-        self._board_gone_seen = True
-        return self._last_board, True
+    def _board(self, *, campaign: bool) -> node_state.BoardLook:
+        """The board to act on (see :func:`node_state.look_at_board`); takes over as monitor when it says so."""
+        session = self._session
+        may_take_over = campaign and session is not None and not session.expired.is_set()
+        current, _ = self._board_view.snapshot()
+        with self._state_lock:
+            self._state, look = node_state.look_at_board(
+                self._state, current, self._last_board, may_take_over=may_take_over
+            )
+        if look.take_over and session is not None:
+            self._campaign(session)
+            current, _ = self._board_view.snapshot()
+            if current is not None:
+                with self._state_lock:
+                    self._state, look = node_state.look_at_board(
+                        self._state, current, self._last_board, may_take_over=False
+                    )
+        return look
 
     # ---- joining and closing ----
 
@@ -432,14 +435,14 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         # The alive key rides in the join transaction: one revision, one watch
         # event batch for the monitor, instead of two.
         ops = [put_op(keys.join(number, self.node), join, lease), put_op(keys.alive(self.node), alive, lease)]
-        if self._joined_round is not None and self._joined_round != number:
-            ops.append(delete_op(keys.join(self._joined_round, self.node)))
+        held = self._state.joined_round
+        if held is not None and held != number:
+            ops.append(delete_op(keys.join(held, self.node)))
         guards = [key_missing(keys.result(number)), key_missing(keys.closed)]
-        self._joined_at = time.time()
+        at = time.time()
         result = self._client.txn(guards, ops)
         if result.succeeded:
-            self._joined_round = number
-            self._announced_with = lease
+            self._apply(node_state.joined, number, lease, at)
             if leading and self._view.live is not None:
                 self._view.live.wait_for_revision(result.revision, self.settings.request_timeout)
             self._emit("node_joined", round=number, host=self._addr)
@@ -470,8 +473,9 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             put_op(keys.late(number, self.node), late.to_json()),
             put_op(keys.alive(self.node), alive, lease),
         ]
-        if self._joined_round is not None:
-            ops.append(delete_op(keys.join(self._joined_round, self.node)))
+        held = self._state.joined_round
+        if held is not None:
+            ops.append(delete_op(keys.join(held, self.node)))
         guards = [
             key_missing(keys.slot(number, action.place)),
             key_missing(keys.late(number, self.node)),
@@ -482,10 +486,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         if not outcome.succeeded:
             wake.wait_for_change(version, self.settings.request_timeout)
             return None
-        self._joined_round = None
-        self._announced_with = lease
-        self.late_place = action.place
-        self._member_round, self._member_of = number, None
+        self._apply(node_state.joined_late, number, action.place, lease)
         self._emit("node_joined", round=number, host=self._addr, role="hot_spare", place=action.place)
         log.info(
             "node %s joined running round %d of '%s' as a hot spare (group rank %d)",
@@ -528,7 +529,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
 
     def _completed(self, done: rules.Done) -> RendezvousInfo:
         result = done.result
-        self._member_round, self._member_of = result.round, result
+        self._apply(node_state.ranked, result.round, result)
         return self._round_info(result.round, done.rank, len(result.members), result.master_addr, result.master_port)
 
     def _ranked(self, board: model.Board | None, number: int, lease: int) -> RendezvousInfo | None:
@@ -547,24 +548,24 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         if placement is None or placement.lease != lease or placement.rank >= last.size:
             log.info("round %d of '%s' closed without node %s", number, self.settings.run_id, self.node)
             return None
-        self._member_round, self._member_of = number, None
+        self._apply(node_state.ranked, number)
         return self._round_info(number, placement.rank, last.size, last.master_addr, last.master_port)
 
     def _round_info(self, number: int, rank: int, size: int, addr: str, port: int) -> RendezvousInfo:
-        self.late_place = None
         store = EtcdStore(self._client, self.round_store_prefix(number), timedelta(seconds=self.settings.store_timeout))
         log.info("node %s is rank %d of %d in round %d of '%s'", self.node, rank, size, number, self.settings.run_id)
         return RendezvousInfo(store, rank, size, RendezvousStoreInfo(addr, port))
 
     def _withdraw(self) -> None:
         """Take back this node's join key, so a timed-out node is not counted."""
-        if self._joined_round is None:
+        held = self._state.joined_round
+        if held is None:
             return
         try:
-            self._client.delete(self._keys.join(self._joined_round, self.node))
+            self._client.delete(self._keys.join(held, self.node))
         except EtcdUnavailableError:
-            log.warning("could not withdraw node %s from round %d", self.node, self._joined_round)
-        self._joined_round = None
+            log.warning("could not withdraw node %s from round %d", self.node, held)
+        self._apply(node_state.withdrawn)
 
     def _timeout_message(self, number: int) -> str:
         state, _ = self._view.snapshot()  # read once, if this node does not follow every key
@@ -587,10 +588,10 @@ class EtcdftRendezvousHandler(RendezvousHandler):
 
     def is_closed(self) -> bool:
         """Closed by ``set_closed()``, or every node of the last round left it (see ``rules.job_finished``)."""
-        board, vanished = self._board(campaign=False)
-        if board is None or vanished:
+        look = self._board(campaign=False)
+        if look.board is None or look.vanished:
             return rules.job_finished(self._view.snapshot()[0])  # no monitor: read the state once
-        return board.finished
+        return look.board.finished
 
     def set_closed(self) -> None:
         try:
@@ -612,38 +613,34 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         re-announce themselves. Sends requests only then, and to take over
         as monitor when the board's monitor is gone.
         """
-        board, vanished = self._board(campaign=self._member_round is not None)
-        if self._member_round is not None and not self._shut_down and self._lost_own_announcement(board):
-            self._announce_again()
-            board, vanished = self._board(campaign=False)
-        if board is None:
-            return rules.MembershipChange()
-        change = rules.board_change(board, self._member_round, vanished=vanished)
-        change = dataclasses.replace(change, dead=tuple(n for n in change.dead if n != self.node))
-        if change.dead and time.monotonic() < self._outage_grace_until:
-            return dataclasses.replace(change, dead=())
+        look = self._board(campaign=self._state.member_round is not None)
+        session = self._session
+        live = session is not None and not session.expired.is_set()
+        lost = None if self._shut_down else node_state.lost_announcement(self._state, live, look.board)
+        if lost is not None:
+            self._announce_again(lost)
+            look = self._board(campaign=False)
+        change, reason = node_state.membership(self._state, look, time.monotonic())
+        if reason != self._logged_membership and (change.dead or look.vanished or self._logged_membership):
+            self._logged_membership = reason
+            log.info("node %s, round %s of '%s': %s", self.node, self._state.member_round, self.settings.run_id,
+                     reason)  # fmt: skip
         return change
 
-    def _lost_own_announcement(self, board: model.Board | None) -> bool:
-        session = self._session
-        if session is None or session.expired.is_set():
-            return True
-        last = board.last if board is not None else None
-        return last is not None and last.round == self._member_round and self.node in board.dead
-
-    def _announce_again(self) -> None:
+    def _announce_again(self, why: str) -> None:
         with self._lock:
-            if self._session is not None and self._announced_with == self._session.id:
-                self._session.expired.set()  # the key it carried is gone: so is its lease
+            session = self._session
+            if session is not None and node_state.announcement_lost_its_lease(self._state, session.id):
+                session.expired.set()  # the key it carried is gone: so is its lease
             session = self._ensure_session()
             self._client.put(self._keys.alive(self.node), self._alive_record(), session.id)
-            self._announced_with = session.id
-            self._outage_grace_until = time.monotonic() + self.settings.lease_ttl
+            self._apply(node_state.announced, session.id, time.monotonic(), self.settings.lease_ttl)
         log.warning(
-            "node %s: its etcd lease is gone (revoked by a member that lost it, or not refreshed for %g s: its "
+            "node %s: its etcd lease is gone (%s: revoked by a member that lost it, or not refreshed for %g s: its "
             "link to etcd was cut, or etcd was unreachable or frozen); announced again on a new lease, and no "
             "member counts as dead for the next %g s",
             self.node,
+            why,
             self.settings.lease_ttl,
             self.settings.lease_ttl,
         )
@@ -661,11 +658,14 @@ class EtcdftRendezvousHandler(RendezvousHandler):
     def member_of(self) -> model.RoundResult | None:
         """The round this node belongs to (None before its first rendezvous); its members are read once, when
         first asked for (a node learns only its own place when the round closes)."""
-        if self._member_round is None:
+        state = self._state
+        if state.member_round is None:
             return None
-        if self._member_of is None or self._member_of.round != self._member_round:
-            self._member_of = self._read_result(self._member_round)
-        return self._member_of
+        if state.member_of is not None and state.member_of.round == state.member_round:
+            return state.member_of
+        result = self._read_result(state.member_round)
+        self._apply(node_state.members_read, result)
+        return result
 
     def round_store_prefix(self, number: int) -> str:
         return self._keys.round_store(number)
@@ -684,9 +684,10 @@ class EtcdftRendezvousHandler(RendezvousHandler):
                 return True
             ok = True
             try:
-                if self._member_round is not None:
-                    self._client.put(self._keys.left(self._member_round, self.node), b'{"reason": "shutdown"}')
-                    self._emit("node_left", round=self._member_round)
+                member_round = self._state.member_round
+                if member_round is not None:
+                    self._client.put(self._keys.left(member_round, self.node), b'{"reason": "shutdown"}')
+                    self._emit("node_left", round=member_round)
                     monitor = self._monitor
                     if monitor is not None:  # its board must say it left before the board goes with its lease
                         monitor.wait_published(lambda b: self.node in b.left, self.settings.request_timeout)
