@@ -43,7 +43,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -684,6 +684,18 @@ def report_process_gone(base: dist.Store, initial_rank: int, initial_world_size:
     if initial_rank < initial_world_size:  # joiners are not counted by the exit barrier
         job.arrive_and_wait(EXIT_BARRIER, [initial_rank], initial_world_size, NO_WAIT)
     return True
+
+
+def report_node_gone(base: dist.Store, initial_ranks: Sequence[int], initial_world_size: int, message: str) -> list[int]:
+    """Report, from outside, that a node died with the processes of ``initial_ranks``; returns those reported.
+
+    Its joiners that hold no place yet are withdrawn first: reporting an
+    active rank may complete the restart whose last arriver admits joiners,
+    and a dead process admitted would hold the next iteration's barrier.
+    """
+    job = job_store(base)
+    ranks = sorted(initial_ranks, key=lambda rank: job.position(rank) is not None)
+    return [rank for rank in ranks if report_process_gone(base, rank, initial_world_size, "node_died", message)]
 
 
 def default_store(**kwargs: Any) -> dist.Store:

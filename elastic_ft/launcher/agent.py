@@ -59,7 +59,14 @@ from elastic_ft.etcd.client import EtcdRequestError, EtcdUnavailableError, key_m
 from elastic_ft.etcd.event_log import EventLog
 from elastic_ft.etcd.store import EtcdStore
 from elastic_ft.handoff import StoreHandoff, WorkerHandoff, job_config_from_env
-from elastic_ft.inprocess.store import PrefixStore, iteration_store, job_store, joiner_ready, report_process_gone
+from elastic_ft.inprocess.store import (
+    PrefixStore,
+    iteration_store,
+    job_store,
+    joiner_ready,
+    report_node_gone,
+    report_process_gone,
+)
 from elastic_ft.job_config import JobConfig
 from elastic_ft.keys import (
     FTRUN_EXIT_BARRIER,
@@ -557,11 +564,7 @@ class FtAgent(LocalElasticAgent):
                 log.warning("node %s died before all its workers entered elastic_ft.Wrapper", node)
                 self._dead_lost.add(node)
                 continue
-            reported = [
-                rank
-                for rank in record.global_ranks
-                if report_process_gone(store, rank, record.world_size, "node_died", f"node {node} died")
-            ]
+            reported = report_node_gone(store, record.global_ranks, record.world_size, f"node {node} died")
             # Every surviving agent absorbs the death and one records it; the Wrappers' restart report warns.
             log.info("node %s died; reported its rank(s) %s terminated", node, reported)
             if self._reports_deaths(dead):

@@ -13,6 +13,7 @@ from elastic_ft.inprocess.store import (
     admit_joiners,
     iteration_store,
     job_store,
+    report_node_gone,
     report_process_gone,
 )
 from elastic_ft.keys import COMPLETION_BARRIER, ITERATION_BARRIER, TERMINATION_BARRIER
@@ -55,6 +56,29 @@ def test_a_joiner_that_dies_before_admission_is_withdrawn_and_never_admitted() -
     assert job.admission(9) == WITHDRAWN
     assert admit_joiners(job, 3) == []
     assert not job.has_arrived("exit_barrier", 9)  # joiners are not counted by the initial world's exit barrier
+
+
+def test_a_dead_nodes_unplaced_joiner_is_withdrawn_before_its_report_can_complete_a_restart(monkeypatch) -> None:
+    """Seen in the soak: a node was killed while its respawned worker waited to join. Its active rank's report
+    completed the restart (the last arrival admits joiners) before the joiner was withdrawn, and the next
+    iteration waited for a process that was gone. Here the report's arrival completes the termination barrier
+    at once, as a last arrival would."""
+    base = dist.HashStore()
+    job = job_store(base)
+    job.set_accepts_joiners()
+    for rank in (0, 1, 2):
+        job.record_wrapped(rank, 100 + rank)
+        job.record_position(rank, iteration=0, rank=rank, world_size=3, active=True)
+    job.record_wrapped(7, 107)  # node B's respawned worker: ready, not admitted
+    job.register_joiner(7)
+    job.send_heartbeat(7)
+    iteration = iteration_store(base, 0)
+    iteration.arrive_and_wait(TERMINATION_BARRIER, [0, 1], 3, NO_WAIT)  # the survivors wait for rank 2
+    # Node B held initial ranks 2 (active) and 7 (the joiner), in the order its record lists them.
+    assert sorted(report_node_gone(base, [2, 7], 3, "node B died")) == [2, 7]
+    result = TerminationResult.from_json(iteration.termination_result(), 3)
+    assert result.terminated == (2,) and result.joined == ()
+    assert job.admission(7) == WITHDRAWN
 
 
 def test_a_reserve_rank_that_dies_does_not_interrupt_the_iteration() -> None:
