@@ -45,6 +45,7 @@ from types import FrameType
 from elastic_ft import shield
 from elastic_ft.inprocess.exception import RankShouldRestart, RestartDelivery
 from elastic_ft.inprocess.logs import get_logger
+from elastic_ft.inprocess.progress_watchdog import main_thread_stack
 from elastic_ft.inprocess.state import State
 from elastic_ft.inprocess.store import COMPLETED, INTERRUPTED, PLANNED, StoreMixin
 
@@ -360,7 +361,8 @@ class MonitorThread(threading.Thread):
                         try:
                             released = self.release(True)
                             log.warning("rank %s: still blocked; released every connection of the function (%s), "
-                                        "initiated ones too: a peer may be frozen", self.state.rank, released)  # fmt: skip
+                                        "initiated ones too: a peer may be frozen; the main thread is at %s",
+                                        self.state.rank, released, main_thread_stack())  # fmt: skip
                         except Exception:
                             log.exception("rank %s: releasing connections failed", self.state.rank)
 

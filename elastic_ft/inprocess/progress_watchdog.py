@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from elastic_ft import shield
 from elastic_ft.inprocess.hang_detection import AdaptiveTimeouts, adaptive_timeouts
 from elastic_ft.inprocess.logs import get_logger
 
@@ -266,6 +267,17 @@ def _main_thread_probe() -> _MainThreadProbe:
     return _probe
 
 
+def main_thread_stack(limit: int = 8) -> str:
+    """Where the main thread is, innermost call last (read from another thread; for logs)."""
+    ident = threading.main_thread().ident
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    frames = []
+    while frame is not None and len(frames) < limit:
+        frames.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        frame = frame.f_back
+    return " <- ".join(frames) or "unknown"
+
+
 def main_thread_waits_for_peers() -> bool:
     """Whether the main thread blocks in a collective, DDP's backward or a process group's set-up.
 
@@ -329,7 +341,11 @@ class ProgressWatchdog(threading.Thread):
             if self.timestamps.waiting() and self.on_waiting is not None:
                 self.on_waiting(False)
             self.timestamps.set_waiting(None)
-            self.timestamps.beat_automatic()
+            if self.timestamps.restart_pending_for() == 0.0 or shield.active():
+                # While a restart waits to be taken, the probe is answered by the restart signal's own handler
+                # too (it runs pending calls in a lock wait, declining to raise in a finalizer): that is no
+                # progress. Only the etcd client's shielded sections, bounded by its timeouts, count.
+                self.timestamps.beat_automatic()
             if not self._probe.schedule():
                 log.debug("Py_AddPendingCall refused the probe; retrying next round")
 

@@ -137,6 +137,32 @@ def test_watchdog_heartbeat_stops_while_the_main_thread_is_in_c_code() -> None:
         watchdog.shutdown()
 
 
+def test_while_a_restart_waits_to_be_taken_only_a_shielded_section_counts_as_progress() -> None:
+    """The restart signal's handler runs pending calls (the probe) while the main thread waits on a lock, even
+    where it declines to raise (a finalizer): a rank no restart reaches must not look alive by it. The etcd
+    client's shielded sections, bounded by its timeouts, still count."""
+    from elastic_ft import shield
+
+    timestamps = ProgressTimestamps()
+    watchdog = ProgressWatchdog(timestamps, 0.01)
+    watchdog.start()
+    try:
+        timestamps.set_restart_pending(True)
+        for _ in range(30):  # bytecode runs, probes are answered: not progress while the restart waits
+            time.sleep(0.01)
+        assert timestamps.age() >= 0.2
+        with shield.shield():
+            for _ in range(30):
+                time.sleep(0.01)
+            assert timestamps.age() < 0.1
+        timestamps.set_restart_pending(False)
+        for _ in range(30):
+            time.sleep(0.01)
+        assert timestamps.age() < 0.1
+    finally:
+        watchdog.shutdown()
+
+
 def test_ring_successor_skips_gone_ranks() -> None:
     assert ring_successor(1, 4, skip=set()) == 2
     assert ring_successor(3, 4, skip=set()) == 0
