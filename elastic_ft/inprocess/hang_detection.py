@@ -26,7 +26,11 @@ for that long restarts, kills, whatever the rank does). A rank none of
 whose Python threads ran for the adaptive soft timeout (the GIL held, or
 the process stopped), without progress, is **killed**, busy or not: no
 restart can reach it (a computation that holds the GIL that long belongs in
-a long section). Once a rank has been inactive for the adaptive soft
+a long section). While an iteration warms up (its first steps, when the
+configured timeouts apply), a process that is stopped, or holds the GIL
+without using CPU, for the delivery bound (the job's adaptive hard
+timeout, kept across iterations) is killed all the same: no warm-up looks
+like that. Once a rank has been inactive for the adaptive soft
 timeout:
 
 1. a process that is stopped (SIGSTOP), or whose GIL has been held so long
@@ -200,6 +204,17 @@ def judge_stall(
             StallAction.KILL,
             f"a restart has not reached the main thread for {rank.restart_pending_for:.1f} s (blocked in C code; "
             f"the job's steps give {timeouts.delivery:.1f} s)",
+        )
+    frozen = rank.stopped or rank.threads_silent_for >= timeouts.delivery
+    if frozen and min(rank.progress_age, rank.cpu_idle_for) >= timeouts.delivery and timeouts.soft > timeouts.delivery:
+        # The configured ceilings hold while an iteration warms up (process groups, compilation, a
+        # checkpoint), but no warm-up leaves a process stopped, or with the GIL held and no CPU used: a
+        # restart's first steps must not give such a hang the configured soft timeout (60 s) to cost.
+        state = "the process is stopped" if rank.stopped else "the GIL is held without CPU use"
+        return StallVerdict(
+            StallAction.KILL,
+            f"no Python thread ran for {rank.threads_silent_for:.1f} s and no progress for "
+            f"{rank.progress_age:.1f} s ({state}; the job's steps give {timeouts.delivery:.1f} s)",
         )
     if rank.progress_age >= timeouts.hard_limit:
         return StallVerdict(StallAction.KILL, f"no progress for {rank.progress_age:.1f} s (hard_timeout)")

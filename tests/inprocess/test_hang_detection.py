@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import socket
@@ -155,6 +156,23 @@ def test_a_busy_rank_holding_the_gil_is_killed_at_the_soft_timeout() -> None:
     assert verdict.action is StallAction.KILL and "GIL is held" in verdict.reason
     # The same silence for less than the soft timeout is left alone while the rank is busy.
     assert judge_stall(activity(1.6, cpu_idle=0.0, silent=1.2), TIMEOUTS, 1.0, 0.1, False).action is StallAction.NONE
+
+
+def test_while_an_iteration_warms_up_a_stopped_or_frozen_rank_is_killed_at_the_delivery_bound() -> None:
+    """Seen in the soak: a GIL-held hang in the first steps after a restart, when the configured 60 s apply,
+    cost a minute. A stopped process, or one with the GIL held and no CPU used, is no warm-up."""
+    warming = Timeouts(soft=60, hard=90, soft_limit=60, hard_limit=90, delivery=3.0)
+    for rank, state in [(RankActivity(3.1, 3.1, True, 3.1), "the process is stopped"),
+                        (RankActivity(3.1, 3.1, False, 3.1), "the GIL is held without CPU use")]:  # fmt: skip
+        verdict = judge_stall(rank, warming, 1.0, peers_inactive_for=0.1, restart_requested=False)
+        assert verdict.action is StallAction.KILL and state in verdict.reason, verdict
+        assert judge_stall(dataclasses.replace(rank, progress_age=2.9, cpu_idle_for=2.9, threads_silent_for=2.9),
+                           warming, 1.0, 0.1, False).action is StallAction.NONE  # fmt: skip
+    # Warm-up work is left to the ceilings: GIL held but busy (compiling, unpickling), or threads running.
+    busy = RankActivity(10.0, 0.0, False, 10.0)
+    assert judge_stall(busy, warming, 1.0, 0.1, False).action is StallAction.NONE
+    waiting = RankActivity(10.0, 10.0, False, 0.1)
+    assert judge_stall(waiting, warming, 1.0, 0.1, False).action is StallAction.NONE
 
 
 def test_a_restart_that_cannot_reach_the_main_thread_kills_the_rank_at_its_bound() -> None:
