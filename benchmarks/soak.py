@@ -21,9 +21,10 @@ in a later in-process iteration (fault -> resume). At the end the driver
 stops training at a common step (``--stop-file``), and reports: faults by
 kind, escalations to a process restart, fault -> resume p50/p90/p99/max by
 kind, steps lost or done twice (each restart must resume at the highest
-step any rank had completed), the final model state of every rank (a digest,
-bit for bit), threads, file descriptors and resident memory of every worker
-process over time (the first sample after its first step against its last),
+step any rank that went on into it had completed), the final model state of
+every rank (a digest, bit for bit), threads, file descriptors and resident
+memory of every worker process over time (the first sample after its first
+iteration against its last),
 and the processes of the job still alive two seconds after the launchers
 exited.
 
@@ -350,6 +351,11 @@ class Soak:
         starts = sorted((e for e in self.job.events if e["event"] == "start" and e["iteration"] > 0),
                         key=lambda e: e["t"])  # fmt: skip
         steps = sorted(self.job.steps(), key=lambda e: e["t"])
+        # The processes that went on into each iteration: a step only the fault's victim completed (its
+        # all-reduce ended just before it died, the others' did not) died with it; it is no lost state.
+        went_on: dict[int, set[int]] = {}
+        for start in starts:
+            went_on.setdefault(start["iteration"], set()).add(start["pid"])
         checked = lost = twice = 0
         seen_iterations: set[tuple[int, int]] = set()
         for start in starts:
@@ -357,7 +363,9 @@ class Soak:
             if key in seen_iterations:
                 continue
             seen_iterations.add(key)
-            before = [e["step"] for e in steps if e["t"] < start["t"] and e["iteration"] < start["iteration"]]
+            survivors = went_on[start["iteration"]]
+            before = [e["step"] for e in steps
+                      if e["t"] < start["t"] and e["iteration"] < start["iteration"] and e["pid"] in survivors]  # fmt: skip
             if not before:
                 continue
             expected, resumed = max(before), start["resumed_at"]
@@ -367,13 +375,17 @@ class Soak:
         return checked, lost, twice
 
     def _resource_report(self) -> dict[str, Any]:
+        """Each worker's threads, fds and memory from its first step after its first iteration (when its
+        process groups, data loader and healing connections exist: the goal's baseline) to its last sample."""
         report = {}
         for pid, samples in self.samples.items():
             rank = next((e["rank"] for e in self.job.events if e.get("pid") == pid), None)
-            first_step = next((e["t"] for e in self.job.steps() if e["pid"] == pid), None)
-            after = [s for s in samples if first_step is not None and s["t"] >= first_step]
+            mine = [e for e in self.job.steps() if e["pid"] == pid]
+            first_iteration = min((e["iteration"] for e in mine), default=None)
+            baseline = next((e["t"] for e in mine if e["iteration"] != first_iteration), None)
+            after = [s for s in samples if baseline is not None and s["t"] >= baseline]
             if len(after) < 2:
-                continue
+                continue  # it never trained past its first iteration, or not long enough to tell
             first, last = after[0], after[-1]
             report[str(pid)] = {
                 "initial_rank": rank,

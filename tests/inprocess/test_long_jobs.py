@@ -123,6 +123,33 @@ def test_a_hang_is_blamed_on_the_rank_that_hung(tmp_path: Path, attempt: int) ->
 
 
 @pytest.mark.slow
+def test_a_rank_frozen_in_the_first_steps_after_a_restart_is_killed_well_before_the_soft_timeout(
+    tmp_path: Path,
+) -> None:
+    # Seen in the soak: rank 2 hangs holding the GIL at the first step of iteration 1, while the configured
+    # 60 s apply (the iteration warms up); it is killed at the job's delivery bound instead.
+    scenario = {
+        "faults": [fault(1, "raise", step=20), fault(2, "sleep_gil_held", step=1, iteration=1)],
+        "steps": 30,
+        "ping": True,
+        "soft_timeout": 60,
+        "hard_timeout": 90,
+        "barrier_timeout": 120,
+    }
+    start = time.monotonic()
+    outcomes = run_job(scenario, 3, tmp_path, timeout=150)
+    elapsed = time.monotonic() - start
+    report = describe(outcomes, tmp_path)
+    assert outcomes[2].returncode in (-signal.SIGTERM, -signal.SIGKILL), report
+    for outcome in (outcomes[0], outcomes[1]):
+        assert outcome.returncode == 0 and outcome.result is not None, report
+        assert outcome.result["iteration"] == 2, report
+    restart = next(line for line in outcomes[0].output.splitlines() if "iteration 1 restarts" in line)
+    assert "the GIL is held without CPU use" in restart, report
+    assert elapsed < 50, (elapsed, report)  # 60 s and more before
+
+
+@pytest.mark.slow
 def test_a_stopped_rank_is_killed_with_a_headed_stack_dump_and_the_others_go_on(tmp_path: Path) -> None:
     scenario = {"faults": [fault(1, "sigstop", step=20)], "steps": 30, "ping": True, "soft_timeout": 20}
     outcomes = run_job(scenario, 3, tmp_path, timeout=90)
