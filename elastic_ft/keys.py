@@ -156,13 +156,29 @@ def store_write_token(store_prefix: str, token: str) -> str:
     return f"{store_prefix.rstrip('/')}.writes/{token}"
 
 
+def store_queues_prefix(store_prefix: str) -> str:
+    """The prefix of every queue of the store at ``store_prefix`` (see :func:`store_queue_prefix`)."""
+    return f"{store_prefix.rstrip('/')}.queue/"
+
+
 def store_queue_prefix(store_prefix: str, name: str) -> str:
     """The keys of the store's queue ``name`` (``queue_push``), beside the store as its write tokens are.
 
     The name is length-prefixed, so no queue's prefix is another's: ``a``
     and ``a/b`` are ``.queue/1:a/`` and ``.queue/3:a/b/``.
     """
-    return f"{store_prefix.rstrip('/')}.queue/{len(name)}:{name}/"
+    return f"{store_queues_prefix(store_prefix)}{len(name)}:{name}/"
+
+
+def parse_store_queue_key(store_prefix: str, key: str) -> str | None:
+    """The name of the queue an item key of the store at ``store_prefix`` belongs to; None for any other key."""
+    queues = store_queues_prefix(store_prefix)
+    if not key.startswith(queues):
+        return None
+    length, colon, rest = key[len(queues) :].partition(":")
+    if not colon or not length.isdigit() or len(rest) <= int(length) or rest[int(length)] != "/":
+        return None
+    return rest[: int(length)]
 
 
 @dataclass(frozen=True)

@@ -143,6 +143,13 @@ def get_op(key: str) -> Op:
     return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))
 
 
+def first_key_op(prefix: str) -> Op:
+    """Read one key under ``prefix`` (its name only): whether there is any."""
+    return etcdrpc.RequestOp(
+        request_range=etcdrpc.RangeRequest(key=prefix.encode(), range_end=prefix_end(prefix), limit=1, keys_only=True)
+    )
+
+
 def _watch_create_request(key: bytes, range_end: bytes, start_revision: int, watch_id: int) -> Any:
     """A request to create a watch whose id the client picks.
 

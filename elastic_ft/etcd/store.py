@@ -22,12 +22,12 @@ torch's ``TCPStore`` (the tests run the same assertions against both):
   value equals ``expected`` (or when the key is missing and ``expected`` is
   empty) and returns the value the key holds afterwards; a missing key with a
   non-empty ``expected`` returns ``expected``, as TCPStore does.
-* ``num_keys`` and ``list_keys`` see the keys of this store only (not its
-  queues, as TCPStore's).
 * Queues (``queue_push``, ``queue_pop``, ``queue_len``) are first in,
   first out by etcd's create revision; a pop removes its item exactly once
   (a resend of a pop that committed returns the item it took), and a
-  blocking pop waits on a watch up to the store's timeout.
+  blocking pop waits on a watch up to the store's timeout. As in TCPStore,
+  a queue holding items counts as its name for ``check`` and ``wait``, but
+  not for ``num_keys`` or ``list_keys``.
 * ``clone()`` returns another handle on the same keys and client, for
   another thread; the store keeps every clone alive (torch drops the
   Python side of a store returned to C++, after which its methods fail).
@@ -57,12 +57,13 @@ from elastic_ft.etcd.client import (
     Op,
     WatchEvent,
     delete_op,
+    first_key_op,
     get_op,
     key_missing,
     key_modified_at,
     put_op,
 )
-from elastic_ft.keys import store_queue_prefix, store_write_token
+from elastic_ft.keys import parse_store_queue_key, store_queue_prefix, store_queues_prefix, store_write_token
 from elastic_ft.shield import shield
 
 # etcd's default --max-txn-ops.
@@ -138,68 +139,107 @@ class EtcdStore(dist.Store):
                     found[key] = kvs[0]
         return found, revision
 
-    def _wait_for(self, keys: Sequence[str], timeout: timedelta | None) -> dict[str, KeyValue]:
-        """Block until every key exists; return their key-values."""
+    def _missing(self, keys: Sequence[str], queues: bool) -> tuple[set[str], int]:
+        """The keys that do not exist (with ``queues``: whose queue is empty too), and the revision read at."""
+        if not queues:
+            found, revision = self._fetch(keys)
+            return {k for k in keys if k not in found}, revision
+        missing: set[str] = set()
+        revision = 0
+        per_txn = _TXN_OPS // 2  # the key, and the first item of its queue
+        for start in range(0, len(keys), per_txn):
+            chunk = keys[start : start + per_txn]
+            ops = [op for k in chunk for op in (get_op(self._key(k)), first_key_op(store_queue_prefix(self.prefix, k)))]
+            result = self._client.txn([], ops)
+            revision = max(revision, result.revision)
+            for index, key in enumerate(chunk):
+                if not result.ranges[2 * index] and not result.ranges[2 * index + 1]:
+                    missing.add(key)
+        return missing, revision
+
+    def _await(self, keys: Sequence[str], timeout: timedelta | None, *, queues: bool) -> None:
+        """Block until every key exists (with ``queues``: or its queue holds an item, as TCPStore's ``wait`` and
+        ``check`` count it), on watches; ``DistStoreError`` at the timeout."""
         seconds = self._timeout_seconds(timeout)
         deadline = time.monotonic() + seconds
-        found, revision = self._fetch(keys)
-        missing = {self._key(k) for k in keys if k not in found}
-        if not missing:
-            return found
-        events: queue.Queue[list[WatchEvent] | Exception] = queue.Queue()
-        watch = self._watch(keys, revision + 1, events)
-        try:
-            while missing:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise dist.DistStoreError(
-                        f"wait timeout after {seconds * 1000:.0f}ms, keys: "
-                        + ", ".join(sorted(k[len(self.prefix) :] for k in missing))
-                    )
-                try:
-                    item = _next_item(events, remaining)
-                except queue.Empty:
-                    # A frozen etcd breaks no watch for a long while: fail within the client's bound instead.
-                    self._client.ensure_reachable()
-                    continue
-                if isinstance(item, Exception):
-                    # The stream broke; fall back to a fresh read, then keep waiting.
+        missing, revision = self._missing(keys, queues)
+        while missing:
+            events: queue.Queue[list[WatchEvent] | Exception] = queue.Queue()
+            watches = self._watch(sorted(missing), revision + 1, events, queues)
+            try:
+                self._await_events(missing, events, deadline, seconds)
+            finally:
+                for watch in watches:
                     watch.close()
-                    found, revision = self._fetch(keys)
-                    missing = {self._key(k) for k in keys if k not in found}
-                    watch = self._watch(keys, revision + 1, events)
-                    continue
-                for event in item:
-                    if not event.deleted:
-                        missing.discard(event.kv.key)
-        finally:
-            watch.close()
-        found, _ = self._fetch(keys)
-        if len(found) < len(keys):  # deleted again meanwhile: wait for the rest
-            return self._wait_for(keys, timedelta(seconds=max(0.0, deadline - time.monotonic())))
-        return found
+            # Confirm with a read: a key deleted again meanwhile, or a broken stream, means waiting on.
+            missing, revision = self._missing(keys, queues)
+
+    def _await_events(
+        self, missing: set[str], events: queue.Queue[list[WatchEvent] | Exception], deadline: float, seconds: float
+    ) -> None:
+        """Take keys out of ``missing`` as the watches see them put; return when none is left or a watch broke."""
+        while missing:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                names = ", ".join(sorted(missing))
+                raise dist.DistStoreError(f"wait timeout after {seconds * 1000:.0f}ms, keys: {names}")
+            try:
+                item = _next_item(events, remaining)
+            except queue.Empty:
+                # A frozen etcd breaks no watch for a long while: fail within the client's bound instead.
+                self._client.ensure_reachable()
+                continue
+            if isinstance(item, Exception):
+                return  # the stream broke: read again, then watch again
+            for event in item:
+                if not event.deleted:
+                    missing.discard(self._name_of(event.kv.key))
+
+    def _name_of(self, key: str) -> str | None:
+        """The store key a watched etcd key stands for: the key itself, or the queue an item belongs to."""
+        if key.startswith(self.prefix):
+            return key[len(self.prefix) :]
+        return parse_store_queue_key(self.prefix, key)
 
     def _watch(
-        self, keys: Sequence[str], start_revision: int, events: queue.Queue[list[WatchEvent] | Exception]
-    ) -> EtcdWatch:
-        """Watch only what the wait needs: the one key, or the store's prefix for several."""
-        if len(set(keys)) == 1:
-            return self._client.watch_key(self._key(keys[0]), start_revision, lambda b, _r: events.put(b), events.put)
-        return self._client.watch_prefix(self.prefix, start_revision, lambda b, _r: events.put(b), events.put)
+        self, keys: Sequence[str], start_revision: int, events: queue.Queue[list[WatchEvent] | Exception], queues: bool
+    ) -> list[EtcdWatch]:
+        """Watch only what the wait needs: the one key (and its queue), or the store's prefix (and its queues)."""
+        def put(batch: list[WatchEvent], _revision: int) -> None:
+            events.put(batch)
+
+        client = self._client
+        if len(keys) == 1:
+            watches = [client.watch_key(self._key(keys[0]), start_revision, put, events.put)]
+            queues_prefix = store_queue_prefix(self.prefix, keys[0])
+        else:
+            watches = [client.watch_prefix(self.prefix, start_revision, put, events.put)]
+            queues_prefix = store_queues_prefix(self.prefix)
+        if queues:
+            watches.append(client.watch_prefix(queues_prefix, start_revision, put, events.put))
+        return watches
+
+    def _values(self, keys: Sequence[str]) -> dict[str, KeyValue]:
+        """The keys' values once they all exist (``get``: a queue of the same name does not count)."""
+        while True:
+            self._await(keys, None, queues=False)
+            found, _ = self._fetch(keys)
+            if len(found) == len(set(keys)):
+                return found
 
     def get(self, key: str) -> bytes:
-        return self._wait_for([key], None)[key].value
+        return self._values([key])[key].value
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        found = self._wait_for(keys, None)
+        found = self._values(keys)
         return [found[k].value for k in keys]
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self._wait_for(keys, timeout)
+        self._await(keys, timeout, queues=True)
 
     def check(self, keys: list[str]) -> bool:
-        found, _ = self._fetch(keys)
-        return len(found) == len(set(keys))
+        missing, _ = self._missing(keys, queues=True)
+        return not missing
 
     def num_keys(self) -> int:
         return self._client.count_prefix(self.prefix)

@@ -131,6 +131,12 @@ class PrefixView(Generic[FactT, StateT]):
         with self._cond:
             self._cond.wait_for(lambda: self._version != version or self._stopped, max(0.0, timeout))
 
+    def nudge(self) -> None:
+        """Wake every :meth:`wait_for_change` now, though nothing changed (its caller has something else to do)."""
+        with self._cond:
+            self._version += 1
+            self._cond.notify_all()
+
     def wait_for_revision(self, revision: int, timeout: float) -> bool:
         """Block until the view includes ``revision`` (read-your-writes)."""
         with self._cond:

@@ -15,7 +15,8 @@ import swap: one small module per concern, one error family
   :mod:`.nested_restarter`: hooks that report to an outer restarter's log;
   :mod:`.compose`, :mod:`.state`;
 * :mod:`.rank_assignment`: renumbering and spare activation; :mod:`.rank_filter`:
-  the deprecated filters on a state alone.
+  the deprecated filters on a state alone;
+* :mod:`.tools`: fault injection for rehearsing recoveries (NVIDIA's ``inject_fault``).
 
 ``docs/migration.md`` lists every public name of NVIDIA's package 0.4.1 and
 its status here.
@@ -49,6 +50,7 @@ __all__ = [
     "state",
     "store",
     "terminate",
+    "tools",
     "wrap",
 ]
 
@@ -83,6 +85,7 @@ if TYPE_CHECKING:
         state,
         store,
         terminate,
+        tools,
         wrap,
     )
     from elastic_ft.inprocess.compose import Compose

@@ -47,11 +47,16 @@ class RetryController(Initialize):
     def __call__(self, state: State) -> State:
         active_world_size = state.active_world_size if state.active_world_size is not None else state.world_size
         if self.max_iterations is not None and state.iteration >= self.max_iterations:
-            raise RestartAbort(f"iteration {state.iteration} reached max_iterations={self.max_iterations}")
-        if state.world_size < self.min_world_size:
-            raise RestartAbort(f"world size {state.world_size} is below min_world_size={self.min_world_size}")
-        if active_world_size < self.min_active_world_size:
-            raise RestartAbort(
-                f"active world size {active_world_size} is below min_active_world_size={self.min_active_world_size}"
-            )
-        return state
+            reason = f"iteration {state.iteration} reached max_iterations={self.max_iterations}"
+        elif state.world_size < self.min_world_size:
+            reason = f"world size {state.world_size} is below min_world_size={self.min_world_size}"
+        elif active_world_size < self.min_active_world_size:
+            reason = f"active world size {active_world_size} is below min_active_world_size={self.min_active_world_size}"
+        else:
+            return state
+        # Then every field, as NVIDIA's message spells them (tests and log searches match them).
+        raise RestartAbort(
+            f"{reason} (iteration={state.iteration} max_iterations={self.max_iterations} "
+            f"world_size={state.world_size} min_world_size={self.min_world_size} "
+            f"active_world_size={active_world_size} min_active_world_size={self.min_active_world_size})"
+        )

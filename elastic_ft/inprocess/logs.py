@@ -13,6 +13,7 @@ The monitor process replaces all of this with a file handler
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 
@@ -36,16 +37,26 @@ def _nearest_stream_handler(logger: logging.Logger) -> logging.StreamHandler | N
     return None
 
 
-def configure_logging() -> logging.Handler | None:
+@dataclasses.dataclass(frozen=True)
+class LoggingSetup:
+    """What :func:`configure_logging` changed, for :func:`release_logging` to undo."""
+
+    handler: logging.Handler
+    previous_level: int
+
+
+def configure_logging() -> LoggingSetup | None:
     """Give the package logger its own stream handler and stop propagation, for one Wrapper call.
 
-    Returns the handler added, for :func:`release_logging` when the call
-    ends (the package leaves no handler behind, as NVIDIA's does not), or
-    ``None`` when the logger has handlers already (an outer call's, or the
-    application's own).
+    The level stays the application's: only when nothing configured one
+    that shows INFO (the logger unset, and its effective level above INFO,
+    as with an unconfigured root) is it INFO for the call, so the restart
+    reports show. Returns what it changed, for :func:`release_logging` when
+    the call ends (the package leaves no handler or level behind, as NVIDIA's
+    does not), or ``None`` when the logger has handlers already (an outer
+    call's, or the application's own).
     """
     logger = logging.getLogger(LOGGER_NAME)
-    logger.propagate = False
     if logger.handlers:
         return None
     template = _nearest_stream_handler(logger)
@@ -57,18 +68,21 @@ def configure_logging() -> logging.Handler | None:
     )
     if template is not None:
         handler.setLevel(template.level)
-    logger.addHandler(handler)
-    if logger.level == logging.NOTSET:
+    previous = logger.level
+    if previous == logging.NOTSET and logger.getEffectiveLevel() > logging.INFO:
         logger.setLevel(logging.INFO)
-    return handler
+    logger.propagate = False
+    logger.addHandler(handler)
+    return LoggingSetup(handler, previous)
 
 
-def release_logging(handler: logging.Handler | None) -> None:
-    """Undo :func:`configure_logging`: remove the handler it added and let the logger propagate again."""
-    if handler is None:
+def release_logging(setup: LoggingSetup | None) -> None:
+    """Undo :func:`configure_logging`: remove the handler it added, restore the level, propagate again."""
+    if setup is None:
         return
     logger = logging.getLogger(LOGGER_NAME)
-    logger.removeHandler(handler)
+    logger.removeHandler(setup.handler)
+    logger.setLevel(setup.previous_level)
     if not logger.handlers:
         logger.propagate = True
 

@@ -698,18 +698,41 @@ def report_node_gone(base: dist.Store, initial_ranks: Sequence[int], initial_wor
     return [rank for rank in ranks if report_process_gone(base, rank, initial_world_size, "node_died", message)]
 
 
+#: The keywords of :class:`TCPStore` that say where it listens and who hosts it. Under ``ftrun`` the round's etcd
+#: store takes the TCPStore's place, so they have nothing left to configure.
+TCPSTORE_PLACEMENT = frozenset(
+    {"host_name", "port", "world_size", "is_master", "host_rank", "wait_for_workers", "multi_tenant",
+     "master_listen_fd", "use_libuv"}
+)  # fmt: skip
+
+
 def default_store(**kwargs: Any) -> dist.Store:
     """The Wrapper's default ``store_factory``.
 
     Under ``ftrun`` (a :class:`~elastic_ft.handoff.StoreHandoff` in the
     environment), the etcd store of the current rendezvous round, which no
-    rank hosts: the job survives the loss of any process. ``timeout`` is then
-    the only keyword accepted; any other keyword configures a TCPStore, so
-    the TCPStore is used as asked. Otherwise a :class:`TCPStore` hosted by
-    initial rank 0, with ``kwargs``.
+    rank hosts: the job survives the loss of any process, and the agent
+    reads the Wrapper's records there. ``timeout`` applies; the keywords that
+    place a TCPStore (``port``, ``host_name``, ...: NVIDIA's examples pass
+    ``store_kwargs={'port': MASTER_PORT + 1}``) are accepted and ignored, with
+    one log line. Otherwise a :class:`TCPStore` hosted by initial rank 0, with
+    ``kwargs``.
     """
     handoff = StoreHandoff.from_env(os.environ)
-    if handoff is not None and set(kwargs) <= {"timeout"}:
+    if handoff is not None:
+        unknown = set(kwargs) - TCPSTORE_PLACEMENT - {"timeout"}
+        if unknown:
+            raise TypeError(
+                f"default_store() got unexpected keyword(s) {sorted(unknown)}; expected timeout or TCPStore's "
+                f"{sorted(TCPSTORE_PLACEMENT)}"
+            )
+        ignored = sorted(set(kwargs) & TCPSTORE_PLACEMENT)
+        if ignored:
+            log.info(
+                "store_kwargs %s place a TCPStore; under ftrun the Wrapper uses the round's etcd store instead (no "
+                "rank hosts it, and the agent reads the Wrapper's records there)",
+                {name: kwargs[name] for name in ignored},
+            )
         from elastic_ft.etcd.client import EtcdClient
         from elastic_ft.etcd.store import EtcdStore
 

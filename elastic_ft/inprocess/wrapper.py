@@ -391,12 +391,12 @@ class CallWrapper:
                 "the Wrapper needs not torch.distributed.is_initialized(): enter the Wrapper before "
                 "torch.distributed.init_process_group, not after"
             )
-        #: The log handler this call installed, removed when it ends (None: one was there already).
-        self._log_handler = configure_logging()
+        #: The log handler (and level) this call installed, undone when it ends (None: one was there already).
+        self._logging = configure_logging()
         try:
             self._start(wrapper)
         except BaseException:
-            release_logging(self._log_handler)
+            release_logging(self._logging)
             raise
 
     def _start(self, wrapper: Wrapper) -> None:
@@ -795,7 +795,7 @@ class CallWrapper:
             self._watchdog.shutdown()
             self._monitor_process.stop()
             self._close_events()
-            release_logging(self._log_handler)
+            release_logging(self._logging)
 
     # ---- the restart loop ----
 
@@ -899,7 +899,9 @@ class CallWrapper:
                 monitor.start()
                 if wrapper.initialize is not None:
                     wrapper.initialize(state)
-                self._check_health(state)
+                # A rank unhealthy before the function is a fault of this iteration, as in NVIDIA's Wrapper: the
+                # ranks restart, and the check after finalize decides whether it leaves (_prepare_restart).
+                self._check_health(state, leave=False)
                 result = None
                 if state.mode is Mode.ACTIVE:
                     self._heal(store, state)
@@ -961,7 +963,13 @@ class CallWrapper:
             monitor.stop()
             leaving = error if isinstance(error, _RankLeaves) else _RankLeaves(error, type(error).__name__)
             self._leave(store, state, leaving)
-            raise leaving.error from None
+            reason = leaving.error
+            try:
+                raise reason from None
+            finally:
+                # The raised exception's traceback holds this frame: a local naming it would make a cycle
+                # that keeps the CallWrapper, and its store's listening socket, alive until a collection.
+                del reason, leaving
         raise InternalError("unreachable")
 
     def _left_function(self) -> None:
@@ -1040,7 +1048,8 @@ class CallWrapper:
                             previous_step=self.step, nbytes=result.nbytes, seconds=round(result.seconds, 4))  # fmt: skip
         self.step = result.step
 
-    def _check_health(self, state: State) -> None:
+    def _check_health(self, state: State, *, leave: bool = True) -> None:
+        """Run the health check; a failure raises ``HealthCheckError``, as the rank leaving when ``leave``."""
         if self.wrapper.health_check is None:
             return
         try:
@@ -1048,6 +1057,8 @@ class CallWrapper:
         except Exception as error:
             health_error = HealthCheckError(f"rank {state.rank} failed its health check: {error!r}")
             health_error.__cause__ = error
+            if not leave:
+                raise health_error from error
             raise _RankLeaves(health_error, "health_check") from error
 
     def _leave(self, store: PrefixStore, state: State, leaving: _RankLeaves) -> None:

@@ -131,7 +131,11 @@ def decide(
         return Decision(Verdict.ESCALATE, f"the in-process restart layer gave up on rank(s) {gave_up}")
     unwrapped = _ranks(workers, WorkerExit.UNWRAPPED)
     if unwrapped:
-        return Decision(Verdict.ESCALATE, f"rank(s) {unwrapped} failed outside elastic_ft.Wrapper")
+        return Decision(
+            Verdict.ESCALATE,
+            f"rank(s) {unwrapped} failed, and the round's etcd store holds no elastic_ft.Wrapper record of them "
+            "running (they failed outside a Wrapper, or in one whose store_factory is not the round's store)",
+        )
     if not _ranks(workers, WorkerExit.RUNNING):
         if _ranks(workers, WorkerExit.SUCCEEDED):
             return Decision(Verdict.SUCCEEDED)

@@ -38,6 +38,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import NoReturn
 
 import torch.distributed.launcher.api as launcher_api
 from torch.distributed import run as torchrun
@@ -291,6 +292,24 @@ def _agent_class(agent_class: type) -> Iterator[None]:
         launcher_api.LocalElasticAgent = original  # type: ignore[misc]
 
 
+def _fail(message: str, code: int = 2) -> NoReturn:
+    """End ftrun with one line (usage text is for usage errors only: ``parser.error``)."""
+    print(f"ftrun: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def _check_rdzv_conf(args: argparse.Namespace) -> None:
+    """Validate the whole ``--rdzv-conf`` as the rendezvous will (before anything starts), in one line on failure."""
+    min_nodes, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
+    # An embedded etcd's endpoint, and a run id torchrun left at "none", are chosen later: stand-ins here.
+    run_id = args.rdzv_id if args.rdzv_endpoint or args.rdzv_id != "none" else "embedded"
+    try:
+        make_settings(run_id=run_id, endpoint=args.rdzv_endpoint or "127.0.0.1:2379", min_nodes=min_nodes,
+                      max_nodes=max_nodes, local_addr=args.local_addr, **_rdzv_conf_keys(args.rdzv_conf))  # fmt: skip
+    except RendezvousConfigError as exc:
+        _fail(f"--rdzv-conf: {exc}")
+
+
 def _single_host(args: argparse.Namespace) -> bool:
     _, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
     return bool(args.standalone) or max_nodes == 1
@@ -317,9 +336,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         try:
             file_config = load_job_config(args.job_config.read_text(), source=str(args.job_config))
         except (OSError, JobConfigError) as exc:
-            parser.error(str(exc))
+            _fail(f"--job-config: {exc}")
         apply_job_config(args, given, file_config)
     with ExitStack() as stack:
+        if args.rdzv_backend == "etcdft":
+            _check_rdzv_conf(args)
         if args.rdzv_backend == "etcdft" and not args.rdzv_endpoint:
             if not _single_host(args):
                 parser.error(
@@ -338,12 +359,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         elif args.standalone:
             parser.error("--standalone starts its own etcd; do not combine it with --rdzv-endpoint")
         if args.rdzv_backend == "etcdft":
+            doing = "store the job config" if file_config is not None else "read the run's job config"
             try:
                 stored = _exchange_job_config(args, file_config)
-            except (RendezvousConfigError, JobConfigError, EtcdUnavailableError, EtcdRequestError) as exc:
-                parser.error(f"cannot exchange the job config through etcd: {exc}")
+            except (EtcdUnavailableError, EtcdRequestError) as exc:
+                _fail(f"cannot {doing} for run '{args.rdzv_id}' at --rdzv-endpoint={args.rdzv_endpoint}: {exc}", 1)
+            except (RendezvousConfigError, JobConfigError) as exc:
+                _fail(str(exc))
             if stored is not None and file_config is None:
                 apply_job_config(args, given, stored)
+                _check_rdzv_conf(args)
             if stored is not None:
                 # Workers inherit it: the Wrapper takes its timeouts and rank assignment from it.
                 os.environ.update(job_config_to_env(stored))
@@ -365,8 +390,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             stack.enter_context(_agent_class(agent_class))
             try:
                 stack.enter_context(_recording_events(args))
-            except (RendezvousConfigError, EtcdUnavailableError, EtcdRequestError) as exc:
-                parser.error(f"cannot record the job's events in etcd: {exc}")
+            except (EtcdUnavailableError, EtcdRequestError) as exc:
+                _fail(f"cannot record the job's events at --rdzv-endpoint={args.rdzv_endpoint}: {exc}", 1)
+            except RendezvousConfigError as exc:
+                _fail(f"--rdzv-conf: {exc}")
         elastic_launch(config=config, entrypoint=entrypoint)(*entrypoint_args)
 
 

@@ -113,6 +113,8 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         self._state = node_state.NodeState(self.node)
         self._state_lock = threading.Lock()
         self._shut_down = False
+        #: Set by shutdown() before it takes the lock: a next_rendezvous() waiting (a standby) ends at once.
+        self._leaving = threading.Event()
         self._logged_verdict: tuple[int, rules.CloseVerdict] | None = None
         self._logged_membership = ""
         self._warned_malformed: Mapping[str, str] = {}
@@ -229,6 +231,8 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         last_call: tuple[int, float | None] = (-1, None)
         try:
             while True:
+                if self._leaving.is_set():
+                    raise RendezvousClosedError(f"the etcdft handler of node {self.node} was shut down while it waited")
                 if session.expired.is_set():
                     session = self._ensure_session()
                     joined = None
@@ -679,6 +683,11 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         the etcd connection.  Returns False if etcd could not be reached; the
         lease then expires on its own after ``lease_ttl``.
         """
+        self._leaving.set()  # a next_rendezvous() holding the lock (a standby waits there for long) ends now
+        self._board_view.nudge()
+        live = self._view.live
+        if live is not None:
+            live.nudge()
         with self._lock:
             if self._shut_down:
                 return True

@@ -281,9 +281,43 @@ def test_queue_is_fifo_and_nonblocking_pop_of_empty_raises(store_pair: tuple[dis
     assert [b.queue_pop("q"), a.queue_pop("q", False), b.queue_pop("q")] == [b"1", b"2", b"3"]
     with pytest.raises(dist.QueueEmptyError):
         a.queue_pop("q", False)
-    assert not a.check(["q"])  # a queue is not a key
+    assert not a.check(["q"])  # an empty queue is not there
     a.queue_push("q/sub", "other")  # queues whose names share a prefix stay apart
     assert (a.queue_len("q"), a.queue_len("q/sub")) == (0, 1)
+
+
+def test_a_queue_holding_items_counts_as_its_name_for_check_and_wait(
+    store_pair: tuple[dist.Store, dist.Store],
+) -> None:
+    """As TCPStore: a pushed queue is seen by check and wait, not by num_keys or list_keys."""
+    a, b = store_pair
+    keys_before = b.num_keys()
+    assert not b.check(["foo"])
+    a.queue_push("foo", "item")
+    assert b.check(["foo"]) and b.check(["foo", "foo"])
+    b.wait(["foo"], timedelta(seconds=5))
+    assert b.num_keys() == keys_before
+    a.set("plain", "v")
+    assert b.check(["foo", "plain"]) and not b.check(["foo", "absent"])
+    assert "foo" not in b.list_keys()
+    assert b.queue_pop("foo") == b"item"
+    assert not b.check(["foo"])
+
+
+@pytest.mark.parametrize("names", [["late"], ["late", "other"]])
+def test_wait_returns_when_a_queue_is_pushed(store_pair: tuple[dist.Store, dist.Store], names: list[str]) -> None:
+    a, b = store_pair
+    for name in names[1:]:
+        a.set(name, "here")
+    pushed = threading.Event()
+
+    def push() -> None:
+        a.queue_push(names[0], "x")
+        pushed.set()
+
+    threading.Timer(0.3, push).start()
+    b.wait(names, timedelta(seconds=10))
+    assert pushed.is_set()
 
 
 def test_blocking_queue_pop_waits_for_a_push_then_times_out(store_pair: tuple[dist.Store, dist.Store]) -> None:

@@ -150,9 +150,23 @@ def test_failing_health_check_or_finalize_drops_the_rank(tmp_path: Path, hook: s
     assert_finished(outcomes[2], iteration=1, rank=1, world_size=2)
 
 
-def test_health_check_failing_before_the_function_drops_the_rank(tmp_path: Path) -> None:
+def test_a_health_check_failing_once_before_the_function_restarts_everyone_and_the_rank_stays(
+    tmp_path: Path,
+) -> None:
+    # NVIDIA's test_transient_unhealthy: unhealthy before the function is a fault of the iteration; the check
+    # after finalize passes, so the rank takes part in the next iteration.
     scenario = {
         "failing_hooks": [{"hook": "health_check", "ranks": [0], "error": "Exception", "calls": [1]}],
+        "gloo_timeout": 3,
+    }
+    outcomes = job(scenario, 3, tmp_path)
+    for rank, outcome in enumerate(outcomes):
+        assert_finished(outcome, iteration=1, rank=rank, world_size=3)
+
+
+def test_a_health_check_failing_before_the_function_and_after_finalize_drops_the_rank(tmp_path: Path) -> None:
+    scenario = {
+        "failing_hooks": [{"hook": "health_check", "ranks": [0], "error": "Exception", "calls": [1, 2]}],
         "gloo_timeout": 3,
     }
     outcomes = job(scenario, 3, tmp_path)

@@ -352,6 +352,12 @@ def test_default_store_is_the_etcd_round_store_under_ftrun(monkeypatch: pytest.M
     monkeypatch.setenv(STORE_ENV, json.dumps(described))
     store = default_store()
     assert isinstance(store, EtcdStore) and store.prefix == described["prefix"]
+    # NVIDIA's examples place a TCPStore (store_kwargs={'port': MASTER_PORT + 1}): under ftrun the agent must
+    # still find the Wrapper's records, so the round's store is used all the same.
+    placed = default_store(port=29501, host_name="127.0.0.1", use_libuv=True)
+    assert isinstance(placed, EtcdStore) and placed.prefix == described["prefix"]
+    with pytest.raises(TypeError, match=r"unexpected keyword\(s\) \['colour'\]; expected timeout or TCPStore's"):
+        default_store(colour="blue")
     monkeypatch.setenv(STORE_ENV, '{"endpoints": ["127.0.0.1:1"]}')
     with pytest.raises(ValueError, match="ELASTIC_FT_STORE=.* is not a valid etcd store description"):
         default_store()

@@ -271,8 +271,8 @@ def test_failure_outside_the_wrapper_behaves_like_torchrun(
     a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, max_restarts=0) for tag in "AB")
     assert finish([a, b]) == [1, 1], logs(nodes)
     # The node of rank 1 fails on its exit; the other on its workers' broken collectives.
-    assert a.log().count("failed outside elastic_ft.Wrapper, and no restarts are left") == 1, a.log()
-    assert b.log().count("failed outside elastic_ft.Wrapper, and no restarts are left") == 1, b.log()
+    assert a.log().count("is not the round's store), and no restarts are left") == 1, a.log()
+    assert b.log().count("is not the round's store), and no restarts are left") == 1, b.log()
     assert "ChildFailedError" in a.log() and "ChildFailedError" in b.log()
 
 

@@ -55,7 +55,7 @@ def test_classify_exit(exitcode: int | None, wrapped: bool, left: dict | None, e
         ({0: R, 1: R}, MembershipChange(dead=("b",)), Verdict.CONTINUE, ""),  # a dead node is absorbed too
         ({0: R, 1: G}, NOTHING, Verdict.ESCALATE, "gave up on rank(s) [1]"),
         ({0: WorkerExit.FATAL, 1: G}, NOTHING, Verdict.FAIL, "stopped the job on rank(s) [0]: a fault repeats"),
-        ({0: R, 1: U}, NOTHING, Verdict.ESCALATE, "rank(s) [1] failed outside elastic_ft.Wrapper"),
+        ({0: R, 1: U}, NOTHING, Verdict.ESCALATE, "rank(s) [1] failed, and the round's etcd store holds no"),
         ({0: A, 1: A}, NOTHING, Verdict.ESCALATE, "every local worker exited with an error"),
         ({0: S, 1: A}, NOTHING, Verdict.SUCCEEDED, ""),  # the job completed; the failure was absorbed
         ({0: S, 1: S}, MembershipChange(rejoined=("b",)), Verdict.SUCCEEDED, ""),

@@ -15,6 +15,7 @@ from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.job_config import load_job_config
 from elastic_ft.launcher.ftrun import apply_job_config, build_parser, parse_args
+from elastic_ft.net import free_port
 
 TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train.py"
 FTRUN = [sys.executable, "-m", "elastic_ft.launcher.ftrun"]
@@ -86,6 +87,35 @@ def test_bad_job_config_file_fails_before_anything_starts(tmp_path: Path) -> Non
     assert done.returncode == 2
     assert "wrapper.soft_timeout=0 is invalid; expected seconds > 0" in done.stderr
     assert "embedded etcd" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("conf", "message"),
+    [
+        ("lease_ttl=abc", "ftrun: error: --rdzv-conf: rdzv conf lease_ttl='abc' is not a number; expected seconds > 0"),
+        ("bogus=1", "ftrun: error: --rdzv-conf: unknown etcdft rdzv conf key(s) 'bogus'; expected some of"),
+        ("join_timeout=-1", "ftrun: error: --rdzv-conf: rdzv conf join_timeout='-1' is out of range"),
+    ],
+)
+def test_a_bad_rdzv_conf_is_one_line_and_exit_2_before_anything_starts(tmp_path: Path, conf: str, message: str) -> None:
+    done = subprocess.run([*FTRUN, "--nproc-per-node=1", f"--rdzv-conf={conf}", str(TRAIN)], check=False,
+                          capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and done.stderr.startswith(message), done.stderr
+    assert "embedded etcd" not in done.stderr
+
+
+def test_an_unreachable_etcd_names_the_endpoint_and_what_ftrun_was_doing(tmp_path: Path) -> None:
+    closed = free_port()
+    command = [*FTRUN, "--nnodes=2", "--rdzv-id=job1", f"--rdzv-endpoint=127.0.0.1:{closed}",
+               "--rdzv-conf=connect_timeout=1,request_timeout=1", str(TRAIN)]  # fmt: skip
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith(
+        f"ftrun: error: cannot read the run's job config for run 'job1' at --rdzv-endpoint=127.0.0.1:{closed}: "
+        f"no answer from etcd at http://127.0.0.1:{closed}"
+    ), done.stderr
+    assert "usage:" not in done.stderr and "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize(

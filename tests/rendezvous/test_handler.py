@@ -376,6 +376,20 @@ def test_shutdown_leaves_cleanly(make_handler: HandlerFactory, etcd_client: Etcd
         b.next_rendezvous()
 
 
+def test_shutdown_does_not_wait_for_a_standby_next_rendezvous(make_handler: HandlerFactory) -> None:
+    """torch's agent may shut a handler down while another thread waits in next_rendezvous() (here a node alone
+    below min_nodes): the wait ends with RendezvousClosedError, and shutdown() returns, without the join timeout."""
+    lonely = make_handler(min_nodes=2, max_nodes=2, join_timeout=120)
+    thread, box = in_background(lonely)
+    wait_until(lambda: lonely.requests > 0 and thread.is_alive(), 10, "the node to wait in its round")
+    time.sleep(0.3)
+    start = time.monotonic()
+    assert lonely.shutdown() is True
+    thread.join(10)
+    assert not thread.is_alive() and time.monotonic() - start < 10
+    assert isinstance(box.get("error"), RendezvousClosedError), box
+
+
 # ---- 10, 11: configuration and bad input --------------------------------------------
 
 
