@@ -289,8 +289,11 @@ def test_queue_is_fifo_and_nonblocking_pop_of_empty_raises(store_pair: tuple[dis
 def test_a_queue_holding_items_counts_as_its_name_for_check_and_wait(
     store_pair: tuple[dist.Store, dist.Store],
 ) -> None:
-    """As TCPStore: a pushed queue is seen by check and wait, not by num_keys or list_keys."""
+    """As TCPStore's server does: a pushed queue is seen by check and wait, not by num_keys or list_keys. (A
+    TCPStore client's check of a queue was seen False in the full suite and True alone: only ours is held to it.)"""
     a, b = store_pair
+    if not isinstance(b, EtcdStore):
+        pytest.skip("TCPStore's client answers check() on a queue inconsistently")
     keys_before = b.num_keys()
     assert not b.check(["foo"])
     a.queue_push("foo", "item")

@@ -9,6 +9,7 @@ Faults are real: an exception, SIGKILL of a worker, SIGKILL of a whole node
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -221,7 +222,9 @@ def test_node_lost_before_its_workers_entered_the_wrapper_is_followed(
     slow.kill()
     survivor = a if slow is b else b
     assert survivor.wait(120) == 0, logs(nodes)
-    assert "died before all its workers entered elastic_ft.Wrapper" in survivor.log()
+    # Killed before its workers entered the Wrapper, or (on a loaded machine) before its agent published them.
+    assert re.search(r"died before (all its workers entered elastic_ft\.Wrapper|publishing its ranks)",
+                     survivor.log()), survivor.log()  # fmt: skip
     done = read(tmp_path, "done-*.json")
     assert len(done) == 2 and {r["result"]["world_size"] for r in done.values()} == {2}
     assert {r["node"] for r in done.values()} == {survivor.tag}
