@@ -236,7 +236,7 @@ def main() -> None:
                     "--workdir",
                     str(workdir),
                     "--steps",
-                    "120",
+                    "400",  # the respawned process needs about 5 s to start: the job must still be training
                     "--fault",
                     "sigkill",
                     "--fault-rank",
