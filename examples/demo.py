@@ -28,6 +28,7 @@ job's (``elastic-ft events``) and draws both jobs' timelines
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 import time
@@ -42,6 +43,27 @@ from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command
 
 TRAIN = Path(__file__).with_name("train.py")
 TRAIN_FTRUN = Path(__file__).with_name("train_ftrun.py")
+
+
+def _events(workdir: Path) -> list[dict]:
+    found = []
+    for path in workdir.glob("events-*.jsonl"):
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):  # a line being written
+                found.append(json.loads(line))
+    return found
+
+
+def stop_when_regrown(workdir: Path, deadline: float) -> None:
+    """Write the stop step (the newest step + 20) once a later iteration trains at world size 4, or at ``deadline``."""
+    while time.monotonic() < deadline:
+        events = _events(workdir)
+        if any(e["event"] == "first_step" and e["world_size"] == 4 and e["iteration"] > 0 for e in events):
+            break
+        time.sleep(0.2)
+    steps = [e["step"] for e in _events(workdir) if e["event"] == "step"] or [0]
+    (workdir / "stop.tmp").write_text(str(max(steps) + 20))
+    (workdir / "stop.tmp").replace(workdir / "stop")
 CONF = "last_call_timeout=1,lease_ttl=2,join_timeout=60"
 
 
@@ -236,7 +258,10 @@ def main() -> None:
                     "--workdir",
                     str(workdir),
                     "--steps",
-                    "400",  # the respawned process needs about 5 s to start: the job must still be training
+                    "100000",
+                    "--stop-file",
+                    str(workdir / "stop"),
+                    "--record-steps",
                     "--fault",
                     "sigkill",
                     "--fault-rank",
@@ -253,6 +278,9 @@ def main() -> None:
             for tag in "AB"
         ]
         try:
+            # The respawned process takes some seconds to start (torch, the model, the Wrapper): training goes on
+            # until it trains at world size 4 again (or 120 s pass), then 20 more steps.
+            stop_when_regrown(workdir, deadline=time.monotonic() + 120)
             codes = {node.tag: node.wait(180) for node in nodes}
         finally:
             for node in nodes:
