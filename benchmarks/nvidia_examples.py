@@ -52,10 +52,10 @@ RESTART = re.compile(r"^W(\d{4}) (\d\d):(\d\d):(\d\d\.\d+) .*\] iteration (\d+) 
 
 def extract(repo: Path, into: Path) -> dict[str, Path]:
     """NVIDIA's examples at v0.4.1, their import swapped."""
-    git_dir = subprocess.run(["git", "-C", str(repo), "rev-parse", "--git-dir"], check=True, capture_output=True,
-                             text=True).stdout.strip()  # fmt: skip
-    archive = subprocess.run(["git", f"--git-dir={(repo / git_dir) if not Path(git_dir).is_absolute() else git_dir}",
-                              "archive", "v0.4.1", "examples/inprocess"], check=True, capture_output=True).stdout  # fmt: skip
+    git_dir = subprocess.run(["git", "-C", str(repo), "rev-parse", "--absolute-git-dir"], check=True,
+                             capture_output=True, text=True).stdout.strip()  # fmt: skip
+    archive = subprocess.run(["git", f"--git-dir={git_dir}", "archive", "v0.4.1", "examples/inprocess"], check=True,
+                             capture_output=True).stdout  # fmt: skip
     path = into / "nvidia.tar"
     path.write_bytes(archive)
     with tarfile.open(path) as tar:

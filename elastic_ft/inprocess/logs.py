@@ -6,7 +6,7 @@ log shippers) do not receive the Wrapper's messages twice or unexpectedly;
 instead it gets one ``logging.StreamHandler`` modelled on the nearest
 stream handler among its ancestors (same stream, formatter and level), or a
 stderr handler in elastic-ft's log format (:mod:`elastic_ft.observability.log_format`)
-when there is none; the call removes it when it ends.
+when there is none, with a ``UserWarning`` as NVIDIA's gives; the call removes it when it ends.
 The monitor process replaces all of this with a file handler
 (:func:`log_to_file`).
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import warnings
 
 from elastic_ft.observability.log_format import Formatter
 
@@ -60,6 +61,9 @@ def configure_logging() -> LoggingSetup | None:
     if logger.handlers:
         return None
     template = _nearest_stream_handler(logger)
+    if template is None:
+        # NVIDIA's Wrapper warns here too (and then disables its logs); ours go to stderr instead.
+        warnings.warn("logging not initialized: elastic_ft.inprocess logs to stderr", UserWarning, stacklevel=2)
     handler = logging.StreamHandler(template.stream if template is not None else sys.stderr)
     handler.setFormatter(
         template.formatter

@@ -342,7 +342,7 @@ class _Monitor:
         config = self.config
         logfile = config.logfile.format(rank=config.initial_rank) if config.logfile else None
         log_to_file(logfile, config.log_level)
-        log.info("monitoring pid %d as initial rank %d", self.target_pid, config.initial_rank)
+        log.info("monitoring target_pid=%d as initial rank %d", self.target_pid, config.initial_rank)
         while True:
             stopped, early = after_store_ready(self._receive(config.interval))
             if stopped:

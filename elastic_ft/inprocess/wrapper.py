@@ -351,6 +351,21 @@ class _RankLeaves(BaseException):
         self.error = error
         self.kind = kind
 
+    def release(self) -> BaseException:
+        """The error to raise, no longer held here.
+
+        Raised while this is being handled, the error takes this as its
+        ``__context__``; were it still held here, the two would make a cycle
+        through their tracebacks' frames that keeps the CallWrapper, and its
+        store's listening socket, alive until a collection.
+        """
+        error, self.error = self.error, _Released()
+        return error
+
+
+class _Released(BaseException):
+    """What a released ``_RankLeaves`` holds instead of its error (see ``_RankLeaves.release``)."""
+
 
 def _is_call_wrapper_annotation(annotation: Any) -> bool:
     if annotation is CallWrapper:
@@ -796,6 +811,11 @@ class CallWrapper:
             self._monitor_process.stop()
             self._close_events()
             release_logging(self._logging)
+            # The last monitor thread holds this object's bound method, and the last fault's
+            # traceback chain (its causes) holds frames of this object: cycles that would keep the
+            # CallWrapper, and the store with its listening socket, alive until a collection.
+            self._monitor = None
+            self.fn_exception = None
 
     # ---- the restart loop ----
 
@@ -963,7 +983,7 @@ class CallWrapper:
             monitor.stop()
             leaving = error if isinstance(error, _RankLeaves) else _RankLeaves(error, type(error).__name__)
             self._leave(store, state, leaving)
-            reason = leaving.error
+            reason = leaving.release()
             try:
                 raise reason from None
             finally:
@@ -1054,12 +1074,16 @@ class CallWrapper:
             return
         try:
             self.wrapper.health_check(state)
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - any failure of the check is ill health, raised below
             health_error = HealthCheckError(f"rank {state.rank} failed its health check: {error!r}")
-            health_error.__cause__ = error
-            if not leave:
-                raise health_error from error
-            raise _RankLeaves(health_error, "health_check") from error
+            try:
+                if not leave:
+                    raise health_error from error
+                raise _RankLeaves(health_error, "health_check") from error
+            finally:
+                # ``error``'s traceback holds this frame: naming its wrapper here would make a cycle
+                # that keeps the CallWrapper and its store alive until a collection.
+                del health_error
 
     def _leave(self, store: PrefixStore, state: State, leaving: _RankLeaves) -> None:
         """Record this rank as gone from the iteration, so the others restart without it."""
@@ -1127,7 +1151,7 @@ class CallWrapper:
             self._check_health(state)
         except _RankLeaves as leaving:
             self._leave(store, state, leaving)
-            raise leaving.error from None
+            raise leaving.release() from None
         with self._at_barrier():
             payload = store.arrive_and_wait(TERMINATION_BARRIER, [rank], state.world_size, wrapper.barrier_timeout)
         result = _termination_result(payload, state.world_size)

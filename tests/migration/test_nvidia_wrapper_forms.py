@@ -102,3 +102,73 @@ def test_the_call_leaves_no_log_handler_and_refuses_an_initialized_process_group
     )
     assert report["during"] == 1 and report["after"] == [0, True]
     assert report["error"].startswith("the Wrapper needs not torch.distributed.is_initialized()")
+
+
+def test_a_call_leaves_no_wrapper_or_store_alive_without_a_garbage_collection() -> None:
+    """NVIDIA's tear-down counts every TCPStore still alive after each call, with no collection first.
+
+    A reference cycle through the CallWrapper (its monitor thread's bound
+    method, its last fault's traceback, a leaving rank's error and its
+    context) kept the store, and its listening socket, alive until the
+    collector ran; a second call on the same port then failed to listen.
+    """
+    report = run(
+        """
+        import gc
+        from elastic_ft.inprocess.wrapper import CallWrapper
+
+        class Unhealthy(inprocess.health_check.HealthCheck):
+            def __init__(self, fail_times):
+                self.fail_times = fail_times
+
+            def __call__(self, state):
+                if self.fail_times:
+                    self.fail_times -= 1
+                    raise ZeroDivisionError
+                return state
+
+        def alive():
+            return sum(isinstance(o, (CallWrapper, dist.TCPStore)) for o in gc.get_objects())
+
+        gc.collect()
+        gc.disable()
+        outcomes = {}
+
+        @inprocess.Wrapper(**KWARGS)
+        def returns():
+            return 1
+
+        returns()
+        outcomes["returned"] = alive()
+
+        @inprocess.Wrapper(**KWARGS, health_check=Unhealthy(fail_times=1))
+        def heals():
+            return 1
+
+        heals()
+        outcomes["unhealthy once"] = alive()
+
+        @inprocess.Wrapper(**KWARGS, health_check=Unhealthy(fail_times=100))
+        def leaves():
+            raise RuntimeError
+
+        try:
+            leaves()
+        except inprocess.exception.HealthCheckError:
+            pass  # while handled, the error's traceback holds the call's frames
+        outcomes["left unhealthy"] = alive()
+
+        @inprocess.Wrapper(**KWARGS, initialize=inprocess.initialize.RetryController(max_iterations=2))
+        def aborts():
+            raise KeyError
+
+        for attempt in range(2):  # the same Wrapper called again: its port must be free
+            try:
+                aborts()
+            except inprocess.exception.RestartAbort:
+                pass
+            outcomes[f"aborted {attempt}"] = alive()
+        report.update(outcomes)
+        """
+    )
+    assert report == {"returned": 0, "unhealthy once": 0, "left unhealthy": 0, "aborted 0": 0, "aborted 1": 0}
