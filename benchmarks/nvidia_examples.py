@@ -47,7 +47,10 @@ EXAMPLES = ("basic_example", "optimal_example")
 FAULTS = ("sigkill", "hang", "exception")
 RESULTS = Path(__file__).resolve().parent / "results" / "nvidia_examples.json"
 FTRUN = [sys.executable, "-m", "elastic_ft.launcher.ftrun"]
-RESTART = re.compile(r"^W(\d{4}) (\d\d):(\d\d):(\d\d\.\d+) .*\] iteration (\d+) restarts", re.MULTILINE)
+# The Wrapper's restart report, in elastic-ft's log format or, as here, the example's own (the Wrapper's
+# handler takes the formatter of the application's): "W1126 21:32:50.655 ..." or "2026-11-26 21:32:50,655 | ...".
+RESTART = re.compile(r"^(?:W\d{4} |\d{4}-\d\d-\d\d )(\d\d):(\d\d):(\d\d[.,]\d+) .*\biteration (\d+) restarts",
+                     re.MULTILINE)  # fmt: skip
 
 
 def extract(repo: Path, into: Path) -> dict[str, Path]:
@@ -96,7 +99,7 @@ def _local_worker(ftrun: int, script: Path, local_rank: int) -> int | None:
 
 def _restart_times(log: str) -> list[float]:
     """Seconds of the day at which the Wrapper's reporting rank logged each in-process restart."""
-    return [int(h) * 3600 + int(m) * 60 + float(s) for _, h, m, s, _ in RESTART.findall(log)]
+    return [int(h) * 3600 + int(m) * 60 + float(s.replace(",", ".")) for h, m, s, _ in RESTART.findall(log)]
 
 
 def run_once(script: Path, fault: str, workdir: Path, timeout: float) -> dict[str, Any]:
