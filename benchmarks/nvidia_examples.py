@@ -11,7 +11,8 @@ and, once the job has written its first checkpoint, injects one fault:
 * ``sigkill``: a worker (local rank 1) SIGKILLed from outside;
 * ``hang``: a worker (local rank 1) SIGSTOPped from outside: it hangs;
 * ``exception``: the examples' own fault injection (``--fault-prob``), a
-  ``RuntimeError`` raised at random iterations of random ranks.
+  ``RuntimeError`` raised at random iterations of random ranks (about six
+  per run).
 
 Local rank 1, not 0: ``optimal_example.py`` keeps one TCPStore of its own
 for the whole job, hosted by rank 0, which no restart can replace.
@@ -47,6 +48,8 @@ EXAMPLES = ("basic_example", "optimal_example")
 FAULTS = ("sigkill", "hang", "exception")
 RESULTS = Path(__file__).resolve().parent / "results" / "nvidia_examples.json"
 FTRUN = [sys.executable, "-m", "elastic_ft.launcher.ftrun"]
+NPROC = 3
+EXPECTED_EXCEPTIONS = 6
 # The Wrapper's restart report, in elastic-ft's log format or, as here, the example's own (the Wrapper's
 # handler takes the formatter of the application's): "W1126 21:32:50.655 ..." or "2026-11-26 21:32:50,655 | ...".
 RESTART = re.compile(r"^(?:W\d{4} |\d{4}-\d\d-\d\d )(\d\d):(\d\d):(\d\d[.,]\d+) .*\biteration (\d+) restarts",
@@ -102,12 +105,13 @@ def _restart_times(log: str) -> list[float]:
     return [int(h) * 3600 + int(m) * 60 + float(s.replace(",", ".")) for h, m, s, _ in RESTART.findall(log)]
 
 
-def run_once(script: Path, fault: str, workdir: Path, timeout: float) -> dict[str, Any]:
+def run_once(script: Path, fault: str, workdir: Path, timeout: float, iterations: int) -> dict[str, Any]:
     checkpoints = workdir / "checkpoints"
     checkpoints.mkdir(parents=True)
-    prob = "0.0005" if fault == "exception" else "0"
-    command = [*FTRUN, "--nproc-per-node=3", "--max-restarts=0", "--monitor-interval=0.1", str(script),
-               "--total-iterations", "4000", "--chkpt-interval", "100", "--log-interval", "1000",
+    # About EXPECTED_EXCEPTIONS faults per run: the examples draw one per rank and iteration.
+    prob = f"{EXPECTED_EXCEPTIONS / (NPROC * iterations):.6f}" if fault == "exception" else "0"
+    command = [*FTRUN, f"--nproc-per-node={NPROC}", "--max-restarts=0", "--monitor-interval=0.1", str(script),
+               "--total-iterations", str(iterations), "--chkpt-interval", "100", "--log-interval", "1000",
                "--path", str(checkpoints), "--fault-prob", prob]  # fmt: skip
     log_path = workdir / "ftrun.log"
     started = time.monotonic()
@@ -154,6 +158,8 @@ def main() -> None:
     parser.add_argument("--examples", default=",".join(EXAMPLES))
     parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds one run may take")
+    parser.add_argument("--iterations", type=int, default=4000,
+                        help="the examples' --total-iterations (a respawned worker needs a few seconds to rejoin)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="nvidia-examples-"))
@@ -162,7 +168,7 @@ def main() -> None:
     for name in args.examples.split(","):
         for fault in args.faults.split(","):
             for index in range(args.runs):
-                result = run_once(scripts[name], fault, work / f"{name}-{fault}-{index}", args.timeout)
+                result = run_once(scripts[name], fault, work / f"{name}-{fault}-{index}", args.timeout, args.iterations)
                 runs.append({"example": name, "fault": fault, "run": index, **result})
                 print(f"  {name:<16} {fault:<10} run {index}: " + ("pass" if result["passed"] else
                       f"FAIL (exit {result['exit']}, escalated {result['escalated']})"), flush=True)  # fmt: skip
