@@ -79,10 +79,3 @@ def check_seconds(value: Any, *, may_be_zero: bool) -> float:
         raise SecondsError("is out of range", expected)
     return seconds
 
-
-def first_misordered(seconds: dict[str, float]) -> tuple[str, str] | None:
-    """The first pair of :data:`WRAPPER_ORDER` that ``seconds`` (every Wrapper duration) violates."""
-    for shorter, longer in WRAPPER_ORDER:
-        if not seconds[shorter] < seconds[longer]:
-            return shorter, longer
-    return None
