@@ -214,7 +214,10 @@ def test_node_lost_before_its_workers_entered_the_wrapper_is_followed(
 ) -> None:
     """In-process restart cannot absorb ranks that never entered the Wrapper: the survivor re-rendezvouses."""
     scenario = {"steps": 20, "slow_start_group_rank": 1}
-    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, nnodes="1:2") for tag in "AB")
+    # Both nodes must share round 0: a long last call (the round closes as soon as max_nodes=2 joined)
+    # keeps a node started late on a loaded machine from joining as a later, growing node.
+    conf = CONF.replace("last_call_timeout=0.5", "last_call_timeout=20")
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, nnodes="1:2", conf=conf) for tag in "AB")
     started = wait_for(tmp_path, "start-*.json", 4, 90)
     slow_tag = next(name.split("-")[1] for name, record in started.items() if record["rank"] >= 2)  # group rank 1
     slow = a if slow_tag == "A" else b
