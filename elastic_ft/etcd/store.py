@@ -244,6 +244,16 @@ class EtcdStore(dist.Store):
     def num_keys(self) -> int:
         return self._client.count_prefix(self.prefix)
 
+    # torch's Python-store trampoline (torch 2.13) looks these two methods up by their C++ names, every
+    # other by its Python name: a PrefixStore (or any C++ caller) reaches ``num_keys`` and ``delete_key``
+    # only through these.
+
+    def getNumKeys(self) -> int:
+        return self.num_keys()
+
+    def deleteKey(self, key: str) -> bool:
+        return self.delete_key(key)
+
     def list_keys(self) -> list[str]:
         kvs, _ = self._client.get_prefix(self.prefix)
         return [kv.key[len(self.prefix) :] for kv in kvs]

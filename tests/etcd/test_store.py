@@ -150,6 +150,10 @@ def test_prefix_store_over_etcd_store(etcd: EtcdServer, run_id: str) -> None:
     assert prefixed.get("x") == b"1"
     assert prefixed.add("c", 5) == 5
     assert store.get("agent/x") == b"1"
+    # torch's C++ reaches these two by their C++ names (getNumKeys, deleteKey).
+    assert prefixed.num_keys() == 2
+    assert prefixed.delete_key("x") is True and prefixed.delete_key("x") is False
+    assert prefixed.num_keys() == 1 and not prefixed.check(["x"])
     client.close()
 
 
