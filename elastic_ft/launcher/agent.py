@@ -31,11 +31,13 @@ escalations in job-wide keys.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -77,7 +79,15 @@ from elastic_ft.keys import (
     FTRUN_WORLD,
     count_suffix,
 )
-from elastic_ft.launcher.escalation import Verdict, WorkerExit, classify_exit, decide, exit_barrier_done, restarts_left
+from elastic_ft.launcher.escalation import (
+    Verdict,
+    WorkerExit,
+    classify_exit,
+    decide,
+    exit_barrier_done,
+    restarts_left,
+    retire_joiner,
+)
 from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, RecordError
 from elastic_ft.local_board import LocalBoard
 from elastic_ft.observability.log_format import set_where
@@ -102,6 +112,8 @@ log = logging.getLogger(__name__)
 _EXIT_BARRIER_POLL = 0.1
 #: How long a ready joiner waits for its node's other joiners before a restart admits it alone.
 _ADMISSION_BATCH_WAIT = 2.0
+#: How long a retired joiner gets to exit on SIGTERM before SIGKILL.
+_RETIRE_GRACE = 5.0
 
 
 def _keep_old_log(path: str | None) -> str | None:
@@ -361,6 +373,10 @@ class FtAgent(LocalElasticAgent):
             if exitcode is None:
                 kinds[rank] = WorkerExit.RUNNING
                 self._note_useful_respawn(job, worker.local_rank, rank)
+                joiner = rank >= worker.world_size
+                if joiner and retire_joiner(joiner, job.is_wrapped(rank), job.admission(rank) is not None,
+                                            job.finished()):  # fmt: skip
+                    kinds[rank] = self._retire(store, worker.local_rank, rank)
                 continue
             failure = None
             if exitcode == 0:
@@ -396,6 +412,25 @@ class FtAgent(LocalElasticAgent):
                 kinds[rank] = WorkerExit.ABSORBED  # the old process's fate; the new one is watched from now on
                 kinds[self._initial_ranks[worker.local_rank]] = WorkerExit.RUNNING
         return kinds
+
+    def _retire(self, store: PrefixStore, local_rank: int, initial_rank: int) -> WorkerExit:
+        """Stop a respawned process the job completed without (:func:`retire_joiner`): SIGTERM, SIGKILL if it lingers."""
+        handler = self._subprocesses().subprocess_handlers[local_rank]
+        process = handler.proc
+        log.info("the job completed before respawned rank %d (pid %d) entered elastic_ft.Wrapper: stopping it",
+                 initial_rank, process.pid)  # fmt: skip
+        for death_signal in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, death_signal)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(_RETIRE_GRACE)
+                break
+        exitcode = process.poll()
+        record = ExitRecord(self._handler.node, process.pid, -signal.SIGKILL if exitcode is None else exitcode,
+                            WorkerExit.RETIRED.value)  # fmt: skip
+        store.set(f"{FTRUN_EXITS}{initial_rank}", record.to_json())
+        self._exits[local_rank] = (WorkerExit.RETIRED, None)
+        return WorkerExit.RETIRED
 
     # ---- respawning workers ----
 

@@ -13,9 +13,10 @@ gathers the observations and carries out the decision. The rules, in order:
 2. A worker that failed outside the Wrapper (it never entered one, or failed
    after its Wrapper completed) -> **escalate**: nothing in-process can
    recover it, so torchrun's behaviour applies.
-3. Every local worker has exited: if at least one succeeded, the job
-   completed in-process and the failures were absorbed -> **succeeded**;
-   otherwise -> **escalate**.
+3. Every local worker has exited: if at least one succeeded (or was
+   retired: a respawned process the job completed without, see
+   :func:`retire_joiner`), the job completed in-process and the failures
+   were absorbed -> **succeeded**; otherwise -> **escalate**.
 4. A member died before its workers had all entered the Wrapper (or before
    it published its ranks), a member re-joined the rendezvous (its node
    escalated), the job moved on to a later round, or nodes wait for which
@@ -58,6 +59,23 @@ class WorkerExit(enum.Enum):
     FATAL = "fatal"
     #: Failed outside any Wrapper (before entering one or after it completed).
     UNWRAPPED = "unwrapped"
+    #: A respawned process the job completed without, stopped by its agent (:func:`retire_joiner`).
+    RETIRED = "retired"
+
+
+def retire_joiner(joiner: bool, wrapped: bool, admitted: bool, job_finished: bool) -> bool:
+    """Whether the agent stops a running worker because the job completed without it.
+
+    A respawned process (``joiner``: its initial rank lies above the world)
+    that was never admitted has no part in the result once every active rank
+    completed (``job_finished``). Inside the Wrapper it sees that and returns
+    by itself; before the Wrapper (importing, or in the script's own set-up,
+    such as connecting to a store the completed ranks hosted and took with
+    them) it may wait for minutes, and the job with it. Active ranks are
+    never stopped: after the Wrapper returns, a script's own epilogue (a
+    final checkpoint, an evaluation) runs as long as it needs.
+    """
+    return joiner and not wrapped and not admitted and job_finished
 
 
 def classify_exit(
@@ -137,7 +155,7 @@ def decide(
             "running (they failed outside a Wrapper, or in one whose store_factory is not the round's store)",
         )
     if not _ranks(workers, WorkerExit.RUNNING):
-        if _ranks(workers, WorkerExit.SUCCEEDED):
+        if _ranks(workers, WorkerExit.SUCCEEDED) or _ranks(workers, WorkerExit.RETIRED):
             return Decision(Verdict.SUCCEEDED)
         return Decision(Verdict.ESCALATE, f"every local worker exited with an error: ranks {sorted(workers)}")
     if lost:

@@ -381,7 +381,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                     parser.error("the job config's observability.metrics_port needs prometheus_client: "
                                  "pip install 'elastic-ft[metrics]'")  # fmt: skip
         elif args.record is not None or args.metrics_port is not None:
-            parser.error(f"--record and --metrics-port need the etcdft rendezvous, not --rdzv-backend={args.rdzv_backend}")
+            parser.error(
+                f"--record and --metrics-port need the etcdft rendezvous, not --rdzv-backend={args.rdzv_backend}"
+            )
         if args.master_port is None:
             args.master_port = 29500
         config, entrypoint, entrypoint_args = torchrun.config_from_args(args)

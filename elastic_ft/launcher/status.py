@@ -40,9 +40,13 @@ from elastic_ft.keys import (
     suffix,
     wrapper_iteration,
 )
+from elastic_ft.launcher.escalation import WorkerExit
 from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, RecordError
 from elastic_ft.rendezvous.model import RoundResult, parse_state
 from elastic_ft.untrusted import json_object
+
+#: Exit kinds that are no failure: a worker that completed, or a respawned one the job completed without.
+_NOT_FAILED = (WorkerExit.SUCCEEDED.value, WorkerExit.RETIRED.value)
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +274,7 @@ def _worker_status(
     terminated = sorted(
         w["rank"]
         for w in workers
-        if w["state"] == "node dead" or (w["rank"] in exits and exits[w["rank"]].kind != "succeeded")
+        if w["state"] == "node dead" or (w["rank"] in exits and exits[w["rank"]].kind not in _NOT_FAILED)
     )
     iterations = [position["iteration"] for position in positions.values()]
     return workers, terminated, max(iterations) if iterations else None

@@ -152,9 +152,11 @@ def test_worker_fault_keeps_the_healthy_workers(
     done = read(tmp_path, "done-*.json")
     if kind == "sigkill":
         # The three survivors finished in the same processes, without the victim; its node respawned
-        # it as initial rank 4, which waited as a joiner and left with the job (no fault admitted it).
-        assert sorted(done) == sorted([f"done-{rank}-0" for rank in range(4) if rank != victim] + ["done-4-0"])
-        assert done.pop("done-4-0")["result"] is None
+        # it as initial rank 4, which no fault admitted: it waited as a joiner and left with the job,
+        # or, still starting when the job completed, its agent stopped it.
+        respawned = done.pop("done-4-0", None)
+        assert respawned is None or respawned["result"] is None
+        assert sorted(done) == sorted(f"done-{rank}-0" for rank in range(4) if rank != victim)
         for record in done.values():
             assert record["result"]["world_size"] == 3 and record["result"]["value"] == 3.0
             assert record["result"]["iteration"] == 1
@@ -178,10 +180,11 @@ def test_worker_fault_keeps_the_healthy_workers(
     if kind == "sigkill":
         # The node record lists the respawned process in the victim's place.
         assert [w["rank"] for w in status["workers"]] == [0, 1, 2, 3, 4]
-        assert status["respawns"] == 1 and status["joined"] == [{"initial_rank": 4, "admitted": None}]
+        joined = [] if respawned is None else [{"initial_rank": 4, "admitted": None}]
+        assert status["respawns"] == 1 and status["joined"] == joined
         assert status["terminated_ranks"] == [victim]
         assert status["workers"][victim]["state"] == "absorbed (-9)"
-        assert status["workers"][4]["state"] == "succeeded (0)"
+        assert status["workers"][4]["state"] == ("retired (-15)" if respawned is None else "succeeded (0)")
     else:
         assert [w["rank"] for w in status["workers"]] == [0, 1, 2, 3]
         assert status["terminated_ranks"] == []
@@ -207,6 +210,27 @@ def test_killed_node_is_absorbed_in_process(
     assert not any(alive(pid) for pid in killed)
     assert "reported its rank(s)" in a.log()
     assert escalations(etcd, run_id) == []
+
+
+def test_a_respawned_worker_the_job_completed_without_is_stopped(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
+) -> None:
+    """A respawned process still blocked before the Wrapper when the others completed does not hold the job."""
+    scenario = {"steps": 20, "faults": [{"rank": 3, "kind": "sigkill", "step": 5}], "respawn_blocks": True}
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
+    started = time.monotonic()
+    assert finish([a, b], 90) == [0, 0], logs(nodes)
+    assert time.monotonic() - started < 60, "the blocked respawned process held the job"
+    both = a.log() + b.log()
+    assert re.search(r"the job completed before respawned rank 4 \(pid \d+\) entered elastic_ft\.Wrapper: "
+                     r"stopping it", both), both  # fmt: skip
+    assert "failures absorbed by in-process restart: {3: 'pid " in both
+    done = read(tmp_path, "done-*.json")
+    assert sorted(done) == ["done-0-0", "done-1-0", "done-2-0"]
+    status = status_of(etcd, run_id)
+    assert status["workers"][4]["state"] == "retired (-15)"
+    assert status["process_restarts"] == 0 and escalations(etcd, run_id) == []
+    assert not alive(status["workers"][4]["pid"])
 
 
 def test_node_lost_before_its_workers_entered_the_wrapper_is_followed(

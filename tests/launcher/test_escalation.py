@@ -14,6 +14,7 @@ from elastic_ft.launcher.escalation import (
     decide,
     exit_barrier_done,
     restarts_left,
+    retire_joiner,
 )
 from elastic_ft.rendezvous.rules import MembershipChange
 
@@ -63,6 +64,8 @@ def test_classify_exit(exitcode: int | None, wrapped: bool, left: dict | None, e
         ({0: R}, MembershipChange(moved_on=True), Verdict.FOLLOW, "moved on"),
         ({0: R}, MembershipChange(dead=("b",), admissible=("c",)), Verdict.FOLLOW, "the round has room"),
         ({0: G, 1: S}, MembershipChange(rejoined=("b",)), Verdict.ESCALATE, "gave up"),  # giving up comes first
+        # The node's worker died and its respawned process was retired: the others completed the job.
+        ({0: A, 1: WorkerExit.RETIRED}, NOTHING, Verdict.SUCCEEDED, ""),
     ],
 )
 def test_decide(workers: dict, change: MembershipChange, verdict: Verdict, reason: str) -> None:
@@ -77,6 +80,22 @@ def test_a_dead_node_in_process_restart_cannot_absorb_is_followed() -> None:
         decision.verdict is Verdict.FOLLOW and "['b'] died before in-process restart could take over" in decision.reason
     )
     assert decide({0: S, 1: S}, MembershipChange(dead=("b",)), lost=("b",)).verdict is Verdict.SUCCEEDED
+
+
+@pytest.mark.parametrize(
+    ("joiner", "wrapped", "admitted", "finished", "retired"),
+    [
+        (True, False, False, True, True),  # still before the Wrapper when the job completed
+        (True, False, False, False, False),  # the job still runs: it may yet be admitted
+        (True, True, False, True, False),  # in the Wrapper it sees the end and returns by itself
+        (True, False, True, True, False),  # admitted: it took part in the result
+        (False, False, False, True, False),  # an active rank's epilogue runs as long as it needs
+    ],
+)
+def test_only_a_respawned_process_the_job_completed_without_is_retired(
+    joiner: bool, wrapped: bool, admitted: bool, finished: bool, retired: bool
+) -> None:
+    assert retire_joiner(joiner, wrapped, admitted, finished) is retired
 
 
 def test_decide_needs_workers() -> None:

@@ -15,7 +15,8 @@ Faults (``faults``: list of ``{"rank", "kind", "restart", "iteration", "step"}``
 ``sigkill``. ``node_exit``: ``{"group_rank", "restart"}`` makes every worker
 of that node exit with code 19 at step 2 of its first iteration.
 ``slow_start_group_rank``: the workers of that node sleep 60 s before entering
-the Wrapper. ``no_wrapper``: run the loop without the Wrapper; ``retry``: keyword arguments
+the Wrapper. ``respawn_blocks``: a respawned process blocks before the Wrapper
+(as one waiting for a store its completed peers hosted would). ``no_wrapper``: run the loop without the Wrapper; ``retry``: keyword arguments
 of a ``RetryController``.
 """
 
@@ -38,6 +39,7 @@ from elastic_ft.testing.workers import init_gloo
 SCENARIO: dict[str, Any] = json.loads(os.environ["EFT_SCENARIO"])
 OUT = os.environ["EFT_OUT"]
 INITIAL_RANK = int(os.environ["RANK"])
+WORLD_SIZE = int(os.environ["WORLD_SIZE"])
 RESTART = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 NODE = os.environ["NODE_TAG"]
 GROUP_RANK = int(os.environ["GROUP_RANK"])
@@ -97,6 +99,8 @@ def main() -> None:
     write(f"start-{NODE}-{local_rank}-{RESTART}.json", {"pid": os.getpid(), "rank": INITIAL_RANK})
     if SCENARIO.get("slow_start_group_rank") == GROUP_RANK:
         time.sleep(60)  # set-up work before the Wrapper: the node may die meanwhile
+    if SCENARIO.get("respawn_blocks") and INITIAL_RANK >= WORLD_SIZE:
+        time.sleep(600)
     if SCENARIO.get("no_wrapper"):
         result = train(None, 0)
     else:
