@@ -25,6 +25,7 @@ outcome, ``completed`` or ``interrupted``, is ever decided per iteration
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import faulthandler
@@ -406,16 +407,16 @@ class CallWrapper:
                 "the Wrapper needs not torch.distributed.is_initialized(): enter the Wrapper before "
                 "torch.distributed.init_process_group, not after"
             )
-        #: The log handler (and level) this call installed, undone when it ends (None: one was there already).
-        self._logging = configure_logging()
-        try:
-            self._start(wrapper)
-        except BaseException:
-            release_logging(self._logging)
-            raise
+        with contextlib.ExitStack() as undo:  # a set-up that fails undoes what it did, latest first
+            #: The log handler (and level) this call installed, undone when it ends (None: one was there already).
+            self._logging = configure_logging()
+            undo.callback(release_logging, self._logging)
+            self._start(wrapper, undo)
+            undo.pop_all()
 
-    def _start(self, wrapper: Wrapper) -> None:
-        """Everything the call sets up: its state, monitors, store and hooks (undone by :meth:`shutdown`)."""
+    def _start(self, wrapper: Wrapper, undo: contextlib.ExitStack) -> None:
+        """Everything the call sets up: its state, monitors, store and hooks (undone by :meth:`shutdown`; by
+        ``undo`` if the set-up fails)."""
         self.wrapper = wrapper
         worker = WorkerHandoff.from_env(os.environ)
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -459,6 +460,7 @@ class CallWrapper:
             wrapper.store_factory,
             wrapper.store_kwargs,
         )
+        undo.callback(self._monitor_process.stop)
         self._groups = ProcessGroupKeeper()
         #: Shared with this node's agent (under ftrun): the node's fence, and this rank's stalls.
         self._board = LocalBoard.from_env()
@@ -484,44 +486,40 @@ class CallWrapper:
         #: The current iteration's store view, and whether its progress is recorded (see _mark_progress).
         self._iteration_store: PrefixStore | None = None
         self._progress_marked = False
-        try:
-            self.base_store = wrapper.store_factory(**wrapper.store_kwargs)
-            self._events = self._install_events()
-            self._job_store = job_store(self.base_store)
-            self._job_store.record_wrapped(self.state.initial_rank or 0, os.getpid())
-            if self.joining:
-                if getattr(self.base_store, "critical_ranks", ()):
-                    raise RuntimeError("a process can join a running world only through a store no rank hosts")
-                self._monitor_process.store_ready()
-                self._register_when_reported_active(self.state.initial_rank or 0)
-            else:
-                self._job_store.set_accepts_joiners(admits_new_ranks(wrapper.rank_assignment))
-                self._job_store.arrive_and_wait(
-                    INITIAL_BARRIER, [self.state.rank or 0], self.state.world_size, wrapper.barrier_timeout
-                )
-                self._monitor_process.store_ready()
-            # What exists now (the store's connections above all) is the process's own; what the
-            # wrapped function connects later is released at a restart (elastic_ft.inprocess.sockets).
-            self._socket_baseline = socket_inodes()
-            close_inherited_in_child(self._socket_baseline)
-            self._install_interrupt(wrapper.interrupt_signal)
-            # The monitor process sends this before it terminates the rank: every thread's stack goes to
-            # stderr, from a C handler that runs even when the GIL is held.
-            faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
-            self._step_hooks = [
-                register_optimizer_step_pre_hook(self._enter_optimizer_step),
-                register_optimizer_step_post_hook(self._on_optimizer_step),
-            ]
-            self._watchdog.start()
-            # Everything that exists now (imports, the store's client, the caller's
-            # set-up) outlives every iteration: move it out of the collector's way, so
-            # the full collection after a fault scans only what iterations created.
-            gc.freeze()
-        except BaseException:
-            self._release_hooks()
-            self._monitor_process.stop()
-            self._close_events()
-            raise
+        self.base_store = wrapper.store_factory(**wrapper.store_kwargs)
+        self._events = self._install_events()
+        undo.callback(self._close_events)
+        self._job_store = job_store(self.base_store)
+        self._job_store.record_wrapped(self.state.initial_rank or 0, os.getpid())
+        if self.joining:
+            if getattr(self.base_store, "critical_ranks", ()):
+                raise RuntimeError("a process can join a running world only through a store no rank hosts")
+            self._monitor_process.store_ready()
+            self._register_when_reported_active(self.state.initial_rank or 0)
+        else:
+            self._job_store.set_accepts_joiners(admits_new_ranks(wrapper.rank_assignment))
+            self._job_store.arrive_and_wait(
+                INITIAL_BARRIER, [self.state.rank or 0], self.state.world_size, wrapper.barrier_timeout
+            )
+            self._monitor_process.store_ready()
+        undo.callback(self._release_hooks)  # each of the hooks below, as far as it got
+        # What exists now (the store's connections above all) is the process's own; what the
+        # wrapped function connects later is released at a restart (elastic_ft.inprocess.sockets).
+        self._socket_baseline = socket_inodes()
+        close_inherited_in_child(self._socket_baseline)
+        self._install_interrupt(wrapper.interrupt_signal)
+        # The monitor process sends this before it terminates the rank: every thread's stack goes to
+        # stderr, from a C handler that runs even when the GIL is held.
+        faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
+        self._step_hooks = [
+            register_optimizer_step_pre_hook(self._enter_optimizer_step),
+            register_optimizer_step_post_hook(self._on_optimizer_step),
+        ]
+        self._watchdog.start()
+        # Everything that exists now (imports, the store's client, the caller's
+        # set-up) outlives every iteration: move it out of the collector's way, so
+        # the full collection after a fault scans only what iterations created.
+        gc.freeze()
 
     def _install_events(self) -> event_sink.EventSink | None:
         """Record this rank's events in the run's event log, under ``ftrun``; returns the sink this call installed

@@ -13,7 +13,9 @@ life in the rendezvous:
    writing ``rdzv/round/<n>/result`` (members in rank order, the
    MASTER_ADDR/PORT of rank 0) in a transaction that fails if the result
    exists or any member's join key changed.  Everyone else learns the result
-   from the watch.
+   from the board: the one key every node watches, which the monitor node
+   (the one that follows every rendezvous key) rewrites when what the
+   nodes act on changes.
 4. Every request is safe to resend: joins and results are guarded by create
    revisions, so a timed-out request with an unknown outcome is simply
    re-evaluated against the watched state.
@@ -700,21 +702,22 @@ class EtcdftRendezvousHandler(RendezvousHandler):
                     monitor = self._monitor
                     if monitor is not None:  # its board must say it left before the board goes with its lease
                         monitor.wait_published(lambda b: self.node in b.left, self.settings.request_timeout)
-                self._shut_down = True
-                with self._monitor_lock:
-                    self._retire_monitor()
-                if self._session is not None:
-                    self._session.close(revoke=True)
             except (EtcdUnavailableError, EtcdRequestError) as exc:
                 log.warning("etcdft shutdown of node %s incomplete: %s", self.node, exc)
                 ok = False
             self._shut_down = True
+            with self._monitor_lock:  # before the lease goes: a monitor must not publish after it
+                self._retire_monitor()
+            if self._session is not None:
+                try:
+                    self._session.close(revoke=ok)  # etcd just failed: its lease expires on its own
+                except (EtcdUnavailableError, EtcdRequestError) as exc:
+                    log.warning("etcdft shutdown of node %s: its lease expires on its own: %s", self.node, exc)
+                    ok = False
             if self._own_events is not None:
                 self._own_events.close(timeout=self.settings.request_timeout)  # its last events, bounded
                 if self._events_client is not None:
                     self._events_client.close()
-            with self._monitor_lock:
-                self._retire_monitor()
             self._view.stop()
             self._board_view.stop()
             self._client.close()

@@ -3,7 +3,7 @@
 Nothing here does I/O. :func:`next_action` decides what a node in
 ``next_rendezvous()`` does next; :func:`close_verdict` whether a round may
 close, with the reason; :func:`assign_ranks` orders a closing round;
-:func:`num_nodes_waiting` and :func:`membership_change` answer torch's and
+:func:`waiting_count` and :func:`membership_change` answer torch's and
 ftrun's agents. The handler (``handler.py``) only carries these decisions
 out against etcd; the state they read is :mod:`elastic_ft.rendezvous.model`.
 """
@@ -421,8 +421,8 @@ def membership_change(state: RendezvousState, member_of: RoundResult | None, lim
     )
 
 
-def num_nodes_waiting(state: RendezvousState, member_of: RoundResult | None, limits: Limits) -> int:
-    """How many nodes the round this node belongs to is holding back.
+def waiting_count(change: MembershipChange) -> int:
+    """torch's ``num_nodes_waiting()``: how many nodes the round this node belongs to is holding back.
 
     torch's agent restarts its workers (and re-rendezvouses) whenever this is
     positive, so it counts: nodes that joined the next round while the round
@@ -432,12 +432,6 @@ def num_nodes_waiting(state: RendezvousState, member_of: RoundResult | None, lim
     longer make progress without them, and 1 when the job moved on to a
     later round without this node.
     """
-    change = membership_change(state, member_of, limits)
-    return waiting_count(change)
-
-
-def waiting_count(change: MembershipChange) -> int:
-    """torch's ``num_nodes_waiting()`` from a membership change (see :func:`num_nodes_waiting`)."""
     waiting = len(change.rejoined) + len(change.dead) + len(change.admissible)
     return max(waiting, 1) if change.moved_on else waiting
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 import signal
 import threading
 import time
@@ -389,3 +390,49 @@ def test_report_process_gone_uses_the_last_position(etcd: EtcdServer) -> None:
     job.record_wrapped(6, 99)
     assert not report_process_gone(base, 6, 8, "terminated", "left already")
     client.close()
+
+
+def test_a_failed_set_up_undoes_what_it_did(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store that cannot be reached: the call raises, and its monitor process and log handler are gone."""
+    import logging
+
+    from elastic_ft.inprocess.monitor_process import MONITOR_PROCESS_NAME
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    logger = logging.getLogger("elastic_ft.inprocess")
+    handlers, level = list(logger.handlers), logger.level
+    forked: list[int] = []
+    fork = os.fork
+
+    def recording_fork() -> int:
+        pid = fork()
+        if pid:
+            forked.append(pid)
+        return pid
+
+    monkeypatch.setattr(os, "fork", recording_fork)
+
+    def unreachable_store() -> dist.Store:
+        raise ConnectionError("store at 10.0.0.1:1 unreachable")
+
+    with pytest.raises(ConnectionError, match="unreachable"):
+        Wrapper(store_factory=unreachable_store)(lambda: None)()
+    assert (logger.handlers, logger.level) == (handlers, level)
+    assert len(forked) == 1  # the monitor process was started, and is reaped:
+    with pytest.raises(ChildProcessError):
+        os.waitpid(forked[0], os.WNOHANG)
+    assert MONITOR_PROCESS_NAME not in _children_names()
+
+
+def _children_names() -> list[str]:
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as children:
+            for pid in children.read().split():
+                try:
+                    with open(f"/proc/{pid}/comm") as comm:
+                        names.append(comm.read().strip())
+                except OSError:
+                    continue
+    return names

@@ -81,7 +81,7 @@ def test_a_node_beyond_max_plus_spares_is_a_standby_not_waiting() -> None:
         alive=["a", "b", "s", "x"], rounds=[RoundRecord(0, result=full), RoundRecord(1, joins(join("x", 9)))]
     )
     assert rules.is_spare(state, 1, "x", limits)
-    assert rules.num_nodes_waiting(state, full, limits) == 0
+    assert rules.waiting_count(rules.membership_change(state, full, limits)) == 0
     # A member dies: max_nodes members are still there, so nobody restarts for the waiting node ...
     dead = make_state(alive=["a", "s", "x"], rounds=[RoundRecord(0, result=full), RoundRecord(1, joins(join("x", 9)))])
     change = rules.membership_change(dead, full, limits)
@@ -281,9 +281,9 @@ def test_spare_behind_full_healthy_round() -> None:
         alive=["a", "b", "s"], rounds=[RoundRecord(0, result=result(0, "ab")), RoundRecord(1, joins(join("s", 9)))]
     )
     assert rules.is_spare(state, 1, "s", limits)
-    assert rules.num_nodes_waiting(state, result(0, "ab"), limits=Limits(1, 2, 1.0)) == 0
+    assert rules.waiting_count(rules.membership_change(state, result(0, "ab"), Limits(1, 2, 1.0))) == 0
     # With room in the round the same node is counted as waiting.
-    assert rules.num_nodes_waiting(state, result(0, "ab"), limits=Limits(1, 3, 1.0)) == 1
+    assert rules.waiting_count(rules.membership_change(state, result(0, "ab"), Limits(1, 3, 1.0))) == 1
 
 
 def test_num_nodes_waiting_counts_rejoined_and_dead_members() -> None:
@@ -291,12 +291,12 @@ def test_num_nodes_waiting_counts_rejoined_and_dead_members() -> None:
     rejoined = make_state(
         alive=["a", "b", "c"], rounds=[RoundRecord(0, result=member_of), RoundRecord(1, joins(join("b", 9)))]
     )
-    assert rules.num_nodes_waiting(rejoined, member_of, limits=Limits(1, 3, 1.0)) == 1
+    assert rules.waiting_count(rules.membership_change(rejoined, member_of, Limits(1, 3, 1.0))) == 1
     dead = make_state(alive=["a", "b"], rounds=[RoundRecord(0, result=member_of)])
-    assert rules.num_nodes_waiting(dead, member_of, limits=Limits(1, 3, 1.0)) == 1
+    assert rules.waiting_count(rules.membership_change(dead, member_of, Limits(1, 3, 1.0))) == 1
     left = make_state(alive=["a", "b"], rounds=[RoundRecord(0, result=member_of, left=frozenset({"c"}))])
-    assert rules.num_nodes_waiting(left, member_of, limits=Limits(1, 3, 1.0)) == 0
-    assert rules.num_nodes_waiting(left, None, limits=Limits(1, 3, 1.0)) == 0
+    assert rules.waiting_count(rules.membership_change(left, member_of, Limits(1, 3, 1.0))) == 0
+    assert rules.waiting_count(rules.membership_change(left, None, Limits(1, 3, 1.0))) == 0
 
 
 def test_parse_state_round_trip() -> None:
