@@ -2,6 +2,12 @@
 
 ``etcd`` is one server shared by the session (tests keep apart by run id);
 ``etcd_cluster`` is a fresh 3-member cluster for tests that kill members.
+
+Test tiers: a test that uses no etcd fixture, no process fixture and is not
+marked ``slow`` or ``integration`` is marked ``unit`` (``pytest -m unit``,
+the edit-test loop); a unit test that starts a process (``subprocess``,
+``os.fork``) fails, so the tier stays pure. Mark such a test
+``integration``.
 ``ETCD_BINARY`` picks the binary; ``ETCD_EXTRA_BINARIES`` (comma-separated
 paths, e.g. Debian's etcd 3.4) adds versions for ``tests/etcd/test_versions.py``.
 """
@@ -11,8 +17,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -20,6 +27,44 @@ from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.testing.etcd_cluster import EtcdCluster
 from elastic_ft.testing.local_cluster import TorchrunNode
+
+#: Fixtures that start real servers or processes: a test that uses one is no unit test.
+_INTEGRATION_FIXTURES = frozenset(
+    {"etcd", "etcd_cluster", "etcd_client", "reap_pids", "nodes", "tls_etcd", "pki", "auth_etcd"}
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        outside = item.get_closest_marker("slow") or item.get_closest_marker("integration")
+        if not outside and not _INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.unit)
+
+
+def _refuse_processes(patch: Callable[[object, str, object], None], who: str) -> None:
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError(f"{who} starts a process: mark the test integration (tests/conftest.py)")
+
+    patch(subprocess.Popen, "__init__", refuse)
+    patch(os, "fork", refuse)
+    patch(os, "posix_spawn", refuse)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtestloop(session: pytest.Session) -> Iterator[None]:
+    """``pytest -m unit``: no process starts while the tests run, module-scoped fixtures included."""
+    if session.config.option.markexpr != "unit":
+        return (yield)
+    with pytest.MonkeyPatch.context() as patcher:
+        _refuse_processes(patcher.setattr, "a unit test's fixture")
+        return (yield)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A unit test that starts a process fails at once, in every run."""
+    if request.node.get_closest_marker("unit") is not None:
+        _refuse_processes(monkeypatch.setattr, request.node.nodeid)
 
 
 @pytest.fixture(scope="session")

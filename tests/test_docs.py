@@ -11,11 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import elastic_ft
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.integration
 def test_api_reference_is_generated_from_the_current_code() -> None:
     done = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "api_reference.py"), "--check"], check=False, capture_output=True, text=True

@@ -102,6 +102,7 @@ def test_the_shipped_configs_follow_the_schema(name: str) -> None:
     jsonschema.validate(yaml.safe_load((CONFIGS / name).read_text()), json_schema())
 
 
+@pytest.mark.integration
 def test_schema_command_prints_the_schema(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "elastic_ft.launcher.cli", "config", "schema"], capture_output=True, text=True, check=False

@@ -128,6 +128,7 @@ LIGHT = (
 )
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "module", ["elastic_ft", "elastic_ft.launcher.cli", "elastic_ft.rendezvous.registration", "elastic_ft.rendezvous"]
 )
@@ -136,6 +137,7 @@ def test_node_side_entry_points_import_neither_torch_nor_the_worker_side(module:
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.integration
 def test_lazy_exports_still_reach_the_worker_api() -> None:
     done = python(
         "import elastic_ft; from elastic_ft import Wrapper, CallWrapper, Compose, Mode, State, rank_assignment; "
@@ -173,6 +175,7 @@ def test_cli_commands_import_neither_torch_nor_the_worker_side(etcd: EtcdServer,
     assert helped.returncode == 0 and "status" in helped.stdout, helped.stderr
 
 
+@pytest.mark.integration
 def test_cli_help_starts_fast() -> None:
     """Loose bound (CI machines are shared); the measured figure is in the issue note."""
     timings = []

@@ -61,6 +61,7 @@ def test_a_board_of_a_bad_size_is_refused(ranks: int) -> None:
         LocalBoard.create(ranks, "x")
 
 
+@pytest.mark.integration
 def test_a_worker_process_sees_what_the_agent_writes_and_the_agent_sees_its_stall(board: LocalBoard) -> None:
     board.set_fence(time.monotonic() + 30.0, 4)
     board.set_may_join(False)

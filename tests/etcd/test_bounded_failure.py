@@ -21,6 +21,8 @@ from elastic_ft.rendezvous.config import EtcdftSettings
 from elastic_ft.testing.etcd_cluster import EtcdCluster
 from elastic_ft.testing.fault_proxy import FaultProxy
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 CONNECT, REQUEST = 2.0, 1.0
 SLACK = 1.5  # scheduling on a loaded 2-core machine
 

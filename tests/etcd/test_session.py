@@ -37,6 +37,7 @@ def test_one_keep_alive_stream_serves_every_refresh(etcd: EtcdServer, run_id: st
     client.close()
 
 
+@pytest.mark.integration
 def test_a_frozen_etcd_loses_the_session_within_its_ttl(one_member: EtcdCluster, run_id: str) -> None:
     client = EtcdClient(one_member.endpoints, request_timeout=1, connect_timeout=2)
     session = Session(client, ttl=2)

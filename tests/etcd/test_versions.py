@@ -17,6 +17,8 @@ from elastic_ft.etcd.server import EtcdServer, etcd_version
 from elastic_ft.rendezvous import EtcdftRendezvousHandler, make_settings
 from elastic_ft.testing.etcd_cluster import etcd_binaries
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 
 @pytest.fixture(params=etcd_binaries(), ids=lambda b: "etcd-{}.{}.{}".format(*etcd_version(b)))
 def versioned_etcd(request: pytest.FixtureRequest) -> Iterator[EtcdServer]:

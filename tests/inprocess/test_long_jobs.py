@@ -18,6 +18,8 @@ import pytest
 from elastic_ft.etcd.server import EtcdServer
 from tests.inprocess.job import RankOutcome, describe, run_job
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 
 def fault(rank: int, kind: str, step: int | str = 2, iteration: int = 0) -> dict[str, Any]:
     return {"rank": rank, "kind": kind, "step": step, "iteration": iteration}

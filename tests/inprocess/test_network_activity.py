@@ -64,6 +64,7 @@ SCENARIO = textwrap.dedent(
 )
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_only_data_the_network_lost_and_the_rank_resends_counts_as_activity() -> None:
     with TestBed(1) as bed:

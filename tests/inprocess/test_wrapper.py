@@ -17,7 +17,7 @@ import pytest
 
 from tests.inprocess.job import RankOutcome, describe, run_job
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.integration]  # every test here starts processes
 
 
 def job(scenario: dict[str, Any], world_size: int, tmp_path: Path, timeout: float = 90) -> list[RankOutcome]:

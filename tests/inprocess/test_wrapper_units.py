@@ -281,6 +281,7 @@ def test_call_wrapper_parameters_found_by_annotation_even_as_strings() -> None:
     assert _call_wrapper_parameters(train) == ["plain", "optional", "postponed"]
 
 
+@pytest.mark.integration
 def test_progress_timestamps_are_never_read_half_written() -> None:
     """The monitor process reads while the main process writes: a torn read
     (struct.pack_into zero-fills before packing) looked like no progress for
@@ -392,6 +393,7 @@ def test_report_process_gone_uses_the_last_position(etcd: EtcdServer) -> None:
     client.close()
 
 
+@pytest.mark.integration
 def test_a_failed_set_up_undoes_what_it_did(monkeypatch: pytest.MonkeyPatch) -> None:
     """A store that cannot be reached: the call raises, and its monitor process and log handler are gone."""
     import logging

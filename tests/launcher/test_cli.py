@@ -27,6 +27,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], check=False, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", ["job.yaml", "single-host.yaml"])
 def test_example_configs_are_valid_and_round_trip(name: str) -> None:
     config = load_job_config((CONFIGS / name).read_text())
@@ -108,6 +109,7 @@ def test_invalid_put_writes_nothing(etcd: EtcdServer, run_id: str, tmp_path: Pat
     assert missing.returncode == 1 and "no job config stored" in missing.stderr
 
 
+@pytest.mark.integration
 def test_unreachable_etcd_is_a_bounded_error(run_id: str) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     start = time.monotonic()

@@ -39,6 +39,7 @@ def test_help_lists_ftrun_and_torchrun_flags() -> None:
     assert "represented by a C10d TCP store" not in flat  # torchrun's text, wrong under ftrun
 
 
+@pytest.mark.integration
 def test_multi_node_without_endpoint_is_a_clear_error() -> None:
     command = [*FTRUN, "--nnodes=1:2", str(TRAIN), "--workdir", "/tmp/unused"]
     done = subprocess.run(command, check=False, capture_output=True, text=True)
@@ -80,6 +81,7 @@ def test_job_config_fills_what_the_command_line_leaves_unset() -> None:
     assert sorted(args.rdzv_conf.split(",")) == ["last_call_timeout=2", "lease_ttl=7"]
 
 
+@pytest.mark.integration
 def test_bad_job_config_file_fails_before_anything_starts(tmp_path: Path) -> None:
     bad = tmp_path / "job.yaml"
     bad.write_text("nodes: {min: 1, max: 1}\nwrapper: {soft_timeout: 0}\n")
@@ -89,6 +91,7 @@ def test_bad_job_config_file_fails_before_anything_starts(tmp_path: Path) -> Non
     assert "embedded etcd" not in done.stderr
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("conf", "message"),
     [
@@ -105,6 +108,7 @@ def test_a_bad_rdzv_conf_is_one_line_and_exit_2_before_anything_starts(tmp_path:
     assert "embedded etcd" not in done.stderr
 
 
+@pytest.mark.integration
 def test_an_unreachable_etcd_names_the_endpoint_and_what_ftrun_was_doing(tmp_path: Path) -> None:
     closed = free_port()
     command = [*FTRUN, "--nnodes=2", "--rdzv-id=job1", f"--rdzv-endpoint=127.0.0.1:{closed}",
@@ -118,6 +122,7 @@ def test_an_unreachable_etcd_names_the_endpoint_and_what_ftrun_was_doing(tmp_pat
     assert "usage:" not in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

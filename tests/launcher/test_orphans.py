@@ -15,6 +15,8 @@ from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.reaper import REAPER_ENV, kill_marked
 from elastic_ft.testing.local_cluster import descendants, torchrun_command
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train_ftrun.py"
 FTRUN = [sys.executable, "-m", "elastic_ft.launcher.ftrun"]
 

@@ -8,7 +8,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.inprocess.job import free_port_pair
+
+pytestmark = pytest.mark.integration  # every test here starts processes
 
 PRELUDE = """
 import datetime, json, logging

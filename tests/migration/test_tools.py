@@ -74,6 +74,7 @@ def test_an_asynchronous_exception_lands_in_the_main_thread() -> None:
             time.sleep(0.01)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("fault", "code"), [("SIGKILL", -signal.SIGKILL), ("SEGFAULT", -signal.SIGSEGV),
                                              ("OS_ABORT", -signal.SIGABRT), ("SIGNAL_EXC", 3)])  # fmt: skip
 def test_process_faults_end_the_process_as_named(fault: str, code: int) -> None:
@@ -88,6 +89,7 @@ def test_process_faults_end_the_process_as_named(fault: str, code: int) -> None:
     assert done.returncode == code, done.stderr[-2000:]
 
 
+@pytest.mark.integration
 def test_lock_gil_holds_the_gil_for_good() -> None:
     script = (
         "import threading, time, sys\n"

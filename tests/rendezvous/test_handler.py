@@ -433,6 +433,7 @@ def test_everything_is_json_under_the_run_prefix(make_handler: HandlerFactory, e
     assert outside == [], outside[:5]
 
 
+@pytest.mark.integration
 def test_etcd_lost_during_rendezvous_fails_within_bounds(run_id: str) -> None:
     with EtcdCluster(members=1) as own_etcd:
         settings = make_settings(

@@ -169,6 +169,7 @@ def wait_for_state(pid: int, *, stopped: bool) -> None:
     raise AssertionError(f"process {pid} did not become {'stopped' if stopped else 'running'}")
 
 
+@pytest.mark.integration
 def test_a_stopped_agent_process_is_mute_and_answers_again_once_continued() -> None:
     code = (
         "import sys, time\n"

@@ -42,6 +42,7 @@ def _handler(server: EtcdServer, run_id: str, password_file: Path, **conf: objec
     return EtcdftRendezvousHandler(settings)
 
 
+@pytest.mark.integration
 def test_a_user_limited_to_its_run_completes_the_rendezvous_and_uses_the_store(
     auth_etcd: tuple[EtcdServer, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
