@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_ft.inprocess.state import State
+from elastic_ft.torch_compat import forget_group_numbers, group_names
 
 
 class Abort(abc.ABC):
@@ -56,7 +57,7 @@ class AbortTorchDistributed(Abort):
         """Abort the NCCL communicators of every process group of this process."""
         if not dist.is_available() or not dist.is_initialized() or not torch.cuda.is_available():
             return
-        for group in list(dist.distributed_c10d._world.pg_names):
+        for group in group_names():
             AbortTorchDistributed.shutdown_process_group_backend(group, torch.device("cuda"))
 
     def __call__(self, state: State) -> State:
@@ -67,11 +68,7 @@ class AbortTorchDistributed(Abort):
             return state
         if dist.is_initialized():
             dist.destroy_process_group()
-        # An init_process_group interrupted before it registered its group still
-        # took a number for the group's name; destroy_process_group never saw it.
-        # Forget it as destroy_process_group would, or the next init on this rank
-        # would name its group differently from the ranks whose init succeeded.
-        dist.distributed_c10d._world.group_count = 0
+        forget_group_numbers()  # an init interrupted before it registered its group took a number
         return state
 
 

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_ft.inprocess.logs import get_logger
+from elastic_ft.torch_compat import registered_groups
 
 log = get_logger("process_groups")
 
@@ -53,12 +54,6 @@ log = get_logger("process_groups")
 _SLOW_RELEASE = 5.0
 #: How long the end of a call waits for the helpers still freeing groups.
 _EXIT_WAIT = 5.0
-
-
-def _registered_groups() -> list[object]:
-    if not dist.is_available():
-        return []
-    return list(dist.distributed_c10d._world.pg_map)
 
 
 def _uses_gloo(group: object) -> bool:
@@ -94,7 +89,7 @@ class ProcessGroupKeeper:
 
     def observe(self) -> None:
         """Note the groups registered now (cheap: one dict copy)."""
-        groups = _registered_groups()
+        groups = registered_groups()
         with self._lock:
             for group in groups:
                 self._seen.setdefault(id(group), group)

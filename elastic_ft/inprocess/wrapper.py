@@ -124,6 +124,7 @@ from elastic_ft.keys import (
 from elastic_ft.local_board import LocalBoard
 from elastic_ft.observability import sink as event_sink
 from elastic_ft.observability.log_format import set_where
+from elastic_ft.torch_compat import check_torch
 
 log = get_logger("wrapper")
 
@@ -402,6 +403,7 @@ class CallWrapper:
     """
 
     def __init__(self, wrapper: Wrapper) -> None:
+        check_torch()
         if dist.is_available() and dist.is_initialized():
             raise ValueError(
                 "the Wrapper needs not torch.distributed.is_initialized(): enter the Wrapper before "

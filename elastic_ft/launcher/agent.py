@@ -105,6 +105,13 @@ from elastic_ft.rendezvous.liveness import (
     should_probe,
 )
 from elastic_ft.rendezvous.probe import probe_all
+from elastic_ft.torch_compat import (
+    check_torch,
+    exit_barrier_timeout,
+    replace_worker_process,
+    set_remaining_restarts,
+    worker_processes,
+)
 from elastic_ft.untrusted import json_object
 
 log = logging.getLogger(__name__)
@@ -144,6 +151,7 @@ class FtAgent(LocalElasticAgent):
     metrics_port: int | None = None
 
     def __init__(self, spec: WorkerSpec, *args: Any, **kwargs: Any) -> None:
+        check_torch()
         if not isinstance(spec.rdzv_handler, EtcdftRendezvousHandler):
             raise TypeError(
                 f"FtAgent needs the etcdft rendezvous, got {type(spec.rdzv_handler).__name__} "
@@ -217,7 +225,7 @@ class FtAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         # Every node derives the count from etcd, so TORCHELASTIC_RESTART_COUNT agrees job-wide.
         left = restarts_left(worker_group.spec.max_restarts, self._escalated_rounds())
-        self._remaining_restarts = max(left, 0)
+        set_remaining_restarts(self, max(left, 0))
         super()._rendezvous(worker_group)
         if self._metrics is not None and self._handler.last_round_seconds is not None:
             self._metrics.metrics.observe_round(self._handler.last_round_seconds)
@@ -350,9 +358,7 @@ class FtAgent(LocalElasticAgent):
         worker_group.store.set(FTRUN_NODES + self._handler.node, record.to_json())
 
     def _subprocesses(self) -> SubprocessContext:
-        if not isinstance(self._pcontext, SubprocessContext):
-            raise TypeError(f"FtAgent expected worker subprocesses, got {type(self._pcontext).__name__}")
-        return self._pcontext
+        return worker_processes(self)
 
     # ---- watching workers ----
 
@@ -492,7 +498,7 @@ class FtAgent(LocalElasticAgent):
             local_rank_id=local_rank,
             numa_options=getattr(pcontext, "_numa_options", None),
         )
-        pcontext.subprocess_handlers[local_rank] = handler
+        replace_worker_process(pcontext, local_rank, handler)
         if self._board is not None:
             self._board.clear_stalls(local_rank)
         self._respawns[local_rank] = used + 1
@@ -797,7 +803,7 @@ class FtAgent(LocalElasticAgent):
         store.set(FTRUN_EXIT_BARRIER + self._handler.node, "")
         members = {member.node for member in member_of.members}
         arrived: set[str] = set()
-        deadline = time.monotonic() + self._exit_barrier_timeout
+        deadline = time.monotonic() + exit_barrier_timeout(self)
         while True:
             arrived |= {node for node in members - arrived if store.check([FTRUN_EXIT_BARRIER + node])}
             change = self._handler.membership_change()
@@ -808,7 +814,7 @@ class FtAgent(LocalElasticAgent):
                 log.warning(
                     "exit barrier: %s still running after %g s; exiting anyway",
                     sorted(members - arrived - gone),
-                    self._exit_barrier_timeout,
+                    exit_barrier_timeout(self),
                 )
                 return
             time.sleep(_EXIT_BARRIER_POLL)

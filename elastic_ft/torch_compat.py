@@ -1,0 +1,144 @@
+"""torch's private internals that elastic-ft relies on, in one place, checked against the torch versions tested.
+
+Two sides reach below torch's public API:
+
+* the worker side reads ``torch.distributed``'s process-group registry
+  (``distributed_c10d._world``: which groups exist, and the counter that
+  names the next one);
+* ``ftrun``'s agent extends ``SimpleElasticAgent`` through its protected
+  members (``_rendezvous``, ``_start_workers``, ``_invoke_run``,
+  ``_exit_barrier``, ``_remaining_restarts``, ``_pcontext``,
+  ``_exit_barrier_timeout``) and replaces one worker's
+  ``SubprocessHandler`` in its ``SubprocessContext`` when it respawns it.
+
+Every such use goes through this module. :func:`check_torch` runs before
+either side touches one (the Wrapper's first call, the agent's
+construction): on a torch outside :data:`TESTED` it fails with a message
+naming the version and the range, unless the user opts in with
+``ELASTIC_FT_UNTESTED_TORCH=1`` (then it warns once), and it fails on any
+torch, tested or not, that lacks one of the members named here.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import warnings
+from typing import Any
+
+#: The oldest and newest torch minor versions CI runs (the whole suite on one, the end-to-end tests on the other).
+TESTED = ((2, 13), (2, 15))
+#: Opt in to a torch outside :data:`TESTED` (a warning instead of an error).
+UNTESTED_OPT_IN = "ELASTIC_FT_UNTESTED_TORCH"
+#: The agent members ``FtAgent`` overrides or reads; torch renaming one would silently bypass elastic-ft.
+AGENT_MEMBERS = ("_rendezvous", "_start_workers", "_invoke_run", "_exit_barrier", "_restart_workers", "_stop_workers")
+
+
+class UnsupportedTorchError(RuntimeError):
+    """The installed torch is one elastic-ft was not tested with, or lacks an internal it relies on."""
+
+
+def parse_version(text: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string such as ``2.15.0+cu130`` or ``2.16.0a0+git1234`` (pure)."""
+    match = re.match(r"(\d+)\.(\d+)", text)
+    if match is None:
+        raise UnsupportedTorchError(f"torch.__version__={text!r} is not a version; expected MAJOR.MINOR[...]")
+    return int(match[1]), int(match[2])
+
+
+def version_verdict(version: tuple[int, int], opted_in: bool) -> str | None:
+    """None when ``version`` is tested; otherwise the message: an error, or a warning when ``opted_in`` (pure)."""
+    oldest, newest = TESTED
+    if oldest <= version <= newest:
+        return None
+    found = ".".join(map(str, version))
+    tested = f"{oldest[0]}.{oldest[1]} to {newest[0]}.{newest[1]}"
+    if opted_in:
+        return f"torch {found} is outside the versions elastic-ft is tested with ({tested}); {UNTESTED_OPT_IN} is set"
+    return (
+        f"torch {found} is outside the versions elastic-ft is tested with ({tested}): elastic-ft uses torch "
+        f"internals that change between versions. Install a tested torch, or set {UNTESTED_OPT_IN}=1 to try it"
+    )
+
+
+@functools.cache
+def check_torch() -> None:
+    """Fail (or warn, when opted in) on an untested torch; fail on one lacking an internal used here. Once per
+    process."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+
+    verdict = version_verdict(parse_version(torch.__version__), os.environ.get(UNTESTED_OPT_IN) == "1")
+    if verdict is not None:
+        if os.environ.get(UNTESTED_OPT_IN) != "1":
+            raise UnsupportedTorchError(verdict)
+        warnings.warn(verdict, stacklevel=2)
+    missing = [f"SimpleElasticAgent.{name}" for name in AGENT_MEMBERS if not hasattr(SimpleElasticAgent, name)]
+    if "subprocess_handlers" not in SubprocessContext.__init__.__code__.co_names:
+        missing.append("SubprocessContext.subprocess_handlers")
+    if dist.is_available() and not hasattr(dist.distributed_c10d, "_world"):
+        missing.append("torch.distributed.distributed_c10d._world")
+    if missing:
+        raise UnsupportedTorchError(f"torch {torch.__version__} lacks what elastic-ft relies on: {', '.join(missing)}")
+
+
+# ---- the worker side: torch.distributed's process-group registry ----
+
+
+def registered_groups() -> list[Any]:
+    """Every process group this process has registered (the default group included)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return []
+    return list(dist.distributed_c10d._world.pg_map)
+
+
+def group_names() -> list[Any]:
+    """The process groups torch names (what ``destroy_process_group`` would destroy)."""
+    import torch.distributed as dist
+
+    return list(dist.distributed_c10d._world.pg_names)
+
+
+def forget_group_numbers() -> None:
+    """Restart the counter that names new groups, as ``destroy_process_group()`` of every group does.
+
+    An ``init_process_group`` interrupted before it registered its group
+    still took a number; without this, the next init on this rank would name
+    its group differently from the ranks whose init succeeded.
+    """
+    import torch.distributed as dist
+
+    dist.distributed_c10d._world.group_count = 0
+
+
+# ---- the node side: torch's elastic agent ----
+
+
+def worker_processes(agent: Any) -> Any:
+    """The agent's ``SubprocessContext`` (``ftrun`` starts script or binary workers, never functions)."""
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+
+    context = agent._pcontext
+    if not isinstance(context, SubprocessContext):
+        raise TypeError(f"FtAgent expected worker subprocesses, got {type(context).__name__}")
+    return context
+
+
+def replace_worker_process(context: Any, local_rank: int, handler: Any) -> None:
+    """Watch ``handler`` (a new process) as ``local_rank`` from now on: torch's ``_poll`` reads this list."""
+    context.subprocess_handlers[local_rank] = handler
+
+
+def set_remaining_restarts(agent: Any, remaining: int) -> None:
+    """What torch's agent exports as ``TORCHELASTIC_MAX_RESTARTS`` left and counts down on a failure."""
+    agent._remaining_restarts = remaining
+
+
+def exit_barrier_timeout(agent: Any) -> float:
+    """Seconds torch's agent gives the exit barrier (``LaunchConfig.exit_barrier_timeout``)."""
+    return float(agent._exit_barrier_timeout)
