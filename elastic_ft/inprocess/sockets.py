@@ -12,7 +12,10 @@ one side connecting to the other side's listener. A rank releases the
 connections **accepted on listeners it created after the Wrapper's entry**.
 Each live pair has exactly one such acceptor, so when every live rank
 releases its own, every connection between live ranks is cut; a dead rank's
-connections were closed by its kernel. Listeners themselves are never
+connections were closed by its kernel. A peer's release ends this side's
+reads but not a write blocked on the peer's full window, so a release also
+cuts the connections this rank initiated whose peer has shut them
+(``CLOSE_WAIT``). Listeners themselves are never
 touched (gloo ends the process when its listener fails), nor is anything
 that existed at entry (the Wrapper's store connections), nor connections
 the process initiated (an HTTP client, a store client).
@@ -51,6 +54,10 @@ log = get_logger("sockets")
 
 _LISTEN = "0A"
 _ESTABLISHED = "01"
+#: The peer shut its side (its release): a write of ours blocked on the peer's full window stays blocked.
+_CLOSE_WAIT = "08"
+#: States of a connection a release may still have to cut.
+_OPEN = (_ESTABLISHED, _CLOSE_WAIT)
 
 
 @dataclass(frozen=True)
@@ -201,11 +208,27 @@ def socket_inodes() -> frozenset[int]:
 
 
 def accepted_connections(sockets: list[TcpSocket], baseline: frozenset[int]) -> list[TcpSocket]:
-    """The established connections accepted on listeners created after ``baseline`` was taken (pure)."""
+    """The open connections accepted on listeners created after ``baseline`` was taken (pure)."""
     listener_ports = {s.local_port for s in sockets if s.state == _LISTEN and s.inode not in baseline}
-    return [
-        s for s in sockets if s.state == _ESTABLISHED and s.inode not in baseline and s.local_port in listener_ports
-    ]
+    return [s for s in sockets if s.state in _OPEN and s.inode not in baseline and s.local_port in listener_ports]
+
+
+def _initiated_connections(sockets: list[TcpSocket], baseline: frozenset[int]) -> list[TcpSocket]:
+    """The open connections this process initiated after ``baseline`` was taken (pure)."""
+    listener_ports = {s.local_port for s in sockets if s.state == _LISTEN}
+    return [s for s in sockets if s.state in _OPEN and s.inode not in baseline and s.local_port not in listener_ports]
+
+
+def released_by_peers(sockets: list[TcpSocket], baseline: frozenset[int]) -> list[TcpSocket]:
+    """The connections :func:`accepted_connections` lists, plus those this process initiated after ``baseline``
+    that their peer has shut (pure).
+
+    A peer's release (``shutdown(2)`` of the connection it accepted) ends
+    this side's reads, but not a write blocked on the peer's full receive
+    window: that one returns only once this side shuts down too.
+    """
+    initiated = _initiated_connections(sockets, baseline)
+    return accepted_connections(sockets, baseline) + [s for s in initiated if s.state == _CLOSE_WAIT]
 
 
 _fork_baseline: frozenset[int] | None = None
@@ -235,19 +258,15 @@ def created_connections(sockets: list[TcpSocket], baseline: frozenset[int]) -> l
     """The connections :func:`accepted_connections` lists, plus those this process initiated after ``baseline`` was
     taken (pure). Connections accepted on a listener that existed at entry (a store this rank hosts, which its
     monitor process and its peers use) stay out."""
-    listener_ports = {s.local_port for s in sockets if s.state == _LISTEN}
-    initiated = [
-        s for s in sockets if s.state == _ESTABLISHED and s.inode not in baseline and s.local_port not in listener_ports
-    ]
-    return accepted_connections(sockets, baseline) + initiated
+    return accepted_connections(sockets, baseline) + _initiated_connections(sockets, baseline)
 
 
 def release_connections(baseline: frozenset[int], *, everything: bool = False) -> int:
-    """Shut down the connections accepted on listeners created since ``baseline`` (with ``everything``, every
-    connection created since); returns how many."""
+    """Shut down the connections accepted on listeners created since ``baseline`` and those its peers shut (with
+    ``everything``, every connection created since); returns how many."""
     released = 0
     sockets = tcp_sockets()
-    for connection in created_connections(sockets, baseline) if everything else accepted_connections(sockets, baseline):
+    for connection in created_connections(sockets, baseline) if everything else released_by_peers(sockets, baseline):
         try:
             # A duplicate of the descriptor reaches the same socket; closing the duplicate
             # leaves gloo's descriptor open, so gloo never acts on a reused number.

@@ -316,15 +316,18 @@ def test_wait_returns_when_a_queue_is_pushed(store_pair: tuple[dist.Store, dist.
     a, b = store_pair
     for name in names[1:]:
         a.set(name, "here")
-    pushed = threading.Event()
+    pushing, pushed = threading.Event(), threading.Event()
 
     def push() -> None:
+        pushing.set()
         a.queue_push(names[0], "x")
         pushed.set()
 
     threading.Timer(0.3, push).start()
     b.wait(names, timedelta(seconds=10))
-    assert pushed.is_set()
+    # The wait ended because of the push (not before it began); the pushing call itself may return a moment
+    # after the store woke the waiter.
+    assert pushing.is_set() and pushed.wait(5)
 
 
 def test_blocking_queue_pop_waits_for_a_push_then_times_out(store_pair: tuple[dist.Store, dist.Store]) -> None:

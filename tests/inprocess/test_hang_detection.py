@@ -7,6 +7,8 @@ import datetime
 import math
 import socket
 import struct
+import threading
+import time
 
 import pytest
 
@@ -29,6 +31,9 @@ from elastic_ft.inprocess.sockets import (
     accepted_connections,
     created_connections,
     gloo_listeners,
+    release_connections,
+    released_by_peers,
+    socket_inodes,
     tcp_sockets,
     unblock_listeners,
 )
@@ -298,11 +303,47 @@ def test_only_connections_accepted_on_new_listeners_are_cut() -> None:
         sock(5, 50003, 42000, "01"),  # this rank connected to a peer's listener: the peer cuts it
         sock(6, 50004, 443, "01"),  # an HTTP client: spared
         sock(7, 41000, 50005, "06"),  # TIME_WAIT: nothing to cut
+        sock(8, 41000, 50006, "08"),  # accepted, and the peer shut its side: cut
+        sock(9, 50007, 43000, "08"),  # this rank connected, and the peer released it: cut (a write may block)
     ]
-    assert [s.inode for s in accepted_connections(sockets, frozenset({1}))] == [4]
+    assert [s.inode for s in accepted_connections(sockets, frozenset({1}))] == [4, 8]
+    assert [s.inode for s in released_by_peers(sockets, frozenset({1}))] == [4, 8, 9]
     # When the restart stays blocked (a frozen peer cuts nothing), what this rank initiated goes too; what the
     # store it hosts accepted (its monitor process, its peers) stays.
-    assert [s.inode for s in created_connections(sockets, frozenset({1}))] == [4, 5, 6]
+    assert [s.inode for s in created_connections(sockets, frozenset({1}))] == [4, 8, 5, 6, 9]
+
+
+def test_a_write_blocked_on_a_peer_that_released_the_connection_ends_at_the_release() -> None:
+    """A real pair of sockets: the peer shuts its side without reading; this side's blocked write ends only when
+    release_connections cuts this side too (it is in CLOSE_WAIT, not established)."""
+    baseline = socket_inodes()
+    listener = socket.create_server(("127.0.0.1", 0))
+    writer = socket.create_connection(listener.getsockname())
+    peer, _ = listener.accept()
+    listener.close()  # the peer's side is an accepted socket of a closed listener: only our side is cut
+    failure: list[OSError] = []
+
+    def write_forever() -> None:
+        try:
+            while True:
+                writer.sendall(b"x" * 65536)
+        except OSError as error:
+            failure.append(error)
+
+    thread = threading.Thread(target=write_forever, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.3)  # the write fills both buffers and blocks
+        peer.shutdown(socket.SHUT_RDWR)
+        thread.join(0.5)
+        assert thread.is_alive(), "the peer's release alone ended the write"
+        assert release_connections(baseline) == 1
+        thread.join(5)
+        assert not thread.is_alive() and isinstance(failure[0], BrokenPipeError)
+    finally:
+        for end in (writer, peer):
+            end.close()
+
 
 
 def test_messages_after_store_ready_in_the_same_read_are_kept() -> None:
