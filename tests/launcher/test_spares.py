@@ -221,7 +221,12 @@ def test_respawns_stop_at_the_job_budget(
     logged = a.log() + b.log()
     assert logged.count("respawned as pid") == 1 and "respawn.per_job=1 used" in logged
     done = read(tmp_path, "done-*.json")
-    assert sorted(r["initial_rank"] for r in done.values()) == [0, 2, 4]
+    finished = sorted(r["initial_rank"] for r in done.values())
+    # The respawned rank 4 waited in reserve and left with the job, or, still starting when the job
+    # completed (a slow torch import), its agent stopped it.
+    assert finished in ([0, 2, 4], [0, 2]), finished
+    if finished == [0, 2]:
+        assert next(w for w in status_of(etcd, run_id)["workers"] if w["rank"] == 4)["state"] == "retired (-15)"
     assert {r["result"]["world_size"] for r in done.values() if r["result"]} == {2}
     assert escalations(etcd, run_id) == []
 
