@@ -325,7 +325,8 @@ def test_spare_node_waits_without_error_and_exits_with_the_job(
 
 
 def test_spare_replaces_a_killed_node(etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]) -> None:
-    scenario = {"steps": 120, "step_seconds": 0.05}
+    # 15 s of training: the spare's workers start (torch 2.15 imports slower) and are admitted before it ends.
+    scenario = {"steps": 300, "step_seconds": 0.05}
     a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
     wait_for(tmp_path, "start-*.json", 4, 90)
     spare = start(nodes, tmp_path, etcd, run_id, "C", scenario)
