@@ -303,6 +303,11 @@ def barrier_done(name: str) -> str:
     return f"{name}/done"
 
 
+def barrier_last(name: str) -> str:
+    """The rank whose arrival completed barrier ``name``: the one that publishes its result."""
+    return f"{name}/last"
+
+
 def rank_assignment_exchange(policy: str, call: int) -> str:
     """Prefix of one grouping-key exchange of a rank-assignment policy."""
     return f"{RANK_ASSIGNMENT}/{policy}/{call}"

@@ -95,6 +95,64 @@ def poll(predicate: Callable[[], bool], timeout: float | None, interval_max: flo
     return True
 
 
+#: How often a rank waiting at a barrier reads the barrier itself, past the watch: a lost watch event
+#: then costs this long, and a last arriver lost before it published is noticed. Longer in a large
+#: world, so that all the waiting ranks together read at most ``_STALL_READS_PER_SECOND`` times a second.
+_STALL_CHECK = 1.0
+_STALL_READS_PER_SECOND = 500
+#: How long a completed barrier may stay unpublished before a waiting rank publishes its result: once
+#: the last arriver is recorded gone from the iteration (it is recorded so once dead, or, leaving on
+#: its own, just before it arrives and publishes), and when not even the last arriver is known (it
+#: died between counting itself and recording itself: a window of one request).
+_STALL_GONE = 1.0
+_STALL_UNKNOWN = 10.0
+
+
+class _StalledBarrier:
+    """A waiter's check for a barrier every rank arrived at but nobody published.
+
+    The rank whose arrival completes a barrier publishes its result; if
+    that rank's process dies in between (a hard timeout's SIGKILL, a node
+    lost), every other rank would wait out the barrier timeout although
+    all arrived. A waiter publishes in its place, through ``compare_set`` so
+    that the first result published holds, once the stall outlasted a
+    grace period and the last arriver is recorded gone from the iteration
+    (or unknown).
+    """
+
+    def __init__(self, store: StoreMixin, name: str, world_size: int) -> None:
+        self.store, self.name, self.world_size = store, name, world_size
+        self.interval = max(_STALL_CHECK, world_size / _STALL_READS_PER_SECOND)
+        self.next_check = time.monotonic() + self.interval
+        self.stalled_since: float | None = None
+
+    def repaired(self) -> bool:
+        """True once the barrier's result is published (by anyone); reads the store at most every interval."""
+        now = time.monotonic()
+        if now < self.next_check:
+            return False
+        self.next_check = now + self.interval
+        store = self.store
+        if store.check([keys.barrier_done(self.name)]):
+            return True
+        if store._arrivals(self.name) < self.world_size:
+            self.stalled_since = None
+            return False
+        if self.stalled_since is None:
+            self.stalled_since = now
+        last_key = keys.barrier_last(self.name)
+        last = keys.parse_count(_text(store.get(last_key))) if store.check([last_key]) else None
+        grace = _STALL_UNKNOWN if last is None else _STALL_GONE
+        if now - self.stalled_since < grace or (last is not None and last not in store.terminated_ranks()):
+            return False
+        log.warning(
+            "%s: all %d ranks arrived %.1f s ago, but the last (%s) published no result: publishing it in its place",
+            self.name, self.world_size, now - self.stalled_since, "unknown" if last is None else f"rank {last}, gone",
+        )  # fmt: skip
+        store._publish(self.name, self.world_size, admit=False)
+        return True
+
+
 def _count(value: object) -> bool:
     """A rank, iteration or world size: a non-negative integer that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
@@ -171,35 +229,50 @@ class StoreMixin:
             if count > world_size:
                 raise BarrierOverflow(f"{name}: rank {rank} arrived as number {count} of {world_size}")
             if count == world_size:
-                self.set(done_key, self.barrier_result(name, world_size))
+                self.set(keys.barrier_last(name), str(rank))
+                self._publish(name, world_size, admit=True)
         if timeout <= datetime.timedelta(0):
             return None
         limit = None if timeout == datetime.timedelta.max else timeout.total_seconds()
+        stalled = _StalledBarrier(self, name, world_size)
         if counting is not None and callable(getattr(counting[0], "watch_for", None)):
             # The loop stays a short-sleep poll the Wrapper can interrupt, but what it polls is a watch's
             # flag: one watch per rank, not a request every few milliseconds.
             appeared, stop = counting[0].watch_for(counting[1] + done_key)
             try:
-                completed = poll(lambda: appeared.is_set() and self.check([done_key]), limit)
+                completed = poll(lambda: (appeared.is_set() and self.check([done_key])) or stalled.repaired(), limit)
             finally:
                 stop()
         else:
-            completed = poll(lambda: self.check([done_key]), limit)
+            completed = poll(lambda: self.check([done_key]) or stalled.repaired(), limit)
         if not completed:
-            if counting is not None:
-                arrived = counting[0].arrivals(counting[1] + keys.barrier_count(name))
-            else:
-                arrived = self.add(keys.barrier_count(name), 0)
-            raise BarrierTimeout(f"{name}: {arrived} of {world_size} ranks arrived within {limit:g} s")
+            raise BarrierTimeout(f"{name}: {self._arrivals(name)} of {world_size} ranks arrived within {limit:g} s")
         return _text(self.get(done_key))
 
-    def barrier_result(self, name: str, world_size: int) -> str:
+    def _arrivals(self, name: str) -> int:
+        counting = counting_store(self)
+        if counting is not None:
+            return int(counting[0].arrivals(counting[1] + keys.barrier_count(name)))
+        return self.add(keys.barrier_count(name), 0)
+
+    def _publish(self, name: str, world_size: int, *, admit: bool) -> None:
+        """Publish barrier ``name``'s result unless one is already published (the first one holds)."""
+        done_key = keys.barrier_done(name)
+        result = self.barrier_result(name, world_size, admit=admit)
+        held = _text(self.compare_set(done_key, "", result))
+        if held != result:
+            log.warning("%s: a result was published before this one, which is dropped: %.200s", name, result)
+
+    def barrier_result(self, name: str, world_size: int, *, admit: bool = True) -> str:
         """What the last rank arriving at barrier ``name`` publishes.
 
         The completion barrier decides the iteration's outcome (completed,
         unless an interruption came first); the termination barrier freezes
         what the next rank assignment gets (:class:`TerminationResult`): the
-        terminated ranks, and the joiners admitted into the next iteration.
+        terminated ranks, and the joiners admitted into the next iteration
+        (with ``admit=False``, only those admitted already: a rank that
+        publishes in place of a lost last arriver admits no one new, so
+        that no admission it makes can miss the result that holds).
         """
         if name == COMPLETION_BARRIER:
             return self.decide_outcome(COMPLETED)
@@ -211,7 +284,7 @@ class StoreMixin:
                 return TerminationResult(world_size, tuple(self.terminated_ranks())).to_json()
             base = self.underlying_store
             job = job_store(base)
-            joined = admit_joiners(job, iteration + 1)
+            joined = admit_joiners(job, iteration + 1) if admit else admitted_joiners(job, iteration + 1)
             job.set(keys.LATEST_ITERATION, str(iteration + 1))
             recorded = _text(self.get(keys.INTERRUPTIONS)) if self.check([keys.INTERRUPTIONS]) else ""
             records, _ = parse_interruptions(recorded)
@@ -634,6 +707,13 @@ def admit_joiners(job: PrefixStore, iteration: int) -> list[int]:
         if job.claim_admission(rank, value) == value:
             admitted.append(rank)
     return admitted
+
+
+def admitted_joiners(job: PrefixStore, iteration: int) -> list[int]:
+    """The joiners already admitted into ``iteration``, in the order :func:`admit_joiners` admits them."""
+    if not job.accepts_joiners():
+        return []
+    return [rank for rank in job.joiners()[:_JOINED_MAX] if job.admission(rank) == str(iteration)]
 
 
 def report_rank_gone(

@@ -405,3 +405,59 @@ def test_wrapper_barrier_on_an_etcd_store_counts_in_one_transaction_per_rank(etc
     with pytest.raises(Exception, match="1 of 2 ranks arrived"):
         views[0].arrive_and_wait("c", [0], 2, timedelta(seconds=0.5))
     client.close()
+
+
+def _wait_in_threads(views: list, ranks: list[int], world_size: int, timeout: float) -> tuple[dict, list]:
+    """Ranks arriving at the termination barrier and waiting, each in a thread: (results by rank, threads)."""
+    from elastic_ft.keys import TERMINATION_BARRIER
+
+    results: dict[int, object] = {}
+
+    def wait(rank: int) -> None:
+        try:
+            results[rank] = views[rank].arrive_and_wait(TERMINATION_BARRIER, [rank], world_size, timedelta(seconds=timeout))
+        except Exception as error:  # noqa: BLE001 - the test reads it
+            results[rank] = error
+
+    threads = [threading.Thread(target=wait, args=(rank,)) for rank in ranks]
+    for thread in threads:
+        thread.start()
+    return results, threads
+
+
+@pytest.mark.parametrize("last_arriver", ["gone", "unknown", "not known gone"])
+def test_a_barrier_whose_last_arriver_died_before_publishing_completes(
+    store_pair: tuple[dist.Store, dist.Store], monkeypatch: pytest.MonkeyPatch, last_arriver: str
+) -> None:
+    """The rank whose arrival completes the termination barrier is killed (a hard timeout's SIGKILL) before it
+    publishes the result: the waiting ranks publish in its place once it is recorded gone (or, after a longer
+    grace, when it died before even recording itself as the last), instead of waiting out the barrier timeout
+    although every rank arrived. A last arriver not known to be gone may still publish: nobody replaces it."""
+    from elastic_ft import keys
+    from elastic_ft.inprocess import store as store_module
+    from elastic_ft.inprocess.store import StoreMixin, TerminationResult, iteration_store
+    from elastic_ft.keys import TERMINATION_BARRIER
+
+    monkeypatch.setattr(store_module, "_STALL_UNKNOWN", 3.0)
+    views = [iteration_store(store_pair[rank % 2], 5) for rank in range(3)]
+    results, threads = _wait_in_threads(views, [0, 1], 3, timeout=6 if last_arriver == "not known gone" else 20)
+    while views[2]._arrivals(TERMINATION_BARRIER) < 2:
+        time.sleep(0.01)
+    with monkeypatch.context() as patch:
+        patch.setattr(StoreMixin, "_publish", lambda *args, **kwargs: None)  # dies right after counting itself
+        assert views[2].arrive_and_wait(TERMINATION_BARRIER, [2], 3, timedelta(0)) is None
+    if last_arriver == "unknown":
+        views[2].delete_key(keys.barrier_last(TERMINATION_BARRIER))  # died before recording itself as the last
+    if last_arriver != "not known gone":
+        views[2].record_terminated([2])  # what its monitor process or its agent reports
+    started = time.monotonic()
+    for thread in threads:
+        thread.join(timeout=30)
+    waited = time.monotonic() - started
+    if last_arriver == "not known gone":
+        assert all("3 of 3 ranks arrived" in str(results[rank]) for rank in (0, 1)), results
+        assert not views[0].check([keys.barrier_done(TERMINATION_BARRIER)])
+        return
+    expected = TerminationResult(world_size=3, terminated=(2,)).to_json()
+    assert results == {0: expected, 1: expected}
+    assert waited < 15, waited  # the grace period, not the 20 s barrier timeout

@@ -46,6 +46,26 @@ def test_the_last_arrival_admits_each_registered_joiner_once() -> None:
     assert admit_joiners(job, 2) == [8]
 
 
+def test_a_result_published_for_a_lost_last_arriver_keeps_its_admissions_and_makes_none() -> None:
+    """The last arriver admitted joiner 5, then died before it published: the rank publishing in its place
+    includes 5 (it was told it joins) and admits nobody new (joiner 6, ready meanwhile, waits for the next
+    restart), so no admission can miss the result that holds."""
+    from elastic_ft.inprocess.store import admitted_joiners
+
+    base = dist.HashStore()
+    job = job_store(base)
+    job.set_accepts_joiners()
+    for rank in (5, 6):
+        job.register_joiner(rank)
+        job.send_heartbeat(rank)
+    assert job.claim_admission(5, "4") == "4"  # what the lost last arriver of iteration 3 did
+    assert admitted_joiners(job, 4) == [5]
+    iteration = iteration_store(base, 3)
+    result = TerminationResult.from_json(iteration.barrier_result(TERMINATION_BARRIER, 2, admit=False), 2)
+    assert result.joined == (5,)
+    assert job.admission(6) is None
+
+
 def test_a_joiner_that_dies_before_admission_is_withdrawn_and_never_admitted() -> None:
     base = dist.HashStore()
     job = job_store(base)
