@@ -65,7 +65,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 from pydantic_core import PydanticCustomError
 
-from elastic_ft.timeouts import MAX_SECONDS, MAY_BE_ZERO, WRAPPER_DEFAULTS, WRAPPER_ORDER, SecondsError, check_seconds
+from elastic_ft.timeouts import MAX_SECONDS, WRAPPER_DEFAULTS, WRAPPER_ORDER, SecondsError, check_seconds
 
 _LAYER_FLAGS = ("RESERVE", "BACKFILL")
 #: When a respawned worker joins the running world: at the next restart, or through one asked for at once.
@@ -174,17 +174,12 @@ def _flags_check(value: Any) -> list[str]:
     return flags
 
 
-def Count(minimum: int, description: str) -> Any:
-    return Annotated[
-        int, Field(ge=minimum, le=MAX_COUNT, description=description), BeforeValidator(_count_check(minimum))
-    ]
-
-
-def Seconds(may_be_zero: bool, description: str) -> Any:
-    bound = {"ge": 0.0} if may_be_zero else {"gt": 0.0}
-    return Annotated[
-        float, Field(le=MAX_SECONDS, description=description, **bound), BeforeValidator(_seconds_check(may_be_zero))
-    ]
+#: The field types of the config: bounds for the schema, checks with the messages users read (each field
+#: adds its description).
+Count0 = Annotated[int, Field(ge=0, le=MAX_COUNT), BeforeValidator(_count_check(0))]
+Count1 = Annotated[int, Field(ge=1, le=MAX_COUNT), BeforeValidator(_count_check(1))]
+Seconds = Annotated[float, Field(gt=0.0, le=MAX_SECONDS), BeforeValidator(_seconds_check(False))]
+SecondsOrZero = Annotated[float, Field(ge=0.0, le=MAX_SECONDS), BeforeValidator(_seconds_check(True))]
 
 
 class _Section(BaseModel):
@@ -213,9 +208,11 @@ def _ordered(error_path: str, smaller: str, smaller_value: float, larger: str, l
 
 
 class NodesSection(_Section):
-    min: Count(1, "nodes the rendezvous waits for before the job starts") = 1
-    max: Count(1, "most nodes that train at once; default: min") | None = None
-    spares: Count(0, "hot spare nodes admitted beyond max: their workers start and wait as reserve ranks") = 0
+    min: Count1 = Field(1, description="nodes the rendezvous waits for before the job starts")
+    max: Count1 | None = Field(None, description="most nodes that train at once; default: min")
+    spares: Count0 = Field(
+        0, description="hot spare nodes admitted beyond max: their workers start and wait as reserve ranks"
+    )
 
     @model_validator(mode="after")
     def _min_at_most_max(self) -> NodesSection:
@@ -225,10 +222,12 @@ class NodesSection(_Section):
 
 
 class RespawnSection(_Section):
-    per_rank: Count(
-        0, "replacements in a row of a local rank's worker that died before it trained (a crash loop; 0: never)"
-    ) = 2
-    per_job: Count(0, "replacements of dead workers in the whole job") = 256
+    per_rank: Count0 = Field(
+        2,
+        description="replacements in a row of a local rank's worker that died before it trained (a crash loop; "
+        "0: never)",
+    )
+    per_job: Count0 = Field(256, description="replacements of dead workers in the whole job")
     rejoin: Annotated[
         Literal["next_fault", "at_once"],
         Field(description="next_fault: the new process waits in reserve for the next restart; "
@@ -244,7 +243,9 @@ class ObservabilitySection(_Section):
               "overwritten)"),
         BeforeValidator(_count_check(1, MAX_EVENTS_KEPT)),
     ] = 4096  # fmt: skip
-    progress_interval: Seconds(False, "seconds between two samples of a rank's optimizer steps (timeline)") = 5.0
+    progress_interval: Seconds = Field(
+        5.0, description="seconds between two samples of a rank's optimizer steps (timeline)"
+    )
     metrics_port: (
         Annotated[
             int,
@@ -257,15 +258,15 @@ class ObservabilitySection(_Section):
 
 
 class RendezvousSection(_Section):
-    join_timeout: Seconds(False, "seconds a node may wait to join a round (etcdft's join_timeout)") | None = None
-    last_call_timeout: Seconds(True, "seconds to wait for more nodes once min joined") | None = None
-    lease_ttl: (
-        Annotated[
-            Seconds(False, "whole seconds a dead node keeps its place (its etcd lease)"),
-            Field(json_schema_extra={"multipleOf": 1}),
-        ]
-        | None
-    ) = None
+    join_timeout: Seconds | None = Field(
+        None, description="seconds a node may wait to join a round (etcdft's join_timeout)"
+    )
+    last_call_timeout: SecondsOrZero | None = Field(None, description="seconds to wait for more nodes once min joined")
+    lease_ttl: Seconds | None = Field(
+        None,
+        description="whole seconds a dead node keeps its place (its etcd lease)",
+        json_schema_extra={"multipleOf": 1},
+    )
 
     @model_validator(mode="after")
     def _whole_lease(self) -> RendezvousSection:
@@ -302,29 +303,37 @@ RESTART_LIMITS = {
     "max_restarts_without_progress": "iterations in a row that may end on a fault before any step before the "
     "Wrapper gives up; default 10, 0: no limit",
 }
-WrapperSection = type(
-    "WrapperSection",
-    (_Section,),
-    {
-        "__annotations__": {
-            **{
-                name: Seconds(name in MAY_BE_ZERO, f"{_WRAPPER_HELP[name]}; default {WRAPPER_DEFAULTS[name]:g} s")
-                | None
-                for name in WRAPPER_DEFAULTS
-            },
-            **{name: Count(0, help_text) | None for name, help_text in RESTART_LIMITS.items()},
-        },
-        **dict.fromkeys(WRAPPER_DEFAULTS),
-        **dict.fromkeys(RESTART_LIMITS),
-        "__doc__": "The elastic_ft.Wrapper durations, in seconds, and restart limits, by argument name.",
-        "__module__": __name__,
-    },
-)
+
+
+def _wrapper_field(name: str) -> Any:
+    return Field(None, description=f"{_WRAPPER_HELP[name]}; default {WRAPPER_DEFAULTS[name]:g} s")
+
+
+class WrapperSection(_Section):
+    """The elastic_ft.Wrapper durations, in seconds, and restart limits, by argument name."""
+
+    monitor_thread_interval: Seconds | None = _wrapper_field("monitor_thread_interval")
+    monitor_process_interval: Seconds | None = _wrapper_field("monitor_process_interval")
+    progress_watchdog_interval: Seconds | None = _wrapper_field("progress_watchdog_interval")
+    heartbeat_interval: Seconds | None = _wrapper_field("heartbeat_interval")
+    heartbeat_timeout: Seconds | None = _wrapper_field("heartbeat_timeout")
+    soft_timeout: Seconds | None = _wrapper_field("soft_timeout")
+    hard_timeout: Seconds | None = _wrapper_field("hard_timeout")
+    barrier_timeout: Seconds | None = _wrapper_field("barrier_timeout")
+    completion_timeout: Seconds | None = _wrapper_field("completion_timeout")
+    last_call_wait: SecondsOrZero | None = _wrapper_field("last_call_wait")
+    termination_grace_time: SecondsOrZero | None = _wrapper_field("termination_grace_time")
+    max_identical_faults: Count0 | None = Field(None, description=RESTART_LIMITS["max_identical_faults"])
+    max_restarts_without_progress: Count0 | None = Field(
+        None, description=RESTART_LIMITS["max_restarts_without_progress"]
+    )
 
 
 class LayerSection(_Section):
-    min_ranks: Count(1, "a group with fewer healthy ranks than this is terminated as a whole") = 1
-    max_ranks: Count(1, "at most this many ranks of a group are active; no limit when absent") | None = None
+    min_ranks: Count1 = Field(1, description="a group with fewer healthy ranks than this is terminated as a whole")
+    max_ranks: Count1 | None = Field(
+        None, description="at most this many ranks of a group are active; no limit when absent"
+    )
     key: Annotated[
         str,
         Field(pattern=r"^(job|host|env:.+)$", description="how a rank finds its group: job, host or env:NAME"),
@@ -361,8 +370,10 @@ class RankAssignmentSection(_Section):
         Field(description="the layers of a Tree, root first; the root's key is job"),
         BeforeValidator(lambda value: _as_list(value, "a list of layers, root first")),
     ] = []
-    max_active_world_size: Count(1, "at most this many active ranks; the rest wait as reserve") | None = None
-    active_world_size_divisible_by: Count(1, "the active world size is kept a multiple of this") = 1
+    max_active_world_size: Count1 | None = Field(
+        None, description="at most this many active ranks; the rest wait as reserve"
+    )
+    active_world_size_divisible_by: Count1 = Field(1, description="the active world size is kept a multiple of this")
 
     @model_validator(mode="after")
     def _root_is_the_job(self) -> RankAssignmentSection:
@@ -390,11 +401,11 @@ class JobDocument(_Section):
     model_config = ConfigDict(extra="forbid", frozen=True, title="elastic-ft job config")
 
     nodes: NodesSection = NodesSection()
-    nproc_per_node: Count(1, "workers per node") = 1
-    max_restarts: Count(0, "process-level restarts, as torchrun's --max-restarts") = 0
+    nproc_per_node: Count1 = Field(1, description="workers per node")
+    max_restarts: Count0 = Field(0, description="process-level restarts, as torchrun's --max-restarts")
     respawn: RespawnSection = RespawnSection()
     rendezvous: RendezvousSection = RendezvousSection()
-    wrapper: WrapperSection = WrapperSection()  # type: ignore[valid-type]
+    wrapper: WrapperSection = WrapperSection()
     observability: ObservabilitySection = ObservabilitySection()
     rank_assignment: RankAssignmentSection = RankAssignmentSection()
 
@@ -420,7 +431,7 @@ def _nullable(prop: dict[str, Any]) -> dict[str, Any]:
     options = prop.get("anyOf")
     if options is not None and any(option.get("type") == "null" for option in options):
         return prop
-    shown = {key: prop[key] for key in ("default", "description", "title") if key in prop}
+    shown: dict[str, Any] = {key: prop[key] for key in ("default", "description", "title") if key in prop}
     kept = {key: value for key, value in prop.items() if key not in shown}
     return {"anyOf": [kept, {"type": "null"}], **shown}
 
@@ -529,7 +540,7 @@ def _world_checks(document: JobDocument, valid: set[str]) -> Iterator[ConfigIssu
         f"(nodes.max={max_nodes} + nodes.spares={nodes.spares}) x {nproc} = {largest} at its largest"
     )
     for index, layer in enumerate(policy.tree):
-        where = ("rank_assignment", "tree", index, "min_ranks")
+        where: Path = ("rank_assignment", "tree", index, "min_ranks")
         if index == 0 and layer.min_ranks > smallest:
             yield ConfigIssue(
                 where,
@@ -634,9 +645,7 @@ def _to_config(document: JobDocument) -> JobConfig:
         respawn_rejoin=respawn.rejoin,
         rendezvous=document.rendezvous.values(),
         wrapper={k: v for k, v in document.wrapper.model_dump(exclude_none=True).items() if k in WRAPPER_DEFAULTS},
-        restart_limits={
-            k: v for k, v in document.wrapper.model_dump(exclude_none=True).items() if k in RESTART_LIMITS
-        },
+        restart_limits={k: v for k, v in document.wrapper.model_dump(exclude_none=True).items() if k in RESTART_LIMITS},
         tree=tuple(LayerConfig(l.min_ranks, l.max_ranks, l.key, tuple(l.flags)) for l in policy.tree),
         max_active_world_size=policy.max_active_world_size,
         active_world_size_divisible_by=policy.active_world_size_divisible_by,

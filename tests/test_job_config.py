@@ -13,6 +13,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from elastic_ft.job_config import JobConfigError, json_schema, load_job_config, parse_job_config
 
@@ -172,3 +173,15 @@ def test_observability_fields_are_checked() -> None:
     config = load_job_config("observability: {events_kept: 100, progress_interval: 0.5, metrics_port: 0}\n")
     assert (config.events_kept, config.progress_interval, config.metrics_port) == (100, 0.5, 0)
     assert parse_job_config(config.to_document()) == config
+
+
+def test_the_wrapper_section_has_a_field_for_every_wrapper_duration_and_limit() -> None:
+    from elastic_ft.job_config import RESTART_LIMITS, WrapperSection
+    from elastic_ft.timeouts import MAY_BE_ZERO, WRAPPER_DEFAULTS
+
+    assert list(WrapperSection.model_fields) == [*WRAPPER_DEFAULTS, *RESTART_LIMITS]
+    for name in MAY_BE_ZERO:
+        assert WrapperSection.model_validate({name: 0}).model_dump()[name] == 0
+    for name in set(WRAPPER_DEFAULTS) - set(MAY_BE_ZERO):
+        with pytest.raises(ValidationError):
+            WrapperSection.model_validate({name: 0})
