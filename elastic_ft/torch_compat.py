@@ -21,10 +21,12 @@ torch, tested or not, that lacks one of the members named here.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 #: The oldest and newest torch minor versions CI runs (the whole suite on one, the end-to-end tests on the other).
@@ -81,6 +83,8 @@ def check_torch() -> None:
         missing.append("SubprocessContext.subprocess_handlers")
     if dist.is_available() and not hasattr(dist.distributed_c10d, "_world"):
         missing.append("torch.distributed.distributed_c10d._world")
+    if dist.is_available() and not hasattr(dist.ProcessGroup, "_get_backend"):
+        missing.append("torch.distributed.ProcessGroup._get_backend")
     if missing:
         raise UnsupportedTorchError(f"torch {torch.__version__} lacks what elastic-ft relies on: {', '.join(missing)}")
 
@@ -102,6 +106,12 @@ def group_names() -> list[Any]:
     import torch.distributed as dist
 
     return list(dist.distributed_c10d._world.pg_names)
+
+
+def group_backend(group: Any, device: Any) -> Any:
+    """The backend (``ProcessGroupGloo``, ``ProcessGroupNCCL``) that serves ``group`` on ``device``: torch's
+    private ``ProcessGroup._get_backend``, the one way to reach a group's communicator to abort it."""
+    return group._get_backend(device)
 
 
 def forget_group_numbers() -> None:
@@ -127,6 +137,33 @@ def worker_processes(agent: Any) -> Any:
     if not isinstance(context, SubprocessContext):
         raise TypeError(f"FtAgent expected worker subprocesses, got {type(context).__name__}")
     return context
+
+
+@contextlib.contextmanager
+def launched_agent_class(agent_class: type) -> Iterator[None]:
+    """Have torch's ``launch_agent`` build ``agent_class`` instead of ``LocalElasticAgent``.
+
+    ``launch_agent`` constructs the agent by this module-level name; swapping
+    it for the call reuses all of torch's launcher (worker spec, rendezvous
+    handler, error files, exit codes) rather than forking it.
+    """
+    from torch.distributed.launcher import api as launcher_api
+
+    original = launcher_api.LocalElasticAgent
+    setattr(launcher_api, "LocalElasticAgent", agent_class)  # noqa: B010 - a module's class, swapped: no mypy error
+    try:
+        yield
+    finally:
+        setattr(launcher_api, "LocalElasticAgent", original)  # noqa: B010
+
+
+def group_store(worker_group: Any) -> Any:
+    """The worker group's store (torch declares ``WorkerGroup.store`` as ``None``; its rendezvous sets it before
+    any worker starts, which is when the agent reads it)."""
+    store = worker_group.store
+    if store is None:
+        raise RuntimeError("the worker group has no store yet: its rendezvous has not completed")
+    return store
 
 
 def replace_worker_process(context: Any, local_rank: int, handler: Any) -> None:

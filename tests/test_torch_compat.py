@@ -15,7 +15,7 @@ from elastic_ft.torch_compat import TESTED, UnsupportedTorchError, check_torch, 
 PACKAGE = Path(torch_compat.__file__).resolve().parent
 #: torch internals (private members) only torch_compat may name.
 INTERNALS = re.compile(r"distributed_c10d\._world|\._remaining_restarts|\._pcontext\b|\._exit_barrier_timeout|"
-                       r"subprocess_handlers\[[^]]*\]\s*=")  # fmt: skip
+                       r"subprocess_handlers\[[^]]*\]\s*=|\._get_backend\(|setattr\([^,]+, .LocalElasticAgent.")  # fmt: skip
 
 
 @pytest.mark.parametrize(

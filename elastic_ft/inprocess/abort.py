@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_ft.inprocess.state import State
-from elastic_ft.torch_compat import forget_group_numbers, group_names
+from elastic_ft.torch_compat import forget_group_numbers, group_backend, group_names
 
 
 class Abort(abc.ABC):
@@ -48,8 +48,8 @@ class AbortTorchDistributed(Abort):
         """Abort ``group``'s NCCL communicator on ``device``, if it has one (other backends: nothing)."""
         if not isinstance(group, dist.ProcessGroup):
             return
-        backend = group._get_backend(device)
-        if isinstance(backend, getattr(dist, "ProcessGroupNCCL", ())):
+        backend, nccl = group_backend(group, device), getattr(dist, "ProcessGroupNCCL", None)
+        if nccl is not None and isinstance(backend, nccl):
             backend.abort()
 
     @staticmethod

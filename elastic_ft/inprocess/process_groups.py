@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_ft.inprocess.logs import get_logger
-from elastic_ft.torch_compat import registered_groups
+from elastic_ft.torch_compat import group_backend, registered_groups
 
 log = get_logger("process_groups")
 
@@ -60,7 +60,7 @@ def _uses_gloo(group: object) -> bool:
     if isinstance(group, getattr(dist, "ProcessGroupGloo", ())):
         return True  # a backend used directly (the healing transfers' groups)
     try:
-        backend = group._get_backend(torch.device("cpu"))  # type: ignore[attr-defined]
+        backend = group_backend(group, torch.device("cpu"))
     except (RuntimeError, AttributeError, ValueError):
         return False
     return isinstance(backend, getattr(dist, "ProcessGroupGloo", ()))

@@ -108,6 +108,7 @@ from elastic_ft.rendezvous.probe import probe_all
 from elastic_ft.torch_compat import (
     check_torch,
     exit_barrier_timeout,
+    group_store,
     replace_worker_process,
     set_remaining_restarts,
     worker_processes,
@@ -123,11 +124,12 @@ _ADMISSION_BATCH_WAIT = 2.0
 _RETIRE_GRACE = 5.0
 
 
-def _keep_old_log(path: str | None) -> str | None:
-    """A worker's log file, for its respawned process: the dead process's log is kept beside it."""
+def _keep_old_log(path: str | None) -> str:
+    """A worker's log file, for its respawned process: the dead process's log is kept beside it. Empty when
+    the worker has none (torch's subprocess handler opens no file for an empty path, as for ``None``)."""
     if path and os.path.exists(path):
         os.replace(path, f"{path}.{int(time.time() * 1000)}")
-    return path or None
+    return path or ""
 
 
 def _describe_exit(exitcode: int) -> str:
@@ -266,7 +268,7 @@ class FtAgent(LocalElasticAgent):
                 "spare_nodes": max(0, len(member_of.members) - settings.max_nodes),
                 "max_nodes": settings.max_nodes,
             }
-            worker_group.store.set(FTRUN_WORLD, json.dumps(world))
+            group_store(worker_group).set(FTRUN_WORLD, json.dumps(world))
         pids = super()._start_workers(worker_group)
         self._subprocesses()  # fails now, not later, if torch started something else
         self._exits = {}
@@ -355,7 +357,7 @@ class FtAgent(LocalElasticAgent):
             pids=tuple(handlers[worker.local_rank].proc.pid for worker in worker_group.workers),
             world_size=worker_group.workers[0].world_size if worker_group.workers else 0,
         )
-        worker_group.store.set(FTRUN_NODES + self._handler.node, record.to_json())
+        group_store(worker_group).set(FTRUN_NODES + self._handler.node, record.to_json())
 
     def _subprocesses(self) -> SubprocessContext:
         return worker_processes(self)
@@ -365,7 +367,7 @@ class FtAgent(LocalElasticAgent):
     def _observe_workers(self, worker_group: WorkerGroup) -> dict[int, WorkerExit]:
         """Classify every local worker (by its current initial rank); report newly failed ones, respawn them."""
         pcontext = self._subprocesses()
-        store = worker_group.store
+        store = group_store(worker_group)
         job = job_store(store)
         kinds: dict[int, WorkerExit] = {}
         for worker in worker_group.workers:
@@ -463,7 +465,7 @@ class FtAgent(LocalElasticAgent):
         and waits, initialised, as a joiner
         (:class:`elastic_ft.handoff.WorkerHandoff` with ``joining``).
         """
-        config, store = self._job_config, worker_group.store
+        config, store = self._job_config, group_store(worker_group)
         used = self._respawns.get(local_rank, 0)
         job = job_store(store)
         if used >= config.respawns_per_rank:
@@ -530,7 +532,7 @@ class FtAgent(LocalElasticAgent):
         """
         if self._job_config.respawn_rejoin != "at_once":
             return
-        store = worker_group.store
+        store = group_store(worker_group)
         job = job_store(store)
         world_size = worker_group.workers[0].world_size if worker_group.workers else 0
         live = [r for local, r in self._initial_ranks.items() if local not in self._exits]
@@ -573,7 +575,7 @@ class FtAgent(LocalElasticAgent):
         if self._handler.late_place is None:
             return False
         if self._joiners_accepted is None:
-            self._joiners_accepted = job_store(worker_group.store).joiners_accepted()
+            self._joiners_accepted = job_store(group_store(worker_group)).joiners_accepted()
         return self._joiners_accepted is False
 
     def _absorb_dead_members(self, worker_group: WorkerGroup, dead: tuple[str, ...]) -> tuple[str, ...]:
@@ -583,7 +585,7 @@ class FtAgent(LocalElasticAgent):
         some of them never entered the Wrapper, so the others would wait for
         them at its initial barrier.
         """
-        store = worker_group.store
+        store = group_store(worker_group)
         for node in dead:
             if node in self._dead_handled or node == self._handler.node:
                 continue
@@ -796,7 +798,7 @@ class FtAgent(LocalElasticAgent):
         torch's barrier waits for all members by count, which a node that
         died (and was absorbed in-process) never reaches.
         """
-        store = self._worker_group.store
+        store = group_store(self._worker_group)
         member_of = self._handler.member_of
         if store is None or member_of is None:
             return

@@ -40,7 +40,6 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import NoReturn
 
-import torch.distributed.launcher.api as launcher_api
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import elastic_launch
@@ -56,6 +55,7 @@ from elastic_ft.observability.events import write_events_file
 from elastic_ft.observability.sink import EventSink, install
 from elastic_ft.reaper import ensure_reaper
 from elastic_ft.rendezvous.config import MAX_NODES, EtcdftSettings, RendezvousConfigError, connect, make_settings
+from elastic_ft.torch_compat import launched_agent_class
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -276,22 +276,6 @@ def _save_record(directory: Path, client: EtcdClient, settings: EtcdftSettings) 
     print(f"ftrun: recorded {len(found.events)} event(s) of run {settings.run_id} in {directory}", file=sys.stderr)
 
 
-@contextmanager
-def _agent_class(agent_class: type) -> Iterator[None]:
-    """Have torch's ``launch_agent`` build ``agent_class`` instead of ``LocalElasticAgent``.
-
-    ``launch_agent`` constructs the agent by this module-level name; swapping
-    it for the call reuses all of torch's launcher (worker spec, rendezvous
-    handler, error files, exit codes) rather than forking it.
-    """
-    original = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = agent_class  # type: ignore[misc]
-    try:
-        yield
-    finally:
-        launcher_api.LocalElasticAgent = original  # type: ignore[misc]
-
-
 def _fail(message: str, code: int = 2) -> NoReturn:
     """End ftrun with one line (usage text is for usage errors only: ``parser.error``)."""
     print(f"ftrun: error: {message}", file=sys.stderr)
@@ -389,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         config, entrypoint, entrypoint_args = torchrun.config_from_args(args)
         if args.rdzv_backend == "etcdft":
             agent_class = type("FtAgent", (FtAgent,), {"metrics_port": args.metrics_port})
-            stack.enter_context(_agent_class(agent_class))
+            stack.enter_context(launched_agent_class(agent_class))
             try:
                 stack.enter_context(_recording_events(args))
             except (EtcdUnavailableError, EtcdRequestError) as exc:
