@@ -18,7 +18,9 @@ import json
 import math
 import re
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+
+from elastic_ft.untrusted import is_count
 
 #: The longest message kept in an interruption record.
 MESSAGE_LIMIT = 500
@@ -68,9 +70,6 @@ def encode_interruption(
     return json.dumps(record) + "\n"
 
 
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
-
 
 def parse_interruption(line: str) -> Interruption | None:
     """The record on ``line``; None unless it is one (a rank >= 0, a kind, a finite time if any, a step >= 0 if
@@ -83,13 +82,13 @@ def parse_interruption(line: str) -> Interruption | None:
         step, origin, traceback = record.get("step"), record.get("origin"), record.get("traceback")
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
-    if not _is_count(rank) or not isinstance(kind, str):
+    if not is_count(rank) or not isinstance(kind, str):
         return None
     if not isinstance(message, str):
         return None
     if at is not None and (isinstance(at, bool) or not isinstance(at, int | float) or not math.isfinite(at)):
         return None
-    if (step is not None and not _is_count(step)) or any(
+    if (step is not None and not is_count(step)) or any(
         value is not None and not isinstance(value, str) for value in (origin, traceback)
     ):
         return None
@@ -116,12 +115,6 @@ def parse_interruptions(text: str) -> tuple[list[Interruption], list[str]]:
         else:
             records.append(record)
     return records, malformed
-
-
-def interruption_dict(record: Interruption) -> dict[str, object]:
-    """The record as a mapping; the fields only exceptions have are left out when empty."""
-    optional = ("step", "origin", "traceback")
-    return {key: value for key, value in asdict(record).items() if value is not None or key not in optional}
 
 
 @dataclass(frozen=True)
@@ -223,7 +216,7 @@ class FaultHistory:
         signature, repeats, stalled = record.get("signature"), record.get("repeats"), record.get("stalled")
         if signature is not None and (not isinstance(signature, str) or len(signature) > 2 * ORIGIN_LIMIT):
             return None
-        if not _is_count(repeats) or not _is_count(stalled):
+        if not is_count(repeats) or not is_count(stalled):
             return None
         return cls(signature, repeats, stalled)
 

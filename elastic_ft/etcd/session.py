@@ -16,6 +16,7 @@ so waiting longer would only hide the loss.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -148,7 +149,7 @@ class _Lessor:
         if ttl <= 0:
             session.mark_lost("etcd reports it expired")
 
-    def _note_break(self, endpoint: str, why: object) -> None:
+    def _note_break(self, endpoint: object, why: object) -> None:
         """Log the first of a run of broken streams; the rest go to debug (one reopen every 0.1 s)."""
         with self._lock:
             first = self._failing_since is None
@@ -194,7 +195,7 @@ class _Lessor:
                             self._opened += 1
                             opened = self._opened
                         stream = self._client.keep_alive_stream(
-                            self._on_answer, lambda error, opened=opened: self._on_end(opened, error)
+                            self._on_answer, functools.partial(self._on_end, opened)
                         )
                     except (EtcdUnavailableError, EtcdRequestError) as exc:
                         self._note_break("etcd", f"cannot open one yet: {exc}")

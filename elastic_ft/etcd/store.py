@@ -104,6 +104,8 @@ class EtcdStore(dist.Store):
 
     #: ``wait`` is a watch, not a poll: callers may block in it freely.
     waits_without_polling = True
+    #: torch's ``Store.timeout`` property (``set_timeout`` changes it), which torch's stubs leave out.
+    timeout: timedelta
 
     def __init__(self, client: EtcdClient, prefix: str, timeout: timedelta = timedelta(seconds=300)) -> None:
         super().__init__()
@@ -425,7 +427,7 @@ class EtcdStore(dist.Store):
         if outcome.succeeded:
             return True, arrivals
         mine = outcome.ranges[0]
-        return bool(mine) and mine[0].value == token.encode(), arrivals
+        return bool(mine and mine[0].value == token.encode()), arrivals
 
     def watch_for(self, key: str) -> tuple[threading.Event, Callable[[], None]]:
         """A flag set once ``key`` exists, kept by a watch (no request while it is not), and the function that

@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import threading
+import types
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -130,10 +131,11 @@ class RankShouldRestart(BaseException):
         log = logging.getLogger("elastic_ft.inprocess.exception")
         if not log.isEnabledFor(logging.DEBUG):
             return
-        locations = []
-        while frame is not None and len(locations) < 8:
-            locations.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
-            frame = frame.f_back
+        locations: list[str] = []
+        caller: types.FrameType | None = frame
+        while caller is not None and len(locations) < 8:
+            locations.append(f"{caller.f_code.co_filename}:{caller.f_lineno} in {caller.f_code.co_name}")
+            caller = caller.f_back
         log.debug("RankShouldRestart suppressed at %s", " <- ".join(locations))
 
 

@@ -77,6 +77,7 @@ def parse_progress(payload: str | bytes | None, world_size: int) -> list[RankPro
         try:
             if not isinstance(record, dict):
                 raise TypeError(f"a JSON object, got {record!r:.60}")
+            # Untrusted values: RankProgress checks their types (TypeError, ValueError).
             progress.append(RankProgress(rank, record.get("step"), record.get("fresh")))  # type: ignore[arg-type]
         except (TypeError, ValueError) as error:
             raise StateTransferError(f"malformed progress record of active rank {rank}: {error}") from None

@@ -564,8 +564,9 @@ class _Monitor:
                 rank = iteration.store.rank_of_initial(initial_rank)
                 if rank is not None:
                     position = job.position(initial_rank)
-                    reserve = position is not None and position["iteration"] == iteration.number
-                    reserve = reserve and not position["active"]  # type: ignore[index]
+                    reserve = (
+                        position is not None and position["iteration"] == iteration.number and not position["active"]
+                    )
                     report_rank_gone(
                         iteration.store,
                         rank,

@@ -271,7 +271,7 @@ def main_thread_stack(limit: int = 8) -> str:
     """Where the main thread is, innermost call last (read from another thread; for logs)."""
     ident = threading.main_thread().ident
     frame = sys._current_frames().get(ident) if ident is not None else None
-    frames = []
+    frames: list[str] = []
     while frame is not None and len(frames) < limit:
         frames.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
         frame = frame.f_back

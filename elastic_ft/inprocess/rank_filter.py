@@ -38,6 +38,7 @@ class _Adapter(RankFilter):
         self.impl = impl
 
     def __call__(self, state: State) -> State:
+        # A filter (NVIDIA's form: a State in, a State out) exchanges nothing: it gets no store.
         return self.impl(rank_assignment.RankAssignmentCtx(state, None, set())).state  # type: ignore[arg-type]
 
     def __repr__(self) -> str:

@@ -42,6 +42,7 @@ import google_crc32c
 import torch
 
 from elastic_ft.inprocess.exception import StateTransferError
+from elastic_ft.untrusted import is_count
 
 T = TypeVar("T")
 
@@ -126,7 +127,7 @@ def _unflatten(skeleton: object, tensors: Sequence[torch.Tensor]) -> tuple[objec
         if isinstance(node, dict):
             if "tensor" in node:
                 index = node["tensor"]
-                if not _is_count(index) or index >= len(tensors) or index in paths:
+                if not is_count(index) or index >= len(tensors) or index in paths:
                     raise StateTransferError(f"state{path}: the skeleton names tensor {index!r} of {len(tensors)}")
                 paths[index] = path
                 return tensors[index]
@@ -137,6 +138,7 @@ def _unflatten(skeleton: object, tensors: Sequence[torch.Tensor]) -> tuple[objec
                         raise StateTransferError(f"state{path}: malformed dict item {item!r:.80}")
                     decoded[item[0]] = decode(item[1], f"{path}[{item[0]!r}]")
                 if "metadata" in node:
+                    # The attribute torch hangs a state dict's version metadata on; no stub declares it.
                     decoded._metadata = decode(node["metadata"], f"{path}._metadata")  # type: ignore[attr-defined]
                     return decoded
                 return dict(decoded)
@@ -204,25 +206,22 @@ class Header:
             raise StateTransferError(f"expected a state header of format {FORMAT}, got {str(document)[:80]!r}")
         step, chunk, specs = document.get("step"), document.get("chunk_bytes"), document.get("tensors")
         small = document.get("small_bytes")
-        if not _is_count(small):
+        if not is_count(small):
             raise StateTransferError(f"the header's small_bytes is {small!r}, expected an integer >= 0")
-        if not _is_count(step):
+        if not is_count(step):
             raise StateTransferError(f"the header's step is {step!r}, expected an integer >= 0")
-        if not _is_count(chunk) or chunk == 0:
+        if not is_count(chunk) or chunk == 0:
             raise StateTransferError(f"the header's chunk_bytes is {chunk!r}, expected an integer > 0")
         if not isinstance(specs, list):
             raise StateTransferError(f"the header's tensors are {specs!r:.80}, expected a list")
         tensors = []
         for spec in specs:
             shape = spec.get("shape") if isinstance(spec, dict) else None
-            if not isinstance(shape, list) or not all(_is_count(size) for size in shape):
+            if not isinstance(shape, list) or not all(is_count(size) for size in shape):
                 raise StateTransferError(f"malformed tensor spec {spec!r:.80}: expected a shape of integers >= 0")
             tensors.append(TensorSpec(_dtype(spec.get("dtype")), tuple(shape)))
         return cls(step, document.get("skeleton"), tuple(tensors), chunk, small)
 
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _chunks(size: int, chunk_bytes: int) -> Iterator[slice]:

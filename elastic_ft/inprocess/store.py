@@ -45,7 +45,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 
@@ -53,9 +53,9 @@ from elastic_ft import keys
 from elastic_ft.fault_records import (
     FaultHistory,
     Heartbeat,
+    Interruption,
     encode_heartbeat,
     encode_interruption,
-    interruption_dict,
     next_history,
     parse_heartbeat_record,
     parse_interruptions,
@@ -64,7 +64,7 @@ from elastic_ft.handoff import StoreHandoff
 from elastic_ft.inprocess.exception import BarrierError, BarrierOverflow, BarrierTimeout
 from elastic_ft.inprocess.logs import get_logger
 from elastic_ft.keys import COMPLETION_BARRIER, EXIT_BARRIER, HEAL_BARRIER, ITERATION_BARRIER, TERMINATION_BARRIER
-from elastic_ft.untrusted import json_object
+from elastic_ft.untrusted import is_count, json_object
 
 #: The per-iteration outcome: exactly one of these wins the ``compare_set``.
 COMPLETED = "completed"
@@ -153,10 +153,6 @@ class _StalledBarrier:
         return True
 
 
-def _count(value: object) -> bool:
-    """A rank, iteration or world size: a non-negative integer that is not a bool."""
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
-
 
 def _text(value: bytes) -> str:
     return value.decode() if isinstance(value, bytes | bytearray) else str(value)
@@ -184,6 +180,7 @@ class StoreMixin:
     append: Callable[[str, str], None]
     check: Callable[[list[str]], bool]
     compare_set: Callable[[str, str, str], bytes]
+    wait: Callable[..., None]
 
     @property
     def critical_ranks(self) -> tuple[int, ...]:
@@ -282,7 +279,7 @@ class StoreMixin:
             iteration = getattr(self, "iteration", None)
             if iteration is None:
                 return TerminationResult(world_size, tuple(self.terminated_ranks())).to_json()
-            base = self.underlying_store
+            base = cast(dist.PrefixStore, self).underlying_store  # every view is a PrefixStore
             job = job_store(base)
             joined = admit_joiners(job, iteration + 1) if admit else admitted_joiners(job, iteration + 1)
             job.set(keys.LATEST_ITERATION, str(iteration + 1))
@@ -366,14 +363,14 @@ class StoreMixin:
     def progressed(self) -> bool:
         return self.check([keys.PROGRESSED])
 
-    def interruptions(self) -> list[dict[str, object]]:
+    def interruptions(self) -> list[Interruption]:
         """The iteration's well-formed interruption records (a malformed line is logged and skipped)."""
         if not self.check([keys.INTERRUPTIONS]):
             return []
         records, malformed = parse_interruptions(_text(self.get(keys.INTERRUPTIONS)))
         for line in malformed:
             log.warning("skipping a malformed interruption record: %.200s", line)
-        return [interruption_dict(record) for record in records]
+        return records
 
     def record_terminated(self, ranks: Iterable[int]) -> None:
         """Record ranks (current ``state.rank`` values) that leave the job."""
@@ -476,7 +473,7 @@ class StoreMixin:
         key = f"{keys.POSITION}{initial_rank}"
         record = json_object(self.get(key)) if self.check([key]) else None
         fields = ("iteration", "rank", "world_size")
-        if record is None or not all(_count(record.get(name)) for name in fields):
+        if record is None or not all(is_count(record.get(name)) for name in fields):
             return None
         active = record.get("active", True)
         if not isinstance(active, bool):
@@ -644,15 +641,15 @@ class TerminationResult:
         history = FaultHistory.from_dict(record.get("history", {"repeats": 0, "stalled": 0})) if record else None
         if (
             record is None
-            or not _count(size)
+            or not is_count(size)
             or size < 1
             or (world_size is not None and size != world_size)
             or not isinstance(terminated, list)
-            or not all(_count(r) and r < size for r in terminated)
+            or not all(is_count(r) and r < size for r in terminated)
             or not isinstance(joined, list)
             or len(joined) > _JOINED_MAX
             or len(set(joined)) != len(joined)
-            or not all(_count(r) for r in joined)
+            or not all(is_count(r) for r in joined)
             or history is None
         ):
             raise ValueError(

@@ -52,7 +52,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from elastic_ft.fault_records import (
     PEER_LOST,
-    Interruption,
     fault_kind,
     give_up_reason,
     group_faults,
@@ -87,7 +86,7 @@ from elastic_ft.inprocess.monitor_process import STACK_DUMP_SIGNAL, MonitorConfi
 from elastic_ft.inprocess.monitor_thread import InterruptSignal, MonitorThread
 from elastic_ft.inprocess.process_groups import ProcessGroupKeeper
 from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps, ProgressWatchdog, StepClock
-from elastic_ft.inprocess.rank_assignment.base import RankAssignment, RankAssignmentCtx, admits_new_ranks
+from elastic_ft.inprocess.rank_assignment.base import RankAssignmentCtx, admits_new_ranks
 from elastic_ft.inprocess.rank_assignment.policies import ActivateAllRanks, MaxActiveWorldSize, ShiftRanks
 from elastic_ft.inprocess.sockets import (
     close_inherited_in_child,
@@ -238,6 +237,37 @@ class Wrapper:
             optimizer step or a :meth:`CallWrapper.ping`). ``None``: no limit.
     """
 
+    # Set from the arguments of __init__, once the job config's defaults are applied and checked.
+    store_factory: Callable[..., dist.Store]
+    store_kwargs: dict[str, Any]
+    initialize: StateHook | None
+    abort: StateHook
+    finalize: StateHook | None
+    health_check: StateHook | None
+    rank_assignment: Callable[[RankAssignmentCtx], RankAssignmentCtx]
+    monitor_thread_interval: datetime.timedelta
+    monitor_process_interval: datetime.timedelta
+    progress_watchdog_interval: datetime.timedelta
+    heartbeat_interval: datetime.timedelta
+    heartbeat_timeout: datetime.timedelta
+    soft_timeout: datetime.timedelta
+    hard_timeout: datetime.timedelta
+    barrier_timeout: datetime.timedelta
+    completion_timeout: datetime.timedelta
+    last_call_wait: datetime.timedelta
+    termination_grace_time: datetime.timedelta
+    monitor_process_logfile: str | None
+    enabled: bool
+    adaptive_timeouts: AdaptiveTimeouts | None
+    interrupt_signal: signal.Signals | None
+    state_dict: Callable[[], Any] | None
+    load_state_dict: Callable[[Any], Any] | None
+    completion: StateHook | None
+    terminate: StateHook | None
+    rank_filter: StateHook | None
+    max_identical_faults: int | None
+    max_restarts_without_progress: int | None
+
     def __init__(
         self,
         *,
@@ -302,7 +332,7 @@ class Wrapper:
         return typing.cast(F, wrapped)
 
 
-def default_rank_assignment() -> RankAssignment:
+def default_rank_assignment() -> Compose:
     """``ShiftRanks``, then the active ranks: all of them, or under ``ftrun`` the round's active world size.
 
     ``ftrun``'s agent hands its workers the number of ranks the round's
@@ -1178,7 +1208,7 @@ class CallWrapper:
         reports = state.rank == restart_reporter(state.world_size, result.terminated)
         if not reports and not log.isEnabledFor(logging.DEBUG):
             return None  # one store read per restart for the job, not one per rank
-        faults = group_faults(Interruption(**record) for record in store.interruptions())  # type: ignore[arg-type]
+        faults = group_faults(store.interruptions())
         summary = "; ".join(group.describe() for group in faults) or "no fault recorded"
         if not reports:
             log.debug("rank %s: iteration %d restarts: %s", state.rank, state.iteration, summary)

@@ -233,7 +233,7 @@ def _worker_status(
             malformed.append({"key": kv.key, "reason": 'expected {"iteration": <integer>, "rank": <integer>}'})
         else:
             positions[rank] = position
-    workers = []
+    workers: list[dict[str, Any]] = []
     for node, record in nodes.items():
         for rank, pid in zip(record.global_ranks, record.pids, strict=True):
             exit_record = exits.get(rank)

@@ -75,7 +75,7 @@ def _clean_value(key: str, value: Any) -> Any:
     if _scalar(value):
         return value
     if isinstance(value, (list, tuple)) and len(value) <= _MAX_LIST:
-        items = []
+        items: list[Any] = []
         for item in value:
             if isinstance(item, Mapping):
                 items.append(
@@ -159,7 +159,7 @@ class JobEvent:
             raise EventError(f"event node {node!r:.60}: expected a string or null")
         return cls(
             name=name,
-            time=document.get("time"),  # checked in __post_init__
+            time=document.get("time"),  # type: ignore[arg-type]  # any JSON value: __post_init__ checks it
             run_id=run_id[:MAX_TEXT],
             source=source,
             node=None if node is None else node[:MAX_TEXT],

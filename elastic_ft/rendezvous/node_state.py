@@ -154,7 +154,7 @@ def lost_announcement(state: NodeState, session_live: bool, board: Board | None)
     if not session_live:
         return "its lease is gone"
     last = board.last if board is not None else None
-    if last is not None and last.round == state.member_round and state.node in board.dead:
+    if board is not None and last is not None and last.round == state.member_round and state.node in board.dead:
         return f"the board lists it dead in round {last.round}"
     return None
 

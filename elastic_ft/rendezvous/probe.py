@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 from elastic_ft.rendezvous.liveness import Answer, Detection
 
@@ -120,7 +121,7 @@ def probe(address: tuple[str, int], detection: Detection) -> tuple[Answer, float
                 next_attempt = now + detection.retry_every
             deadline = start + detection.probe_bound if shaken is None else shaken + detection.greeting_bound
             for key, events in selector.select(max(0.0, min(next_attempt, deadline) - time.monotonic())):
-                attempt = key.fileobj  # type: ignore[assignment]
+                attempt = cast(socket.socket, key.fileobj)
                 if events & selectors.EVENT_WRITE:
                     error = attempt.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
                     if error == errno.ECONNREFUSED:

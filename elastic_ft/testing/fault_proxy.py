@@ -29,6 +29,7 @@ import socket
 import struct
 import threading
 import time
+from typing import cast
 
 _CHUNK = 65536
 _CONTROL_FRAME_MAX = 32  # bytes: HTTP/2 SETTINGS, PING and WINDOW_UPDATE frames are smaller
@@ -63,7 +64,7 @@ class _Connection:
                     time.sleep(0.01)
                     continue
                 for key, _ in selector.select(timeout=0.05):
-                    source: socket.socket = key.fileobj  # type: ignore[assignment]
+                    source = cast(socket.socket, key.fileobj)
                     try:
                         data = source.recv(_CHUNK)
                     except OSError:

@@ -92,14 +92,18 @@ class TorchrunNode:
         command += [*extra_args, *script]
         env = {**os.environ, "NODE_TAG": tag, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
         self.log_path = log_path
-        log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
+        log = open(log_path, "wb") if log_path else None  # noqa: SIM115 - closed below
         try:
             self.process = subprocess.Popen(
-                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command,
+                env=env,
+                stdout=subprocess.DEVNULL if log is None else log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         finally:
-            if log_path:
-                log.close()  # type: ignore[union-attr]
+            if log is not None:
+                log.close()
 
     @property
     def pid(self) -> int:

@@ -210,13 +210,13 @@ def test_one_outcome_per_iteration(tcp_store: dist.Store) -> None:
     # A completion barrier finishing afterwards cannot overturn it.
     assert interrupted.arrive_and_wait(COMPLETION_BARRIER, [0], 1, seconds(1)) == INTERRUPTED
     (record,) = interrupted.interruptions()
-    assert abs(record.pop("time") - time.time()) < 60  # when it was recorded: what elastic-ft status shows
-    assert record == {"rank": 1, "kind": "RuntimeError", "message": "boom"}
+    assert abs(record.time - time.time()) < 60  # when it was recorded: what elastic-ft status shows
+    assert (record.rank, record.kind, record.message, record.step, record.origin) == (1, "RuntimeError", "boom", None, None)
 
     # A corrupt line (another writer, a forged value) is skipped: the monitor thread reads
     # these records on its way to a restart, so one bad line must not stop it.
     interrupted.append("interruptions", '{"rank": -1, "kind": "x"}\n{"rank": 2\n')
-    assert [r["rank"] for r in interrupted.interruptions()] == [1]
+    assert [r.rank for r in interrupted.interruptions()] == [1]
 
     completed = iteration_store(tcp_store, 1)
     assert completed.arrive_and_wait(COMPLETION_BARRIER, [0], 1, seconds(1)) == COMPLETED
@@ -228,7 +228,7 @@ def test_a_planned_restart_waits_for_a_step_and_gives_way_to_a_final_outcome(tcp
     planned = iteration_store(tcp_store, 0)
     assert planned.request_restart(0, "admission", "2 joiners") == PLANNED
     assert planned.request_restart(1, "admission", "again") == PLANNED  # idempotent: still planned
-    assert [r["rank"] for r in planned.interruptions()] == [0, 1]
+    assert [r.rank for r in planned.interruptions()] == [0, 1]
     # The first proposed step boundary holds for every rank.
     assert planned.restart_step(17) == 17
     assert planned.restart_step(12) == 17
@@ -386,7 +386,7 @@ def test_report_process_gone_uses_the_last_position(etcd: EtcdServer) -> None:
     iteration = iteration_store(base, 2)
     assert iteration.terminated_ranks() == [3]
     assert iteration.has_arrived(ITERATION_BARRIER, 3) and iteration.has_arrived(TERMINATION_BARRIER, 3)
-    assert iteration.interruptions()[0]["kind"] == "terminated"
+    assert iteration.interruptions()[0].kind == "terminated"
     job.record_left(6, "completed", gave_up=False)
     job.record_wrapped(6, 99)
     assert not report_process_gone(base, 6, 8, "terminated", "left already")

@@ -73,7 +73,8 @@ def gather_keys(
         arrived = store.add(exchange_arrived(prefix), 1)
     if arrived == len(ranks):
         values = store.multi_get([rank_key(peer) for peer in ranks])
-        store.set(table_key, _encode_table(values, len(keys)))
+        # torch's Store.set takes bytes as well as str; its stub names only str.
+        store.set(table_key, _encode_table(values, len(keys)))  # type: ignore[arg-type]
     try:
         store.wait([table_key], timeout)
     except RuntimeError as error:  # torch.distributed.DistStoreError on timeout

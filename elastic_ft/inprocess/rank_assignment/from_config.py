@@ -34,7 +34,7 @@ def key_function(key: str) -> Callable[[State], str]:
     return lambda _state: os.environ.get(name, "")
 
 
-def policy_from_config(config: JobConfig) -> RankAssignment | None:
+def policy_from_config(config: JobConfig) -> RankAssignment | Compose | None:
     """The policy of ``config``'s ``rank_assignment`` section; ``None`` when the section sets nothing.
 
     A ``Tree`` when layers are given (the filters become its

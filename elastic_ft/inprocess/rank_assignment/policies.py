@@ -216,7 +216,7 @@ class FilterCountGroupedByKey(RankAssignment):
 
     def __init__(
         self,
-        key_or_fn: str | Callable[[State], str],
+        key_or_fn: object,
         condition: Callable[[int], bool],
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
         *,
@@ -280,4 +280,4 @@ class FilterGroupedByKey(FilterCountGroupedByKey):
                 return rank_key(state.rank, state.world_size)
 
             key_or_fn = state_key
-        super().__init__(key_or_fn, condition, timeout, name=name)  # type: ignore[arg-type]
+        super().__init__(key_or_fn, condition, timeout, name=name)

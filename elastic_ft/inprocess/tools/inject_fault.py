@@ -35,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import enum
+import functools
 import logging
 import os
 import random
@@ -133,6 +134,10 @@ def _after(delay: float, name: str, strike: Callable[[], Any]) -> Callable[[Call
     return arm
 
 
+def _signal_self(signum: int) -> None:
+    os.kill(os.getpid(), signum)  # the pid when the fault strikes: a forked process signals itself
+
+
 def _register(fault: Fault, strike: Callable[[], Any]) -> None:
     register_fault(fault, lambda delay, callback: _after(delay, fault.name, strike)(callback))
 
@@ -176,7 +181,7 @@ _register(Fault.GPU_ERROR, _gpu_error)
 _register(Fault.GPU_SLEEP, _gpu_sleep)
 for _fault, _signum in ((Fault.SIGINT, signal.SIGINT), (Fault.SIGTERM, signal.SIGTERM),
                         (Fault.SIGKILL, signal.SIGKILL), (Fault.SIGSTOP, signal.SIGSTOP)):  # fmt: skip
-    _register(_fault, lambda signum=_signum: os.kill(os.getpid(), signum))
+    _register(_fault, functools.partial(_signal_self, _signum))
 register_fault(Fault.SIGNAL_EXC, _signal_exception)
 
 
