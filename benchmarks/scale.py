@@ -402,9 +402,9 @@ def bench_barrier(cluster: Any, ranks: int, *, counted: bool = True, threads: in
     import datetime
     from concurrent.futures import ThreadPoolExecutor
 
+    from elastic_ft.coordination.iteration import iteration_store
     from elastic_ft.etcd.client import EtcdClient
     from elastic_ft.etcd.store import EtcdStore
-    from elastic_ft.inprocess.store import iteration_store
 
     client = EtcdClient(cluster.endpoints, connect_timeout=30, request_timeout=30)
     base = EtcdStore(client, f"/elastic_ft/barrier-{uuid.uuid4().hex[:8]}/round/0/store/")
@@ -448,6 +448,7 @@ def bench_exchange(cluster: Any, ranks: int, threads: int = 32) -> dict:
     import random
     from concurrent.futures import ThreadPoolExecutor
 
+    from elastic_ft.coordination.iteration import iteration_store
     from elastic_ft.etcd.client import EtcdClient
     from elastic_ft.etcd.store import EtcdStore
     from elastic_ft.inprocess.rank_assignment.exchange import _decode_table, gather_keys
@@ -458,7 +459,6 @@ def bench_exchange(cluster: Any, ranks: int, threads: int = 32) -> dict:
         initial_tree_assignment,
         reassign_tree,
     )
-    from elastic_ft.inprocess.store import iteration_store
     from elastic_ft.keys import exchange_arrived, exchange_published, exchange_table
 
     def host(rank: int) -> str:

@@ -82,7 +82,7 @@ def test_the_cycle_finder_finds_cycles() -> None:
 def test_no_module_imports_another_that_imports_it_back() -> None:
     graph = import_graph()
     # The graph is read right: lazy imports in functions count as edges too.
-    assert {"elastic_ft.inprocess.store", "elastic_ft.keys"} <= graph["elastic_ft.launcher.agent"]
+    assert {"elastic_ft.coordination.reports", "elastic_ft.keys"} <= graph["elastic_ft.launcher.agent"]
     assert "elastic_ft.etcd.store" in graph["elastic_ft.inprocess.store"]
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph) or [])}"
 
@@ -105,6 +105,20 @@ def test_the_job_config_and_the_hand_off_import_nothing_of_the_worker_side() -> 
                 reachable.add(target)
                 frontier.append(target)
         assert not {m for m in reachable if m.startswith(("elastic_ft.inprocess", "elastic_ft.launcher"))}, name
+
+
+def test_the_node_side_and_the_shared_protocol_import_nothing_of_the_worker_side() -> None:
+    """ftrun's agent coordinates with the workers through elastic_ft.coordination, which both sides import."""
+    graph = import_graph()
+    node_side = [name for name in graph if name.startswith(("elastic_ft.launcher", "elastic_ft.rendezvous",
+                                                           "elastic_ft.coordination", "elastic_ft.etcd"))]  # fmt: skip
+    for name in node_side:
+        reachable, frontier = set(), [name]
+        while frontier:
+            for target in graph[frontier.pop()] - reachable:
+                reachable.add(target)
+                frontier.append(target)
+        assert not {m for m in reachable if m.startswith("elastic_ft.inprocess")}, (name, sorted(reachable))
 
 
 def test_no_assert_guards_runtime_conditions_in_product_code() -> None:

@@ -6,8 +6,8 @@ import swap: one small module per concern, one error family
 
 * :mod:`.wrapper`: :class:`Wrapper` and :class:`CallWrapper`, the restart loop;
   :mod:`.arguments`: their defaults and checks;
-* :mod:`.store`: the coordination protocol over a store (barriers, fault
-  records) and the default store;
+* :mod:`.store`: the default store, and NVIDIA's ``StoreMixin`` (the
+  protocol itself is :mod:`elastic_ft.coordination`, shared with ``ftrun``);
 * :mod:`.monitor_thread`, :mod:`.monitor_process`, :mod:`.progress_watchdog`,
   :mod:`.sibling_monitor`: fault propagation, heartbeats, timeouts;
 * :mod:`.initialize`, :mod:`.abort`, :mod:`.finalize`, :mod:`.health_check`,

@@ -13,18 +13,21 @@ Two families, because they end in different places:
 
 from __future__ import annotations
 
-import builtins
 import logging
 import os
 import sys
 import threading
 import types
 
+from elastic_ft.coordination.errors import (
+    BarrierError,
+    BarrierOverflow,
+    BarrierTimeout,
+    RestartError,
+    TimeoutError,
+)
+
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-class RestartError(Exception):
-    """Base class of the errors the Wrapper raises on the rank where they happen."""
 
 
 class InternalError(RestartError):
@@ -33,22 +36,6 @@ class InternalError(RestartError):
 
 class HealthCheckError(RestartError):
     """The health check failed on this rank; its ``__cause__`` is the check's exception."""
-
-
-class TimeoutError(RestartError, builtins.TimeoutError):
-    """Something the Wrapper or one of its hooks waited for did not happen in time."""
-
-
-class BarrierError(RestartError):
-    """A Wrapper barrier failed."""
-
-
-class BarrierTimeout(BarrierError, TimeoutError):
-    """Not every rank reached a Wrapper barrier within its timeout."""
-
-
-class BarrierOverflow(BarrierError):
-    """More ranks arrived at a Wrapper barrier than it was built for."""
 
 
 class RankDiscarded(RestartError):
@@ -145,3 +132,23 @@ class RestartDelivery:
     def __init__(self) -> None:
         self.delivered = threading.Event()
         self.swallowed = threading.Event()
+
+
+__all__ = [
+    "BarrierError",
+    "BarrierOverflow",
+    "BarrierTimeout",
+    "Fenced",
+    "HealingError",
+    "HealthCheckError",
+    "InternalError",
+    "RankAssignmentTimeout",
+    "RankDiscarded",
+    "RankShouldRestart",
+    "RestartAbort",
+    "RestartDelivery",
+    "RestartError",
+    "RestartLimitError",
+    "StateTransferError",
+    "TimeoutError",
+]

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from elastic_ft.coordination.iteration import TerminationResult
 from elastic_ft.inprocess.state import Mode, State
-from elastic_ft.inprocess.store import TerminationResult
 
 
 def next_iteration_state(state: State, result: TerminationResult) -> State:

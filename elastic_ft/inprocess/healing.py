@@ -39,12 +39,12 @@ from typing import Any
 import torch.distributed as dist
 
 from elastic_ft import keys
+from elastic_ft.coordination.iteration import IterationView
 from elastic_ft.inprocess.exception import HealingError, StateTransferError
 from elastic_ft.inprocess.logs import get_logger
 from elastic_ft.inprocess.process_groups import ProcessGroupKeeper
 from elastic_ft.inprocess.recovery_plan import RankProgress, RecoveryPlan, plan_recovery
 from elastic_ft.inprocess.state_transfer import receive_state, run_interruptibly, send_state
-from elastic_ft.inprocess.store import PrefixStore
 from elastic_ft.keys import HEAL_BARRIER
 
 log = get_logger("healing")
@@ -85,7 +85,7 @@ def parse_progress(payload: str | bytes | None, world_size: int) -> list[RankPro
 
 
 def exchange_progress(
-    store: PrefixStore, active_rank: int, active_world_size: int, step: int, fresh: bool, timeout: datetime.timedelta
+    store: IterationView, active_rank: int, active_world_size: int, step: int, fresh: bool, timeout: datetime.timedelta
 ) -> list[RankProgress]:
     """Publish this rank's progress, wait for every active rank's, and return them all."""
     store.set_heal_progress(active_rank, step, fresh)
@@ -95,7 +95,7 @@ def exchange_progress(
 
 @contextmanager
 def _transfer_group(
-    store: PrefixStore,
+    store: IterationView,
     sender: int,
     members: list[int],
     active_rank: int,
@@ -125,7 +125,7 @@ def _transfer_group(
 
 
 def heal(
-    store: PrefixStore,
+    store: IterationView,
     active_rank: int,
     active_world_size: int,
     iteration: int,

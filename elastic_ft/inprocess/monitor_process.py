@@ -38,6 +38,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from elastic_ft.coordination.barriers import NO_WAIT, poll
+from elastic_ft.coordination.iteration import COMPLETED, IterationView, iteration_store, report_rank_gone
+from elastic_ft.coordination.job import JobView, job_store
+from elastic_ft.coordination.reports import report_process_gone
 from elastic_ft.inprocess.hang_detection import (
     RankActivity,
     StallAction,
@@ -52,17 +56,7 @@ from elastic_ft.inprocess.logs import get_logger, log_to_file
 from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps
 from elastic_ft.inprocess.sibling_monitor import ring_successor, silent_ranks
 from elastic_ft.inprocess.sockets import resending_lost_data
-from elastic_ft.inprocess.store import (
-    COMPLETED,
-    NO_WAIT,
-    PrefixStore,
-    forbid_hosting,
-    iteration_store,
-    job_store,
-    poll,
-    report_process_gone,
-    report_rank_gone,
-)
+from elastic_ft.inprocess.store import forbid_hosting
 from elastic_ft.inprocess.worker_events import close_events, install_store_events
 from elastic_ft.keys import EXIT_BARRIER
 from elastic_ft.observability.sink import EventSink, emit
@@ -258,7 +252,7 @@ class _Iteration:
     number: int
     rank: int
     world_size: int
-    store: PrefixStore
+    store: IterationView
     restart_requested: bool = False
     #: The rank runs the function (False: a reserve rank, which waits).
     active: bool = True
@@ -392,9 +386,7 @@ class _Monitor:
             timeouts = self._timeouts()
             if now >= next_heartbeat:
                 reserve = self.iteration is not None and not self.iteration.active
-                job.send_heartbeat(
-                    config.initial_rank, now - activity.inactive_for, self.timestamps.waiting(), reserve
-                )
+                job.send_heartbeat(config.initial_rank, now - activity.inactive_for, self.timestamps.waiting(), reserve)
                 next_heartbeat = now + heartbeat_period(activity, timeouts.soft, config.heartbeat_interval)
             if now >= next_check:
                 self._check_heartbeats(job, now, watching_since)
@@ -423,7 +415,7 @@ class _Monitor:
     def _judge(
         self,
         base_store: dist.Store,
-        job: PrefixStore,
+        job: JobView,
         iteration: _Iteration,
         activity: RankActivity,
         timeouts: Timeouts,
@@ -457,7 +449,7 @@ class _Monitor:
             return True
         return False
 
-    def _report_hang(self, job: PrefixStore, iteration: _Iteration, activity: RankActivity, reason: str) -> None:
+    def _report_hang(self, job: JobView, iteration: _Iteration, activity: RankActivity, reason: str) -> None:
         """Every rank made no progress for the soft timeout: record the hang, blamed on the rank that stopped first.
 
         Every stalled rank's monitor process may get here, each with the
@@ -498,7 +490,7 @@ class _Monitor:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.target_pid, STACK_DUMP_SIGNAL)
 
-    def _peers_inactive_for(self, job: PrefixStore, read_period: float) -> float | None:
+    def _peers_inactive_for(self, job: JobView, read_period: float) -> float | None:
         """Seconds since any other rank was last active, from their heartbeats (read once per ``read_period``)."""
         read_at, inactive_for = self._peers
         now = time.time()
@@ -544,7 +536,7 @@ class _Monitor:
         # The same report ftrun's agent makes from outside (idempotent if both do).
         report_process_gone(base_store, self.config.initial_rank, self.config.initial_world_size, kind, message)
 
-    def _check_heartbeats(self, job: PrefixStore, now: float, watching_since: float) -> None:
+    def _check_heartbeats(self, job: JobView, now: float, watching_since: float) -> None:
         config = self.config
         if config.initial_rank >= config.initial_world_size:
             return  # a joiner: the ring of heartbeats is the initial world's

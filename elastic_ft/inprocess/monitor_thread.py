@@ -43,11 +43,11 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 
 from elastic_ft import shield
+from elastic_ft.coordination.iteration import COMPLETED, INTERRUPTED, PLANNED, IterationView
 from elastic_ft.inprocess.exception import RankShouldRestart, RestartDelivery
 from elastic_ft.inprocess.logs import get_logger
 from elastic_ft.inprocess.progress_watchdog import main_thread_stack
 from elastic_ft.inprocess.state import State
-from elastic_ft.inprocess.store import COMPLETED, INTERRUPTED, PLANNED, StoreMixin
 
 log = get_logger("monitor_thread")
 
@@ -244,7 +244,7 @@ class MonitorThread(threading.Thread):
 
     def __init__(
         self,
-        store: StoreMixin,
+        store: IterationView,
         state: State,
         abort: Callable[[State], object] | None,
         release: Callable[[bool], object],

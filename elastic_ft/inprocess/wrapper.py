@@ -50,6 +50,16 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from elastic_ft.coordination.barriers import NO_WAIT, poll
+from elastic_ft.coordination.iteration import (
+    COMPLETED,
+    INTERRUPTED,
+    IterationView,
+    TerminationResult,
+    iteration_store,
+    report_rank_gone,
+)
+from elastic_ft.coordination.job import JOINER_ACTIVITY_LIMIT, WITHDRAWN, JobView, job_store
 from elastic_ft.fault_records import (
     PEER_LOST,
     fault_kind,
@@ -97,20 +107,7 @@ from elastic_ft.inprocess.sockets import (
     unblock_listeners,
 )
 from elastic_ft.inprocess.state import Mode, State
-from elastic_ft.inprocess.store import (
-    COMPLETED,
-    INTERRUPTED,
-    JOINER_ACTIVITY_LIMIT,
-    NO_WAIT,
-    WITHDRAWN,
-    PrefixStore,
-    TerminationResult,
-    default_store,
-    iteration_store,
-    job_store,
-    poll,
-    report_rank_gone,
-)
+from elastic_ft.inprocess.store import default_store
 from elastic_ft.inprocess.worker_events import close_events, install_store_events, progress_interval
 from elastic_ft.keys import (
     COMPLETION_BARRIER,
@@ -510,13 +507,13 @@ class CallWrapper:
             self._groups.observe,
             self._note_collective_wait if self._board is not None else None,
         )
-        self._job_store: PrefixStore | None = None
+        self._job_store: JobView | None = None
         self._interrupt: InterruptSignal | None = None
         self._step_hooks: list[Any] = []
         #: Levels of ``atomic_lock`` the main thread holds for optimizer steps under way.
         self._step_lock_depth = 0
         #: The current iteration's store view, and whether its progress is recorded (see _mark_progress).
-        self._iteration_store: PrefixStore | None = None
+        self._iteration_store: IterationView | None = None
         self._progress_marked = False
         self.base_store = wrapper.store_factory(**wrapper.store_kwargs)
         self._events = self._install_events()
@@ -576,7 +573,7 @@ class CallWrapper:
         """Register as a joiner once the monitor process's first heartbeat is in the store.
 
         A restart admits only joiners their monitor process reports active
-        (:func:`~elastic_ft.inprocess.store.admit_joiners`), so a registered
+        (:func:`~elastic_ft.coordination.job.admit_joiners`), so a registered
         joiner is a ready one. A monitor that does not report within the
         activity limit does not hold the process back: it registers anyway,
         and waits to be reported active before a restart takes it.
@@ -740,7 +737,7 @@ class CallWrapper:
             self.atomic_lock.release()
 
     @property
-    def job_store(self) -> PrefixStore:
+    def job_store(self) -> JobView:
         if self._job_store is None:
             raise InternalError("the Wrapper's store is not set up")
         return self._job_store
@@ -926,7 +923,7 @@ class CallWrapper:
         return state
 
     def _run_iteration(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], store: PrefixStore, state: State
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], store: IterationView, state: State
     ) -> tuple[bool, Any]:
         """One iteration; returns ``(True, result)`` on completion, ``(False, None)`` to restart."""
         wrapper = self.wrapper
@@ -1032,7 +1029,7 @@ class CallWrapper:
         self._watchdog.reset()
 
     def _restart_asked_by_function(
-        self, restart: RankShouldRestart, monitor: MonitorThread, store: PrefixStore, state: State
+        self, restart: RankShouldRestart, monitor: MonitorThread, store: IterationView, state: State
     ) -> None:
         """The function raised ``RankShouldRestart`` itself (NVIDIA's explicit restart): a fault of this rank.
 
@@ -1073,7 +1070,7 @@ class CallWrapper:
             raise RankShouldRestart()
         raise InternalError(f"the monitor thread did not start a restart within {patience:g} s")
 
-    def _heal(self, store: PrefixStore, state: State) -> None:
+    def _heal(self, store: IterationView, state: State) -> None:
         """Peer state healing, on an active rank after a restart; see :mod:`elastic_ft.inprocess.healing`."""
         wrapper = self.wrapper
         if wrapper.state_dict is None or wrapper.load_state_dict is None or not state.iteration:
@@ -1115,7 +1112,7 @@ class CallWrapper:
                 # that keeps the CallWrapper and its store alive until a collection.
                 del health_error
 
-    def _leave(self, store: PrefixStore, state: State, leaving: _RankLeaves) -> None:
+    def _leave(self, store: IterationView, state: State, leaving: _RankLeaves) -> None:
         """Record this rank as gone from the iteration, so the others restart without it."""
         rank = state.rank or 0
         log.error("rank %s leaves the job in iteration %d: %r", rank, state.iteration, leaving.error)
@@ -1162,7 +1159,7 @@ class CallWrapper:
         except Exception:
             log.exception("rank %s: abort failed", state.rank)
 
-    def _prepare_restart(self, store: PrefixStore, state: State) -> State:
+    def _prepare_restart(self, store: IterationView, state: State) -> State:
         """After an interruption: abort, finalize, health check, termination barrier, rank assignment."""
         wrapper = self.wrapper
         rank = state.rank or 0
@@ -1194,7 +1191,7 @@ class CallWrapper:
         next_state = next_iteration_state(state, result)
         return self._assign(RankAssignmentCtx(next_state, store, set(result.terminated)))
 
-    def _report_restart(self, store: PrefixStore, state: State, result: TerminationResult) -> str | None:
+    def _report_restart(self, store: IterationView, state: State, result: TerminationResult) -> str | None:
         """Log and record the restart once for the job, with every fault grouped and each text once.
 
         After the termination barrier, so every fault of the iteration is
@@ -1265,7 +1262,7 @@ class CallWrapper:
     def _await_admission(self) -> State | None:
         """A joiner: wait until a restart admits this process, then take its place; None if the job finished.
 
-        The restart's termination barrier admitted it (:func:`~elastic_ft.inprocess.store.admit_joiners`)
+        The restart's termination barrier admitted it (:func:`~elastic_ft.coordination.job.admit_joiners`)
         and published the world it grows; this process takes the rank after
         the others admitted with it and runs the same rank assignment they do.
         """

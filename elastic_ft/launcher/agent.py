@@ -57,18 +57,13 @@ from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
+from elastic_ft.coordination.iteration import iteration_store
+from elastic_ft.coordination.job import JobView, job_store, joiner_ready
+from elastic_ft.coordination.reports import report_node_gone, report_process_gone
 from elastic_ft.etcd.client import EtcdRequestError, EtcdUnavailableError, key_missing, put_op
 from elastic_ft.etcd.event_log import EventLog
 from elastic_ft.etcd.store import EtcdStore
 from elastic_ft.handoff import StoreHandoff, WorkerHandoff, job_config_from_env
-from elastic_ft.inprocess.store import (
-    PrefixStore,
-    iteration_store,
-    job_store,
-    joiner_ready,
-    report_node_gone,
-    report_process_gone,
-)
 from elastic_ft.job_config import JobConfig
 from elastic_ft.keys import (
     FTRUN_EXIT_BARRIER,
@@ -421,7 +416,7 @@ class FtAgent(LocalElasticAgent):
                 kinds[self._initial_ranks[worker.local_rank]] = WorkerExit.RUNNING
         return kinds
 
-    def _retire(self, store: PrefixStore, local_rank: int, initial_rank: int) -> WorkerExit:
+    def _retire(self, store: JobView, local_rank: int, initial_rank: int) -> WorkerExit:
         """Stop a respawned process the job completed without (:func:`retire_joiner`): SIGTERM, SIGKILL if it lingers."""
         handler = self._subprocesses().subprocess_handlers[local_rank]
         process = handler.proc
@@ -442,7 +437,7 @@ class FtAgent(LocalElasticAgent):
 
     # ---- respawning workers ----
 
-    def _note_useful_respawn(self, job: PrefixStore, local_rank: int, initial_rank: int) -> None:
+    def _note_useful_respawn(self, job: JobView, local_rank: int, initial_rank: int) -> None:
         """A respawned process that took part in training (admitted, active) ends its local rank's run of respawns.
 
         ``respawn.per_rank`` bounds a crash loop (new processes that die

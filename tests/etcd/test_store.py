@@ -391,7 +391,7 @@ def test_arrivals_are_counted_once_in_one_request_each(etcd: EtcdServer, run_id:
 
 
 def test_wrapper_barrier_on_an_etcd_store_counts_in_one_transaction_per_rank(etcd: EtcdServer, run_id: str) -> None:
-    from elastic_ft.inprocess.store import iteration_store
+    from elastic_ft.coordination.iteration import iteration_store
 
     client = EtcdClient(etcd.endpoints)
     base = EtcdStore(client, f"/elastic_ft/{run_id}/round/0/store/", TIMEOUT)
@@ -415,7 +415,9 @@ def _wait_in_threads(views: list, ranks: list[int], world_size: int, timeout: fl
 
     def wait(rank: int) -> None:
         try:
-            results[rank] = views[rank].arrive_and_wait(TERMINATION_BARRIER, [rank], world_size, timedelta(seconds=timeout))
+            results[rank] = views[rank].arrive_and_wait(
+                TERMINATION_BARRIER, [rank], world_size, timedelta(seconds=timeout)
+            )
         except Exception as error:  # noqa: BLE001 - the test reads it
             results[rank] = error
 
@@ -434,17 +436,18 @@ def test_a_barrier_whose_last_arriver_died_before_publishing_completes(
     grace, when it died before even recording itself as the last), instead of waiting out the barrier timeout
     although every rank arrived. A last arriver not known to be gone may still publish: nobody replaces it."""
     from elastic_ft import keys
-    from elastic_ft.inprocess import store as store_module
-    from elastic_ft.inprocess.store import StoreMixin, TerminationResult, iteration_store
+    from elastic_ft.coordination import barriers
+    from elastic_ft.coordination.barriers import Barriers
+    from elastic_ft.coordination.iteration import TerminationResult, iteration_store
     from elastic_ft.keys import TERMINATION_BARRIER
 
-    monkeypatch.setattr(store_module, "_STALL_UNKNOWN", 3.0)
+    monkeypatch.setattr(barriers, "_STALL_UNKNOWN", 3.0)
     views = [iteration_store(store_pair[rank % 2], 5) for rank in range(3)]
     results, threads = _wait_in_threads(views, [0, 1], 3, timeout=6 if last_arriver == "not known gone" else 20)
     while views[2]._arrivals(TERMINATION_BARRIER) < 2:
         time.sleep(0.01)
     with monkeypatch.context() as patch:
-        patch.setattr(StoreMixin, "_publish", lambda *args, **kwargs: None)  # dies right after counting itself
+        patch.setattr(Barriers, "_publish", lambda *args, **kwargs: None)  # dies right after counting itself
         assert views[2].arrive_and_wait(TERMINATION_BARRIER, [2], 3, timedelta(0)) is None
     if last_arriver == "unknown":
         views[2].delete_key(keys.barrier_last(TERMINATION_BARRIER))  # died before recording itself as the last

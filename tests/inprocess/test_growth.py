@@ -15,6 +15,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from elastic_ft.coordination.iteration import TerminationResult
 from elastic_ft.inprocess.compose import Compose
 from elastic_ft.inprocess.exception import RankDiscarded
 from elastic_ft.inprocess.growth import joiner_state, next_iteration_state
@@ -30,7 +31,6 @@ from elastic_ft.inprocess.rank_assignment.policies import (
 from elastic_ft.inprocess.rank_assignment.tree import Tree
 from elastic_ft.inprocess.rank_assignment.tree_engine import Layer
 from elastic_ft.inprocess.state import Mode, State
-from elastic_ft.inprocess.store import TerminationResult
 
 POLICIES: dict[str, Callable[[int], RankAssignment]] = {
     "hot spares (the ftrun default)": lambda k: Compose(MaxActiveWorldSize(k), ShiftRanks()),

@@ -7,15 +7,9 @@ import time
 
 import torch.distributed as dist
 
-from elastic_ft.inprocess.store import (
-    WITHDRAWN,
-    TerminationResult,
-    admit_joiners,
-    iteration_store,
-    job_store,
-    report_node_gone,
-    report_process_gone,
-)
+from elastic_ft.coordination.iteration import TerminationResult, iteration_store
+from elastic_ft.coordination.job import WITHDRAWN, admit_joiners, job_store
+from elastic_ft.coordination.reports import report_node_gone, report_process_gone
 from elastic_ft.keys import COMPLETION_BARRIER, ITERATION_BARRIER, TERMINATION_BARRIER
 
 NO_WAIT = datetime.timedelta(0)
@@ -50,7 +44,7 @@ def test_a_result_published_for_a_lost_last_arriver_keeps_its_admissions_and_mak
     """The last arriver admitted joiner 5, then died before it published: the rank publishing in its place
     includes 5 (it was told it joins) and admits nobody new (joiner 6, ready meanwhile, waits for the next
     restart), so no admission can miss the result that holds."""
-    from elastic_ft.inprocess.store import admitted_joiners
+    from elastic_ft.coordination.job import admitted_joiners
 
     base = dist.HashStore()
     job = job_store(base)

@@ -13,23 +13,16 @@ import pytest
 import torch.distributed as dist
 
 from elastic_ft import keys
+from elastic_ft.coordination.iteration import COMPLETED, INTERRUPTED, PLANNED, TerminationResult, iteration_store
+from elastic_ft.coordination.job import job_store
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.inprocess.exception import BarrierOverflow, BarrierTimeout, RestartAbort
 from elastic_ft.inprocess.initialize import RetryController
 from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps, ProgressWatchdog, progress_age
 from elastic_ft.inprocess.sibling_monitor import ring_successor, silent_ranks
 from elastic_ft.inprocess.state import Mode, State
-from elastic_ft.inprocess.store import (
-    COMPLETED,
-    COMPLETION_BARRIER,
-    INTERRUPTED,
-    PLANNED,
-    TERMINATION_BARRIER,
-    TerminationResult,
-    iteration_store,
-    job_store,
-)
 from elastic_ft.inprocess.wrapper import Wrapper
+from elastic_ft.keys import COMPLETION_BARRIER, TERMINATION_BARRIER
 
 
 def seconds(value: float) -> datetime.timedelta:
@@ -366,15 +359,12 @@ def test_default_store_is_the_etcd_round_store_under_ftrun(monkeypatch: pytest.M
 
 
 def test_report_process_gone_uses_the_last_position(etcd: EtcdServer) -> None:
+    from elastic_ft.coordination.iteration import iteration_store
+    from elastic_ft.coordination.job import job_store
+    from elastic_ft.coordination.reports import report_process_gone
     from elastic_ft.etcd.client import EtcdClient
     from elastic_ft.etcd.store import EtcdStore
-    from elastic_ft.inprocess.store import (
-        ITERATION_BARRIER,
-        TERMINATION_BARRIER,
-        iteration_store,
-        job_store,
-        report_process_gone,
-    )
+    from elastic_ft.keys import ITERATION_BARRIER, TERMINATION_BARRIER
 
     client = EtcdClient(etcd.endpoints)
     base = EtcdStore(client, f"/elastic_ft/unit-{time.monotonic_ns()}/store/")

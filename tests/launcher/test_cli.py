@@ -153,8 +153,9 @@ def test_status_shows_round_members_and_waiting_nodes(etcd: EtcdServer, run_id: 
 
 def test_status_shows_a_restart_in_progress(etcd: EtcdServer, etcd_client: EtcdClient, run_id: str) -> None:
     """Iteration 2 was interrupted by initial rank 3 (rank 2 there); ranks 0 and 1 arrived at its termination barrier."""
+    from elastic_ft.coordination.barriers import NO_WAIT
+    from elastic_ft.coordination.iteration import iteration_store
     from elastic_ft.etcd.store import EtcdStore
-    from elastic_ft.inprocess.store import NO_WAIT, iteration_store
     from elastic_ft.keys import TERMINATION_BARRIER, RunKeys
     from elastic_ft.launcher.status import _restart_in_progress, render_status
 

@@ -141,8 +141,8 @@ def test_worker_side_readers_skip_malformed_records() -> None:
 
     import torch.distributed as dist
 
+    from elastic_ft.coordination.job import job_store
     from elastic_ft.inprocess.rank_assignment.exchange import gather_keys
-    from elastic_ft.inprocess.store import job_store
     from elastic_ft.inprocess.wrapper import _termination_result
     from elastic_ft.keys import LEFT, exchange_table
 

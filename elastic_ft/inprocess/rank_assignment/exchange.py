@@ -15,12 +15,12 @@ import json
 import sys
 import zlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from elastic_ft.coordination.barriers import counting_store
 from elastic_ft.inprocess.exception import RankAssignmentTimeout
 from elastic_ft.inprocess.rank_assignment.base import grouping_key
 from elastic_ft.inprocess.state import State
-from elastic_ft.inprocess.store import counting_store
 from elastic_ft.keys import exchange_arrived, exchange_published, exchange_table
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def gather_keys(
         ValueError: ranks published differently shaped keys.
     """
 
-    if callable(getattr(store, "get_keys", None)) and callable(getattr(store, "send_key", None)):
+    if isinstance(store, KeyExchangeStore):
         return _gather_through_nvidia_protocol(store, rank, ranks, keys, what)
 
     def rank_key(peer: int) -> str:
@@ -160,8 +160,18 @@ class _Malformed(Exception):
     """A flaw of the table :func:`_decode_table` found itself."""
 
 
+@runtime_checkable
+class KeyExchangeStore(Protocol):
+    """A store with NVIDIA's ``StoreMixin`` key methods: it keeps every rank's grouping keys, the failed
+    ranks' too (a ``Tree`` over such a store is built over all of them, as NVIDIA's is)."""
+
+    def send_key(self, key: Any, rank: int) -> None: ...
+
+    def get_keys(self, ranks: list[int]) -> Any: ...
+
+
 def _gather_through_nvidia_protocol(
-    store: Any, rank: int, ranks: Sequence[int], keys: list[str], what: str
+    store: KeyExchangeStore, rank: int, ranks: Sequence[int], keys: list[str], what: str
 ) -> list[list[str]]:
     """The same all-gather over a store with NVIDIA's ``StoreMixin`` key methods (``send_key``, ``get_keys``).
 

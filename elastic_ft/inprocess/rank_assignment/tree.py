@@ -21,7 +21,7 @@ from elastic_ft.inprocess.rank_assignment.base import (
     policy_name,
     rank_and_terminated,
 )
-from elastic_ft.inprocess.rank_assignment.exchange import gather_keys
+from elastic_ft.inprocess.rank_assignment.exchange import KeyExchangeStore, gather_keys
 from elastic_ft.inprocess.rank_assignment.tree_engine import (
     Layer,
     TreeAssignment,
@@ -110,7 +110,7 @@ class Tree(RankAssignment):
         self._calls += 1
         rank, terminated = rank_and_terminated(ctx, "Tree")
         if self._topology is None or self._assignment is None:
-            if rank in terminated and not callable(getattr(ctx.store, "get_keys", None)):
+            if rank in terminated and not isinstance(ctx.store, KeyExchangeStore):
                 raise discard(rank, terminated)  # it cannot take part in the key exchange
             self._topology, self._assignment = self._build(ctx, call, rank, terminated)
             self._position = self._topology.ranks.index(rank)
@@ -195,7 +195,7 @@ class Tree(RankAssignment):
         tree is built over all of them, as NVIDIA's ``Tree`` builds it.
         """
         self._initial_world_size = ctx.state.world_size
-        everyone = callable(getattr(ctx.store, "get_keys", None))
+        everyone = isinstance(ctx.store, KeyExchangeStore)
         healthy = [other for other in range(ctx.state.world_size) if everyone or other not in terminated]
         what = f"Tree {self.name!r}"
         columns = gather_keys(

@@ -1,0 +1,247 @@
+"""Barriers on any store with torch's ``Store`` primitives: the base of both views of the protocol.
+
+A barrier counts each rank's arrival once (a monitor process or the agent
+may arrive for a dead rank), and whoever completes it publishes its result
+(:meth:`Barriers.barrier_result`), which every waiting rank reads back. On
+an etcd store (:class:`CountingStore`) an arrival is one transaction and a
+wait is a watch; on any other store, ``compare_set`` and ``add``, and a poll.
+
+Waiting is done by polling with a short back-off rather than with
+``Store.wait``: a TCPStore client holds its connection lock for the whole of
+a ``wait``, which would stall the other threads of the process sharing the
+connection, and the polling loop executes Python bytecode, so an
+asynchronous restart exception can interrupt it at any time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Protocol, runtime_checkable
+
+import torch.distributed as dist
+
+from elastic_ft import keys
+from elastic_ft.coordination.errors import BarrierOverflow, BarrierTimeout
+
+#: A barrier timeout meaning "arrive, do not wait".
+NO_WAIT = datetime.timedelta(0)
+_POLL_FIRST = 0.0005
+_POLL_MAX = 0.02
+
+#: The Wrapper's logger covers its records (``elastic_ft.inprocess``); the node side logs them there too.
+log = logging.getLogger("elastic_ft.inprocess.store")
+
+
+def poll(predicate: Callable[[], bool], timeout: float | None, interval_max: float = _POLL_MAX) -> bool:
+    """Call ``predicate`` with a growing pause until it is true; False on timeout (``None``: never)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = _POLL_FIRST
+    while not predicate():
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, interval_max)
+    return True
+
+
+@runtime_checkable
+class CountingStore(Protocol):
+    """A store that counts a barrier's arrival in one request and watches for a key (:class:`EtcdStore
+    <elastic_ft.etcd.store.EtcdStore>`): the barriers use these where a store has them."""
+
+    def arrive_once(self, arrived: str, counter: str, token: str) -> tuple[bool, int]: ...
+
+    def arrivals(self, counter: str) -> int: ...
+
+    def watch_for(self, key: str) -> tuple[threading.Event, Callable[[], None]]: ...
+
+
+def counting_store(view: object) -> tuple[CountingStore, str] | None:
+    """The store under ``view`` if it counts a barrier's arrivals in one request (an etcd store's
+    ``arrive_once``), and the key prefix of the view; None for any other store (its ``add`` counts).
+
+    A counter that every rank reads, changes and writes back costs each rank
+    retries that grow with the number arriving at once; one transaction per
+    arrival does not.
+    """
+    if isinstance(view, CountingStore):
+        return view, ""  # the etcd store itself
+    prefix = getattr(view, "key_prefix", None)
+    if prefix is None or not isinstance(view, dist.PrefixStore):
+        return None
+    base = view.underlying_store
+    if not isinstance(base, CountingStore):
+        return None
+    return base, f"{prefix}/"
+
+
+#: How often a rank waiting at a barrier reads the barrier itself, past the watch: a lost watch event
+#: then costs this long, and a last arriver lost before it published is noticed. Longer in a large
+#: world, so that all the waiting ranks together read at most ``_STALL_READS_PER_SECOND`` times a second.
+_STALL_CHECK = 1.0
+_STALL_READS_PER_SECOND = 500
+#: How long a completed barrier may stay unpublished before a waiting rank publishes its result: once
+#: the last arriver is recorded gone from the iteration (it is recorded so once dead, or, leaving on
+#: its own, just before it arrives and publishes), and when not even the last arriver is known (it
+#: died between counting itself and recording itself: a window of one request).
+_STALL_GONE = 1.0
+_STALL_UNKNOWN = 10.0
+
+
+class _StalledBarrier:
+    """A waiter's check for a barrier every rank arrived at but nobody published.
+
+    The rank whose arrival completes a barrier publishes its result; if
+    that rank's process dies in between (a hard timeout's SIGKILL, a node
+    lost), every other rank would wait out the barrier timeout although
+    all arrived. A waiter publishes in its place, through ``compare_set`` so
+    that the first result published holds, once the stall outlasted a
+    grace period and the last arriver is recorded gone from the iteration
+    (or unknown).
+    """
+
+    def __init__(self, store: Barriers, name: str, world_size: int) -> None:
+        self.store, self.name, self.world_size = store, name, world_size
+        self.interval = max(_STALL_CHECK, world_size / _STALL_READS_PER_SECOND)
+        self.next_check = time.monotonic() + self.interval
+        self.stalled_since: float | None = None
+
+    def repaired(self) -> bool:
+        """True once the barrier's result is published (by anyone); reads the store at most every interval."""
+        now = time.monotonic()
+        if now < self.next_check:
+            return False
+        self.next_check = now + self.interval
+        store = self.store
+        if store.check([keys.barrier_done(self.name)]):
+            return True
+        if store._arrivals(self.name) < self.world_size:
+            self.stalled_since = None
+            return False
+        if self.stalled_since is None:
+            self.stalled_since = now
+        last_key = keys.barrier_last(self.name)
+        last = keys.parse_count(as_text(store.get(last_key))) if store.check([last_key]) else None
+        grace = _STALL_UNKNOWN if last is None else _STALL_GONE
+        if now - self.stalled_since < grace or (last is not None and last not in store.gone_ranks()):
+            return False
+        log.warning(
+            "%s: all %d ranks arrived %.1f s ago, but the last (%s) published no result: publishing it in its place",
+            self.name, self.world_size, now - self.stalled_since, "unknown" if last is None else f"rank {last}, gone",
+        )  # fmt: skip
+        store._publish(self.name, self.world_size, admit=False)
+        return True
+
+
+def as_text(value: bytes) -> str:
+    """A store value as text (a store returns bytes; a test double may return str)."""
+    return value.decode() if isinstance(value, bytes | bytearray) else str(value)
+
+
+def underlying(store: object) -> object:
+    """The store below any number of prefix views."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+class Barriers:
+    """Barriers, on top of the primitive operations of the ``torch.distributed.Store`` this is mixed into."""
+
+    # Provided by the torch.distributed.Store this is mixed into.
+    set: Callable[..., None]
+    get: Callable[[str], bytes]
+    add: Callable[[str, int], int]
+    append: Callable[[str, str], None]
+    check: Callable[[list[str]], bool]
+    compare_set: Callable[[str, str, str], bytes]
+    wait: Callable[..., None]
+
+    def arrive_and_wait(
+        self,
+        name: str,
+        ranks: Iterable[int],
+        world_size: int,
+        timeout: datetime.timedelta,
+    ) -> str | None:
+        """Arrive at barrier ``name`` for ``ranks`` and wait until ``world_size`` ranks arrived.
+
+        Arrival is idempotent per rank, so a monitor process or another rank
+        may arrive on behalf of a rank that died, before or after it arrived
+        itself. Whoever arrives last publishes the barrier's result
+        (:meth:`barrier_result`), which every waiting rank gets back: a
+        snapshot all ranks agree on. A zero ``timeout`` arrives without
+        waiting and returns ``None``; ``timedelta.max`` waits forever.
+
+        Raises:
+            BarrierTimeout: the barrier did not complete in time.
+            BarrierOverflow: more than ``world_size`` distinct ranks arrived.
+        """
+        done_key = keys.barrier_done(name)
+        counting = counting_store(self)
+        for rank in ranks:
+            token = uuid.uuid4().hex
+            if counting is not None:
+                base, prefix = counting
+                counted, count = base.arrive_once(
+                    prefix + keys.barrier_arrived(name, rank), prefix + keys.barrier_count(name), token
+                )
+                if not counted:
+                    continue  # this rank had already arrived
+            else:
+                if as_text(self.compare_set(keys.barrier_arrived(name, rank), "", token)) != token:
+                    continue  # this rank had already arrived
+                count = self.add(keys.barrier_count(name), 1)
+            if count > world_size:
+                raise BarrierOverflow(f"{name}: rank {rank} arrived as number {count} of {world_size}")
+            if count == world_size:
+                self.set(keys.barrier_last(name), str(rank))
+                self._publish(name, world_size, admit=True)
+        if timeout <= datetime.timedelta(0):
+            return None
+        limit = None if timeout == datetime.timedelta.max else timeout.total_seconds()
+        stalled = _StalledBarrier(self, name, world_size)
+        if counting is not None:
+            # The loop stays a short-sleep poll the Wrapper can interrupt, but what it polls is a watch's
+            # flag: one watch per rank, not a request every few milliseconds.
+            appeared, stop = counting[0].watch_for(counting[1] + done_key)
+            try:
+                completed = poll(lambda: (appeared.is_set() and self.check([done_key])) or stalled.repaired(), limit)
+            finally:
+                stop()
+        else:
+            completed = poll(lambda: self.check([done_key]) or stalled.repaired(), limit)
+        if not completed:
+            raise BarrierTimeout(f"{name}: {self._arrivals(name)} of {world_size} ranks arrived within {limit:g} s")
+        return as_text(self.get(done_key))
+
+    def _arrivals(self, name: str) -> int:
+        counting = counting_store(self)
+        if counting is not None:
+            return counting[0].arrivals(counting[1] + keys.barrier_count(name))
+        return self.add(keys.barrier_count(name), 0)
+
+    def _publish(self, name: str, world_size: int, *, admit: bool) -> None:
+        """Publish barrier ``name``'s result unless one is already published (the first one holds)."""
+        done_key = keys.barrier_done(name)
+        result = self.barrier_result(name, world_size, admit=admit)
+        held = as_text(self.compare_set(done_key, "", result))
+        if held != result:
+            log.warning("%s: a result was published before this one, which is dropped: %.200s", name, result)
+
+    def barrier_result(self, name: str, world_size: int, *, admit: bool = True) -> str:
+        """What the rank completing barrier ``name`` publishes: nothing here; a view whose barriers decide
+        something (:class:`~elastic_ft.coordination.iteration.IterationRecords`) says what."""
+        return ""
+
+    def gone_ranks(self) -> list[int]:
+        """Ranks recorded gone from the barriers' world: none here; an iteration's view says which."""
+        return []
+
+    def has_arrived(self, name: str, rank: int) -> bool:
+        return self.check([keys.barrier_arrived(name, rank)])

@@ -1,0 +1,312 @@
+"""The records of one restart iteration: its outcome, its faults, who left, and what its barriers decide.
+
+Each iteration's keys live under their own prefix (``keys.wrapper_iteration``),
+so that they never collide with the previous iteration's. The termination
+barrier's result (:class:`TerminationResult`) is what every rank's next
+rank assignment starts from.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import cast
+
+import torch.distributed as dist
+
+from elastic_ft import keys
+from elastic_ft.coordination.barriers import NO_WAIT, Barriers, as_text, log, underlying
+from elastic_ft.coordination.job import JOINED_MAX, admit_joiners, admitted_joiners, job_store
+from elastic_ft.fault_records import FaultHistory, Interruption, encode_interruption, next_history, parse_interruptions
+from elastic_ft.keys import COMPLETION_BARRIER, HEAL_BARRIER, ITERATION_BARRIER, TERMINATION_BARRIER
+from elastic_ft.untrusted import is_count, json_object
+
+#: The per-iteration outcome: exactly one of these wins the ``compare_set``.
+COMPLETED = "completed"
+INTERRUPTED = "interrupted"
+#: A restart nothing forces (admitting joiners): it waits for a step boundary (:data:`keys.RESTART_STEP`),
+#: and either final outcome above replaces it.
+PLANNED = "planned"
+
+
+class IterationRecords(Barriers):
+    """One iteration's records and what its barriers publish, on top of a store's primitive operations.
+
+    ``iteration``: the restart iteration whose keys the view holds (``None``
+    on a store used without views, as NVIDIA's API allows).
+    """
+
+    iteration: int | None = None
+
+    def barrier_result(self, name: str, world_size: int, *, admit: bool = True) -> str:
+        """What the last rank arriving at barrier ``name`` publishes.
+
+        The completion barrier decides the iteration's outcome (completed,
+        unless an interruption came first); the termination barrier freezes
+        what the next rank assignment gets (:class:`TerminationResult`): the
+        terminated ranks, and the joiners admitted into the next iteration
+        (with ``admit=False``, only those admitted already: a rank that
+        publishes in place of a lost last arriver admits no one new, so
+        that no admission it makes can miss the result that holds).
+        """
+        if name == COMPLETION_BARRIER:
+            return self.decide_outcome(COMPLETED)
+        if name == HEAL_BARRIER:
+            return json.dumps([self.heal_progress(rank) for rank in range(world_size)])
+        if name == TERMINATION_BARRIER:
+            iteration = self.iteration
+            if iteration is None:
+                return TerminationResult(world_size, tuple(self.terminated_ranks())).to_json()
+            base = cast(dist.PrefixStore, self).underlying_store  # every view is a PrefixStore
+            job = job_store(base)
+            joined = admit_joiners(job, iteration + 1) if admit else admitted_joiners(job, iteration + 1)
+            job.set(keys.LATEST_ITERATION, str(iteration + 1))
+            recorded = as_text(self.get(keys.INTERRUPTIONS)) if self.check([keys.INTERRUPTIONS]) else ""
+            records, _ = parse_interruptions(recorded)
+            history = next_history(previous_history(base, iteration), records, self.progressed())
+            return TerminationResult(world_size, tuple(self.terminated_ranks()), tuple(joined), history).to_json()
+        return ""
+
+    def gone_ranks(self) -> list[int]:
+        return self.terminated_ranks()
+
+    # ---- the iteration's outcome and the fault records ----
+
+    def decide_outcome(self, outcome: str) -> str:
+        """Propose the iteration's outcome; returns the one that won (the first final one proposed: a
+        :data:`PLANNED` restart gives way to either final outcome)."""
+        held = as_text(self.compare_set(keys.OUTCOME, "", outcome))
+        if held == PLANNED and outcome != PLANNED:
+            held = as_text(self.compare_set(keys.OUTCOME, PLANNED, outcome))
+        return held
+
+    def request_restart(self, rank: int, kind: str, message: str = "") -> str:
+        """Ask for a :data:`PLANNED` restart on ``rank``'s behalf (recorded like an interruption, which it
+        becomes at the next step boundary); returns the outcome that holds."""
+        self.append(keys.INTERRUPTIONS, encode_interruption(rank, kind, message, time.time()))
+        return self.decide_outcome(PLANNED)
+
+    def restart_step(self, proposed: int) -> int:
+        """The planned restart's step boundary: the first proposed (a malformed record reads as 0: at once)."""
+        held = as_text(self.compare_set(keys.RESTART_STEP, "", str(int(proposed))))
+        return keys.parse_count(held) or 0
+
+    def outcome(self) -> str | None:
+        return as_text(self.get(keys.OUTCOME)) if self.check([keys.OUTCOME]) else None
+
+    def wait_for_outcome(self, timeout: float, poll_interval: float) -> str | None:
+        """The iteration's outcome once decided, or None after ``timeout`` seconds.
+
+        Event-driven on a store that waits without polling (an etcd store
+        watches the key); elsewhere polled every ``poll_interval``, since a
+        TCPStore client holds its connection for the whole of a ``wait``.
+        """
+        if getattr(underlying(self), "waits_without_polling", False):
+            try:
+                self.wait([keys.OUTCOME], datetime.timedelta(seconds=timeout))
+            except dist.DistStoreError:
+                return None
+            return self.outcome()
+        deadline = time.monotonic() + timeout
+        while (outcome := self.outcome()) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            time.sleep(min(poll_interval, remaining))
+        return outcome
+
+    def record_interruption(
+        self,
+        rank: int,
+        kind: str,
+        message: str = "",
+        *,
+        step: int | None = None,
+        origin: str | None = None,
+        traceback: str | None = None,
+    ) -> str:
+        """Record why ``rank`` interrupts the iteration (and when), then propose :data:`INTERRUPTED`.
+
+        An exception also records the rank's step, where it was raised, and
+        its traceback (:class:`~elastic_ft.fault_records.Interruption`).
+        """
+        line = encode_interruption(rank, kind, message, time.time(), step=step, origin=origin, traceback=traceback)
+        self.append(keys.INTERRUPTIONS, line)
+        return self.decide_outcome(INTERRUPTED)
+
+    def mark_progressed(self) -> None:
+        """A rank made a step in this iteration (the give-up rule counts iterations without one)."""
+        self.set(keys.PROGRESSED, "1")
+
+    def progressed(self) -> bool:
+        return self.check([keys.PROGRESSED])
+
+    def interruptions(self) -> list[Interruption]:
+        """The iteration's well-formed interruption records (a malformed line is logged and skipped)."""
+        if not self.check([keys.INTERRUPTIONS]):
+            return []
+        records, malformed = parse_interruptions(as_text(self.get(keys.INTERRUPTIONS)))
+        for line in malformed:
+            log.warning("skipping a malformed interruption record: %.200s", line)
+        return records
+
+    def record_terminated(self, ranks: Iterable[int]) -> None:
+        """Record ranks (current ``state.rank`` values) that leave the job."""
+        lines = "".join(f"{int(rank)}\n" for rank in ranks)
+        if lines:
+            self.append(keys.TERMINATED, lines)
+
+    def terminated_ranks(self) -> list[int]:
+        if not self.check([keys.TERMINATED]):
+            return []
+        return sorted({int(line) for line in as_text(self.get(keys.TERMINATED)).split()})
+
+    def set_active_world_size(self, size: int) -> None:
+        """Publish the iteration's active world size: a joiner's rank assignment starts from it."""
+        self.set(keys.ACTIVE_WORLD_SIZE, str(int(size)))
+
+    def active_world_size(self) -> int | None:
+        if not self.check([keys.ACTIVE_WORLD_SIZE]):
+            return None
+        size = keys.parse_count(as_text(self.get(keys.ACTIVE_WORLD_SIZE)))
+        return size if size else None
+
+    def termination_result(self) -> str | None:
+        """The termination barrier's published result, once it completed."""
+        key = keys.barrier_done(TERMINATION_BARRIER)
+        return as_text(self.get(key)) if self.check([key]) else None
+
+    def set_heal_progress(self, active_rank: int, step: int, fresh: bool) -> None:
+        self.set(keys.heal_progress(active_rank), json.dumps({"step": step, "fresh": fresh}))
+
+    def heal_progress(self, active_rank: int) -> object:
+        """An active rank's progress record as stored (untrusted: decoded, not checked), None if absent."""
+        key = keys.heal_progress(active_rank)
+        return json_object(self.get(key)) if self.check([key]) else None
+
+    def mark_any_completed(self) -> None:
+        self.set(keys.ANY_COMPLETED, "")
+
+    def any_completed(self) -> bool:
+        return self.check([keys.ANY_COMPLETED])
+
+    # ---- identity ----
+
+    def set_initial_rank(self, rank: int, initial_rank: int) -> None:
+        """Publish which initial rank holds ``rank`` in this iteration."""
+        self.set(f"{keys.RANK_OF_INITIAL}{initial_rank}", str(rank))
+
+    def rank_of_initial(self, initial_rank: int) -> int | None:
+        key = f"{keys.RANK_OF_INITIAL}{initial_rank}"
+        return int(as_text(self.get(key))) if self.check([key]) else None
+
+
+class IterationView(dist.PrefixStore, IterationRecords):
+    """The view of one restart iteration's keys."""
+
+    def __init__(self, prefix: str, store: dist.Store, iteration: int) -> None:
+        super().__init__(prefix, store)
+        #: torch's view keeps its prefix to itself; the barriers need it to count arrivals in the base store.
+        self.key_prefix = prefix
+        self.iteration = iteration
+
+
+def iteration_store(base: dist.Store, iteration: int) -> IterationView:
+    """The view holding the keys of one restart iteration."""
+    return IterationView(keys.wrapper_iteration(iteration), base, iteration)
+
+
+@dataclass(frozen=True)
+class TerminationResult:
+    """The termination barrier's result: what every rank's next rank assignment starts from.
+
+    ``world_size``: the iteration's world size; ``terminated``: its ranks
+    that left; ``joined``: initial ranks of the processes admitted into the
+    next iteration, which take ranks ``world_size, world_size + 1, ...`` in
+    this order before the rank assignment renumbers everyone; ``history``:
+    the job's faults so far as the give-up rule counts them
+    (:func:`~elastic_ft.fault_records.next_history`).
+    """
+
+    world_size: int
+    terminated: tuple[int, ...] = ()
+    joined: tuple[int, ...] = ()
+    history: FaultHistory = FaultHistory()  # noqa: RUF009 - frozen: one shared instance is safe
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "world_size": self.world_size,
+                "terminated": self.terminated,
+                "joined": self.joined,
+                "history": self.history.to_dict(),
+            }
+        )
+
+    @classmethod
+    def from_json(cls, payload: str | bytes | None, world_size: int | None) -> TerminationResult:
+        """Decode a payload read from the store (untrusted).
+
+        Raises:
+            ValueError: the payload is not a termination result of a world of
+                ``world_size`` ranks (``None``: of any size, for a joiner).
+        """
+        record = json_object(payload or b"")
+        terminated = record.get("terminated") if record else None
+        joined = record.get("joined") if record else None
+        size = record.get("world_size") if record else None
+        history = FaultHistory.from_dict(record.get("history", {"repeats": 0, "stalled": 0})) if record else None
+        if (
+            record is None
+            or not is_count(size)
+            or size < 1
+            or (world_size is not None and size != world_size)
+            or not isinstance(terminated, list)
+            or not all(is_count(r) and r < size for r in terminated)
+            or not isinstance(joined, list)
+            or len(joined) > JOINED_MAX
+            or len(set(joined)) != len(joined)
+            or not all(is_count(r) for r in joined)
+            or history is None
+        ):
+            raise ValueError(
+                f"malformed termination result {payload!r:.200} for a world of {world_size or 'any number of'} "
+                'ranks; expected {"world_size": N, "terminated": [ranks below N], "joined": [distinct initial ranks], '
+                '"history": {"signature": text or null, "repeats": n, "stalled": n}}'
+            )
+        return cls(size, tuple(sorted(set(terminated))), tuple(joined), history)
+
+
+def previous_history(base: dist.Store, iteration: int) -> FaultHistory:
+    """The fault history published by the termination barrier of ``iteration - 1`` (empty for the first, or when
+    that result is unreadable: the store is untrusted, and forgetting counts only delays a give-up)."""
+    if iteration == 0:
+        return FaultHistory()
+    payload = iteration_store(base, iteration - 1).termination_result()
+    try:
+        return TerminationResult.from_json(payload, None).history
+    except ValueError as error:
+        log.warning("iteration %d: the previous termination result is unreadable; fault counts restart: %s",
+                    iteration, error)  # fmt: skip
+        return FaultHistory()
+
+
+def report_rank_gone(
+    store: IterationView, rank: int, world_size: int, kind: str, message: str, *, interrupt: bool = True
+) -> None:
+    """Record ``rank`` of an iteration as gone and arrive at its barriers in its place.
+
+    A reserve rank (``interrupt=False``) leaves without interrupting the
+    iteration: the active ranks go on, it also arrives at the completion
+    barrier in its place, and the next restart drops it.
+    """
+    if interrupt:
+        store.record_interruption(rank, kind, message)
+    store.record_terminated([rank])
+    store.arrive_and_wait(ITERATION_BARRIER, [rank], world_size, NO_WAIT)
+    store.arrive_and_wait(TERMINATION_BARRIER, [rank], world_size, NO_WAIT)
+    if not interrupt:
+        store.arrive_and_wait(COMPLETION_BARRIER, [rank], world_size, NO_WAIT)

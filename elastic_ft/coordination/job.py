@@ -1,0 +1,214 @@
+"""The job-wide records of the coordination protocol: what each process is doing, keyed by initial rank.
+
+``wrapped/<r>`` once a process entered the Wrapper, ``position/<r>``
+(iteration, rank, world size) at the start of each iteration, ``left/<r>``
+(how it left: completed, gave up, or left the job alone), its heartbeats,
+and the joiners: processes started into a running world, admitted by a
+restart (``admitted/<r>``, set once). The Wrapper writes them; ``ftrun``'s
+agent reads them to tell a fault the Wrapper absorbs from one it cannot,
+and reports a dead process without waiting for a heartbeat timeout
+(:mod:`elastic_ft.coordination.reports`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch.distributed as dist
+
+from elastic_ft import keys
+from elastic_ft.coordination.barriers import Barriers, as_text, log
+from elastic_ft.fault_records import Heartbeat, encode_heartbeat, parse_heartbeat_record
+from elastic_ft.untrusted import is_count, json_object
+
+#: A joiner's admission when it died before any restart admitted it.
+WITHDRAWN = "withdrawn"
+#: Joiners one restart admits: far beyond any respawn budget.
+JOINED_MAX = 4096
+
+
+class JobRecords(Barriers):
+    """The job-wide records, on top of a store's primitive operations (the job's barriers too)."""
+
+    # ---- liveness ----
+
+    def send_heartbeat(
+        self, rank: int, active_at: float | None = None, waiting: bool | None = None, reserve: bool = False
+    ) -> None:
+        """A heartbeat for initial rank ``rank`` (:class:`~elastic_ft.fault_records.Heartbeat`), sent now."""
+        now = time.time()
+        text = encode_heartbeat(now, now if active_at is None else active_at, waiting, reserve)
+        self.set(f"{keys.HEARTBEAT}{rank}", text)
+
+    def heartbeat(self, rank: int) -> Heartbeat | None:
+        """Initial rank ``rank``'s last heartbeat; None without one, or with one that is not well-formed."""
+        key = f"{keys.HEARTBEAT}{rank}"
+        if not self.check([key]):
+            return None
+        return parse_heartbeat_record(as_text(self.get(key)))
+
+    def _heartbeat(self, rank: int) -> tuple[float, float] | None:
+        """(sent at, last active at); None without a heartbeat or with one that is not well-formed."""
+        record = self.heartbeat(rank)
+        return None if record is None else (record.sent_at, record.active_at)
+
+    def last_heartbeat(self, rank: int) -> float | None:
+        record = self._heartbeat(rank)
+        return None if record is None else record[0]
+
+    def last_activity(self, rank: int) -> float | None:
+        """When (wall clock) initial rank ``rank`` was last active, per its last heartbeat."""
+        record = self._heartbeat(rank)
+        return None if record is None else record[1]
+
+    # ---- what the node side reads (job-wide view) ----
+
+    def record_wrapped(self, initial_rank: int, pid: int) -> None:
+        self.set(f"{keys.WRAPPED}{initial_rank}", json.dumps({"pid": pid}))
+
+    def is_wrapped(self, initial_rank: int) -> bool:
+        return self.check([f"{keys.WRAPPED}{initial_rank}"])
+
+    def record_position(self, initial_rank: int, iteration: int, rank: int, world_size: int, active: bool) -> None:
+        self.set(
+            f"{keys.POSITION}{initial_rank}",
+            json.dumps({"iteration": iteration, "rank": rank, "world_size": world_size, "active": active}),
+        )
+
+    def position(self, initial_rank: int) -> dict[str, int] | None:
+        """The rank's last published position; None if none, or if the record is malformed (untrusted).
+
+        ``active`` is 1 for a rank that runs the function, 0 for a reserve rank.
+        """
+        key = f"{keys.POSITION}{initial_rank}"
+        record = json_object(self.get(key)) if self.check([key]) else None
+        fields = ("iteration", "rank", "world_size")
+        if record is None or not all(is_count(record.get(name)) for name in fields):
+            return None
+        active = record.get("active", True)
+        if not isinstance(active, bool):
+            return None
+        return {**{name: record[name] for name in fields}, "active": int(active)}
+
+    # ---- growing the world (job-wide view) ----
+
+    def set_accepts_joiners(self, accepts: bool = True) -> None:
+        """Whether the ranks' rank assignment can grow the world (every rank of the world writes the same)."""
+        self.set(keys.ACCEPTS_JOINERS, "1" if accepts else "0")
+
+    def accepts_joiners(self) -> bool:
+        return self.joiners_accepted() is True
+
+    def joiners_accepted(self) -> bool | None:
+        """Whether the world can grow: None until its ranks said (they say so as they enter the Wrapper)."""
+        if not self.check([keys.ACCEPTS_JOINERS]):
+            return None
+        return as_text(self.get(keys.ACCEPTS_JOINERS)) == "1"
+
+    def register_joiner(self, initial_rank: int) -> None:
+        """A process that is not in the world asks to join it at the next restart."""
+        self.append(keys.JOINERS, f"{int(initial_rank)}\n")
+
+    def joiners(self) -> list[int]:
+        """Initial ranks that registered, in registration order (a malformed line is skipped)."""
+        if not self.check([keys.JOINERS]):
+            return []
+        seen: dict[int, None] = {}
+        for line in as_text(self.get(keys.JOINERS)).split():
+            rank = keys.parse_count(line)
+            if rank is not None:
+                seen.setdefault(rank, None)
+        return list(seen)
+
+    def claim_admission(self, initial_rank: int, value: str) -> str:
+        """Set ``admitted/<r>`` unless set already (``value``: an iteration, or ``withdrawn``); returns what holds."""
+        return as_text(self.compare_set(f"{keys.ADMITTED}{initial_rank}", "", value))
+
+    def admission(self, initial_rank: int) -> str | None:
+        key = f"{keys.ADMITTED}{initial_rank}"
+        return as_text(self.get(key)) if self.check([key]) else None
+
+    def record_activation(self, initial_rank: int, iteration: int) -> None:
+        """A reserve rank (or a joiner) runs the function from ``iteration`` on."""
+        self.append(
+            keys.ACTIVATIONS, json.dumps({"initial_rank": int(initial_rank), "iteration": int(iteration)}) + "\n"
+        )
+
+    def latest_iteration(self) -> int:
+        """The iteration the last restart began (0 before any; a malformed record reads as 0)."""
+        if not self.check([keys.LATEST_ITERATION]):
+            return 0
+        return keys.parse_count(as_text(self.get(keys.LATEST_ITERATION))) or 0
+
+    def mark_finished(self) -> None:
+        self.set(keys.FINISHED, "1")
+
+    def finished(self) -> bool:
+        return self.check([keys.FINISHED])
+
+    def record_left(self, initial_rank: int, kind: str, gave_up: bool, message: str = "", fatal: bool = False) -> None:
+        """How the rank left the Wrapper; ``fatal``: it gave up on the job for good (a fault repeats: the node side
+        must not restart the workers)."""
+        record = {"kind": kind, "gave_up": gave_up, "message": message[:500], "fatal": fatal}
+        self.set(f"{keys.LEFT}{initial_rank}", json.dumps(record))
+
+    def left(self, initial_rank: int) -> dict[str, object] | None:
+        """How the rank left the Wrapper; None if it did not. A malformed record still says it left."""
+        key = f"{keys.LEFT}{initial_rank}"
+        if not self.check([key]):
+            return None
+        return json_object(self.get(key)) or {"kind": "malformed"}
+
+
+class JobView(dist.PrefixStore, JobRecords):
+    """The job-wide view of the Wrapper's store (its keys under ``keys.WRAPPER_JOB``)."""
+
+    def __init__(self, prefix: str, store: dist.Store) -> None:
+        super().__init__(prefix, store)
+        #: torch's view keeps its prefix to itself; the barriers need it to count arrivals in the base store.
+        self.key_prefix = prefix
+
+
+def job_store(base: dist.Store) -> JobView:
+    """The view holding the job-wide keys (initial and exit barriers, the records above)."""
+    return JobView(keys.WRAPPER_JOB, base)
+
+
+#: A joiner is admitted only if its monitor process reported it active this recently (seconds): a
+#: stopped or hung joiner admitted would hold the next iteration barrier until its timeout.
+JOINER_ACTIVITY_LIMIT = 10.0
+
+
+def joiner_ready(job: JobView, initial_rank: int, now: float | None = None) -> bool:
+    """The joiner's heartbeat says its process was active within :data:`JOINER_ACTIVITY_LIMIT`."""
+    active_at = job.last_activity(initial_rank)
+    return active_at is not None and (time.time() if now is None else now) - active_at < JOINER_ACTIVITY_LIMIT
+
+
+def admit_joiners(job: JobView, iteration: int) -> list[int]:
+    """Admit, into ``iteration``, every registered joiner that is ready and was not admitted or withdrawn
+    before (the last arriver at the previous iteration's termination barrier calls this: once per restart).
+    One not ready yet (no heartbeat so far, or inactive: stopped, hung) waits for a later restart."""
+    if not job.accepts_joiners():
+        return []
+    value, now = str(iteration), time.time()
+    admitted = []
+    for rank in job.joiners()[:JOINED_MAX]:
+        if job.admission(rank) is not None:
+            continue
+        if not joiner_ready(job, rank, now):
+            active_at = job.last_activity(rank)
+            since = "never" if active_at is None else f"{now - active_at:.1f} s ago"
+            log.info("joiner %d is not admitted into iteration %d: last reported active %s", rank, iteration, since)
+            continue
+        if job.claim_admission(rank, value) == value:
+            admitted.append(rank)
+    return admitted
+
+
+def admitted_joiners(job: JobView, iteration: int) -> list[int]:
+    """The joiners already admitted into ``iteration``, in the order :func:`admit_joiners` admits them."""
+    if not job.accepts_joiners():
+        return []
+    return [rank for rank in job.joiners()[:JOINED_MAX] if job.admission(rank) == str(iteration)]
