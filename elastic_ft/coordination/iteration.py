@@ -22,7 +22,9 @@ from elastic_ft.coordination.barriers import NO_WAIT, Barriers, as_text, log, un
 from elastic_ft.coordination.job import JOINED_MAX, admit_joiners, admitted_joiners, job_store
 from elastic_ft.fault_records import FaultHistory, Interruption, encode_interruption, next_history, parse_interruptions
 from elastic_ft.keys import COMPLETION_BARRIER, HEAL_BARRIER, ITERATION_BARRIER, TERMINATION_BARRIER
-from elastic_ft.untrusted import is_count, json_object
+from elastic_ft.untrusted import MalformedRecord, SkipLog, is_count, json_object
+
+_SKIPPED = SkipLog(log)
 
 #: The per-iteration outcome: exactly one of these wins the ``compare_set``.
 COMPLETED = "completed"
@@ -150,7 +152,7 @@ class IterationRecords(Barriers):
             return []
         records, malformed = parse_interruptions(as_text(self.get(keys.INTERRUPTIONS)))
         for line in malformed:
-            log.warning("skipping a malformed interruption record: %.200s", line)
+            _SKIPPED.skip(MalformedRecord(f"{line:.200}", keys.INTERRUPTIONS), "an interruption record")
         return records
 
     def record_terminated(self, ranks: Iterable[int]) -> None:
@@ -251,8 +253,8 @@ class TerminationResult:
         """Decode a payload read from the store (untrusted).
 
         Raises:
-            ValueError: the payload is not a termination result of a world of
-                ``world_size`` ranks (``None``: of any size, for a joiner).
+            MalformedRecord: the payload is not a termination result of a world
+                of ``world_size`` ranks (``None``: of any size, for a joiner).
         """
         record = json_object(payload or b"")
         terminated = record.get("terminated") if record else None
@@ -272,7 +274,7 @@ class TerminationResult:
             or not all(is_count(r) for r in joined)
             or history is None
         ):
-            raise ValueError(
+            raise MalformedRecord(
                 f"malformed termination result {payload!r:.200} for a world of {world_size or 'any number of'} "
                 'ranks; expected {"world_size": N, "terminated": [ranks below N], "joined": [distinct initial ranks], '
                 '"history": {"signature": text or null, "repeats": n, "stalled": n}}'
@@ -288,7 +290,7 @@ def previous_history(base: dist.Store, iteration: int) -> FaultHistory:
     payload = iteration_store(base, iteration - 1).termination_result()
     try:
         return TerminationResult.from_json(payload, None).history
-    except ValueError as error:
+    except MalformedRecord as error:
         log.warning("iteration %d: the previous termination result is unreadable; fault counts restart: %s",
                     iteration, error)  # fmt: skip
         return FaultHistory()

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from elastic_ft.etcd.client import Compare, EtcdClient, get_op, key_missing, key_modified_at, put_op
 from elastic_ft.etcd.kv import EtcdUnavailableError, KeyValue
 from elastic_ft.keys import EVENTS_MAIN, EVENTS_PROGRESS, RunKeys, count_suffix, parse_count
-from elastic_ft.observability.events import EventError, JobEvent
+from elastic_ft.observability.events import JobEvent
+from elastic_ft.untrusted import MalformedRecord
 
 DEFAULT_CAPACITY = 4096
 MAX_CAPACITY = 100_000
@@ -85,7 +86,7 @@ class EventLog:
             return 0, key_missing(counter_key)
         parsed = parse_count(counter.value.decode(errors="replace"))
         if parsed is None:
-            raise EventError(f"{counter_key} holds {counter.value!r:.40}; expected a count")
+            raise MalformedRecord(f"{counter_key} holds {counter.value!r:.40}; expected a count")
         return parsed, key_modified_at(counter_key, counter.mod_revision)
 
     def _holds(self, seq: int, stream: str, event_id: str) -> bool:
@@ -113,7 +114,7 @@ class EventLog:
                 continue
             try:
                 event = JobEvent.from_json(kv.value)
-            except EventError as error:
+            except MalformedRecord as error:
                 malformed.append({"key": kv.key, "reason": str(error)[:300]})
                 continue
             if event.seq is None or (event.name == "progress") != (stream == EVENTS_PROGRESS):

@@ -121,6 +121,7 @@ from elastic_ft.local_board import LocalBoard
 from elastic_ft.observability import sink as event_sink
 from elastic_ft.observability.log_format import set_where
 from elastic_ft.torch_compat import check_torch
+from elastic_ft.untrusted import MalformedRecord
 
 log = get_logger("wrapper")
 
@@ -352,7 +353,7 @@ def _termination_result(payload: str | bytes | None, world_size: int) -> Termina
     """
     try:
         return TerminationResult.from_json(payload, world_size)
-    except ValueError as error:
+    except MalformedRecord as error:
         log.warning("ignoring a malformed termination-barrier payload: %s", error)
         return TerminationResult(world_size)
 
@@ -1281,7 +1282,7 @@ class CallWrapper:
             raise BarrierTimeout(f"the restart admitting initial rank {initial_rank} did not publish its result")
         try:
             result = TerminationResult.from_json(previous.termination_result(), None)
-        except ValueError as error:
+        except MalformedRecord as error:
             raise InternalError(f"initial rank {initial_rank} cannot join: {error}") from None
         try:
             state = joiner_state(

@@ -83,7 +83,7 @@ from elastic_ft.launcher.escalation import (
     restarts_left,
     retire_joiner,
 )
-from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, RecordError
+from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord
 from elastic_ft.local_board import LocalBoard
 from elastic_ft.observability.log_format import set_where
 from elastic_ft.observability.metrics import JobMetrics, MetricsEndpoint
@@ -108,7 +108,7 @@ from elastic_ft.torch_compat import (
     set_remaining_restarts,
     worker_processes,
 )
-from elastic_ft.untrusted import json_object
+from elastic_ft.untrusted import MalformedRecord, decode, json_object
 
 log = logging.getLogger(__name__)
 
@@ -591,9 +591,9 @@ class FtAgent(LocalElasticAgent):
                 self._dead_lost.add(node)
                 continue
             try:
-                record = NodeRecord.from_json(store.get(key))
-            except RecordError as error:
-                log.warning("node %s died and its record %s is unreadable: %s", node, key, error)
+                record = decode(key, store.get(key), NodeRecord.from_json)
+            except MalformedRecord as error:
+                log.warning("node %s died and its record is unreadable: %s", node, error)
                 self._dead_lost.add(node)
                 continue
             job = job_store(store)

@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING
 from elastic_ft.etcd.kv import EtcdRequestError, EtcdUnavailableError
 from elastic_ft.job_config import JobConfig, JobConfigError, json_schema, load_job_config, parse_job_config
 from elastic_ft.keys import RunKeys
-from elastic_ft.observability.events import EventError, JobEvent
+from elastic_ft.observability.events import JobEvent
 from elastic_ft.observability.timeline import TimelineUnavailable
 from elastic_ft.rendezvous.config import RendezvousConfigError, connect, make_settings
+from elastic_ft.untrusted import MalformedRecord
 
 if TYPE_CHECKING:
     from elastic_ft.etcd.client import EtcdClient
@@ -134,14 +135,14 @@ def _timeline(args: argparse.Namespace) -> int:
 
     if args.events is not None:
         if args.rdzv_endpoint or args.rdzv_id:
-            raise EventError("give --events FILE or --rdzv-endpoint with --rdzv-id, not both")
+            raise MalformedRecord("give --events FILE or --rdzv-endpoint with --rdzv-id, not both")
         try:
             events = read_events_file(str(args.events))
         except OSError as error:
-            raise EventError(f"cannot read the events file {str(args.events)!r}: {error.strerror}") from None
+            raise MalformedRecord(f"cannot read the events file {str(args.events)!r}: {error.strerror}") from None
     else:
         if not args.rdzv_endpoint or not args.rdzv_id:
-            raise EventError("give --events FILE, or --rdzv-endpoint and --rdzv-id to read the run's events from etcd")
+            raise MalformedRecord("give --events FILE, or --rdzv-endpoint and --rdzv-id to read the run's events from etcd")
         client, keys = _client(args)
         try:
             _check_run_exists(client, keys)
@@ -149,7 +150,7 @@ def _timeline(args: argparse.Namespace) -> int:
         finally:
             client.close()
         if not events:
-            raise EventError(f"run {keys.run_id!r} has recorded no events yet")
+            raise MalformedRecord(f"run {keys.run_id!r} has recorded no events yet")
     counts = draw(build_timeline(events), str(args.output), args.title)
     drawn = ", ".join(f"{count} {name}" for name, count in counts.items())
     print(f"wrote {args.output} from {len(events)} event(s): {drawn}")
@@ -236,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         code = run(args)
-    except (JobConfigError, RendezvousConfigError, EventError, UnknownRunError, TimelineUnavailable) as exc:
+    except (JobConfigError, RendezvousConfigError, MalformedRecord, UnknownRunError, TimelineUnavailable) as exc:
         print(f"elastic-ft: {exc}", file=sys.stderr)
         code = 2
     except (EtcdUnavailableError, EtcdRequestError) as exc:

@@ -9,7 +9,7 @@ In the round's store (names from :mod:`elastic_ft.keys`):
 In etcd, job-wide: ``ftrun/escalations/<round>`` (:class:`EscalationRecord`),
 one per escalated round, whose count is the job's process-level restarts.
 
-Values are JSON. Decoding checks every field and raises :class:`RecordError`
+Values are JSON. Decoding checks every field and raises :class:`MalformedRecord`
 naming what is wrong: records are read back from etcd, so they are untrusted.
 """
 
@@ -20,32 +20,30 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-
-class RecordError(ValueError):
-    """A record read back does not have the expected shape."""
+from elastic_ft.untrusted import MalformedRecord
 
 
 def _document(raw: bytes | str, what: str) -> dict[str, Any]:
     try:
         document = json.loads(raw)
     except (ValueError, RecursionError) as error:  # RecursionError: nesting deeper than the parser's stack
-        raise RecordError(f"{what} is not JSON: {type(error).__name__}") from None
+        raise MalformedRecord(f"{what} is not JSON: {type(error).__name__}") from None
     if not isinstance(document, dict):
-        raise RecordError(f"{what} is not a JSON object: {document!r:.200}")
+        raise MalformedRecord(f"{what} is not a JSON object: {document!r:.200}")
     return document
 
 
 def _field(document: dict[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
     value = document.get(name)
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise RecordError(f"{what} has {name}={value!r:.100}; expected {getattr(kind, '__name__', kind)}")
+        raise MalformedRecord(f"{what} has {name}={value!r:.100}; expected {getattr(kind, '__name__', kind)}")
     return value
 
 
 def _int_list(document: dict[str, Any], name: str, what: str) -> tuple[int, ...]:
     value = _field(document, name, list, what)
     if not all(isinstance(item, int) and not isinstance(item, bool) for item in value):
-        raise RecordError(f"{what} has {name}={value!r:.100}; expected a list of integers")
+        raise MalformedRecord(f"{what} has {name}={value!r:.100}; expected a list of integers")
     return tuple(value)
 
 
@@ -74,7 +72,7 @@ class NodeRecord:
             world_size=_field(document, "world_size", int, what),
         )
         if len(record.global_ranks) != len(record.pids):
-            raise RecordError(f"{what} lists {len(record.global_ranks)} ranks but {len(record.pids)} pids")
+            raise MalformedRecord(f"{what} lists {len(record.global_ranks)} ranks but {len(record.pids)} pids")
         return record
 
 
@@ -128,5 +126,5 @@ def _time(document: dict[str, Any], what: str) -> float:
     except OverflowError:
         seconds = math.inf
     if not math.isfinite(seconds) or seconds < 0:
-        raise RecordError(f"{what} has time={value!r:.40}; expected a finite number of seconds since the epoch")
+        raise MalformedRecord(f"{what} has time={value!r:.40}; expected a finite number of seconds since the epoch")
     return seconds

@@ -41,14 +41,15 @@ from elastic_ft.keys import (
     wrapper_iteration,
 )
 from elastic_ft.launcher.escalation import WorkerExit
-from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, RecordError
+from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord
 from elastic_ft.rendezvous.model import RoundResult, parse_state
-from elastic_ft.untrusted import json_object
+from elastic_ft.untrusted import MalformedRecord, SkipLog, json_object
 
 #: Exit kinds that are no failure: a worker that completed, or a respawned one the job completed without.
 _NOT_FAILED = (WorkerExit.SUCCEEDED.value, WorkerExit.RETIRED.value)
 
 log = logging.getLogger(__name__)
+_SKIPPED = SkipLog(log)
 
 
 def _alive_info(raw: bytes) -> dict[str, Any] | None:
@@ -207,7 +208,7 @@ def _records(
             continue
         try:
             found[key] = decode(kv.value)
-        except RecordError as error:
+        except MalformedRecord as error:
             malformed.append({"key": kv.key, "reason": str(error)[:300]})
     return found
 
@@ -354,7 +355,9 @@ def _restart_in_progress(client: EtcdClient, store_prefix: str, iteration: int) 
             initial_of[rank] = initial
     records, malformed = parse_interruptions(found.get(INTERRUPTIONS, b"").decode(errors="replace"))
     for line in malformed:
-        log.warning("skipping a malformed interruption record of iteration %d: %.200s", iteration, line)
+        _SKIPPED.skip(
+            MalformedRecord(f"{line:.200}", f"iteration {iteration}: {INTERRUPTIONS}"), "an interruption record"
+        )
     interruptions = [
         {"rank": r.rank, "initial_rank": initial_of.get(r.rank), "kind": r.kind, "message": r.message, "time": r.time}
         for r in records

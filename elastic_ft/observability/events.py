@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic_ft.untrusted import MalformedRecord
+
 #: Every event name, with what it means; ``source`` is who records it.
 EVENTS: dict[str, str] = {
     # node side: the rendezvous
@@ -49,9 +51,6 @@ MAX_TEXT = 500
 _MAX_LIST = 4096
 
 
-class EventError(ValueError):
-    """An event (built here or read back from etcd) does not have the expected shape."""
-
 
 def _scalar(value: Any) -> bool:
     if isinstance(value, float):
@@ -64,7 +63,7 @@ def _clean_data(data: Mapping[str, Any]) -> dict[str, Any]:
     cleaned: dict[str, Any] = {}
     for key, value in data.items():
         if not isinstance(key, str):
-            raise EventError(f"event data key {key!r} is not a string")
+            raise MalformedRecord(f"event data key {key!r} is not a string")
         cleaned[key] = _clean_value(key, value)
     return cleaned
 
@@ -84,9 +83,9 @@ def _clean_value(key: str, value: Any) -> Any:
             elif _scalar(item):
                 items.append(item[:MAX_TEXT] if isinstance(item, str) else item)
             else:
-                raise EventError(f"event data {key}={value!r:.100}: expected scalars or flat mappings in the list")
+                raise MalformedRecord(f"event data {key}={value!r:.100}: expected scalars or flat mappings in the list")
         return items
-    raise EventError(f"event data {key}={value!r:.100}: expected a string, number, boolean, null or a list")
+    raise MalformedRecord(f"event data {key}={value!r:.100}: expected a string, number, boolean, null or a list")
 
 
 def _optional_count(document: Mapping[str, Any], name: str) -> int | None:
@@ -94,7 +93,7 @@ def _optional_count(document: Mapping[str, Any], name: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
-        raise EventError(f"event has {name}={value!r:.40}; expected a non-negative integer or null")
+        raise MalformedRecord(f"event has {name}={value!r:.40}; expected a non-negative integer or null")
     return value
 
 
@@ -115,17 +114,17 @@ class JobEvent:
 
     def __post_init__(self) -> None:
         if self.name not in EVENTS:
-            raise EventError(f"unknown event {self.name!r}; expected one of {', '.join(EVENTS)}")
+            raise MalformedRecord(f"unknown event {self.name!r}; expected one of {', '.join(EVENTS)}")
         if self.source not in SOURCES:
-            raise EventError(f"event source {self.source!r}; expected one of {', '.join(SOURCES)}")
+            raise MalformedRecord(f"event source {self.source!r}; expected one of {', '.join(SOURCES)}")
         if isinstance(self.time, bool) or not isinstance(self.time, (int, float)) or not math.isfinite(self.time):
-            raise EventError(f"event time {self.time!r:.40}: expected seconds since the epoch")
+            raise MalformedRecord(f"event time {self.time!r:.40}: expected seconds since the epoch")
         if self.time < 0:
-            raise EventError(f"event time {self.time!r:.40}: expected seconds since the epoch")
+            raise MalformedRecord(f"event time {self.time!r:.40}: expected seconds since the epoch")
         for name in ("round", "iteration", "rank", "seq"):
             _optional_count({name: getattr(self, name)}, name)
         if not isinstance(self.run_id, str) or (self.node is not None and not isinstance(self.node, str)):
-            raise EventError("event run_id and node must be strings")
+            raise MalformedRecord("event run_id and node must be strings")
         object.__setattr__(self, "data", _clean_data(self.data))
 
     def to_document(self) -> dict[str, Any]:
@@ -148,15 +147,15 @@ class JobEvent:
     @classmethod
     def from_document(cls, document: Any) -> JobEvent:
         if not isinstance(document, dict):
-            raise EventError(f"an event is a JSON object, got {document!r:.100}")
+            raise MalformedRecord(f"an event is a JSON object, got {document!r:.100}")
         data = document.get("data", {})
         if not isinstance(data, dict):
-            raise EventError(f"event data {data!r:.100}: expected a JSON object")
+            raise MalformedRecord(f"event data {data!r:.100}: expected a JSON object")
         name, source, run_id, node = (document.get(k) for k in ("name", "source", "run_id", "node"))
         if not isinstance(name, str) or not isinstance(source, str) or not isinstance(run_id, str):
-            raise EventError(f"event {document!r:.200}: name, source and run_id must be strings")
+            raise MalformedRecord(f"event {document!r:.200}: name, source and run_id must be strings")
         if node is not None and not isinstance(node, str):
-            raise EventError(f"event node {node!r:.60}: expected a string or null")
+            raise MalformedRecord(f"event node {node!r:.60}: expected a string or null")
         return cls(
             name=name,
             time=document.get("time"),  # type: ignore[arg-type]  # any JSON value: __post_init__ checks it
@@ -175,7 +174,7 @@ class JobEvent:
         try:
             document = json.loads(raw)
         except (ValueError, RecursionError) as error:
-            raise EventError(f"an event is not JSON: {type(error).__name__}") from None
+            raise MalformedRecord(f"an event is not JSON: {type(error).__name__}") from None
         return cls.from_document(document)
 
     def to_torch(self) -> Any:
@@ -219,7 +218,7 @@ def read_events_file(path: str) -> list[JobEvent]:
     """Events saved by ``ftrun --record`` (one JSON event a line), in the order they happened.
 
     Raises:
-        EventError: the file is empty, or a line is not an event (its number is named).
+        MalformedRecord: the file is empty, or a line is not an event (its number is named).
         OSError: the file cannot be read.
     """
     with open(path, encoding="utf-8") as file:
@@ -230,10 +229,10 @@ def read_events_file(path: str) -> list[JobEvent]:
             continue
         try:
             events.append(JobEvent.from_json(line))
-        except EventError as error:
-            raise EventError(f"{path}:{number}: {error}") from None
+        except MalformedRecord as error:
+            raise MalformedRecord(f"{path}:{number}: {error}") from None
     if not events:
-        raise EventError(f"{path} holds no events (expected one JSON event a line, as ftrun --record writes)")
+        raise MalformedRecord(f"{path} holds no events (expected one JSON event a line, as ftrun --record writes)")
     return sorted(events, key=lambda event: event.time)
 
 

@@ -29,7 +29,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from elastic_ft.observability.events import EventError, JobEvent
+from elastic_ft.observability.events import JobEvent
+from elastic_ft.untrusted import MalformedRecord
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class EventSink:
         it happened, if earlier than now: a ``time.time()``), the rest data."""
         try:
             event = self._event(name, fields)
-        except EventError as error:
+        except MalformedRecord as error:
             self._warn_once("invalid", "dropping an invalid event %s: %s", name, error)
             return
         if len(self._queue) >= _QUEUE_SIZE:
@@ -179,7 +180,7 @@ class EventSink:
         self._last_progress = dict(fields)
         try:
             self._send(self._event("progress", dict(fields)))
-        except EventError as error:
+        except MalformedRecord as error:
             self._warn_once("probe-invalid", "the progress probe gave an invalid event: %s", error)
 
     def _send(self, event: JobEvent) -> None:

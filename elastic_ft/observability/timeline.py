@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_ft.fault_records import PEER_LOST
-from elastic_ft.observability.events import EventError, JobEvent
+from elastic_ft.observability.events import JobEvent
+from elastic_ft.untrusted import MalformedRecord
 
 
 class TimelineUnavailable(RuntimeError):
@@ -76,13 +77,13 @@ def build_timeline(events: list[JobEvent]) -> Timeline:
     """What the picture shows, from a run's events in log order.
 
     Raises:
-        EventError: there are no events, or they belong to several runs.
+        MalformedRecord: there are no events, or they belong to several runs.
     """
     if not events:
-        raise EventError("no events to draw")
+        raise MalformedRecord("no events to draw")
     runs = {event.run_id for event in events}
     if len(runs) > 1:
-        raise EventError(f"the events belong to {len(runs)} runs ({', '.join(sorted(runs)[:5])}); expected one")
+        raise MalformedRecord(f"the events belong to {len(runs)} runs ({', '.join(sorted(runs)[:5])}); expected one")
     times = [event.time for event in events]
     timeline = Timeline(events[0].run_id, min(times), max(times))
     started: set[int] = set()

@@ -34,7 +34,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -71,6 +71,7 @@ from elastic_ft.rendezvous import model, node_state, rules
 from elastic_ft.rendezvous.config import EtcdftSettings, connect, settings_from_parameters
 from elastic_ft.rendezvous.monitor import Monitor
 from elastic_ft.rendezvous.probe import ProbeServer, parse_address
+from elastic_ft.untrusted import MalformedRecord, SkipLog
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         self._keys = settings.keys
         self._client = client or connect(settings)
         self._last_board: model.Board | None = None  # the last board written (set by the board view)
-        self._warned_board: str | None = None
+        self._skipped = SkipLog(log)
         try:
             self._client.check_connection()
             self._board_view: PrefixView[model.Board | None, model.Board | None] = PrefixView(
@@ -119,7 +120,6 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         self._leaving = threading.Event()
         self._logged_verdict: tuple[int, rules.CloseVerdict] | None = None
         self._logged_membership = ""
-        self._warned_malformed: Mapping[str, str] = {}
         #: Seconds the last completed ``next_rendezvous`` call took (the round's duration for this node).
         self.last_round_seconds: float | None = None
         self._own_events: event_sink.EventSink | None = None
@@ -132,10 +132,8 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             return None  # another key that happens to start with the board's name
         try:
             board = model.Board.from_json(raw.value)
-        except model.MalformedValue as exc:
-            if self._warned_board != str(exc):
-                self._warned_board = str(exc)
-                log.warning("ignoring a malformed rendezvous board at %s: %s", self._keys.board, exc)
+        except MalformedRecord as exc:
+            self._skipped.skip(exc.at(self._keys.board), "a malformed rendezvous board")
             return None
         # Every board written, in order, even one deleted in the same watch batch: a monitor that left
         # writes one last board saying so just before its lease (and the board) goes.
@@ -328,11 +326,8 @@ class EtcdftRendezvousHandler(RendezvousHandler):
     def _snapshot(self) -> tuple[model.RendezvousState, int]:
         """The whole state; warns once for each malformed key it left out."""
         state, version = self._view.snapshot()
-        if state.malformed != self._warned_malformed:
-            for key, reason in state.malformed.items():
-                if self._warned_malformed.get(key) != reason:
-                    log.warning("ignoring malformed etcd key %s%s: %s", self._keys.rdzv, key, reason)
-            self._warned_malformed = state.malformed
+        for key, reason in state.malformed.items():
+            self._skipped.skip(MalformedRecord(reason, f"{self._keys.rdzv}{key}"), "a malformed rendezvous key")
         return state, version
 
     def _alive_record(self) -> bytes:
@@ -549,8 +544,8 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         if kv is not None:
             try:
                 placement = model.placement_from_chunk(kv.value, number, self.node)
-            except model.MalformedValue as exc:
-                log.warning("ignoring malformed etcd key %s: %s", key, exc)
+            except MalformedRecord as exc:
+                self._skipped.skip(exc.at(key), "a malformed rank placement")
         if placement is None or placement.lease != lease or placement.rank >= last.size:
             log.info("round %d of '%s' closed without node %s", number, self.settings.run_id, self.node)
             return None
@@ -657,7 +652,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             raise RendezvousStateError(f"round {number} of '{self.settings.run_id}' has no result in etcd")
         try:
             return model.RoundResult.from_json(kv.value)
-        except model.MalformedValue as exc:
+        except MalformedRecord as exc:
             raise RendezvousStateError(f"the result of round {number} in etcd is malformed: {exc}") from exc
 
     @property

@@ -24,11 +24,7 @@ from functools import cached_property
 from typing import Protocol
 
 from elastic_ft.keys import parse_rdzv_key
-
-
-class MalformedValue(ValueError):
-    """A value under the run's prefix that is not what elastic-ft writes there."""
-
+from elastic_ft.untrusted import MalformedRecord
 
 _MAX_INT = 2**63 - 1  # etcd's revisions and lease ids are int64
 _MAX_TEXT = 1024  # node ids and addresses are far shorter
@@ -38,9 +34,9 @@ def _document(raw: bytes) -> dict:
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # not JSON, a number beyond int(), nesting beyond the stack
-        raise MalformedValue(f"not JSON ({type(exc).__name__})") from None
+        raise MalformedRecord(f"not JSON ({type(exc).__name__})") from None
     if not isinstance(data, dict):
-        raise MalformedValue(f"expected a JSON object, got {type(data).__name__}")
+        raise MalformedRecord(f"expected a JSON object, got {type(data).__name__}")
     return data
 
 
@@ -50,14 +46,14 @@ def _int(data: dict, name: str, low: int, high: int) -> int:
 
 def _int_value(value: object, name: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise MalformedValue(f"{name} must be an integer in [{low}, {high}], got {str(value)[:40]!r}")
+        raise MalformedRecord(f"{name} must be an integer in [{low}, {high}], got {str(value)[:40]!r}")
     return value
 
 
 def _text(data: dict, name: str) -> str:
     value = data.get(name)
     if not isinstance(value, str) or not 0 < len(value) <= _MAX_TEXT:
-        raise MalformedValue(f"{name} must be a non-empty string of at most {_MAX_TEXT} characters")
+        raise MalformedRecord(f"{name} must be a non-empty string of at most {_MAX_TEXT} characters")
     return value
 
 
@@ -104,18 +100,18 @@ class RoundResult:
 
     @classmethod
     def from_json(cls, raw: bytes) -> RoundResult:
-        """Decode a result; raises :class:`MalformedValue` for anything :meth:`to_json` does not write."""
+        """Decode a result; raises :class:`MalformedRecord` for anything :meth:`to_json` does not write."""
         data = _document(raw)
         members = data.get("members")
         if not isinstance(members, list) or not members:
-            raise MalformedValue("members must be a non-empty list")
+            raise MalformedRecord("members must be a non-empty list")
         decoded = []
         for member in members:
             if not isinstance(member, dict):
-                raise MalformedValue("each member must be a JSON object")
+                raise MalformedRecord("each member must be a JSON object")
             decoded.append(Member(_text(member, "node"), _int(member, "lease", 0, _MAX_INT)))
         if len({m.node for m in decoded}) != len(decoded):
-            raise MalformedValue("a node is listed twice in members")
+            raise MalformedRecord("a node is listed twice in members")
         return cls(
             round=_int(data, "round", 0, _MAX_INT),
             members=tuple(decoded),
@@ -239,13 +235,13 @@ def parse_key(key: str, raw: KeyRecord) -> Fact | None:
         if shape.kind == "result":
             result = RoundResult.from_json(raw.value)
             if result.round != shape.round:
-                raise MalformedValue(f"round {result.round} stored under round {shape.round}")
+                raise MalformedRecord(f"round {result.round} stored under round {shape.round}")
             return Fact("result", round=shape.round, result=result)
         if shape.kind == "join":
             data = _document(raw.value)
             late_joins = data.get("late_joins", False)
             if not isinstance(late_joins, bool):
-                raise MalformedValue(f"late_joins must be a boolean, got {str(late_joins)[:40]!r}")
+                raise MalformedRecord(f"late_joins must be a boolean, got {str(late_joins)[:40]!r}")
             join = Join(
                 shape.node, raw.lease, raw.create_revision, _text(data, "addr"), _int(data, "port", 1, 65535),
                 late_joins,
@@ -257,7 +253,7 @@ def parse_key(key: str, raw: KeyRecord) -> Fact | None:
             return Fact("late", round=shape.round, node=shape.node, late=late)
         if shape.kind == "slot":
             return Fact("slot", round=shape.round, node=_text(_document(raw.value), "node"), place=shape.place)
-    except MalformedValue as exc:
+    except MalformedRecord as exc:
         return Fact("malformed", round=shape.round, key=key, reason=str(exc))
     return Fact("left", round=shape.round, node=shape.node)
 
@@ -324,10 +320,10 @@ class ClosedRound:
 def _names(data: dict, name: str) -> tuple[str, ...]:
     value = data.get(name, [])
     if not isinstance(value, list) or len(value) > max(BOARD_NAMES, 1 << 16):
-        raise MalformedValue(f"{name} must be a list of node ids")
+        raise MalformedRecord(f"{name} must be a list of node ids")
     for item in value:
         if not isinstance(item, str) or not 0 < len(item) <= _MAX_TEXT:
-            raise MalformedValue(f"{name} must list node ids (non-empty strings)")
+            raise MalformedRecord(f"{name} must list node ids (non-empty strings)")
     return tuple(value)
 
 
@@ -384,7 +380,7 @@ class Board:
 
     @classmethod
     def from_json(cls, raw: bytes) -> Board:
-        """Decode a board; raises :class:`MalformedValue` for anything :meth:`to_json` does not write."""
+        """Decode a board; raises :class:`MalformedRecord` for anything :meth:`to_json` does not write."""
         data = _document(raw)
         closer = data.get("closer")
         if closer is not None:
@@ -393,7 +389,7 @@ class Board:
         closed = None
         if last is not None:
             if not isinstance(last, dict):
-                raise MalformedValue("last must be a JSON object or null")
+                raise MalformedRecord("last must be a JSON object or null")
             closed = ClosedRound(
                 _int(last, "round", 0, _MAX_INT),
                 _int(last, "size", 1, _MAX_INT),
@@ -404,14 +400,14 @@ class Board:
         late = data.get("late")
         if late is not None:
             if not isinstance(late, list) or len(late) != 2:
-                raise MalformedValue("late must be [round, place] or null")
+                raise MalformedRecord("late must be [round, place] or null")
             late = (_int_value(late[0], "late round", 0, _MAX_INT), _int_value(late[1], "late place", 0, _MAX_INT))
         flags = {name: data.get(name, False) for name in ("finished", "full", "monitor_member")}
         if not all(isinstance(v, bool) for v in flags.values()):
-            raise MalformedValue("finished, full and monitor_member must be true or false")
+            raise MalformedRecord("finished, full and monitor_member must be true or false")
         texts = {name: data.get(name, "") for name in ("verdict", "reason")}
         if not all(isinstance(v, str) for v in texts.values()):
-            raise MalformedValue("verdict and reason must be strings")
+            raise MalformedRecord("verdict and reason must be strings")
         return cls(
             monitor=_text(data, "monitor"),
             open_round=_int(data, "open_round", 0, _MAX_INT),
@@ -444,13 +440,13 @@ def placement_from_chunk(raw: bytes, number: int, node: str) -> Placement | None
     """``node``'s place in round ``number`` from a chunk of its ranks; None when the chunk does not list it."""
     data = _document(raw)
     if _int(data, "round", 0, _MAX_INT) != number:
-        raise MalformedValue(f"a chunk of round {data.get('round')!r} stored under round {number}")
+        raise MalformedRecord(f"a chunk of round {data.get('round')!r} stored under round {number}")
     ranks = data.get("ranks")
     if not isinstance(ranks, dict):
-        raise MalformedValue("ranks must be a JSON object")
+        raise MalformedRecord("ranks must be a JSON object")
     entry = ranks.get(node)
     if entry is None:
         return None
     if not isinstance(entry, list) or len(entry) != 2:
-        raise MalformedValue(f"the entry of {node} must be [rank, lease]")
+        raise MalformedRecord(f"the entry of {node} must be [rank, lease]")
     return Placement(_int_value(entry[0], "rank", 0, _MAX_INT), _int_value(entry[1], "lease", 0, _MAX_INT))

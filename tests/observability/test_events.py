@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from elastic_ft.fault_records import Interruption, group_faults, restart_reporter
-from elastic_ft.observability.events import EVENTS, EventError, JobEvent, read_events_file, write_events_file
+from elastic_ft.observability.events import EVENTS, JobEvent, read_events_file, write_events_file
 from elastic_ft.observability.timeline import build_timeline
+from elastic_ft.untrusted import MalformedRecord
 
 
 def event(name: str, t: float, **fields: object) -> JobEvent:
@@ -47,7 +48,7 @@ def test_an_event_round_trips_through_json_and_torch() -> None:
     ],
 )
 def test_a_malformed_event_is_refused_with_what_is_wrong(document: object, expected: str) -> None:
-    with pytest.raises(EventError, match=expected.replace("(", r"\(")):
+    with pytest.raises(MalformedRecord, match=expected.replace("(", r"\(")):
         JobEvent.from_json(json.dumps(document))
 
 
@@ -64,11 +65,11 @@ def test_an_events_file_is_read_in_log_order_and_bad_files_are_named(tmp_path: P
     assert [e.seq for e in read_events_file(str(path))] == [0, 2]
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    with pytest.raises(EventError, match="holds no events"):
+    with pytest.raises(MalformedRecord, match="holds no events"):
         read_events_file(str(empty))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(events[0].to_json() + "\nnot json\n")
-    with pytest.raises(EventError, match=r"bad.jsonl:2: an event is not JSON"):
+    with pytest.raises(MalformedRecord, match=r"bad.jsonl:2: an event is not JSON"):
         read_events_file(str(bad))
 
 
@@ -112,7 +113,7 @@ def test_the_timeline_model_holds_what_the_picture_draws() -> None:
     assert (restart.start, restart.end) == (3.0, 3.9)
     assert timeline.progress[4] == [(1.4, 0), (3.9, 20), (10.0, 60)]
     assert [m.label for m in timeline.faults] == ["r3 process_died", "b died"]
-    with pytest.raises(EventError, match="no events"):
+    with pytest.raises(MalformedRecord, match="no events"):
         build_timeline([])
-    with pytest.raises(EventError, match="2 runs"):
+    with pytest.raises(MalformedRecord, match="2 runs"):
         build_timeline([events[0], JobEvent("progress", 1.0, "other", "worker")])

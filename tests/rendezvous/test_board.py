@@ -7,8 +7,9 @@ import json
 import pytest
 
 from elastic_ft.rendezvous import model, rules
-from elastic_ft.rendezvous.model import Board, ClosedRound, MalformedValue, RoundRecord
+from elastic_ft.rendezvous.model import Board, ClosedRound, RoundRecord
 from elastic_ft.rendezvous.rules import Closed, JoinLate, JoinRound, Lead, Limits, Ranked, Wait
+from elastic_ft.untrusted import MalformedRecord
 
 from .test_rules import join, joins, make_state, result
 
@@ -83,9 +84,9 @@ def test_chunks_of_the_ranks() -> None:
     raw = model.chunk_json(4, {"a": model.Placement(2, 9)})
     assert model.placement_from_chunk(raw, 4, "a") == model.Placement(2, 9)
     assert model.placement_from_chunk(raw, 4, "b") is None
-    with pytest.raises(MalformedValue, match="stored under round 5"):
+    with pytest.raises(MalformedRecord, match="stored under round 5"):
         model.placement_from_chunk(raw, 5, "a")
-    with pytest.raises(MalformedValue, match="rank must be an integer"):
+    with pytest.raises(MalformedRecord, match="rank must be an integer"):
         model.placement_from_chunk(b'{"round": 4, "ranks": {"a": ["x", 1]}}', 4, "a")
 
 
@@ -104,7 +105,7 @@ HOSTILE_BOARDS = [
 
 @pytest.mark.parametrize("value", HOSTILE_BOARDS, ids=range(len(HOSTILE_BOARDS)))
 def test_a_malformed_board_is_refused_with_the_reason(value: bytes) -> None:
-    with pytest.raises(MalformedValue):
+    with pytest.raises(MalformedRecord):
         Board.from_json(value)
 
 

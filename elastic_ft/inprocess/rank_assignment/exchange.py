@@ -22,6 +22,7 @@ from elastic_ft.inprocess.exception import RankAssignmentTimeout
 from elastic_ft.inprocess.rank_assignment.base import grouping_key
 from elastic_ft.inprocess.state import State
 from elastic_ft.keys import exchange_arrived, exchange_published, exchange_table
+from elastic_ft.untrusted import MalformedRecord
 
 if TYPE_CHECKING:
     import torch.distributed
@@ -128,36 +129,33 @@ def _decode_table(raw: bytes, ranks: int, width: int, what: str, table_key: str)
         inflate = zlib.decompressobj()
         text = inflate.decompress(raw, _TABLE_LIMIT)
         if inflate.unconsumed_tail or not inflate.eof:
-            raise _Malformed(f"not one zlib stream of at most {_TABLE_LIMIT} bytes")
+            raise MalformedRecord(f"not one zlib stream of at most {_TABLE_LIMIT} bytes")
         table = json.loads(text)
         if "error" in table:
             raise ValueError(f"{what}: {table['error']}")
         columns: list[list[str]] = []
         for distinct, packed in zip(table["distinct"], table["codes"], strict=True):
             if not all(isinstance(key, str) for key in distinct):
-                raise _Malformed("a key is not a string")
+                raise MalformedRecord("a key is not a string")
             raw_codes = base64.b64decode(packed, validate=True)
             if len(raw_codes) % 4:
-                raise _Malformed(f"{len(raw_codes)} bytes of indices, not a whole number of 4-byte indices")
+                raise MalformedRecord(f"{len(raw_codes)} bytes of indices, not a whole number of 4-byte indices")
             codes = array.array("I", raw_codes)
             if sys.byteorder == "big":
                 codes.byteswap()
             if len(codes) != ranks:
-                raise _Malformed(f"{len(codes)} indices for {ranks} ranks")
+                raise MalformedRecord(f"{len(codes)} indices for {ranks} ranks")
             columns.append([distinct[code] for code in codes])
         if len(columns) != width:
-            raise _Malformed(f"{len(columns)} columns for {width} keys")
+            raise MalformedRecord(f"{len(columns)} columns for {width} keys")
         return columns
-    except _Malformed as error:
+    except MalformedRecord as error:
         raise ValueError(f"{what}: the table under {table_key!r} is malformed ({error})") from None
     except (TypeError, KeyError, IndexError, RecursionError, zlib.error, binascii.Error, json.JSONDecodeError) as error:
         raise ValueError(
             f"{what}: the table under {table_key!r} is malformed ({type(error).__name__}: {error})"
         ) from None
 
-
-class _Malformed(Exception):
-    """A flaw of the table :func:`_decode_table` found itself."""
 
 
 @runtime_checkable
