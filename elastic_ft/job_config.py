@@ -58,7 +58,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, NoReturn
 
 import yaml
@@ -214,6 +214,11 @@ class NodesSection(_Section):
         0, description="hot spare nodes admitted beyond max: their workers start and wait as reserve ranks"
     )
 
+    @property
+    def max_nodes(self) -> int:
+        """``max``, or ``min`` when unset."""
+        return self.max if self.max is not None else self.min
+
     @model_validator(mode="after")
     def _min_at_most_max(self) -> NodesSection:
         if self.max is not None:
@@ -328,6 +333,14 @@ class WrapperSection(_Section):
         None, description=RESTART_LIMITS["max_restarts_without_progress"]
     )
 
+    def durations(self) -> dict[str, float]:
+        """The Wrapper durations the config sets, in seconds, by argument name."""
+        return {name: value for name, value in self.model_dump(exclude_none=True).items() if name in WRAPPER_DEFAULTS}
+
+    def limits(self) -> dict[str, int]:
+        """The Wrapper restart limits the config sets (``max_identical_faults``, ...; 0: no limit)."""
+        return {name: value for name, value in self.model_dump(exclude_none=True).items() if name in RESTART_LIMITS}
+
 
 class LayerSection(_Section):
     min_ranks: Count1 = Field(1, description="a group with fewer healthy ranks than this is terminated as a whole")
@@ -395,8 +408,13 @@ def _as_list(value: Any, expected: str) -> list[Any]:
     return value
 
 
-class JobDocument(_Section):
-    """An elastic-ft job config (``elastic-ft config put FILE``); every field is optional."""
+class JobConfig(_Section):
+    """An elastic-ft job config (``elastic-ft config put FILE``); every field is optional.
+
+    The validated config is this model itself: ``config.nodes.min``,
+    ``config.wrapper.durations()``, ... (:func:`parse_job_config`,
+    :func:`load_job_config` build it with every error at once).
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True, title="elastic-ft job config")
 
@@ -409,6 +427,13 @@ class JobDocument(_Section):
     observability: ObservabilitySection = ObservabilitySection()
     rank_assignment: RankAssignmentSection = RankAssignmentSection()
 
+    def to_document(self) -> dict[str, Any]:
+        """The config as the nested mapping users write (round-trips through :func:`parse_job_config`)."""
+        return self.model_dump(mode="json")
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_document(), sort_keys=True).encode()
+
 
 def json_schema() -> dict[str, Any]:
     """The JSON Schema of a job config document (draft 2020-12), for editors and CI checks.
@@ -418,7 +443,7 @@ def json_schema() -> dict[str, Any]:
     are beyond a schema and are checked by ``elastic-ft config validate``.
     An empty value (YAML ``null``) means the default, as in the parser.
     """
-    schema = JobDocument.model_json_schema()
+    schema = JobConfig.model_json_schema()
     for definition in [schema, *schema.get("$defs", {}).values()]:
         for name, prop in definition.get("properties", {}).items():
             definition["properties"][name] = _nullable(prop)
@@ -434,68 +459,6 @@ def _nullable(prop: dict[str, Any]) -> dict[str, Any]:
     shown: dict[str, Any] = {key: prop[key] for key in ("default", "description", "title") if key in prop}
     kept = {key: value for key, value in prop.items() if key not in shown}
     return {"anyOf": [kept, {"type": "null"}], **shown}
-
-
-# ---- the validated config ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LayerConfig:
-    min_ranks: int = 1
-    max_ranks: int | None = None
-    key: str = "job"
-    flags: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class JobConfig:
-    min_nodes: int = 1
-    max_nodes: int = 1
-    spare_nodes: int = 0
-    nproc_per_node: int = 1
-    max_restarts: int = 0
-    respawns_per_rank: int = 2
-    respawns_per_job: int = 256
-    respawn_rejoin: str = "at_once"
-    rendezvous: Mapping[str, float] = field(default_factory=dict)
-    #: The Wrapper durations the config sets, in seconds.
-    wrapper: Mapping[str, float] = field(default_factory=dict)
-    #: The Wrapper restart limits the config sets (``max_identical_faults``, ...; 0: no limit).
-    restart_limits: Mapping[str, int] = field(default_factory=dict)
-    tree: tuple[LayerConfig, ...] = ()
-    max_active_world_size: int | None = None
-    active_world_size_divisible_by: int = 1
-    events_kept: int = 4096
-    progress_interval: float = 5.0
-    metrics_port: int | None = None
-
-    def to_json(self) -> bytes:
-        return json.dumps(self.to_document(), sort_keys=True).encode()
-
-    def to_document(self) -> dict[str, Any]:
-        """The config as the nested mapping users write (round-trips through :func:`parse_job_config`)."""
-        return {
-            "nodes": {"min": self.min_nodes, "max": self.max_nodes, "spares": self.spare_nodes},
-            "nproc_per_node": self.nproc_per_node,
-            "max_restarts": self.max_restarts,
-            "respawn": {
-                "per_rank": self.respawns_per_rank,
-                "per_job": self.respawns_per_job,
-                "rejoin": self.respawn_rejoin,
-            },
-            "rendezvous": dict(self.rendezvous),
-            "wrapper": {**self.wrapper, **self.restart_limits},
-            "observability": {
-                "events_kept": self.events_kept,
-                "progress_interval": self.progress_interval,
-                "metrics_port": self.metrics_port,
-            },
-            "rank_assignment": {
-                "tree": [dict(asdict(layer), flags=list(layer.flags)) for layer in self.tree],
-                "max_active_world_size": self.max_active_world_size,
-                "active_world_size_divisible_by": self.active_world_size_divisible_by,
-            },
-        }
 
 
 # ---- validation ----------------------------------------------------------------
@@ -519,7 +482,7 @@ def _issue_from(error: Any, document: Any) -> ConfigIssue:
 
 def _fields_at(path: Path) -> list[str]:
     """The fields allowed in the mapping at ``path`` (for an unknown field's message)."""
-    model: Any = JobDocument
+    model: Any = JobConfig
     for part in path:
         if isinstance(part, int):
             continue
@@ -528,7 +491,7 @@ def _fields_at(path: Path) -> list[str]:
     return list(model.model_fields)
 
 
-def _world_checks(document: JobDocument, valid: set[str]) -> Iterator[ConfigIssue]:
+def _world_checks(document: JobConfig, valid: set[str]) -> Iterator[ConfigIssue]:
     """What the tree and filters ask of the world, against the node and process counts (valid sections only)."""
     if not {"nodes", "nproc_per_node", "rank_assignment"} <= valid:
         return
@@ -589,7 +552,7 @@ def _wrapper_checks(wrapper: Mapping[str, float]) -> Iterator[ConfigIssue]:
             )
 
 
-def _validate(document: Any) -> tuple[JobDocument | None, list[ConfigIssue]]:
+def _validate(document: Any) -> tuple[JobConfig | None, list[ConfigIssue]]:
     """Every section on its own, so that one bad section hides no error of another; then the cross checks."""
     if document is None:
         document = {}
@@ -597,7 +560,7 @@ def _validate(document: Any) -> tuple[JobDocument | None, list[ConfigIssue]]:
         return None, [ConfigIssue((), f"(top level)={_shown(document)} is invalid; expected a mapping")]
     issues: list[ConfigIssue] = []
     valid: dict[str, Any] = {}
-    fields = JobDocument.model_fields
+    fields = JobConfig.model_fields
     for name, value in document.items():
         if name not in fields:
             issues.append(
@@ -607,12 +570,12 @@ def _validate(document: Any) -> tuple[JobDocument | None, list[ConfigIssue]]:
         if value is None:
             continue
         try:
-            JobDocument.model_validate({name: value})
+            JobConfig.model_validate({name: value})
         except ValidationError as error:
             issues.extend(_issue_from(e, document) for e in error.errors())
         else:
             valid[name] = value
-    checked = JobDocument.model_validate(valid)
+    checked = JobConfig.model_validate(valid)
     issues.extend(_wrapper_checks(_valid_wrapper_fields(document.get("wrapper"))))
     issues.extend(_world_checks(checked, set(valid) | (set(fields) - set(document))))
     return checked, issues
@@ -630,29 +593,6 @@ def _valid_wrapper_fields(wrapper: Any) -> dict[str, float]:
             continue
         valid[name] = getattr(checked, name)
     return {name: value for name, value in valid.items() if value is not None and name in WRAPPER_DEFAULTS}
-
-
-def _to_config(document: JobDocument) -> JobConfig:
-    nodes, respawn, policy = document.nodes, document.respawn, document.rank_assignment
-    return JobConfig(
-        min_nodes=nodes.min,
-        max_nodes=nodes.max if nodes.max is not None else nodes.min,
-        spare_nodes=nodes.spares,
-        nproc_per_node=document.nproc_per_node,
-        max_restarts=document.max_restarts,
-        respawns_per_rank=respawn.per_rank,
-        respawns_per_job=respawn.per_job,
-        respawn_rejoin=respawn.rejoin,
-        rendezvous=document.rendezvous.values(),
-        wrapper={k: v for k, v in document.wrapper.model_dump(exclude_none=True).items() if k in WRAPPER_DEFAULTS},
-        restart_limits={k: v for k, v in document.wrapper.model_dump(exclude_none=True).items() if k in RESTART_LIMITS},
-        tree=tuple(LayerConfig(l.min_ranks, l.max_ranks, l.key, tuple(l.flags)) for l in policy.tree),
-        max_active_world_size=policy.max_active_world_size,
-        active_world_size_divisible_by=policy.active_world_size_divisible_by,
-        events_kept=document.observability.events_kept,
-        progress_interval=document.observability.progress_interval,
-        metrics_port=document.observability.metrics_port,
-    )
 
 
 def _raise(issues: list[ConfigIssue], source: str | None) -> NoReturn:
@@ -677,7 +617,7 @@ def parse_job_config(
         if marks:
             issues = [_placed(issue, marks) for issue in issues]
         _raise(issues, source)
-    return _to_config(checked)
+    return checked
 
 
 def _placed(issue: ConfigIssue, marks: Mapping[Path, tuple[int, int]]) -> ConfigIssue:
@@ -760,7 +700,7 @@ __all__ = [
     "ConfigIssue",
     "JobConfig",
     "JobConfigError",
-    "LayerConfig",
+    "LayerSection",
     "json_schema",
     "load_job_config",
     "parse_job_config",

@@ -171,7 +171,8 @@ def test_observability_fields_are_checked() -> None:
     assert "job.yaml:3:3: observability.progress_interval=-1 is invalid" in text
     assert "job.yaml:4:3: observability.metrics_port=70000 is invalid; expected an integer from 0 to 65535" in text
     config = load_job_config("observability: {events_kept: 100, progress_interval: 0.5, metrics_port: 0}\n")
-    assert (config.events_kept, config.progress_interval, config.metrics_port) == (100, 0.5, 0)
+    observability = config.observability
+    assert (observability.events_kept, observability.progress_interval, observability.metrics_port) == (100, 0.5, 0)
     assert parse_job_config(config.to_document()) == config
 
 

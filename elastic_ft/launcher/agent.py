@@ -291,7 +291,7 @@ class FtAgent(LocalElasticAgent):
             node=self._handler.node,
             capacity=settings.events_kept,
             destination=self._worker_group.spec.event_log_handler,
-            progress_interval=self._job_config.progress_interval,
+            progress_interval=self._job_config.observability.progress_interval,
         )
 
     def _assign_worker_ranks(
@@ -463,13 +463,13 @@ class FtAgent(LocalElasticAgent):
         config, store = self._job_config, group_store(worker_group)
         used = self._respawns.get(local_rank, 0)
         job = job_store(store)
-        if used >= config.respawns_per_rank:
+        if used >= config.respawn.per_rank:
             log.info(
                 "local rank %d is not respawned: its last %d new process(es) died before they trained "
                 "(respawn.per_rank=%d)",
                 local_rank,
                 used,
-                config.respawns_per_rank,
+                config.respawn.per_rank,
             )
             return False
         if job.finished() or not job.accepts_joiners():
@@ -477,8 +477,8 @@ class FtAgent(LocalElasticAgent):
             return False
         settings = self._handler.settings
         job_wide = EtcdStore(self._handler.client, settings.keys.ftrun_store, timedelta(seconds=settings.store_timeout))
-        if job_wide.add(FTRUN_RESPAWNS, 1) > config.respawns_per_job:
-            log.info("local rank %d is not respawned: respawn.per_job=%d used", local_rank, config.respawns_per_job)
+        if job_wide.add(FTRUN_RESPAWNS, 1) > config.respawn.per_job:
+            log.info("local rank %d is not respawned: respawn.per_job=%d used", local_rank, config.respawn.per_job)
             return False
         initial_rank = world_size + store.add(FTRUN_NEXT_RANK, 1) - 1
         pcontext = self._subprocesses()
@@ -525,7 +525,7 @@ class FtAgent(LocalElasticAgent):
         boundary, not inside a collective. Asked at most once per iteration,
         and only while fewer ranks are active than the job runs at most.
         """
-        if self._job_config.respawn_rejoin != "at_once":
+        if self._job_config.respawn.rejoin != "at_once":
             return
         store = group_store(worker_group)
         job = job_store(store)

@@ -48,7 +48,7 @@ from elastic_ft.etcd.client import EtcdClient, EtcdRequestError, EtcdUnavailable
 from elastic_ft.etcd.event_log import EventLog
 from elastic_ft.etcd.server import EtcdServer, find_etcd_binary
 from elastic_ft.handoff import job_config_to_env
-from elastic_ft.job_config import JobConfig, JobConfigError, load_job_config, parse_job_config
+from elastic_ft.job_config import JobConfig, JobConfigError, ObservabilitySection, load_job_config, parse_job_config
 from elastic_ft.launcher.agent import FtAgent
 from elastic_ft.observability import log_format
 from elastic_ft.observability.events import write_events_file
@@ -160,7 +160,7 @@ def apply_spare_nodes(args: argparse.Namespace, given: set[str], config: JobConf
     elif "spare_nodes" in conf:
         return
     else:
-        spares = config.spare_nodes if config is not None else 0
+        spares = config.nodes.spares if config is not None else 0
     if spares:
         args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"spare_nodes={spares}"]))
 
@@ -183,15 +183,16 @@ def apply_job_config(args: argparse.Namespace, given: set[str], config: JobConfi
     Precedence: command-line flags, then the job config, then defaults.
     """
     if "nnodes" not in given:
-        args.nnodes = f"{config.min_nodes}:{config.max_nodes}"
+        args.nnodes = f"{config.nodes.min}:{config.nodes.max_nodes}"
     if "nproc_per_node" not in given:
         args.nproc_per_node = str(config.nproc_per_node)
     if "max_restarts" not in given:
         args.max_restarts = config.max_restarts
     explicit = {item.split("=", 1)[0].strip() for item in args.rdzv_conf.split(",") if item.strip()}
-    extra = [f"{key}={value:g}" for key, value in config.rendezvous.items() if key not in explicit]
-    if "events_kept" not in explicit and config.events_kept != JobConfig().events_kept:
-        extra.append(f"events_kept={config.events_kept}")
+    extra = [f"{key}={value:g}" for key, value in config.rendezvous.values().items() if key not in explicit]
+    events_kept = config.observability.events_kept
+    if "events_kept" not in explicit and events_kept != ObservabilitySection().events_kept:
+        extra.append(f"events_kept={events_kept}")
     if extra:
         args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, *extra]))
 
@@ -360,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 apply_spare_nodes(args, given, stored if stored is not None else file_config)
             config_used = stored if stored is not None else file_config
             if args.metrics_port is None and config_used is not None:
-                args.metrics_port = config_used.metrics_port
+                args.metrics_port = config_used.observability.metrics_port
                 if args.metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
                     parser.error("the job config's observability.metrics_port needs prometheus_client: "
                                  "pip install 'elastic-ft[metrics]'")  # fmt: skip

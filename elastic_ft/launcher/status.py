@@ -98,7 +98,7 @@ def collect_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
     open_round = state.round(state.open_round)
     member_nodes = {m["node"] for m in members}
     # Without a stored config, max_nodes is unknown: nodes waiting are not called spares.
-    full = current is not None and config is not None and len(current.members) >= config.max_nodes
+    full = current is not None and config is not None and len(current.members) >= config.nodes.max_nodes
     joined = []
     for node in sorted(open_round.joins, key=lambda n: open_round.joins[n].create_revision):
         role = "rejoined" if node in member_nodes else ("spare" if full else "waiting")

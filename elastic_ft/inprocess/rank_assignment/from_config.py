@@ -40,26 +40,27 @@ def policy_from_config(config: JobConfig) -> RankAssignment | Compose | None:
     A ``Tree`` when layers are given (the filters become its
     ``world_size_filter``), otherwise ``Compose(filters..., ActivateAllRanks(), ShiftRanks())``.
     """
-    has_filter = config.max_active_world_size is not None or config.active_world_size_divisible_by != 1
-    if not config.tree and not has_filter:
+    policy = config.rank_assignment
+    has_filter = policy.max_active_world_size is not None or policy.active_world_size_divisible_by != 1
+    if not policy.tree and not has_filter:
         return None
 
     def world_size_filter(size: int) -> int:
-        if config.max_active_world_size is not None:
-            size = min(size, config.max_active_world_size)
-        return size - size % config.active_world_size_divisible_by
+        if policy.max_active_world_size is not None:
+            size = min(size, policy.max_active_world_size)
+        return size - size % policy.active_world_size_divisible_by
 
-    if config.tree:
+    if policy.tree:
         layers = []
-        for layer in config.tree:
+        for layer in policy.tree:
             flag = None
             for name in layer.flags:
                 flag = LayerFlag[name] if flag is None else flag | LayerFlag[name]
             layers.append(Layer(layer.min_ranks, layer.max_ranks, key_function(layer.key), flag))
         return Tree(layers, world_size_filter if has_filter else None)
     filters: list[RankAssignment] = [ActivateAllRanks()]
-    if config.active_world_size_divisible_by != 1:
-        filters.insert(0, ActiveWorldSizeDivisibleBy(config.active_world_size_divisible_by))
-    if config.max_active_world_size is not None:
-        filters.insert(0, MaxActiveWorldSize(config.max_active_world_size))
+    if policy.active_world_size_divisible_by != 1:
+        filters.insert(0, ActiveWorldSizeDivisibleBy(policy.active_world_size_divisible_by))
+    if policy.max_active_world_size is not None:
+        filters.insert(0, MaxActiveWorldSize(policy.max_active_world_size))
     return Compose(*filters, ShiftRanks())
