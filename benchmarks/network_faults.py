@@ -35,7 +35,9 @@ ready to train), ``restarted`` (worker processes of hosts 0 and 1 that
 did not survive), ``restarts`` (for ``lossy`` and ``cpu``: ranks that
 started a new in-process iteration during the window: false alarms),
 ``revoked`` (leases the agents revoked: confirmed losses; for ``lossy`` and
-``cpu``, false deaths). A step that does
+``cpu``, false deaths), ``killed`` (for ``lossy`` and ``cpu``: worker
+processes of host 2 that did not survive: a restart its rank could not
+take in time, ended by the hard timeout). A step that does
 not come within ``--cap`` seconds is reported as the cap, marked ``>``.
 
 Needs root and ``ip netns`` (:func:`elastic_ft.testing.netns.unavailable`).
@@ -258,8 +260,12 @@ def run_one(system: str, scenario: str, args: argparse.Namespace) -> dict[str, A
                 time.sleep(2.0)
                 job.refresh()
                 after = len({(e["pid"], e["iteration"]) for e in job.events if e["event"] == "start"})
-                gone = sorted(pid for pid in survivors | faulty if not _alive(pid))
-                row.update(restarts=after - iteration_count, restarted=len(gone), resume=None)
+                row.update(
+                    restarts=after - iteration_count,
+                    restarted=sum(not _alive(pid) for pid in survivors),
+                    killed=sum(not _alive(pid) for pid in faulty),
+                    resume=None,
+                )
                 resume = None
             else:  # arrival
                 job.start(FAULTY)
@@ -333,7 +339,7 @@ def summarize(rows: list[dict[str, Any]], cap: float) -> list[dict[str, Any]]:
                     value = statistics.median([v for v in filled if v is not None]) if filled else None
                 entry[key] = value
                 entry[f"{key}_capped"] = capped
-            for key in ("stale", "restarted", "restarts", "revocations"):
+            for key in ("stale", "restarted", "restarts", "revocations", "killed"):
                 values = [r[key] for r in mine if r.get(key) is not None]
                 entry[key] = statistics.median(values) if values else None
             table.append(entry)
@@ -351,7 +357,7 @@ def _cell(entry: dict[str, Any], key: str) -> str:
 
 def print_table(table: list[dict[str, Any]]) -> None:
     header = f"{'scenario':<12} {'system':<14} {'runs':>4} {'resume':>10} {'stale':>6} {'rejoin':>10} " \
-             f"{'restarted':>9} {'restarts':>8} {'revoked':>7}  ratio"  # fmt: skip
+             f"{'restarted':>9} {'restarts':>8} {'revoked':>7} {'killed':>6}  ratio"  # fmt: skip
     print(header)
     print("-" * len(header))
     by = {(e["scenario"], e["system"]): e for e in table}
@@ -370,7 +376,7 @@ def print_table(table: list[dict[str, Any]]) -> None:
                     ratio += f" {key} {'>' if other.get(f'{key}_capped') else ''}{theirs / mine:.1f}x"
         print(f"{entry['scenario']:<12} {entry['system']:<14} {entry['runs']:>4} {_cell(entry, 'resume'):>10} "
               f"{_cell(entry, 'stale'):>6} {_cell(entry, 'rejoin'):>10} {_cell(entry, 'restarted'):>9} "
-              f"{_cell(entry, 'restarts'):>8} {_cell(entry, 'revocations'):>7} {ratio}")  # fmt: skip
+              f"{_cell(entry, 'restarts'):>8} {_cell(entry, 'revocations'):>7} {_cell(entry, 'killed'):>6} {ratio}")  # fmt: skip
         for error in entry["errors"]:
             print(f"{'':<12} error: {error}")
 

@@ -67,8 +67,11 @@ def test_an_arriving_host_joins_in_process_and_a_lossy_link_or_a_busy_host_kills
     assert arrival["rejoin"] is not None and arrival["rejoin"] < 15.0, arrival
     assert arrival["restarted"] == 0, arrival
     for scenario in ("lossy", "cpu"):
-        # No node is taken for dead (no lease revoked), no process restarted.
+        # No node is taken for dead (no lease revoked), no process of the other hosts restarted.
         assert rows[scenario]["revocations"] == 0 and rows[scenario]["restarted"] == 0, rows[scenario]
-    # A host whose cores are saturated is not even restarted in-process. (Under 30 % loss the Wrapper's
-    # adaptive hang detection may restart the iteration in-process: the benchmark reports how often.)
-    assert rows["cpu"]["restarts"] == 0, rows["cpu"]
+    # A host whose cores are saturated is not even restarted in-process, and loses no process.
+    assert rows["cpu"]["restarts"] == 0 and rows["cpu"]["killed"] == 0, rows["cpu"]
+    # Under 30 % loss the Wrapper's adaptive hang detection may restart the iteration in-process (a step
+    # stalls past the soft timeout while TCP retransmits), and a rank of the lossy host blocked in DDP's
+    # backward may not take that restart before its hard timeout ends it (1 run of 4 here; its node
+    # respawns it, and it rejoins): the benchmark reports how often (``killed``), docs/deployment.md says why.
