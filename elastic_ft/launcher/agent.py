@@ -6,7 +6,7 @@ starts workers exactly as torch does, but watches them itself, so a failed
 worker never takes its healthy siblings down:
 
 * a worker that fails inside ``elastic_ft.Wrapper`` is reported terminated in
-  the round's store at once (:func:`elastic_ft.inprocess.store.report_process_gone`),
+  the round's store at once (:func:`elastic_ft.coordination.reports.report_process_gone`),
   and the Wrappers of every node restart in-process without it;
 * a member node that dies (its rendezvous lease expires) has its ranks
   reported the same way, from the list of ranks it published;
