@@ -427,14 +427,15 @@ def _wait_in_threads(views: list, ranks: list[int], world_size: int, timeout: fl
     return results, threads
 
 
-@pytest.mark.parametrize("last_arriver", ["gone", "unknown", "not known gone"])
+@pytest.mark.parametrize("last_arriver", ["gone", "unknown", "forged", "not known gone"])
 def test_a_barrier_whose_last_arriver_died_before_publishing_completes(
     store_pair: tuple[dist.Store, dist.Store], monkeypatch: pytest.MonkeyPatch, last_arriver: str
 ) -> None:
     """The rank whose arrival completes the termination barrier is killed (a hard timeout's SIGKILL) before it
     publishes the result: the waiting ranks publish in its place once it is recorded gone (or, after a longer
-    grace, when it died before even recording itself as the last), instead of waiting out the barrier timeout
-    although every rank arrived. A last arriver not known to be gone may still publish: nobody replaces it."""
+    grace, when it died before even recording itself as the last, or its record is malformed), instead of
+    waiting out the barrier timeout although every rank arrived. A last arriver not known to be gone may still
+    publish: nobody replaces it."""
     from elastic_ft import keys
     from elastic_ft.coordination import barriers
     from elastic_ft.coordination.barriers import Barriers
@@ -451,6 +452,8 @@ def test_a_barrier_whose_last_arriver_died_before_publishing_completes(
         assert views[2].arrive_and_wait(TERMINATION_BARRIER, [2], 3, timedelta(0)) is None
     if last_arriver == "unknown":
         views[2].delete_key(keys.barrier_last(TERMINATION_BARRIER))  # died before recording itself as the last
+    if last_arriver == "forged":  # the store is untrusted: a record that names no rank reads as unknown
+        views[2].set(keys.barrier_last(TERMINATION_BARRIER), "rank two\x00")
     if last_arriver != "not known gone":
         views[2].record_terminated([2])  # what its monitor process or its agent reports
     started = time.monotonic()
