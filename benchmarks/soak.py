@@ -155,7 +155,8 @@ class Soak:
         from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command
 
         script = [str(SCRIPT), "--workdir", str(self.workdir), "--steps", "100000000", "--record-steps",
-                  "--record-digests", "--fault-dir", str(self.faults_dir), "--stop-file", str(self.stop_file)]  # fmt: skip
+                  "--record-digests", "--fault-dir", str(self.faults_dir), "--stop-file", str(self.stop_file),
+                  "--monitor-logs"]  # fmt: skip
         conf = ["join_timeout=600"] + ([f"lease_ttl={self.args.lease_ttl}"] if self.args.lease_ttl else [])
         self.nodes[tag] = TorchrunNode(
             tag,

@@ -13,11 +13,12 @@ SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 
 
 def _log_tails(workdir: Path, lines: int = 60) -> str:
-    """The end of every node's log, warnings, errors and tracebacks only: what a failed run in CI leaves to read."""
+    """The end of every node's and monitor process's log, warnings, errors, tracebacks and why a rank without
+    progress was left alone ("not hung yet") only: what a failed run in CI leaves to read."""
     tails = []
-    for log in sorted(workdir.glob("node-*.log")):
+    for log in sorted(workdir.glob("node-*.log")) + sorted(workdir.glob("monitor-*.log")):
         text = log.read_text(errors="replace").splitlines()
-        kept = [line for line in text if line[:1] in ("W", "E") or line.startswith("[rank")]
+        kept = [line for line in text if line[:1] in ("W", "E") or line.startswith("[rank") or "not hung yet" in line]
         tails.append(f"--- {log.name}\n" + "\n".join(line[:400] for line in kept[-lines:]))
     return "\n".join(tails)
 
