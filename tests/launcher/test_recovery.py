@@ -98,8 +98,11 @@ def assert_recovered(
     missing = set(survivors) - set(done)
     assert set(done) <= set(survivors) and len(missing) <= may_lose, logs(nodes, tmp_path / "work")
     for rank in missing:
+        # Terminated by its monitor: inactive after the restart request, or blocked in C code where the
+        # restart could not reach it (the same race, caught at the delivery bound).
         monitor_log = (tmp_path / "work" / f"monitor-{rank}.log").read_text()
-        assert "after a restart request" in monitor_log, logs(nodes, tmp_path / "work")
+        terminated = "after its restart request" in monitor_log or "has not reached the main thread" in monitor_log
+        assert terminated, logs(nodes, tmp_path / "work")
     survivors = sorted(done)
     first_pids = {e["rank"]: e["pid"] for e in sorted(events(tmp_path), key=lambda e: e["t"]) if e["event"] == "start"}
     for rank, result in done.items():
