@@ -207,6 +207,11 @@ def admit_joiners(job: JobView, iteration: int) -> list[int]:
     return admitted
 
 
+def joined_ranks(job: JobView) -> list[int]:
+    """The joiners admitted into any iteration so far (members of the world since, unless they left)."""
+    return [rank for rank in job.joiners()[:JOINED_MAX] if keys.parse_count(job.admission(rank) or "") is not None]
+
+
 def admitted_joiners(job: JobView, iteration: int) -> list[int]:
     """The joiners already admitted into ``iteration``, in the order :func:`admit_joiners` admits them."""
     if not job.accepts_joiners():

@@ -10,14 +10,23 @@ that makes no progress for many step times is hung. The soft timeout is
 ``multiplier`` times a high ``percentile`` of the recent step intervals, no
 less than ``soft_floor``; the hard timeout is ``hard_multiplier`` times that.
 The Wrapper's ``soft_timeout`` and ``hard_timeout`` are the ceilings, and
-apply alone while there are too few samples: before the first
-``warmup_steps`` steps of each iteration (process groups, data loaders,
-compilation) and inside sections marked long (``CallWrapper.long_section()``,
-``CallWrapper.atomic()``, typically a checkpoint).
+apply alone while there are too few samples, and inside sections marked
+long (``CallWrapper.long_section()``, ``CallWrapper.atomic()``, typically a
+checkpoint). The first ``warmup_steps`` steps of each iteration (process
+groups, data loaders, compilation) are not sampled, and step times say
+nothing of them: an iteration's warm-up is bounded by the warm-ups before
+it instead. Once this process has timed one (from the iteration's start to
+its first sampled step, less the long sections), the soft timeout of a
+warm-up is ``warmup_multiplier`` times the longest, no less than the
+adaptive soft timeout (:func:`warmup_timeouts`); before that, the ceilings.
+A hang in the first steps after a restart then costs seconds, not the
+configured minute.
 
 **Stalls.** A rank is *active* when its main thread executes Python code
-(the automatic heartbeat), reports a step, burns CPU (itself or its data
-loader workers: a long computation in C is work, not a hang), or is
+(the automatic heartbeat), reports a step, burns CPU (its main thread or
+its data loader workers: a long computation in C is work, not a hang; the
+rank's other threads are machinery, gloo's and gRPC's, whose CPU use says
+nothing of its progress), or is
 resending data the network lost (a lossy link retransmits for seconds:
 slow, not hung; a hung peer's kernel still acknowledges what it receives,
 so waiting for it never looks like this). The configured
@@ -40,7 +49,9 @@ timeout:
    this rank waits for a slow peer (**no action** yet);
 3. otherwise the rank asks for a **restart** of every rank, once per
    iteration; a rank that still makes no progress at the hard timeout is
-   **killed**.
+   **killed**, once the restart had the time between the two timeouts to
+   reach it (a restart asked for late, at the configured soft timeout,
+   finds the rank long past its adaptive hard one).
 
 **Fresh enough evidence.** Ranks learn of each other's activity from
 heartbeats, sent every ``heartbeat_interval`` (1 s by default) to keep the
@@ -72,6 +83,7 @@ class AdaptiveTimeouts:
         soft_floor: the shortest soft timeout.
         hard_multiplier: hard timeout = ``hard_multiplier`` x the soft timeout.
         warmup_steps: steps at the start of each iteration that are not sampled.
+        warmup_multiplier: a warm-up's soft timeout = ``warmup_multiplier`` x the longest earlier warm-up.
         min_samples: samples needed before the timeouts adapt.
         window: how many recent step intervals are kept.
     """
@@ -83,9 +95,10 @@ class AdaptiveTimeouts:
     warmup_steps: int = 3
     min_samples: int = 8
     window: int = 256
+    warmup_multiplier: float = 4.0
 
     def __post_init__(self) -> None:
-        for name in ("multiplier", "hard_multiplier"):
+        for name in ("multiplier", "hard_multiplier", "warmup_multiplier"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 1:
                 raise ValueError(f"AdaptiveTimeouts {name} must be a number >= 1, got {value!r}")
@@ -122,6 +135,27 @@ def adaptive_timeouts(
     return soft, hard
 
 
+def warmup_timeouts(
+    warmups: Sequence[float],
+    samples: Sequence[float],
+    config: AdaptiveTimeouts | None,
+    soft_ceiling: float,
+    hard_ceiling: float,
+) -> tuple[float, float] | None:
+    """(soft, hard) timeouts in seconds for an iteration's warm-up; None while the ceilings apply.
+
+    ``warmups`` are the durations of this process's earlier warm-ups. Both
+    a timed warm-up and enough step samples are needed: the step times give
+    the floor, so a warm-up is never judged more strictly than a step.
+    """
+    if config is None or not warmups or len(samples) < config.min_samples:
+        return None
+    adapted_soft, _ = adaptive_timeouts(samples, config, soft_ceiling, hard_ceiling)
+    soft = min(soft_ceiling, max(adapted_soft, config.warmup_multiplier * max(warmups)))
+    hard = min(hard_ceiling, max(soft, config.hard_multiplier * soft))
+    return soft, hard
+
+
 class StallAction(enum.Enum):
     NONE = "none"
     RESTART = "restart"
@@ -132,6 +166,9 @@ class StallAction(enum.Enum):
 class StallVerdict:
     action: StallAction
     reason: str = ""
+    #: Why a rank without progress for its soft timeout is not acted on, in a word that stays the same
+    #: while the cause does (``busy: CPU``, ``peer active``): the monitor logs the reason when it changes.
+    waits_because: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +176,7 @@ class RankActivity:
     """What the monitor process sees of its rank, in seconds ago."""
 
     progress_age: float  # since the main thread ran Python code or reported a step
-    cpu_idle_for: float  # since the rank (or its data loader workers) last used CPU
+    cpu_idle_for: float  # since its main thread (or its data loader workers) last used CPU
     stopped: bool  # the process is stopped (SIGSTOP, or traced)
     threads_silent_for: float  # since any of its Python threads last ran (the GIL held throughout)
     restart_pending_for: float = 0.0  # since a restart started that the main thread has not taken (0: none)
@@ -163,6 +200,12 @@ class Timeouts:
     #: How long a restart may take to reach the main thread: the adaptive hard timeout of the job's
     #: steps, kept across iterations, at least twice the adaptive floor (3 s by default).
     delivery: float = math.inf
+    #: ``soft`` and ``hard`` bound a warm-up (:func:`warmup_timeouts`), not steps.
+    warming_up: bool = False
+
+    def describe_soft(self) -> str:
+        """The adaptive soft timeout, for a verdict's reason."""
+        return f"{'warm-up' if self.warming_up else 'adaptive'} soft timeout {self.soft:.1f} s"
 
 
 def heartbeat_period(rank: RankActivity, soft: float, interval: float) -> float:
@@ -181,7 +224,7 @@ def judge_stall(
     timeouts: Timeouts,
     gil_held_limit: float,
     peers_inactive_for: float | None,
-    restart_requested: bool,
+    restart_requested_for: float | None,
 ) -> StallVerdict:
     """What the monitor process does about its rank now (see the module docstring).
 
@@ -194,7 +237,7 @@ def judge_stall(
         timeouts: the timeouts in effect.
         gil_held_limit: silence of every Python thread beyond which the GIL is held for good.
         peers_inactive_for: seconds since any other rank was last active; ``None`` if not known.
-        restart_requested: this rank already asked for a restart in this iteration.
+        restart_requested_for: seconds since this rank asked for a restart in this iteration (None: it did not).
     """
     if rank.restart_pending_for >= timeouts.delivery and rank.progress_age >= timeouts.delivery:
         # Released connections and the interrupt signal did not bring the main thread back to Python: it is
@@ -218,7 +261,7 @@ def judge_stall(
         )
     if rank.progress_age >= timeouts.hard_limit:
         return StallVerdict(StallAction.KILL, f"no progress for {rank.progress_age:.1f} s (hard_timeout)")
-    if rank.progress_age >= timeouts.soft_limit and not restart_requested:
+    if rank.progress_age >= timeouts.soft_limit and restart_requested_for is None:
         return StallVerdict(StallAction.RESTART, f"no progress for {rank.progress_age:.1f} s (soft_timeout)")
     if rank.progress_age >= timeouts.soft and rank.threads_silent_for >= timeouts.soft:
         # Not even the rank's own threads ran: whatever its CPU use, nothing can
@@ -230,7 +273,15 @@ def judge_stall(
             f"and no progress for {rank.progress_age:.1f} s",
         )
     if rank.inactive_for < timeouts.soft:
-        return StallVerdict(StallAction.NONE)
+        if rank.progress_age < timeouts.soft:
+            return StallVerdict(StallAction.NONE)
+        what = "CPU" if rank.cpu_idle_for <= rank.network_idle_for else "network resends"
+        return StallVerdict(
+            StallAction.NONE,
+            f"no progress for {rank.progress_age:.1f} s, but busy ({what} {rank.inactive_for:.1f} s ago; "
+            f"{timeouts.describe_soft()}): slow, not hung",
+            f"busy: {what}",
+        )
     if rank.stopped:
         return StallVerdict(
             StallAction.KILL, f"the process is stopped and made no progress for {rank.progress_age:.1f} s"
@@ -241,18 +292,24 @@ def judge_stall(
             f"no Python thread ran for {rank.threads_silent_for:.1f} s (the GIL is held) "
             f"and no progress for {rank.progress_age:.1f} s",
         )
-    if restart_requested:
-        if rank.inactive_for >= timeouts.hard:
+    if restart_requested_for is not None:
+        # The restart gets the time between the soft and the hard timeout to reach the rank, however late
+        # it was asked for (at the configured soft timeout, the rank is long past its adaptive hard one).
+        if rank.inactive_for >= timeouts.hard and restart_requested_for >= timeouts.hard - timeouts.soft:
             return StallVerdict(
                 StallAction.KILL,
-                f"inactive for {rank.inactive_for:.1f} s after a restart request (hard {timeouts.hard:.1f} s)",
+                f"inactive for {rank.inactive_for:.1f} s, {restart_requested_for:.1f} s after its restart request "
+                f"({'warm-up ' if timeouts.warming_up else ''}hard {timeouts.hard:.1f} s)",
             )
         return StallVerdict(StallAction.NONE)
     if peers_inactive_for is not None and peers_inactive_for < timeouts.soft:
-        return StallVerdict(StallAction.NONE, f"another rank was active {peers_inactive_for:.1f} s ago")
-    return StallVerdict(
-        StallAction.RESTART, f"inactive for {rank.inactive_for:.1f} s (adaptive soft timeout {timeouts.soft:.1f} s)"
-    )
+        return StallVerdict(
+            StallAction.NONE,
+            f"inactive for {rank.inactive_for:.1f} s ({timeouts.describe_soft()}), but another rank was active "
+            f"{peers_inactive_for:.1f} s ago: it waits for a slow peer",
+            "peer active",
+        )
+    return StallVerdict(StallAction.RESTART, f"inactive for {rank.inactive_for:.1f} s ({timeouts.describe_soft()})")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,8 +17,8 @@ Each sender and its receivers form a gloo group of their own, bootstrapped
 from the iteration's store (so no rank hosts anything, and transfers from
 different senders run in parallel). It is created after the iteration's
 socket baseline, so a restart cuts its connections like the function's own,
-and it is kept alive for good if the iteration is interrupted
-(:mod:`elastic_ft.inprocess.process_groups`). A transfer that fails is an
+and if the iteration is interrupted it is freed one restart later, like
+the function's groups (:mod:`elastic_ft.inprocess.process_groups`). A transfer that fails is an
 ordinary fault: the iteration restarts and the plan is computed afresh. A
 ``load_state_dict`` that raises is not: the rank's state may be half loaded,
 so it leaves the job with :class:`~elastic_ft.inprocess.exception.HealingError`

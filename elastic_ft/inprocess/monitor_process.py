@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from elastic_ft.coordination.barriers import NO_WAIT, poll
 from elastic_ft.coordination.iteration import COMPLETED, IterationView, iteration_store, report_rank_gone
-from elastic_ft.coordination.job import JobView, job_store
+from elastic_ft.coordination.job import JobView, job_store, joined_ranks
 from elastic_ft.coordination.reports import report_process_gone
 from elastic_ft.inprocess.hang_detection import (
     RankActivity,
@@ -85,17 +85,19 @@ class MonitorConfig:
 #: Makes the rank write every thread's stack to its stderr (``faulthandler``) before it is terminated.
 STACK_DUMP_SIGNAL = signal.SIGRTMIN + 1
 
-#: A rank (with its data loader workers) using more than this share of a core is working.
+#: A rank's main thread (with its data loader workers) using more than this share of a core is working.
 BUSY_CPU_SHARE = 0.1
 _CPU_SAMPLE_PERIOD = 0.2
 _STACK_DUMP_PAUSE = 0.05
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command name; None once the process is gone."""
+def _stat_fields(pid: int, thread: int | None = None) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` (of one ``thread``'s, ``/proc/<pid>/task/<thread>/stat``) after the
+    command name; None once the process is gone."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
     try:
-        with open(f"/proc/{pid}/stat") as stat:
+        with open(path) as stat:
             return stat.read().rpartition(")")[2].split()
     except OSError:
         return None
@@ -120,15 +122,24 @@ def process_is_stopped(pid: int) -> bool:
 
 
 def cpu_seconds(pid: int, exclude: int) -> float:
-    """CPU time used by ``pid`` and the children its main thread started (data loader workers), but ``exclude``."""
+    """CPU time used by the main thread of ``pid`` and by the children it started (data loader workers), but
+    ``exclude``.
+
+    The main thread's, not the process's: the rank's other threads are
+    machinery (gloo's transport loop, gRPC, the Wrapper's own threads) whose
+    CPU use says nothing of the rank's progress. A gloo loop thread was seen
+    spinning at a full core under a rank that waited in DDP's backward, which
+    made that rank look busy, and the whole job wait for the configured soft
+    timeout (60 s) for a hang elsewhere. A computation in C runs on the main
+    thread (and an OpenMP team includes it).
+    """
     total = 0.0
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as children:
-            pids = [pid, *(int(child) for child in children.read().split() if int(child) != exclude)]
+            workers = [int(child) for child in children.read().split() if int(child) != exclude]
     except OSError:
-        pids = [pid]
-    for process in pids:
-        fields = _stat_fields(process)
+        workers = []
+    for fields in (_stat_fields(pid, thread=pid), *(_stat_fields(worker) for worker in workers)):
         if fields is not None:
             total += (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
     return total
@@ -253,9 +264,12 @@ class _Iteration:
     rank: int
     world_size: int
     store: IterationView
-    restart_requested: bool = False
+    #: When this rank's monitor asked for a restart of the iteration (``time.monotonic()``; None: it did not).
+    restart_requested_at: float | None = None
     #: The rank runs the function (False: a reserve rank, which waits).
     active: bool = True
+    #: Why the rank, without progress for its soft timeout, is left alone (logged when it changes).
+    waits_because: str = ""
 
 
 class _CpuMeter:
@@ -322,6 +336,10 @@ class _Monitor:
         self._peers: tuple[float, float | None] = (-float("inf"), None)  # (read at, inactive for then)
         #: The other active ranks, as their heartbeats last read said.
         self._stalled_peers: list[StalledRank] = []
+        #: The initial rank whose heartbeat was the latest active one, as last read.
+        self._latest_active_peer: int | None = None
+        #: The joiners admitted so far, as read in iteration ``[0]``.
+        self._joined: tuple[int, list[int]] | None = None
         self.events: EventSink | None = None
 
     @staticmethod
@@ -408,9 +426,12 @@ class _Monitor:
     def _timeouts(self) -> Timeouts:
         config = self.config
         soft, hard = self.timestamps.timeouts()
+        warming_up = self.timestamps.warming_up()
         if self.timestamps.in_long_section():
-            soft, hard = config.soft_timeout, config.hard_timeout
-        return Timeouts(soft, hard, config.soft_timeout, config.hard_timeout, self.timestamps.delivery_bound())
+            soft, hard, warming_up = config.soft_timeout, config.hard_timeout, False
+        return Timeouts(
+            soft, hard, config.soft_timeout, config.hard_timeout, self.timestamps.delivery_bound(), warming_up
+        )
 
     def _judge(
         self,
@@ -423,11 +444,18 @@ class _Monitor:
         """Act on a stall of the rank; True once the rank was terminated."""
         config = self.config
         peers = None
-        if activity.inactive_for >= timeouts.soft and not iteration.restart_requested:
+        requested = iteration.restart_requested_at
+        requested_for = None if requested is None else time.monotonic() - requested
+        if activity.inactive_for >= timeouts.soft and requested_for is None:
             peers = self._peers_inactive_for(job, peer_read_period(timeouts.soft, config.heartbeat_interval))
-        verdict = judge_stall(activity, timeouts, config.gil_held_limit, peers, iteration.restart_requested)
+        verdict = judge_stall(activity, timeouts, config.gil_held_limit, peers, requested_for)
+        if verdict.waits_because != iteration.waits_because:
+            iteration.waits_because = verdict.waits_because
+            if verdict.waits_because:
+                peer = f" (initial rank {self._latest_active_peer})" if verdict.waits_because == "peer active" else ""
+                log.info("not hung yet: %s%s", verdict.reason, peer)
         if verdict.action is StallAction.RESTART:
-            iteration.restart_requested = True
+            iteration.restart_requested_at = time.monotonic()
             self._report_hang(job, iteration, activity, verdict.reason)
         elif verdict.action is StallAction.KILL:
             kind = "stopped" if activity.stopped else "hard_timeout"
@@ -490,6 +518,14 @@ class _Monitor:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.target_pid, STACK_DUMP_SIGNAL)
 
+    def _candidate_peers(self, job: JobView) -> list[int]:
+        """The initial world and the joiners admitted so far (a joiner's initial rank lies past the initial
+        world); read once per iteration, as joiners are admitted only at a restart."""
+        number = self.iteration.number if self.iteration is not None else -1
+        if self._joined is None or self._joined[0] != number:
+            self._joined = (number, joined_ranks(job))
+        return [*range(self.config.initial_world_size), *self._joined[1]]
+
     def _peers_inactive_for(self, job: JobView, read_period: float) -> float | None:
         """Seconds since any other rank was last active, from their heartbeats (read once per ``read_period``)."""
         read_at, inactive_for = self._peers
@@ -497,9 +533,9 @@ class _Monitor:
         if now - read_at < read_period:
             return None if inactive_for is None else inactive_for + (now - read_at)
         config = self.config
-        latest = None
+        latest, latest_rank = None, None
         stalled = []
-        for rank in range(config.initial_world_size):
+        for rank in self._candidate_peers(job):
             if rank == config.initial_rank or rank in self.reported_silent or job.has_arrived(EXIT_BARRIER, rank):
                 continue
             heartbeat = job.heartbeat(rank)
@@ -507,9 +543,9 @@ class _Monitor:
                 continue  # a reserve rank waits by design: its activity says nothing of the iteration's
             stalled.append(StalledRank(rank, heartbeat.active_at, heartbeat.waiting))
             if latest is None or heartbeat.active_at > latest:
-                latest = heartbeat.active_at
+                latest, latest_rank = heartbeat.active_at, rank
         inactive_for = None if latest is None else max(0.0, now - latest)
-        self._peers = (now, inactive_for)
+        self._peers, self._latest_active_peer = (now, inactive_for), latest_rank
         self._stalled_peers = stalled
         return inactive_for
 

@@ -35,14 +35,14 @@ import time
 from collections.abc import Callable
 
 from elastic_ft import shield
-from elastic_ft.inprocess.hang_detection import AdaptiveTimeouts, adaptive_timeouts
+from elastic_ft.inprocess.hang_detection import AdaptiveTimeouts, adaptive_timeouts, warmup_timeouts
 from elastic_ft.inprocess.logs import get_logger
 
 log = get_logger("progress_watchdog")
 
 # Slots of the shared block, each one aligned 8-byte double; times are time.monotonic() seconds.
-_AUTOMATIC, _MANUAL, _THREADS, _SOFT, _HARD, _LONG, _WAITING, _RESTART_PENDING, _DELIVERY = range(9)
-_Slots = ctypes.c_double * 9
+_AUTOMATIC, _MANUAL, _THREADS, _SOFT, _HARD, _LONG, _WAITING, _RESTART_PENDING, _DELIVERY, _WARMUP = range(10)
+_Slots = ctypes.c_double * 10
 
 #: Modules whose frames on the main thread's stack mean it waits for other ranks: a collective, DDP's
 #: backward (its all-reduces), a process group being built.
@@ -62,7 +62,8 @@ class ProgressTimestamps:
 
     Both processes use ``time.monotonic()``, a system-wide clock on Linux.
     ``MANUAL`` is NaN until the first ping of an iteration; ``SOFT`` and
-    ``HARD`` are the timeouts in effect, in seconds; ``LONG`` counts the
+    ``HARD`` are the timeouts in effect, in seconds (``WARMUP`` is 1 while
+    they bound an iteration's warm-up, not its steps); ``LONG`` counts the
     sections marked long the main thread is in. ``WAITING`` is 1 while the
     main thread, blocked in C code, waits for other ranks (a collective, a
     backward pass with DDP's all-reduces), 0 while it is blocked elsewhere,
@@ -129,12 +130,17 @@ class ProgressTimestamps:
     def beat_threads(self) -> None:
         self._slots[_THREADS] = time.monotonic()
 
-    def set_timeouts(self, soft: float, hard: float) -> None:
+    def set_timeouts(self, soft: float, hard: float, warming_up: bool = False) -> None:
         self._slots[_SOFT] = soft
         self._slots[_HARD] = hard
+        self._slots[_WARMUP] = float(warming_up)
 
     def timeouts(self) -> tuple[float, float]:
         return self._slots[_SOFT], self._slots[_HARD]
+
+    def warming_up(self) -> bool:
+        """The timeouts in effect bound an iteration's warm-up (learned from earlier ones)."""
+        return self._slots[_WARMUP] > 0
 
     def enter_long_section(self) -> None:
         self._slots[_LONG] += 1  # only the main thread writes it
@@ -161,8 +167,12 @@ class StepClock:
     Runs in the main thread (the optimizer hook, ``ping()``, section
     markers). Step intervals are sampled except the first ``warmup_steps``
     of each iteration and those that overlap a section marked long; until
-    enough samples exist, the configured timeouts apply.
+    enough samples exist, the configured timeouts apply. Each warm-up of an
+    active rank is timed, less its long sections, to bound the next ones
+    (:func:`~elastic_ft.inprocess.hang_detection.warmup_timeouts`).
     """
+
+    _WARMUPS_KEPT = 16
 
     _RECOMPUTE_EVERY = 8
 
@@ -177,17 +187,37 @@ class StepClock:
         self._last_step: float | None = None
         self._steps_in_iteration = 0
         self._adapted: tuple[float, float] = (soft_limit, hard_limit)
+        self.warmups: collections.deque[float] = collections.deque(maxlen=self._WARMUPS_KEPT)
+        # When this iteration's warm-up started (None: not timed, a reserve rank), and its time in long sections.
+        self._warmup_started: float | None = None
+        self._warmup_long = 0.0
+        self._long_entered: float | None = None
         # How long a restart may take to reach the main thread (the monitor process terminates the rank
         # after that): the adaptive hard timeout, at least twice the adaptive floor (3 s by default), which
         # holds too until the job's steps give one, as a restart abandons whatever the rank does.
         self._delivery_floor = min(hard_limit, 2 * config.soft_floor.total_seconds()) if config else soft_limit
         timestamps.set_delivery_bound(self._delivery_floor)
 
-    def start_iteration(self) -> None:
-        """A new iteration warms up again; the configured timeouts hold until it has."""
+    def start_iteration(self, active: bool = True) -> None:
+        """A new iteration warms up again, bounded by the earlier warm-ups (a reserve rank: the ceilings)."""
         self._last_step = None
         self._steps_in_iteration = 0
-        self.timestamps.set_timeouts(self.soft_limit, self.hard_limit)
+        self._warmup_started = time.monotonic() if active else None
+        self._warmup_long = 0.0
+        self._long_entered = None
+        self._apply_warmup_timeouts()
+
+    def _warming_up(self) -> bool:
+        return self._steps_in_iteration <= (self.config.warmup_steps if self.config else 0)
+
+    def _apply_warmup_timeouts(self) -> None:
+        bound = None
+        if self._warmup_started is not None:
+            bound = warmup_timeouts(self.warmups, self.samples, self.config, self.soft_limit, self.hard_limit)
+        if bound is None:
+            self.timestamps.set_timeouts(self.soft_limit, self.hard_limit)
+        else:
+            self.timestamps.set_timeouts(*bound, warming_up=True)
 
     @property
     def steps_in_iteration(self) -> int:
@@ -209,19 +239,30 @@ class StepClock:
                 self._adapted = adaptive_timeouts(self.samples, self.config, self.soft_limit, self.hard_limit)
                 self.timestamps.set_delivery_bound(max(self._delivery_floor, self._adapted[1]))
         self._last_step = now
+        if self._steps_in_iteration == self.config.warmup_steps + 1 and self._warmup_started is not None:
+            if not self.timestamps.in_long_section():
+                self.warmups.append(now - self._warmup_started - self._warmup_long)
+            self._warmup_started = None
         if self._steps_in_iteration > self.config.warmup_steps and not self.timestamps.in_long_section():
             self.timestamps.set_timeouts(*self._adapted)
 
     def enter_long_section(self) -> None:
+        if not self.timestamps.in_long_section():
+            self._long_entered = time.monotonic()
         self.timestamps.enter_long_section()
         self.timestamps.set_timeouts(self.soft_limit, self.hard_limit)
 
     def exit_long_section(self) -> None:
         self.timestamps.exit_long_section()
         self._last_step = None  # the interval across the section says nothing of step times
-        if not self.timestamps.in_long_section() and self._steps_in_iteration > (
-            self.config.warmup_steps if self.config else 0
-        ):
+        if self.timestamps.in_long_section():
+            return
+        if self._long_entered is not None:
+            self._warmup_long += time.monotonic() - self._long_entered
+            self._long_entered = None
+        if self._warming_up():
+            self._apply_warmup_timeouts()
+        else:
             self.timestamps.set_timeouts(*self._adapted)
 
 

@@ -891,7 +891,7 @@ class CallWrapper:
             # torch's init_process_group wraps sys.excepthook to prefix "[rank<r>]: " on every call: one
             # prefix per iteration, not one more per restart.
             sys.excepthook = self._excepthook
-            self._steps.start_iteration()
+            self._steps.start_iteration(state.mode is Mode.ACTIVE)
             self._monitor_process.start_iteration(
                 state.iteration, state.rank or 0, state.world_size, state.mode is Mode.ACTIVE
             )

@@ -1,14 +1,19 @@
-"""Hang detection as pure functions: adaptive timeouts, the monitor's stall verdicts, which sockets a restart cuts."""
+"""Hang detection: adaptive timeouts, the monitor's stall verdicts and its CPU evidence, which sockets a restart cuts."""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import math
+import os
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +22,7 @@ from elastic_ft.inprocess.hang_detection import (
     RankActivity,
     StallAction,
     StalledRank,
+    StallVerdict,
     Timeouts,
     adaptive_timeouts,
     hang_culprit,
@@ -24,7 +30,9 @@ from elastic_ft.inprocess.hang_detection import (
     judge_stall,
     peer_read_period,
     percentile,
+    warmup_timeouts,
 )
+from elastic_ft.inprocess.monitor_process import cpu_seconds
 from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps, StepClock
 from elastic_ft.inprocess.sockets import (
     TcpSocket,
@@ -109,10 +117,56 @@ def test_step_clock_warms_up_per_iteration_and_skips_long_sections(monkeypatch: 
     clock.exit_long_section()
     steps(1, 0.05)  # the step after the section closes no interval
     assert len(clock.samples) == 5 and timestamps.timeouts() == (1.5, 3.0)
-    clock.start_iteration()  # after a restart: warm-up again, the configured timeouts meanwhile
-    assert timestamps.timeouts() == (60, 90)
+    # After a restart: warm-up again, bounded by the first one (10.05 s: two 5 s steps and a 0.05 s one).
+    assert list(clock.warmups) == pytest.approx([10.05])
+    clock.start_iteration()
+    assert timestamps.timeouts() == pytest.approx((4 * 10.05, 8 * 10.05)) and timestamps.warming_up()
     steps(3, 0.05)
-    assert timestamps.timeouts() == (1.5, 3.0)
+    assert timestamps.timeouts() == (1.5, 3.0) and not timestamps.warming_up()
+    assert list(clock.warmups) == pytest.approx([10.05, 0.15])
+
+
+def test_a_warm_up_is_bounded_by_the_earlier_ones_less_their_long_sections(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr("elastic_ft.inprocess.progress_watchdog.time.monotonic", lambda: now[0])
+    timestamps = ProgressTimestamps(60, 90)
+    clock = StepClock(timestamps, AdaptiveTimeouts(warmup_steps=1, min_samples=2), 60, 90)
+
+    def steps(count: int, seconds: float) -> None:
+        for _ in range(count):
+            now[0] += seconds
+            clock.step()
+
+    clock.start_iteration()
+    now[0] += 0.5
+    clock.enter_long_section()  # a checkpoint loaded in the warm-up: the ceilings, and not timed
+    now[0] += 30
+    clock.exit_long_section()
+    assert timestamps.timeouts() == (60, 90) and not timestamps.warming_up()  # nothing learned yet
+    steps(2, 0.1)  # the warm-up ends at the second step: 0.5 + 0.2 s outside the section
+    steps(2, 0.1)
+    assert list(clock.warmups) == pytest.approx([0.7])
+    clock.start_iteration()
+    assert timestamps.timeouts() == pytest.approx((2.8, 5.6)) and timestamps.warming_up()
+    clock.enter_long_section()
+    assert timestamps.timeouts() == (60, 90) and not timestamps.warming_up()
+    clock.exit_long_section()  # still warming up: back to the learned bound
+    assert timestamps.timeouts() == pytest.approx((2.8, 5.6)) and timestamps.warming_up()
+    # A reserve rank waits as long as it must: the ceilings, and its wait is no warm-up.
+    clock.start_iteration(active=False)
+    assert timestamps.timeouts() == (60, 90) and not timestamps.warming_up()
+    steps(3, 0.1)
+    assert list(clock.warmups) == pytest.approx([0.7])
+
+
+def test_warmup_timeouts_need_a_timed_warm_up_and_step_samples_and_respect_floor_and_ceilings() -> None:
+    config = AdaptiveTimeouts(min_samples=2)
+    assert warmup_timeouts([], [0.1, 0.1], config, 60, 90) is None
+    assert warmup_timeouts([1.0], [0.1], config, 60, 90) is None
+    assert warmup_timeouts([1.0], [0.1, 0.1], None, 60, 90) is None
+    assert warmup_timeouts([1.0, 0.2], [0.1, 0.1], config, 60, 90) == (4.0, 8.0)  # the longest warm-up
+    assert warmup_timeouts([0.01], [0.1, 0.1], config, 60, 90) == (2.0, 4.0)  # a step's soft timeout at least
+    assert warmup_timeouts([100.0], [0.1, 0.1], config, 60, 90) == (60, 90)  # never past the ceilings
 
 
 TIMEOUTS = Timeouts(soft=1.5, hard=3.0, soft_limit=60, hard_limit=90)
@@ -125,23 +179,37 @@ def activity(
 
 
 def test_an_active_rank_is_left_alone() -> None:
-    assert judge_stall(activity(0.5), TIMEOUTS, 1.0, None, False).action is StallAction.NONE
+    assert judge_stall(activity(0.5), TIMEOUTS, 1.0, None, None).action is StallAction.NONE
 
 
 def test_a_busy_rank_is_slow_not_hung() -> None:
     # No Python progress for 10 s, but the rank burns CPU: a long computation in C.
-    verdict = judge_stall(activity(10, cpu_idle=0.1), TIMEOUTS, 1.0, 20.0, False)
+    verdict = judge_stall(activity(10, cpu_idle=0.1), TIMEOUTS, 1.0, 20.0, None)
     assert verdict.action is StallAction.NONE
 
 
 def test_a_rank_waiting_on_a_busy_peer_waits() -> None:
-    verdict = judge_stall(activity(5), TIMEOUTS, 1.0, peers_inactive_for=0.4, restart_requested=False)
+    verdict = judge_stall(activity(5), TIMEOUTS, 1.0, peers_inactive_for=0.4, restart_requested_for=None)
     assert verdict.action is StallAction.NONE and "another rank was active" in verdict.reason
+    assert verdict.waits_because == "peer active"
+
+
+def test_why_a_rank_without_progress_is_left_alone_is_named_in_a_stable_word() -> None:
+    # The monitor logs the reason when this word changes: once per cause, not once per check.
+    busy = judge_stall(activity(10, cpu_idle=0.1), TIMEOUTS, 1.0, None, None)
+    assert busy.waits_because == "busy: CPU" and "no progress for 10.0 s, but busy (CPU 0.1 s ago" in busy.reason
+    resending = dataclasses.replace(activity(10), network_idle_for=0.2)
+    assert judge_stall(resending, TIMEOUTS, 1.0, None, None).waits_because == "busy: network resends"
+    # Progress within the soft timeout needs no reason.
+    assert judge_stall(activity(1.0, cpu_idle=0.1), TIMEOUTS, 1.0, None, None) == StallVerdict(StallAction.NONE)
 
 
 def test_an_idle_job_restarts() -> None:
-    verdict = judge_stall(activity(2), TIMEOUTS, 1.0, peers_inactive_for=2.0, restart_requested=False)
+    verdict = judge_stall(activity(2), TIMEOUTS, 1.0, peers_inactive_for=2.0, restart_requested_for=None)
     assert verdict.action is StallAction.RESTART and "adaptive soft timeout 1.5 s" in verdict.reason
+    warming = dataclasses.replace(TIMEOUTS, warming_up=True)
+    verdict = judge_stall(activity(2), warming, 1.0, peers_inactive_for=2.0, restart_requested_for=None)
+    assert verdict.action is StallAction.RESTART and "warm-up soft timeout 1.5 s" in verdict.reason
 
 
 @pytest.mark.parametrize(
@@ -149,7 +217,7 @@ def test_an_idle_job_restarts() -> None:
     [(activity(2, stopped=True), "stopped"), (activity(2, silent=1.6), "GIL is held")],
 )
 def test_a_stopped_or_gil_holding_rank_is_killed_at_the_soft_timeout(rank: RankActivity, reason: str) -> None:
-    verdict = judge_stall(rank, TIMEOUTS, 1.0, peers_inactive_for=0.1, restart_requested=False)
+    verdict = judge_stall(rank, TIMEOUTS, 1.0, peers_inactive_for=0.1, restart_requested_for=None)
     assert verdict.action is StallAction.KILL and reason in verdict.reason
 
 
@@ -157,10 +225,10 @@ def test_a_busy_rank_holding_the_gil_is_killed_at_the_soft_timeout() -> None:
     # Seen here: a gloo destructor spinning at 100 % of a core under the GIL. CPU use alone
     # must not make it "work": none of its threads can run, so no restart reaches it.
     spinning = activity(1.6, cpu_idle=0.0, silent=1.6)
-    verdict = judge_stall(spinning, TIMEOUTS, 1.0, peers_inactive_for=0.1, restart_requested=False)
+    verdict = judge_stall(spinning, TIMEOUTS, 1.0, peers_inactive_for=0.1, restart_requested_for=None)
     assert verdict.action is StallAction.KILL and "GIL is held" in verdict.reason
     # The same silence for less than the soft timeout is left alone while the rank is busy.
-    assert judge_stall(activity(1.6, cpu_idle=0.0, silent=1.2), TIMEOUTS, 1.0, 0.1, False).action is StallAction.NONE
+    assert judge_stall(activity(1.6, cpu_idle=0.0, silent=1.2), TIMEOUTS, 1.0, 0.1, None).action is StallAction.NONE
 
 
 def test_while_an_iteration_warms_up_a_stopped_or_frozen_rank_is_killed_at_the_delivery_bound() -> None:
@@ -169,15 +237,15 @@ def test_while_an_iteration_warms_up_a_stopped_or_frozen_rank_is_killed_at_the_d
     warming = Timeouts(soft=60, hard=90, soft_limit=60, hard_limit=90, delivery=3.0)
     for rank, state in [(RankActivity(3.1, 3.1, True, 3.1), "the process is stopped"),
                         (RankActivity(3.1, 3.1, False, 3.1), "the GIL is held without CPU use")]:  # fmt: skip
-        verdict = judge_stall(rank, warming, 1.0, peers_inactive_for=0.1, restart_requested=False)
+        verdict = judge_stall(rank, warming, 1.0, peers_inactive_for=0.1, restart_requested_for=None)
         assert verdict.action is StallAction.KILL and state in verdict.reason, verdict
         assert judge_stall(dataclasses.replace(rank, progress_age=2.9, cpu_idle_for=2.9, threads_silent_for=2.9),
-                           warming, 1.0, 0.1, False).action is StallAction.NONE  # fmt: skip
+                           warming, 1.0, 0.1, None).action is StallAction.NONE  # fmt: skip
     # Warm-up work is left to the ceilings: GIL held but busy (compiling, unpickling), or threads running.
     busy = RankActivity(10.0, 0.0, False, 10.0)
-    assert judge_stall(busy, warming, 1.0, 0.1, False).action is StallAction.NONE
+    assert judge_stall(busy, warming, 1.0, 0.1, None).action is StallAction.NONE
     waiting = RankActivity(10.0, 10.0, False, 0.1)
-    assert judge_stall(waiting, warming, 1.0, 0.1, False).action is StallAction.NONE
+    assert judge_stall(waiting, warming, 1.0, 0.1, None).action is StallAction.NONE
 
 
 def test_a_restart_that_cannot_reach_the_main_thread_kills_the_rank_at_its_bound() -> None:
@@ -185,16 +253,16 @@ def test_a_restart_that_cannot_reach_the_main_thread_kills_the_rank_at_its_bound
     # no timeout on inactivity would act before the configured 60 s.
     timeouts = Timeouts(soft=1.5, hard=3.0, soft_limit=60, hard_limit=90, delivery=1.5)
     wedged = RankActivity(1.6, 0.0, False, 0.1, restart_pending_for=1.6)
-    verdict = judge_stall(wedged, timeouts, 1.0, peers_inactive_for=0.1, restart_requested=False)
+    verdict = judge_stall(wedged, timeouts, 1.0, peers_inactive_for=0.1, restart_requested_for=None)
     assert verdict.action is StallAction.KILL and "has not reached the main thread for 1.6 s" in verdict.reason
     # Not yet at the bound; or the main thread runs Python code (a finalizer, a swallowed restart): left alone.
     early = RankActivity(1.4, 0.0, False, 0.1, restart_pending_for=1.4)
-    assert judge_stall(early, timeouts, 1.0, 0.1, False).action is StallAction.NONE
+    assert judge_stall(early, timeouts, 1.0, 0.1, None).action is StallAction.NONE
     running = RankActivity(0.05, 0.0, False, 0.1, restart_pending_for=10.0)
-    assert judge_stall(running, timeouts, 1.0, 0.1, False).action is StallAction.NONE
+    assert judge_stall(running, timeouts, 1.0, 0.1, None).action is StallAction.NONE
     # Without a pending restart the same blocked rank is a slow one.
     busy = RankActivity(1.6, 0.0, False, 0.1)
-    assert judge_stall(busy, timeouts, 1.0, 0.1, False).action is StallAction.NONE
+    assert judge_stall(busy, timeouts, 1.0, 0.1, None).action is StallAction.NONE
 
 
 def test_a_hang_is_blamed_on_the_rank_outside_any_collective() -> None:
@@ -220,15 +288,24 @@ def test_a_hang_inside_collectives_is_blamed_on_the_rank_that_stopped_first() ->
 
 
 def test_a_rank_that_does_not_restart_is_killed_at_the_hard_timeout() -> None:
-    assert judge_stall(activity(2.5), TIMEOUTS, 1.0, None, True).action is StallAction.NONE
-    assert judge_stall(activity(3.1), TIMEOUTS, 1.0, None, True).action is StallAction.KILL
+    assert judge_stall(activity(2.5), TIMEOUTS, 1.0, None, 10.0).action is StallAction.NONE
+    assert judge_stall(activity(3.1), TIMEOUTS, 1.0, None, 10.0).action is StallAction.KILL
+
+
+def test_a_restart_requested_late_still_gets_the_time_between_soft_and_hard_timeout() -> None:
+    """Seen in CI's soak: ranks that asked for a restart only at the configured 60 s were killed at once, being
+    long past their adaptive hard timeout (17.9 s): the restart never had a chance to reach them."""
+    late = activity(60.3)
+    assert judge_stall(late, TIMEOUTS, 1.0, None, 0.2).action is StallAction.NONE
+    verdict = judge_stall(late, TIMEOUTS, 1.0, None, 1.5)
+    assert verdict.action is StallAction.KILL and "1.5 s after its restart request" in verdict.reason
 
 
 def test_the_configured_limits_keep_their_meaning_even_for_a_busy_rank() -> None:
     busy = activity(61, cpu_idle=0.0)
-    assert judge_stall(busy, TIMEOUTS, 1.0, 0.0, False).action is StallAction.RESTART
+    assert judge_stall(busy, TIMEOUTS, 1.0, 0.0, None).action is StallAction.RESTART
     busy = activity(91, cpu_idle=0.0)
-    assert judge_stall(busy, TIMEOUTS, 1.0, 0.0, True).action is StallAction.KILL
+    assert judge_stall(busy, TIMEOUTS, 1.0, 0.0, 10.0).action is StallAction.KILL
 
 
 def sock(inode: int, local: int, remote: int, state: str) -> TcpSocket:
@@ -345,7 +422,6 @@ def test_a_write_blocked_on_a_peer_that_released_the_connection_ends_at_the_rele
             end.close()
 
 
-
 def test_messages_after_store_ready_in_the_same_read_are_kept() -> None:
     # Regression: a monitor process that woke late read store_ready and the first iteration
     # together, dropped the iteration, and never judged its rank's stalls.
@@ -356,3 +432,29 @@ def test_messages_after_store_ready_in_the_same_read_are_kept() -> None:
     assert after_store_ready([{"type": "store_ready"}]) == (False, [])
     assert after_store_ready([]) == (False, None)
     assert after_store_ready([{"type": "stop"}, {"type": "store_ready"}]) == (True, None)
+
+
+@pytest.mark.integration  # starts a process
+@pytest.mark.parametrize(("spinner", "counted"), [("main", True), ("helper", False), ("worker", True)])
+def test_cpu_seconds_count_the_main_thread_and_its_workers_not_other_threads(spinner: str, counted: bool) -> None:
+    # A gloo transport thread spinning under a rank blocked in a collective is no work of the rank's; the main
+    # thread's computation and its data loader workers' are.
+    code = {
+        "main": "while True: pass",
+        "helper": "import threading, time\nthreading.Thread(target=lambda: [0 for _ in iter(int, 1)]).start()\n"
+        "time.sleep(60)",
+        "worker": "import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', 'while True: pass'])\n"
+        "time.sleep(60)",
+    }[spinner]
+    process = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        time.sleep(0.5)  # started, and its spinner running
+        before = cpu_seconds(process.pid, exclude=-1)
+        time.sleep(1.0)
+        used = cpu_seconds(process.pid, exclude=-1) - before
+        assert (used > 0.3) is counted, used
+    finally:
+        for child in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split():
+            os.kill(int(child), signal.SIGKILL)
+        process.kill()
+        process.wait()

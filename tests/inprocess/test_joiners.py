@@ -8,7 +8,7 @@ import time
 import torch.distributed as dist
 
 from elastic_ft.coordination.iteration import TerminationResult, iteration_store
-from elastic_ft.coordination.job import WITHDRAWN, admit_joiners, job_store
+from elastic_ft.coordination.job import WITHDRAWN, admit_joiners, job_store, joined_ranks
 from elastic_ft.coordination.reports import report_node_gone, report_process_gone
 from elastic_ft.keys import COMPLETION_BARRIER, ITERATION_BARRIER, TERMINATION_BARRIER
 
@@ -38,6 +38,23 @@ def test_the_last_arrival_admits_each_registered_joiner_once() -> None:
     assert admit_joiners(job, 2) == []  # admitted already: never twice
     job.send_heartbeat(8)  # active again: the next restart takes it
     assert admit_joiners(job, 2) == [8]
+
+
+def test_joined_ranks_are_the_admitted_joiners_whose_activity_a_hung_iteration_is_judged_by() -> None:
+    # A monitor reads the heartbeats of the initial world and of these: a joiner hung in an iteration was
+    # unseen before, and a rank waiting for it blamed a member of the initial world.
+    base = dist.HashStore()
+    job = job_store(base)
+    job.set_accepts_joiners()
+    for rank in (8, 9, 10):
+        job.register_joiner(rank)
+        job.send_heartbeat(rank)
+    assert joined_ranks(job) == []  # waiting to join: their activity says nothing of the iteration's
+    assert admit_joiners(job, 3) == [8, 9, 10]
+    job.claim_admission(11, WITHDRAWN)
+    job.register_joiner(11)
+    job.register_joiner(12)  # registered, not admitted yet
+    assert joined_ranks(job) == [8, 9, 10]
 
 
 def test_a_result_published_for_a_lost_last_arriver_keeps_its_admissions_and_makes_none() -> None:
