@@ -7,11 +7,13 @@ typo never silently falls back to a default.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from elastic_ft.etcd.endpoints import EndpointError, EtcdCredentials, EtcdEndpoint, TlsFiles, parse_endpoints
 from elastic_ft.keys import RunKeys
@@ -118,6 +120,34 @@ def _seconds(key: str, value: Any, *, allow_zero: bool) -> float:
         raise RendezvousConfigError(f"rdzv conf {key}={value!r} {error}") from None
 
 
+_T = TypeVar("_T")
+
+
+class _Problems:
+    """Every problem of one rendezvous configuration, so that one error names them all (not the first only)."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def add(self, message: str) -> None:
+        self.messages.append(message)
+
+    def check(self, validate: Callable[[], _T], fallback: _T) -> _T:
+        """``validate()``, or ``fallback`` once its :class:`RendezvousConfigError` is noted."""
+        try:
+            return validate()
+        except RendezvousConfigError as error:
+            self.add(str(error))
+            return fallback
+
+    def raise_any(self) -> None:
+        if len(self.messages) == 1:
+            raise RendezvousConfigError(self.messages[0])
+        if self.messages:
+            listed = "; ".join(f"({number}) {message}" for number, message in enumerate(self.messages, 1))
+            raise RendezvousConfigError(f"{len(self.messages)} rendezvous settings are invalid: {listed}")
+
+
 def settings_from_parameters(params: RendezvousParameters) -> EtcdftSettings:
     """Validate torchrun's rendezvous parameters into :class:`EtcdftSettings`."""
     return make_settings(
@@ -144,10 +174,11 @@ def make_settings(
     Keys of torch's other backends (:data:`TORCH_CONF_KEYS`) are translated
     or ignored, with one warning naming the ignored ones.
     """
-    conf, protocol = _translate_torch_keys(conf)
+    problems = _Problems()
+    conf, protocol = _translate_torch_keys(conf, problems)
     unknown = sorted(set(conf) - set(CONF_KEYS))
     if unknown:
-        raise RendezvousConfigError(
+        problems.add(
             f"unknown etcdft rdzv conf key(s) {', '.join(map(repr, unknown))}; expected some of "
             f"{', '.join(CONF_KEYS)} (or torch's {', '.join(TORCH_CONF_KEYS)})"
         )
@@ -156,31 +187,41 @@ def make_settings(
             item if "://" in item or not item.strip() else f"https://{item.strip()}" for item in str(endpoint).split(",")
         )
     if not isinstance(run_id, str) or not _NAME_RE.fullmatch(run_id) or run_id in _RESERVED:
-        raise RendezvousConfigError(
+        problems.add(
             f"rdzv id {run_id!r:.200} is invalid; expected 1 to 128 letters, digits, '_', '-' or '.', "
             f"and none of {', '.join(sorted(_RESERVED))}"
         )
+    nodes_valid = True
     for name, value in (("min_nodes", min_nodes), ("max_nodes", max_nodes)):
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_NODES:
-            raise RendezvousConfigError(f"{name}={value!r:.40} is invalid; expected an integer from 1 to {MAX_NODES}")
-    if min_nodes > max_nodes:
-        raise RendezvousConfigError(f"min_nodes={min_nodes} exceeds max_nodes={max_nodes}; expected min <= max")
+            problems.add(f"{name}={value!r:.40} is invalid; expected an integer from 1 to {MAX_NODES}")
+            nodes_valid = False
+    if nodes_valid and min_nodes > max_nodes:
+        problems.add(f"min_nodes={min_nodes} exceeds max_nodes={max_nodes}; expected min <= max")
 
     def get(key: str) -> Any:
         value = conf.get(key)
         return CONF_KEYS[key][0] if value is None else value
 
-    spare_nodes = _spare_nodes(get("spare_nodes"), max_nodes)
+    def seconds(key: str, *, allow_zero: bool = False) -> float:
+        return problems.check(lambda: _seconds(key, get(key), allow_zero=allow_zero), 1.0)
+
+    spare_nodes = 0
+    if nodes_valid:
+        spare_nodes = problems.check(lambda: _spare_nodes(get("spare_nodes"), max_nodes), 0)
 
     join_source = "join_timeout" if conf.get("join_timeout") is not None else "timeout"
     join_value = conf.get(join_source)
-    join_timeout = _seconds(
-        join_source, join_value if join_value is not None else CONF_KEYS["join_timeout"][0], allow_zero=False
+    join_timeout = problems.check(
+        lambda: _seconds(
+            join_source, join_value if join_value is not None else CONF_KEYS["join_timeout"][0], allow_zero=False
+        ),
+        1.0,
     )
     lease_value = get("lease_ttl")
-    lease_seconds = _seconds("lease_ttl", lease_value, allow_zero=False)
+    lease_seconds = seconds("lease_ttl")
     if lease_seconds != int(lease_seconds):
-        raise RendezvousConfigError(f"rdzv conf lease_ttl={lease_value!r} is not whole; etcd leases take whole seconds")
+        problems.add(f"rdzv conf lease_ttl={lease_value!r} is not whole; etcd leases take whole seconds")
     prefix = str(get("etcd_prefix"))
     segments = prefix.rstrip("/").split("/")[1:]
     if (
@@ -188,28 +229,36 @@ def make_settings(
         or len(prefix) > 256
         or not all(_NAME_RE.fullmatch(s) and s not in _RESERVED for s in segments)
     ):
-        raise RendezvousConfigError(
+        problems.add(
             f"rdzv conf etcd_prefix={prefix!r:.300} is invalid; expected an absolute key path like /elastic_ft "
             f"(at most 256 characters; segments of letters, digits, '_', '-' or '.', none of "
             f"{', '.join(sorted(_RESERVED))})"
         )
+    endpoints: tuple[EtcdEndpoint, ...] = ()
     try:
         endpoints = parse_endpoints(endpoint)
     except EndpointError as error:
-        raise RendezvousConfigError(str(error)) from None
+        problems.add(str(error))
     tls = TlsFiles(conf.get("cacert"), conf.get("cert"), conf.get("key"))
-    if (tls.cacert or tls.cert or tls.key) and not any(e.secure for e in endpoints):
-        raise RendezvousConfigError("rdzv conf cacert/cert/key given but no endpoint uses https://")
+    if endpoints and (tls.cacert or tls.cert or tls.key) and not any(e.secure for e in endpoints):
+        problems.add("rdzv conf cacert/cert/key given but no endpoint uses https://")
     user, password_file = conf.get("user"), conf.get("password_file")
+    credentials = None
     if (user is None) != (password_file is None):
-        raise RendezvousConfigError("rdzv conf user and password_file go together: give both or neither")
-    credentials = None if user is None else EtcdCredentials(str(user), str(password_file))
-    try:
-        tls.check()
-        if credentials is not None:
-            credentials.check()
-    except EndpointError as error:
-        raise RendezvousConfigError(f"rdzv conf: {error}") from None
+        problems.add("rdzv conf user and password_file go together: give both or neither")
+    elif user is not None:
+        credentials = EtcdCredentials(str(user), str(password_file))
+    for files in (tls, credentials):
+        try:
+            if files is not None:
+                files.check()
+        except EndpointError as error:
+            problems.add(f"rdzv conf: {error}")
+    last_call_timeout = seconds("last_call_timeout", allow_zero=True)
+    connect_timeout, request_timeout = seconds("connect_timeout"), seconds("request_timeout")
+    store_timeout = seconds("store_timeout")
+    events_kept = problems.check(lambda: _events_kept(get("events_kept")), 1)
+    problems.raise_any()  # before any side effect: nothing is built from a configuration with a problem
     return EtcdftSettings(
         run_id=run_id,
         endpoints=endpoints,
@@ -217,16 +266,16 @@ def make_settings(
         max_nodes=max_nodes,
         local_addr=local_addr or None,
         join_timeout=join_timeout,
-        last_call_timeout=_seconds("last_call_timeout", get("last_call_timeout"), allow_zero=True),
         lease_ttl=int(lease_seconds),
         etcd_prefix=prefix.rstrip("/") or "/",
-        connect_timeout=_seconds("connect_timeout", get("connect_timeout"), allow_zero=False),
-        request_timeout=_seconds("request_timeout", get("request_timeout"), allow_zero=False),
-        store_timeout=_seconds("store_timeout", get("store_timeout"), allow_zero=False),
         tls=tls,
         credentials=credentials,
         spare_nodes=spare_nodes,
-        events_kept=_events_kept(get("events_kept")),
+        last_call_timeout=last_call_timeout,
+        connect_timeout=connect_timeout,
+        request_timeout=request_timeout,
+        store_timeout=store_timeout,
+        events_kept=events_kept,
     )
 
 
@@ -271,7 +320,7 @@ def _spare_nodes(value: Any, max_nodes: int) -> int:
 _warned_ignored: set[tuple[str, ...]] = set()
 
 
-def _translate_torch_keys(conf: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+def _translate_torch_keys(conf: dict[str, Any], problems: _Problems) -> tuple[dict[str, Any], str | None]:
     """``conf`` with torch's keys put under etcdft's names; and the ``protocol`` asked for, if any.
 
     A torch key never overrides the etcdft key it stands for when both are
@@ -287,12 +336,15 @@ def _translate_torch_keys(conf: dict[str, Any]) -> tuple[dict[str, Any], str | N
         if key == "protocol":
             protocol = str(value).strip().lower()
             if protocol not in ("http", "https"):
-                raise RendezvousConfigError(f"rdzv conf protocol={value!r:.40} is invalid; expected http or https")
+                problems.add(f"rdzv conf protocol={value!r:.40} is invalid; expected http or https")
+                protocol = None
         elif target is None:
             ignored.append(key)
         elif translated.get(target) is None:
             if key in ("read_timeout", "heartbeat_timeout"):  # checked here, under the name the user gave
-                seconds = _seconds(key, value, allow_zero=False)
+                seconds: float | None = problems.check(functools.partial(_seconds, key, value, allow_zero=False), None)
+                if seconds is None:
+                    continue  # noted; the etcdft key keeps its default meanwhile
                 value = math.ceil(seconds) if key == "heartbeat_timeout" else seconds
             translated[target] = value
     if ignored:

@@ -151,3 +151,18 @@ def test_keys_of_torchs_other_backends_are_translated_or_ignored_with_one_warnin
 def test_bad_torch_keys_get_clear_errors(overrides: dict[str, object], message: str) -> None:
     with pytest.raises(RendezvousConfigError, match=message):
         settings(**overrides)
+
+
+def test_every_problem_is_named_at_once_not_the_first_only() -> None:
+    # A launch line with three mistakes costs one try, not three.
+    with pytest.raises(RendezvousConfigError) as raised:
+        settings(run_id="round", lease_ttl="2.5", events_kept="0", protocol="ftp", bogus="1")
+    message = str(raised.value)
+    assert message.startswith("5 rendezvous settings are invalid: (1) "), message
+    for part in ("protocol='ftp'", "unknown etcdft rdzv conf key(s) 'bogus'", "rdzv id 'round'",
+                 "lease_ttl='2.5' is not whole", "events_kept='0'"):  # fmt: skip
+        assert part in message, (part, message)
+    # Dependent checks are not piled on a value already reported: a bad max_nodes is one problem.
+    with pytest.raises(RendezvousConfigError) as raised:
+        settings(min_nodes=2, max_nodes="many", spare_nodes="1")
+    assert str(raised.value) == "max_nodes='many' is invalid; expected an integer from 1 to 100000"
