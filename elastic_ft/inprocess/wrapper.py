@@ -45,7 +45,7 @@ import typing
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -975,7 +975,13 @@ class CallWrapper:
                     self._groups.forget()
                     self.job_store.mark_finished()  # joiners still waiting leave
                     return True, result
-                raise InternalError("the iteration was interrupted while this rank waited to complete")
+                # Interrupted while this rank waited to complete (a hung rank came back, and the job ran to
+                # its end before the restart landed): no fault of this rank's, so none is recorded (it was
+                # reported on every rank as an InternalError); the restart under way takes it as the others.
+                log.info("rank %s: iteration %d was interrupted as it completed", rank, state.iteration)
+                monitor.hold()
+                self._abort(state)
+                self._await_restart(monitor)
             except Exception as error:  # noqa: BLE001 - any failure of the iteration restarts it
                 self._leave_optimizer_steps()  # an optimizer step that raised holds the monitor thread's lock
                 # From here the main thread runs the Wrapper's own code (store writes over gRPC):
@@ -1058,7 +1064,7 @@ class CallWrapper:
         except Exception:
             log.exception("rank %s: completion failed", state.rank)
 
-    def _await_restart(self, monitor: MonitorThread) -> None:
+    def _await_restart(self, monitor: MonitorThread) -> NoReturn:
         """Wait for the monitor thread to start the restart (the fault recorded here reaches it), then restart.
 
         The monitor thread delivers nothing to a held main thread (see

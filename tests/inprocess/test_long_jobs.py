@@ -150,6 +150,9 @@ def test_a_rank_frozen_in_the_first_steps_after_a_restart_is_killed_well_before_
     # Killed at the delivery bound ("the GIL is held without CPU use"), or sooner, at the warm-up soft timeout
     # the first iteration's warm-up gives ("no Python thread ran for 1.6 s (the GIL is held)").
     assert "hard_timeout on rank 2" in restart and "the GIL is held" in restart, report
+    # Ranks that completed the function as the hung rank's dump woke it (its C sleep ends on the signal) are
+    # no fault: they take the restart under way.
+    assert "InternalError" not in restart, report
     assert elapsed < 50, (elapsed, report)  # 60 s and more before
 
 
