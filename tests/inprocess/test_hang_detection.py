@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -94,17 +95,29 @@ def test_bad_adaptive_settings_are_rejected(field: str, value: object) -> None:
         AdaptiveTimeouts(**{field: value})  # type: ignore[arg-type]
 
 
-def test_step_clock_warms_up_per_iteration_and_skips_long_sections(monkeypatch: pytest.MonkeyPatch) -> None:
+def stepped_clock(
+    monkeypatch: pytest.MonkeyPatch, config: AdaptiveTimeouts
+) -> tuple[StepClock, ProgressTimestamps, Callable[[int, float], None], Callable[[float], None]]:
+    """A StepClock on a fake monotonic clock: the clock, its timestamps, ``steps(count, seconds)`` and
+    ``advance(seconds)``."""
     now = [100.0]
     monkeypatch.setattr("elastic_ft.inprocess.progress_watchdog.time.monotonic", lambda: now[0])
     timestamps = ProgressTimestamps(60, 90)
-    clock = StepClock(timestamps, AdaptiveTimeouts(warmup_steps=2, min_samples=4), 60, 90)
+    clock = StepClock(timestamps, config, 60, 90)
+
+    def advance(seconds: float) -> None:
+        now[0] += seconds
 
     def steps(count: int, seconds: float) -> None:
         for _ in range(count):
-            now[0] += seconds
+            advance(seconds)
             clock.step()
 
+    return clock, timestamps, steps, advance
+
+
+def test_step_clock_warms_up_per_iteration_and_skips_long_sections(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock, timestamps, steps, advance = stepped_clock(monkeypatch, AdaptiveTimeouts(warmup_steps=2, min_samples=4))
     clock.start_iteration()
     steps(2, 5.0)  # warm-up (compilation): not sampled
     assert not clock.samples and timestamps.timeouts() == (60, 90)
@@ -113,7 +126,7 @@ def test_step_clock_warms_up_per_iteration_and_skips_long_sections(monkeypatch: 
     assert timestamps.timeouts() == (1.5, 3.0)
     clock.enter_long_section()
     assert timestamps.timeouts() == (60, 90)  # a checkpoint may take long
-    now[0] += 30
+    advance(30)
     clock.exit_long_section()
     steps(1, 0.05)  # the step after the section closes no interval
     assert len(clock.samples) == 5 and timestamps.timeouts() == (1.5, 3.0)
@@ -127,20 +140,11 @@ def test_step_clock_warms_up_per_iteration_and_skips_long_sections(monkeypatch: 
 
 
 def test_a_warm_up_is_bounded_by_the_earlier_ones_less_their_long_sections(monkeypatch: pytest.MonkeyPatch) -> None:
-    now = [100.0]
-    monkeypatch.setattr("elastic_ft.inprocess.progress_watchdog.time.monotonic", lambda: now[0])
-    timestamps = ProgressTimestamps(60, 90)
-    clock = StepClock(timestamps, AdaptiveTimeouts(warmup_steps=1, min_samples=2), 60, 90)
-
-    def steps(count: int, seconds: float) -> None:
-        for _ in range(count):
-            now[0] += seconds
-            clock.step()
-
+    clock, timestamps, steps, advance = stepped_clock(monkeypatch, AdaptiveTimeouts(warmup_steps=1, min_samples=2))
     clock.start_iteration()
-    now[0] += 0.5
+    advance(0.5)
     clock.enter_long_section()  # a checkpoint loaded in the warm-up: the ceilings, and not timed
-    now[0] += 30
+    advance(30)
     clock.exit_long_section()
     assert timestamps.timeouts() == (60, 90) and not timestamps.warming_up()  # nothing learned yet
     steps(2, 0.1)  # the warm-up ends at the second step: 0.5 + 0.2 s outside the section

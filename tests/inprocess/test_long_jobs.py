@@ -124,24 +124,31 @@ def test_a_hang_is_blamed_on_the_rank_that_hung(tmp_path: Path, attempt: int) ->
     assert "hang on rank 0" not in restart and "hang on rank 2" not in restart, report
 
 
+def hang_after_a_restart(kind: str, tmp_path: Path, **settings: Any) -> tuple[list[RankOutcome], float, str]:
+    """Three ranks with the configured timeouts (60 s, 90 s): rank 1 raises at step 20, then rank 2 hangs
+    (``kind``) at the first step of iteration 1, while that iteration warms up. The outcomes, the seconds the
+    job took, and its report."""
+    scenario = {
+        "faults": [fault(1, "raise", step=20), fault(2, kind, step=1, iteration=1)],
+        "steps": 30,
+        "ping": True,
+        "soft_timeout": 60,
+        "hard_timeout": 90,
+        "barrier_timeout": 120,
+        **settings,
+    }
+    start = time.monotonic()
+    outcomes = run_job(scenario, 3, tmp_path, timeout=150)
+    return outcomes, time.monotonic() - start, describe(outcomes, tmp_path)
+
+
 @pytest.mark.slow
 def test_a_rank_frozen_in_the_first_steps_after_a_restart_is_killed_well_before_the_soft_timeout(
     tmp_path: Path,
 ) -> None:
     # Seen in the soak: rank 2 hangs holding the GIL at the first step of iteration 1, while the configured
     # 60 s apply (the iteration warms up); it is killed at the job's delivery bound instead.
-    scenario = {
-        "faults": [fault(1, "raise", step=20), fault(2, "sleep_gil_held", step=1, iteration=1)],
-        "steps": 30,
-        "ping": True,
-        "soft_timeout": 60,
-        "hard_timeout": 90,
-        "barrier_timeout": 120,
-    }
-    start = time.monotonic()
-    outcomes = run_job(scenario, 3, tmp_path, timeout=150)
-    elapsed = time.monotonic() - start
-    report = describe(outcomes, tmp_path)
+    outcomes, elapsed, report = hang_after_a_restart("sleep_gil_held", tmp_path)
     assert outcomes[2].returncode in (-signal.SIGTERM, -signal.SIGKILL), report
     for outcome in (outcomes[0], outcomes[1]):
         assert outcome.returncode == 0 and outcome.result is not None, report
@@ -161,20 +168,9 @@ def test_a_hang_in_the_first_steps_after_a_restart_costs_seconds_not_the_soft_ti
     # Seen in CI's soak: rank 2 sleeps in C code (the GIL released, no CPU used) at the first step of
     # iteration 1, while the iteration warms up. The configured 60 s applied there; the warm-ups of the
     # earlier iterations bound this one instead.
-    scenario = {
-        "faults": [fault(1, "raise", step=20), fault(2, "sleep_gil_released", step=1, iteration=1)],
-        "hang_seconds": 1000,
-        "gloo_timeout": 120,  # not gloo's own timeout either
-        "steps": 30,
-        "ping": True,
-        "soft_timeout": 60,
-        "hard_timeout": 90,
-        "barrier_timeout": 120,
-    }
-    start = time.monotonic()
-    outcomes = run_job(scenario, 3, tmp_path, timeout=150)
-    elapsed = time.monotonic() - start
-    report = describe(outcomes, tmp_path)
+    outcomes, elapsed, report = hang_after_a_restart(
+        "sleep_gil_released", tmp_path, hang_seconds=1000, gloo_timeout=120  # not gloo's own timeout either
+    )
     for outcome in outcomes:
         assert outcome.returncode == 0 and outcome.result is not None, report
         assert outcome.result["iteration"] == 2, report
