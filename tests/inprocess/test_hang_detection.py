@@ -86,6 +86,8 @@ def test_too_few_samples_or_no_adaptation_keep_the_configured_timeouts() -> None
         ("percentile", 101),
         ("soft_floor", datetime.timedelta(0)),
         ("warmup_steps", -1),
+        ("warmup_multiplier", 0.5),
+        ("warmup_multiplier", math.nan),
         ("min_samples", 0),
         ("window", 4),
     ],
