@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import grpc
 from etcd3 import etcdrpc
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from elastic_ft.etcd.endpoints import EndpointError, EtcdCredentials, EtcdEndpoint, TlsFiles
 from elastic_ft.etcd.kv import (
@@ -150,25 +151,40 @@ def first_key_op(prefix: str) -> Op:
     )
 
 
-def _watch_create_request(key: bytes, range_end: bytes, start_revision: int, watch_id: int) -> Any:
-    """A request to create a watch whose id the client picks.
+def _watch_create_message() -> Any:
+    """A ``WatchCreateRequest`` class that knows ``watch_id`` (field 7; etcd 3.4 on).
 
-    etcd (3.4 on) takes the id from ``WatchCreateRequest.watch_id``, field 7,
-    which the stubs of the ``etcd3`` package predate; so the field is appended
-    in its wire form (a varint), which protobuf keeps as an unknown field and
-    sends on.
+    The stubs of the ``etcd3`` package predate that field, so this message
+    is declared here, with the fields elastic-ft sets, under their numbers
+    and types in etcd's ``rpc.proto``; its bytes parse as the stubs' message,
+    which keeps ``watch_id`` as an unknown field and sends it on.
     """
+    field = descriptor_pb2.FieldDescriptorProto
+    file = descriptor_pb2.FileDescriptorProto(
+        name="elastic_ft/etcd/watch_create.proto", package="elastic_ft.etcd", syntax="proto3"
+    )
+    message = file.message_type.add(name="WatchCreateRequest")
+    for name, number, kind in (
+        ("key", 1, field.TYPE_BYTES),
+        ("range_end", 2, field.TYPE_BYTES),
+        ("start_revision", 3, field.TYPE_INT64),
+        ("watch_id", 7, field.TYPE_INT64),
+    ):
+        message.field.add(name=name, number=number, type=kind, label=field.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("elastic_ft.etcd.WatchCreateRequest"))
+
+
+_WatchCreateRequest = _watch_create_message()
+
+
+def _watch_create_request(key: bytes, range_end: bytes, start_revision: int, watch_id: int) -> Any:
+    """A request to create a watch whose id the client picks (so a response names the watch it answers)."""
     if watch_id <= 0:
         raise ValueError(f"a watch id must be positive, got {watch_id}")
-    varint = bytearray()
-    while True:
-        byte, watch_id = watch_id & 0x7F, watch_id >> 7
-        varint.append(byte | (0x80 if watch_id else 0))
-        if not watch_id:
-            break
-    known = etcdrpc.WatchCreateRequest(key=key, range_end=range_end, start_revision=start_revision)
-    create = etcdrpc.WatchCreateRequest.FromString(known.SerializeToString() + bytes([7 << 3]) + bytes(varint))
-    return etcdrpc.WatchRequest(create_request=create)
+    create = _WatchCreateRequest(key=key, range_end=range_end, start_revision=start_revision, watch_id=watch_id)
+    return etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest.FromString(create.SerializeToString()))
 
 
 _StreamT = TypeVar("_StreamT", bound=Stream)
