@@ -65,15 +65,28 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 from pydantic_core import PydanticCustomError
 
-from elastic_ft.timeouts import MAX_SECONDS, WRAPPER_DEFAULTS, WRAPPER_ORDER, SecondsError, check_seconds
+from elastic_ft.config_fields import (
+    ERROR_TYPE,
+    EVENTS_KEPT_DEFAULT,
+    EVENTS_KEPT_HELP,
+    JOIN_TIMEOUT_HELP,
+    LAST_CALL_TIMEOUT_HELP,
+    LEASE_TTL_HELP,
+    Count0,
+    Count1,
+    EventsKept,
+    LeaseSeconds,
+    Seconds,
+    SecondsOrZero,
+    count_check,
+    invalid,
+    shown,
+)
+from elastic_ft.timeouts import WRAPPER_DEFAULTS, WRAPPER_ORDER
 
 _LAYER_FLAGS = ("RESERVE", "BACKFILL")
 #: When a respawned worker joins the running world: at the next restart, or through one asked for at once.
 REJOIN_CHOICES = ("next_fault", "at_once")
-#: The largest count any field may hold (nodes, processes, ranks, restarts): far beyond any job.
-MAX_COUNT = 1_000_000
-#: The most events the run's event log keeps per stream (etcd/event_log.py's bound).
-MAX_EVENTS_KEPT = 100_000
 
 Path = tuple[str | int, ...]
 
@@ -115,47 +128,13 @@ class JobConfigError(ValueError):
         self.issues = issues
 
 
-def _shown(value: Any) -> str:
-    shown = repr(value)
-    if len(shown) > 200:  # the value may be huge (a long list, or an integer of thousands of digits)
-        shown = shown[:200] + f"... ({len(shown)} characters)"
-    return shown
-
-
-# ---- field types: the checks, their messages, and their JSON Schema ----------------
-
-
-def _invalid(expected: str) -> PydanticCustomError:
-    return PydanticCustomError("job_config", "{expected}", {"expected": expected})
-
-
-def _count_check(minimum: int, maximum: int = MAX_COUNT) -> Callable[[Any], int]:
-    def check(value: Any) -> int:
-        if isinstance(value, float) and value.is_integer():  # JSON's integers may arrive as 2.0
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
-            raise _invalid(f"an integer from {minimum} to {maximum}")
-        return value
-
-    return check
-
-
-def _seconds_check(may_be_zero: bool) -> Callable[[Any], float]:
-    def check(value: Any) -> float:
-        if isinstance(value, str):  # YAML gives numbers as numbers; quoted text is a mistake
-            raise _invalid("a number of seconds")
-        try:
-            return check_seconds(value, may_be_zero=may_be_zero)
-        except SecondsError as error:
-            raise _invalid(error.expected.removeprefix("expected ")) from None
-
-    return check
+# ---- field checks of the job config's own (the shared ones are in elastic_ft.config_fields) ----
 
 
 def _choice_check(choices: tuple[str, ...], expected: str) -> Callable[[Any], str]:
     def check(value: Any) -> str:
         if value not in choices:
-            raise _invalid(expected)
+            raise invalid(expected)
         return value
 
     return check
@@ -163,23 +142,15 @@ def _choice_check(choices: tuple[str, ...], expected: str) -> Callable[[Any], st
 
 def _key_check(value: Any) -> str:
     if not isinstance(value, str) or not (value in ("job", "host") or (value.startswith("env:") and len(value) > 4)):
-        raise _invalid("'job', 'host' or 'env:NAME'")
+        raise invalid("'job', 'host' or 'env:NAME'")
     return value
 
 
 def _flags_check(value: Any) -> list[str]:
     flags = [value] if isinstance(value, str) else value
     if not isinstance(flags, list) or any(flag not in _LAYER_FLAGS for flag in flags):
-        raise _invalid(f"a list of {', '.join(_LAYER_FLAGS)}")
+        raise invalid(f"a list of {', '.join(_LAYER_FLAGS)}")
     return flags
-
-
-#: The field types of the config: bounds for the schema, checks with the messages users read (each field
-#: adds its description).
-Count0 = Annotated[int, Field(ge=0, le=MAX_COUNT), BeforeValidator(_count_check(0))]
-Count1 = Annotated[int, Field(ge=1, le=MAX_COUNT), BeforeValidator(_count_check(1))]
-Seconds = Annotated[float, Field(gt=0.0, le=MAX_SECONDS), BeforeValidator(_seconds_check(False))]
-SecondsOrZero = Annotated[float, Field(ge=0.0, le=MAX_SECONDS), BeforeValidator(_seconds_check(True))]
 
 
 class _Section(BaseModel):
@@ -194,7 +165,7 @@ class _Section(BaseModel):
             return {}
         if isinstance(value, Mapping):
             return {key: item for key, item in value.items() if item is not None or key not in cls.model_fields}
-        raise _invalid("a mapping")
+        raise invalid("a mapping")
 
 
 def _ordered(error_path: str, smaller: str, smaller_value: float, larger: str, larger_value: float) -> None:
@@ -242,12 +213,7 @@ class RespawnSection(_Section):
 
 
 class ObservabilitySection(_Section):
-    events_kept: Annotated[
-        int,
-        Field(ge=1, le=MAX_EVENTS_KEPT, description="events the run's event log in etcd keeps (the oldest are "
-              "overwritten)"),
-        BeforeValidator(_count_check(1, MAX_EVENTS_KEPT)),
-    ] = 4096  # fmt: skip
+    events_kept: EventsKept = Field(EVENTS_KEPT_DEFAULT, description=EVENTS_KEPT_HELP)
     progress_interval: Seconds = Field(
         5.0, description="seconds between two samples of a rank's optimizer steps (timeline)"
     )
@@ -256,33 +222,18 @@ class ObservabilitySection(_Section):
             int,
             Field(ge=0, le=65535, description="port of each agent's Prometheus endpoint (0: any free port); unset: "
                   "no endpoint"),
-            BeforeValidator(_count_check(0, 65535)),
+            BeforeValidator(count_check(0, 65535)),
         ]
         | None
     ) = None  # fmt: skip
 
 
 class RendezvousSection(_Section):
-    join_timeout: Seconds | None = Field(
-        None, description="seconds a node may wait to join a round (etcdft's join_timeout)"
-    )
-    last_call_timeout: SecondsOrZero | None = Field(None, description="seconds to wait for more nodes once min joined")
-    lease_ttl: Seconds | None = Field(
-        None,
-        description="whole seconds a dead node keeps its place (its etcd lease)",
-        json_schema_extra={"multipleOf": 1},
-    )
+    """The etcdft ``--rdzv-conf`` keys a job config may set, of the same types (unset: ``--rdzv-conf``'s or the default)."""
 
-    @model_validator(mode="after")
-    def _whole_lease(self) -> RendezvousSection:
-        if self.lease_ttl is not None and not float(self.lease_ttl).is_integer():
-            raise PydanticCustomError(
-                "job_config_relation",
-                "{message}",
-                {"message": f"rendezvous.lease_ttl={self.lease_ttl:g} is invalid; expected whole seconds (etcd leases)",
-                 "field": "lease_ttl", "kind": "field"},
-            )  # fmt: skip
-        return self
+    join_timeout: Seconds | None = Field(None, description=JOIN_TIMEOUT_HELP)
+    last_call_timeout: SecondsOrZero | None = Field(None, description=LAST_CALL_TIMEOUT_HELP)
+    lease_ttl: LeaseSeconds | None = Field(None, description=LEASE_TTL_HELP)
 
     def values(self) -> dict[str, float]:
         return {name: value for name, value in self.model_dump().items() if value is not None}
@@ -404,7 +355,7 @@ def _as_list(value: Any, expected: str) -> list[Any]:
     if value is None:
         return []
     if not isinstance(value, list):
-        raise _invalid(expected)
+        raise invalid(expected)
     return value
 
 
@@ -456,9 +407,9 @@ def _nullable(prop: dict[str, Any]) -> dict[str, Any]:
     options = prop.get("anyOf")
     if options is not None and any(option.get("type") == "null" for option in options):
         return prop
-    shown: dict[str, Any] = {key: prop[key] for key in ("default", "description", "title") if key in prop}
-    kept = {key: value for key, value in prop.items() if key not in shown}
-    return {"anyOf": [kept, {"type": "null"}], **shown}
+    notes: dict[str, Any] = {key: prop[key] for key in ("default", "description", "title") if key in prop}
+    kept = {key: value for key, value in prop.items() if key not in notes}
+    return {"anyOf": [kept, {"type": "null"}], **notes}
 
 
 # ---- validation ----------------------------------------------------------------
@@ -475,9 +426,9 @@ def _issue_from(error: Any, document: Any) -> ConfigIssue:
         return ConfigIssue(path, f"{parent} has unknown field {path[-1]!r}; expected some of {allowed}")
     if kind == "job_config_relation":
         return ConfigIssue((*path, context["field"]), context["message"], kind=context.get("kind", "relation"))
-    if kind == "job_config":
-        return ConfigIssue(path, f"{issue.field}={_shown(error['input'])} is invalid; expected {context['expected']}")
-    return ConfigIssue(path, f"{issue.field}={_shown(error['input'])} is invalid; {error['msg']}")
+    if kind == ERROR_TYPE:
+        return ConfigIssue(path, f"{issue.field}={shown(error['input'])} is invalid; expected {context['expected']}")
+    return ConfigIssue(path, f"{issue.field}={shown(error['input'])} is invalid; {error['msg']}")
 
 
 def _fields_at(path: Path) -> list[str]:
@@ -540,7 +491,7 @@ def _wrapper_checks(wrapper: Mapping[str, float]) -> Iterator[ConfigIssue]:
     """The orderings the Wrapper requires, every violated one, with its defaults for what the config leaves out."""
     seconds = {**WRAPPER_DEFAULTS, **wrapper}
 
-    def shown(name: str) -> str:
+    def described(name: str) -> str:
         origin = "" if name in wrapper else " (the Wrapper's default)"
         return f"wrapper.{name}={seconds[name]:g}{origin}"
 
@@ -548,7 +499,7 @@ def _wrapper_checks(wrapper: Mapping[str, float]) -> Iterator[ConfigIssue]:
         if not seconds[shorter] < seconds[longer]:
             culprit = shorter if shorter in wrapper else longer
             yield ConfigIssue(
-                ("wrapper", culprit), f"{shown(shorter)} must be less than {shown(longer)}", kind="relation"
+                ("wrapper", culprit), f"{described(shorter)} must be less than {described(longer)}", kind="relation"
             )
 
 
@@ -557,7 +508,7 @@ def _validate(document: Any) -> tuple[JobConfig | None, list[ConfigIssue]]:
     if document is None:
         document = {}
     if not isinstance(document, Mapping):
-        return None, [ConfigIssue((), f"(top level)={_shown(document)} is invalid; expected a mapping")]
+        return None, [ConfigIssue((), f"(top level)={shown(document)} is invalid; expected a mapping")]
     issues: list[ConfigIssue] = []
     valid: dict[str, Any] = {}
     fields = JobConfig.model_fields

@@ -21,14 +21,15 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from elastic_ft.config_fields import EVENTS_KEPT_DEFAULT, MAX_EVENTS_KEPT
 from elastic_ft.etcd.client import Compare, EtcdClient, get_op, key_missing, key_modified_at, put_op
 from elastic_ft.etcd.kv import EtcdUnavailableError, KeyValue
 from elastic_ft.keys import EVENTS_MAIN, EVENTS_PROGRESS, RunKeys, count_suffix, parse_count
 from elastic_ft.observability.events import JobEvent
 from elastic_ft.untrusted import MalformedRecord
 
-DEFAULT_CAPACITY = 4096
-MAX_CAPACITY = 100_000
+#: The settings' default and bound (``events_kept``), spelled once in elastic_ft.config_fields.
+DEFAULT_CAPACITY, MAX_CAPACITY = EVENTS_KEPT_DEFAULT, MAX_EVENTS_KEPT
 
 
 @dataclass

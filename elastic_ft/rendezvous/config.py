@@ -1,8 +1,12 @@
 """Settings of the ``etcdft`` rendezvous, parsed and checked before any etcd traffic.
 
-Every ``--rdzv-conf`` key the backend understands is listed in
-:data:`CONF_KEYS` with its default and meaning; anything else is rejected so a
-typo never silently falls back to a default.
+Every ``--rdzv-conf`` key the backend understands is a field of
+:class:`RendezvousConf`, a pydantic model of the value types the job config
+is made of too (:mod:`elastic_ft.config_fields`), with its default and
+meaning (:data:`CONF_KEYS` lists them); anything else is rejected so a typo
+never silently falls back to a default. :class:`EtcdftSettings` is that
+model with torchrun's launch arguments and the connection they describe.
+Every problem is named in one error, before any side effect.
 """
 
 from __future__ import annotations
@@ -12,9 +16,27 @@ import logging
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
+from pydantic_core import PydanticCustomError
+
+from elastic_ft.config_fields import (
+    ERROR_TYPE,
+    EVENTS_KEPT_DEFAULT,
+    EVENTS_KEPT_HELP,
+    JOIN_TIMEOUT_HELP,
+    LAST_CALL_TIMEOUT_HELP,
+    LEASE_TTL_HELP,
+    TEXT,
+    EventsKept,
+    LeaseSeconds,
+    Seconds,
+    SecondsOrZero,
+    count_check,
+    invalid,
+    shown,
+)
 from elastic_ft.etcd.endpoints import EndpointError, EtcdCredentials, EtcdEndpoint, TlsFiles, parse_endpoints
 from elastic_ft.keys import RunKeys
 from elastic_ft.timeouts import check_seconds
@@ -25,27 +47,6 @@ if TYPE_CHECKING:
     from elastic_ft.etcd.client import EtcdClient
 
 log = logging.getLogger(__name__)
-
-#: key -> (default, description).  ``timeout`` is torchrun's name for
-#: ``join_timeout``; torchrun always passes it (900 s unless set), so an
-#: explicit ``join_timeout`` wins over it.
-CONF_KEYS: dict[str, tuple[Any, str]] = {
-    "join_timeout": (600.0, "seconds next_rendezvous() may take before it raises RendezvousTimeoutError"),
-    "timeout": (None, "torchrun's name for join_timeout (used when join_timeout is not given)"),
-    "last_call_timeout": (30.0, "seconds to wait for more nodes once min_nodes have joined"),
-    "spare_nodes": (0, "nodes admitted beyond max_nodes as hot spares: members whose workers are reserve ranks"),
-    "lease_ttl": (10, "whole seconds a node stays in the rendezvous after its agent stops refreshing its lease"),
-    "etcd_prefix": ("/elastic_ft", "key prefix; every key lives under <etcd_prefix>/<run_id>/"),
-    "connect_timeout": (10.0, "seconds to keep trying unreachable endpoints before failing"),
-    "request_timeout": (5.0, "seconds one etcd request may take"),
-    "store_timeout": (300.0, "default timeout of the round's store (get, wait, multi_get)"),
-    "events_kept": (4096, "events the run's event log keeps in etcd; the oldest are overwritten (1 to 100000)"),
-    "cacert": (None, "CA bundle (PEM) to verify https endpoints"),
-    "cert": (None, "client certificate (PEM) for https endpoints"),
-    "key": (None, "client private key (PEM) for https endpoints"),
-    "user": (None, "etcd user (RBAC); needs password_file"),
-    "password_file": (None, "file holding the etcd user's password (never the password itself)"),
-}
 
 #: Keys of torch's other rendezvous backends (c10d, etcd, etcd-v2, static) and launchers, so that a
 #: ``--rdzv-conf`` written for them works here: key -> (etcdft key it stands for, or None when it has
@@ -78,24 +79,92 @@ class RendezvousConfigError(ValueError):
     """A rendezvous setting is malformed; raised before contacting etcd."""
 
 
-@dataclass(frozen=True)
-class EtcdftSettings:
+def _etcd_prefix_check(value: Any) -> str:
+    """An absolute key path whose segments no run's own keys use; returned without its trailing '/'."""
+    prefix = value if isinstance(value, str) else ""
+    segments = prefix.rstrip("/").split("/")[1:]
+    if (
+        not prefix.startswith("/")
+        or len(prefix) > 256
+        or not all(_NAME_RE.fullmatch(s) and s not in _RESERVED for s in segments)
+    ):
+        raise invalid(
+            "an absolute key path like /elastic_ft (at most 256 characters; segments of letters, digits, "
+            f"'_', '-' or '.', none of {', '.join(sorted(_RESERVED))})"
+        )
+    return prefix.rstrip("/") or "/"
+
+
+def _spare_nodes_check(value: Any, info: ValidationInfo) -> int:
+    """``spare_nodes``: whole nodes that fit, with ``max_nodes`` (the validation context's), in MAX_NODES."""
+    max_nodes = (info.context or {}).get("max_nodes") or 0
+    try:
+        return count_check(0, MAX_NODES - max_nodes)(value, info)
+    except PydanticCustomError:
+        raise invalid(
+            f"a whole number of nodes from 0 to {MAX_NODES - max_nodes} (max_nodes={max_nodes} plus spares at most "
+            f"{MAX_NODES})"
+        ) from None
+
+
+class RendezvousConf(BaseModel):
+    """The ``--rdzv-conf`` keys etcdft understands: their types, bounds, defaults and meanings.
+
+    Validate with ``context={**TEXT, "max_nodes": N}``: ``--rdzv-conf``
+    gives text, and ``spare_nodes`` is bounded by the launch's ``max_nodes``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    join_timeout: Seconds = Field(600.0, description=JOIN_TIMEOUT_HELP)
+    timeout: Seconds | None = Field(
+        None, description="torchrun's name for join_timeout (used when join_timeout is not given)"
+    )
+    last_call_timeout: SecondsOrZero = Field(30.0, description=LAST_CALL_TIMEOUT_HELP)
+    spare_nodes: Annotated[int, BeforeValidator(_spare_nodes_check)] = Field(
+        0, description="nodes admitted beyond max_nodes as hot spares: members whose workers are reserve ranks"
+    )
+    lease_ttl: LeaseSeconds = Field(10, description=LEASE_TTL_HELP)
+    etcd_prefix: Annotated[str, BeforeValidator(_etcd_prefix_check)] = Field(
+        "/elastic_ft", description="key prefix; every key lives under <etcd_prefix>/<run_id>/"
+    )
+    connect_timeout: Seconds = Field(10.0, description="seconds to keep trying unreachable endpoints before failing")
+    request_timeout: Seconds = Field(5.0, description="seconds one etcd request may take")
+    store_timeout: Seconds = Field(300.0, description="default timeout of the round's store (get, wait, multi_get)")
+    events_kept: EventsKept = Field(EVENTS_KEPT_DEFAULT, description=EVENTS_KEPT_HELP)
+    cacert: str | None = Field(None, description="CA bundle (PEM) to verify https endpoints")
+    cert: str | None = Field(None, description="client certificate (PEM) for https endpoints")
+    key: str | None = Field(None, description="client private key (PEM) for https endpoints")
+    user: str | None = Field(None, description="etcd user (RBAC); needs password_file")
+    password_file: str | None = Field(
+        None, description="file holding the etcd user's password (never the password itself)"
+    )
+
+
+#: key -> (default, description), from :class:`RendezvousConf`. ``timeout`` is torchrun's name for
+#: ``join_timeout``; torchrun always passes it (900 s unless set), so an explicit ``join_timeout`` wins.
+CONF_KEYS: dict[str, tuple[Any, str]] = {
+    name: (field.default, field.description or "") for name, field in RendezvousConf.model_fields.items()
+}
+
+
+class EtcdftSettings(RendezvousConf):
+    """Everything a rendezvous needs: the ``--rdzv-conf`` settings, torchrun's launch arguments, the connection.
+
+    Built by :func:`make_settings` only, once every value is checked;
+    ``join_timeout`` is the one in effect (``timeout`` when no
+    ``join_timeout`` was given) and ``lease_ttl`` whole.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
     run_id: str
     endpoints: tuple[EtcdEndpoint, ...]
     min_nodes: int
     max_nodes: int
     local_addr: str | None
-    join_timeout: float
-    last_call_timeout: float
-    lease_ttl: int
-    etcd_prefix: str
-    connect_timeout: float
-    request_timeout: float
-    store_timeout: float
     tls: TlsFiles
     credentials: EtcdCredentials | None = None
-    spare_nodes: int = 0
-    events_kept: int = 4096
 
     @property
     def capacity(self) -> int:
@@ -176,12 +245,6 @@ def make_settings(
     """
     problems = _Problems()
     conf, protocol = _translate_torch_keys(conf, problems)
-    unknown = sorted(set(conf) - set(CONF_KEYS))
-    if unknown:
-        problems.add(
-            f"unknown etcdft rdzv conf key(s) {', '.join(map(repr, unknown))}; expected some of "
-            f"{', '.join(CONF_KEYS)} (or torch's {', '.join(TORCH_CONF_KEYS)})"
-        )
     if protocol == "https":
         endpoint = ",".join(
             item if "://" in item or not item.strip() else f"https://{item.strip()}" for item in str(endpoint).split(",")
@@ -198,42 +261,10 @@ def make_settings(
             nodes_valid = False
     if nodes_valid and min_nodes > max_nodes:
         problems.add(f"min_nodes={min_nodes} exceeds max_nodes={max_nodes}; expected min <= max")
-
-    def get(key: str) -> Any:
-        value = conf.get(key)
-        return CONF_KEYS[key][0] if value is None else value
-
-    def seconds(key: str, *, allow_zero: bool = False) -> float:
-        return problems.check(lambda: _seconds(key, get(key), allow_zero=allow_zero), 1.0)
-
-    spare_nodes = 0
-    if nodes_valid:
-        spare_nodes = problems.check(lambda: _spare_nodes(get("spare_nodes"), max_nodes), 0)
-
-    join_source = "join_timeout" if conf.get("join_timeout") is not None else "timeout"
-    join_value = conf.get(join_source)
-    join_timeout = problems.check(
-        lambda: _seconds(
-            join_source, join_value if join_value is not None else CONF_KEYS["join_timeout"][0], allow_zero=False
-        ),
-        1.0,
-    )
-    lease_value = get("lease_ttl")
-    lease_seconds = seconds("lease_ttl")
-    if lease_seconds != int(lease_seconds):
-        problems.add(f"rdzv conf lease_ttl={lease_value!r} is not whole; etcd leases take whole seconds")
-    prefix = str(get("etcd_prefix"))
-    segments = prefix.rstrip("/").split("/")[1:]
-    if (
-        not prefix.startswith("/")
-        or len(prefix) > 256
-        or not all(_NAME_RE.fullmatch(s) and s not in _RESERVED for s in segments)
-    ):
-        problems.add(
-            f"rdzv conf etcd_prefix={prefix!r:.300} is invalid; expected an absolute key path like /elastic_ft "
-            f"(at most 256 characters; segments of letters, digits, '_', '-' or '.', none of "
-            f"{', '.join(sorted(_RESERVED))})"
-        )
+    given = {key: value for key, value in conf.items() if value is not None}
+    if not nodes_valid:
+        given.pop("spare_nodes", None)  # its bound depends on max_nodes, already reported
+    checked = _validated_conf(given, max_nodes if nodes_valid else None, problems)
     endpoints: tuple[EtcdEndpoint, ...] = ()
     try:
         endpoints = parse_endpoints(endpoint)
@@ -254,29 +285,45 @@ def make_settings(
                 files.check()
         except EndpointError as error:
             problems.add(f"rdzv conf: {error}")
-    last_call_timeout = seconds("last_call_timeout", allow_zero=True)
-    connect_timeout, request_timeout = seconds("connect_timeout"), seconds("request_timeout")
-    store_timeout = seconds("store_timeout")
-    events_kept = problems.check(lambda: _events_kept(get("events_kept")), 1)
     problems.raise_any()  # before any side effect: nothing is built from a configuration with a problem
-    return EtcdftSettings(
+    join_timeout = checked.join_timeout
+    if "join_timeout" not in checked.model_fields_set and checked.timeout is not None:
+        join_timeout = checked.timeout
+    return EtcdftSettings.model_construct(
+        **{**dict(checked), "join_timeout": join_timeout},
         run_id=run_id,
         endpoints=endpoints,
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         local_addr=local_addr or None,
-        join_timeout=join_timeout,
-        lease_ttl=int(lease_seconds),
-        etcd_prefix=prefix.rstrip("/") or "/",
         tls=tls,
         credentials=credentials,
-        spare_nodes=spare_nodes,
-        last_call_timeout=last_call_timeout,
-        connect_timeout=connect_timeout,
-        request_timeout=request_timeout,
-        store_timeout=store_timeout,
-        events_kept=events_kept,
     )
+
+
+def _validated_conf(given: dict[str, Any], max_nodes: int | None, problems: _Problems) -> RendezvousConf:
+    """``given`` as a :class:`RendezvousConf` (text allowed); the defaults once each of its problems is noted."""
+    try:
+        return RendezvousConf.model_validate(given, context={**TEXT, "max_nodes": max_nodes})
+    except ValidationError as error:
+        unknown = []
+        for item in error.errors():
+            key = str(item["loc"][0]) if item["loc"] else "(rdzv conf)"
+            if item["type"] == "extra_forbidden":
+                unknown.append(key)
+            elif item["type"] == ERROR_TYPE:
+                context = item.get("ctx") or {}
+                problems.add(
+                    f"rdzv conf {key}={shown(item['input'])} {context['problem']}; expected {context['expected']}"
+                )
+            else:
+                problems.add(f"rdzv conf {key}={shown(item['input'])} is invalid; {item['msg']}")
+        if unknown:
+            problems.add(
+                f"unknown etcdft rdzv conf key(s) {', '.join(map(repr, sorted(unknown)))}; expected some of "
+                f"{', '.join(CONF_KEYS)} (or torch's {', '.join(TORCH_CONF_KEYS)})"
+            )
+        return RendezvousConf()
 
 
 def connect(settings: EtcdftSettings, *, timeouts: tuple[float, float] | None = None) -> EtcdClient:
@@ -295,26 +342,6 @@ def connect(settings: EtcdftSettings, *, timeouts: tuple[float, float] | None = 
         tls=settings.tls,
         credentials=settings.credentials,
     )
-
-
-def _events_kept(value: Any) -> int:
-    text = str(value).strip()
-    if isinstance(value, bool) or not re.fullmatch(r"[0-9]{1,6}", text) or not 1 <= int(text) <= 100_000:
-        raise RendezvousConfigError(
-            f"rdzv conf events_kept={value!r:.40} is invalid; expected a whole number of events from 1 to 100000"
-        )
-    return int(text)
-
-
-def _spare_nodes(value: Any, max_nodes: int) -> int:
-    """``spare_nodes``: a whole number of nodes (``--rdzv-conf`` gives it as text), all of them fitting in MAX_NODES."""
-    text = str(value).strip()
-    if isinstance(value, bool) or not re.fullmatch(r"[0-9]{1,6}", text) or max_nodes + int(text) > MAX_NODES:
-        raise RendezvousConfigError(
-            f"rdzv conf spare_nodes={value!r:.40} is invalid; expected a whole number of nodes from 0 to "
-            f"{MAX_NODES - max_nodes} (max_nodes={max_nodes} plus spares at most {MAX_NODES})"
-        )
-    return int(text)
 
 
 _warned_ignored: set[tuple[str, ...]] = set()

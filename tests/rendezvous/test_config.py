@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import typing
+
 import pytest
+from pydantic import BeforeValidator
+from pydantic.fields import FieldInfo
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+from elastic_ft.job_config import JobConfigError, ObservabilitySection, RendezvousSection, parse_job_config
 from elastic_ft.rendezvous.config import (
     CONF_KEYS,
     EtcdftSettings,
+    RendezvousConf,
     RendezvousConfigError,
     make_settings,
     settings_from_parameters,
@@ -90,7 +96,7 @@ def test_from_torchrun_parameters() -> None:
         ({"spare_nodes": "one"}, "spare_nodes='one' is invalid"),
         ({"spare_nodes": True}, "spare_nodes=True is invalid"),
         ({"spare_nodes": 99_999}, "spare_nodes=99999 is invalid.*at most 100000"),
-        ({"events_kept": "0"}, "events_kept='0' is invalid; expected a whole number of events from 1 to 100000"),
+        ({"events_kept": "0"}, "events_kept='0' is invalid; expected an integer from 1 to 100000"),
         ({"events_kept": "many"}, "events_kept='many' is invalid"),
         ({"events_kept": 100_001}, "events_kept=100001 is invalid"),
     ],
@@ -166,3 +172,34 @@ def test_every_problem_is_named_at_once_not_the_first_only() -> None:
     with pytest.raises(RendezvousConfigError) as raised:
         settings(min_nodes=2, max_nodes="many", spare_nodes="1")
     assert str(raised.value) == "max_nodes='many' is invalid; expected an integer from 1 to 100000"
+
+
+def _checks(annotation: object) -> set[object]:
+    """The functions of the BeforeValidators anywhere in a field's annotation."""
+    found: set[object] = set()
+    for part in typing.get_args(annotation):
+        items = part.metadata if isinstance(part, FieldInfo) else [part]
+        found |= {item.func for item in items if isinstance(item, BeforeValidator)}
+        if not isinstance(part, (FieldInfo, BeforeValidator)):
+            found |= _checks(part)
+    return found
+
+
+def test_the_job_config_and_rdzv_conf_check_each_value_with_one_model() -> None:
+    for name in ("join_timeout", "last_call_timeout", "lease_ttl"):
+        ours, theirs = RendezvousSection.model_fields[name], RendezvousConf.model_fields[name]
+        assert ours.description == theirs.description
+        assert _checks(ours.annotation) == _checks(theirs.rebuild_annotation()) != set()  # one type, one check
+    assert ObservabilitySection().events_kept == RendezvousConf().events_kept == settings().events_kept
+    # One check and one expectation, each config in its own voice.
+    expected = r"expected whole seconds \(etcd leases\)"
+    with pytest.raises(RendezvousConfigError, match=rf"^rdzv conf lease_ttl='2.5' is not whole; {expected}$"):
+        settings(lease_ttl="2.5")
+    with pytest.raises(JobConfigError, match=rf"rendezvous.lease_ttl=2.5 is invalid; {expected}$"):
+        parse_job_config({"rendezvous": {"lease_ttl": 2.5}})
+    # --rdzv-conf gives text; in YAML, quoted text is a mistake.
+    assert settings(lease_ttl="4", events_kept=" 12 ").lease_ttl == 4
+    with pytest.raises(JobConfigError, match="rendezvous.lease_ttl='4' is invalid; expected a number of seconds"):
+        parse_job_config({"rendezvous": {"lease_ttl": "4"}})
+    with pytest.raises(JobConfigError, match="observability.events_kept='12' is invalid; expected an integer"):
+        parse_job_config({"observability": {"events_kept": "12"}})
