@@ -21,22 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
 from pydantic_core import PydanticCustomError
 
-from elastic_ft.config_fields import (
-    ERROR_TYPE,
-    EVENTS_KEPT_DEFAULT,
-    EVENTS_KEPT_HELP,
-    JOIN_TIMEOUT_HELP,
-    LAST_CALL_TIMEOUT_HELP,
-    LEASE_TTL_HELP,
-    TEXT,
-    EventsKept,
-    LeaseSeconds,
-    Seconds,
-    SecondsOrZero,
-    count_check,
-    invalid,
-    shown,
-)
+from elastic_ft import config_fields as fields
 from elastic_ft.etcd.endpoints import EndpointError, EtcdCredentials, EtcdEndpoint, TlsFiles, parse_endpoints
 from elastic_ft.keys import RunKeys
 from elastic_ft.timeouts import check_seconds
@@ -88,7 +73,7 @@ def _etcd_prefix_check(value: Any) -> str:
         or len(prefix) > 256
         or not all(_NAME_RE.fullmatch(s) and s not in _RESERVED for s in segments)
     ):
-        raise invalid(
+        raise fields.invalid(
             "an absolute key path like /elastic_ft (at most 256 characters; segments of letters, digits, "
             f"'_', '-' or '.', none of {', '.join(sorted(_RESERVED))})"
         )
@@ -99,9 +84,9 @@ def _spare_nodes_check(value: Any, info: ValidationInfo) -> int:
     """``spare_nodes``: whole nodes that fit, with ``max_nodes`` (the validation context's), in MAX_NODES."""
     max_nodes = (info.context or {}).get("max_nodes") or 0
     try:
-        return count_check(0, MAX_NODES - max_nodes)(value, info)
+        return fields.count_check(0, MAX_NODES - max_nodes)(value, info)
     except PydanticCustomError:
-        raise invalid(
+        raise fields.invalid(
             f"a whole number of nodes from 0 to {MAX_NODES - max_nodes} (max_nodes={max_nodes} plus spares at most "
             f"{MAX_NODES})"
         ) from None
@@ -110,28 +95,28 @@ def _spare_nodes_check(value: Any, info: ValidationInfo) -> int:
 class RendezvousConf(BaseModel):
     """The ``--rdzv-conf`` keys etcdft understands: their types, bounds, defaults and meanings.
 
-    Validate with ``context={**TEXT, "max_nodes": N}``: ``--rdzv-conf``
+    Validate with ``context={**config_fields.TEXT, "max_nodes": N}``: ``--rdzv-conf``
     gives text, and ``spare_nodes`` is bounded by the launch's ``max_nodes``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    join_timeout: Seconds = Field(600.0, description=JOIN_TIMEOUT_HELP)
-    timeout: Seconds | None = Field(
+    join_timeout: fields.Seconds = Field(600.0, description=fields.JOIN_TIMEOUT_HELP)
+    timeout: fields.Seconds | None = Field(
         None, description="torchrun's name for join_timeout (used when join_timeout is not given)"
     )
-    last_call_timeout: SecondsOrZero = Field(30.0, description=LAST_CALL_TIMEOUT_HELP)
+    last_call_timeout: fields.SecondsOrZero = Field(30.0, description=fields.LAST_CALL_TIMEOUT_HELP)
     spare_nodes: Annotated[int, BeforeValidator(_spare_nodes_check)] = Field(
         0, description="nodes admitted beyond max_nodes as hot spares: members whose workers are reserve ranks"
     )
-    lease_ttl: LeaseSeconds = Field(10, description=LEASE_TTL_HELP)
+    lease_ttl: fields.LeaseSeconds = Field(10, description=fields.LEASE_TTL_HELP)
     etcd_prefix: Annotated[str, BeforeValidator(_etcd_prefix_check)] = Field(
         "/elastic_ft", description="key prefix; every key lives under <etcd_prefix>/<run_id>/"
     )
-    connect_timeout: Seconds = Field(10.0, description="seconds to keep trying unreachable endpoints before failing")
-    request_timeout: Seconds = Field(5.0, description="seconds one etcd request may take")
-    store_timeout: Seconds = Field(300.0, description="default timeout of the round's store (get, wait, multi_get)")
-    events_kept: EventsKept = Field(EVENTS_KEPT_DEFAULT, description=EVENTS_KEPT_HELP)
+    connect_timeout: fields.Seconds = Field(10.0, description="seconds to keep trying unreachable endpoints before failing")
+    request_timeout: fields.Seconds = Field(5.0, description="seconds one etcd request may take")
+    store_timeout: fields.Seconds = Field(300.0, description="default timeout of the round's store (get, wait, multi_get)")
+    events_kept: fields.EventsKept = Field(fields.EVENTS_KEPT_DEFAULT, description=fields.EVENTS_KEPT_HELP)
     cacert: str | None = Field(None, description="CA bundle (PEM) to verify https endpoints")
     cert: str | None = Field(None, description="client certificate (PEM) for https endpoints")
     key: str | None = Field(None, description="client private key (PEM) for https endpoints")
@@ -304,20 +289,20 @@ def make_settings(
 def _validated_conf(given: dict[str, Any], max_nodes: int | None, problems: _Problems) -> RendezvousConf:
     """``given`` as a :class:`RendezvousConf` (text allowed); the defaults once each of its problems is noted."""
     try:
-        return RendezvousConf.model_validate(given, context={**TEXT, "max_nodes": max_nodes})
+        return RendezvousConf.model_validate(given, context={**fields.TEXT, "max_nodes": max_nodes})
     except ValidationError as error:
         unknown = []
         for item in error.errors():
             key = str(item["loc"][0]) if item["loc"] else "(rdzv conf)"
             if item["type"] == "extra_forbidden":
                 unknown.append(key)
-            elif item["type"] == ERROR_TYPE:
+            elif item["type"] == fields.ERROR_TYPE:
                 context = item.get("ctx") or {}
                 problems.add(
-                    f"rdzv conf {key}={shown(item['input'])} {context['problem']}; expected {context['expected']}"
+                    f"rdzv conf {key}={fields.shown(item['input'])} {context['problem']}; expected {context['expected']}"
                 )
             else:
-                problems.add(f"rdzv conf {key}={shown(item['input'])} is invalid; {item['msg']}")
+                problems.add(f"rdzv conf {key}={fields.shown(item['input'])} is invalid; {item['msg']}")
         if unknown:
             problems.add(
                 f"unknown etcdft rdzv conf key(s) {', '.join(map(repr, sorted(unknown)))}; expected some of "
