@@ -46,8 +46,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 SCRIPT = ROOT / "examples" / "train_ftrun.py"
 RESULTS = Path(__file__).resolve().parent / "results" / "fault_matrix.json"
 CONF = "last_call_timeout=1,lease_ttl=5,join_timeout=120"
-#: Scenarios whose fault outlasts the default run (about 5 ms steps): steps enough to still train after it.
-STEPS = {"etcd frozen 10 s": 4000, "worker SIGKILL after etcd froze 10 s": 6000}
+#: Scenarios whose fault outlasts the default run: they train until the driver ends them (``--stop-file``),
+#: once every expected rank trained for ``SETTLE`` seconds after the fault was over, then ``STEPS_AFTER`` more
+#: steps. Counting from the fault, not from the start, keeps them as long as they need on any machine.
+UNTIL_STOPPED = {"etcd frozen 10 s", "worker SIGKILL after etcd froze 10 s"}
+SETTLE = 3.0
+STEPS_AFTER = 200
 #: As a torchrun user would: in-process restarts first, a whole-job process restart when they cannot recover.
 MAX_RESTARTS = 3
 
@@ -77,12 +81,12 @@ def _events(workdir: Path) -> list[dict[str, Any]]:
     return sorted(events, key=lambda e: e["t"])
 
 
-def _wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
+def _wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return True
-        time.sleep(0.05)
+        time.sleep(interval)
     return False
 
 
@@ -137,6 +141,23 @@ def _inject(external: str, workdir: Path, nodes: list[Any], cluster: Any) -> Non
             _record_fault(workdir, "sigkill after the freeze")
             with contextlib.suppress(ProcessLookupError):
                 os.kill(_pids_by_rank(workdir)[1], signal.SIGKILL)
+
+
+def _stop_after_the_fault(workdir: Path, expected: int, over: float) -> int | None:
+    """Once ``expected`` processes trained ``SETTLE`` s past ``over``, end the run ``STEPS_AFTER`` steps on.
+
+    Returns the step written to the stop file, or None if the ranks did not train again within a minute.
+    """
+
+    def steps_after(since: float) -> list[dict[str, Any]]:
+        return [e for e in _events(workdir) if e["event"] == "step" and e["t"] > since]
+
+    if not _wait_for(lambda: len({e["pid"] for e in steps_after(over + SETTLE)}) >= expected, 60, 0.5):
+        return None
+    stop = max(e["step"] for e in steps_after(over)) + STEPS_AFTER
+    (workdir / "stop.tmp").write_text(str(stop))
+    os.replace(workdir / "stop.tmp", workdir / "stop")
+    return stop
 
 
 def _rendezvous_history(cluster: Any, run_id: str) -> list[tuple[int, str, bytes, bool]]:
@@ -233,8 +254,11 @@ def run_scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
     fault, external, expected = SCENARIOS[name]
     workdir = Path(tempfile.mkdtemp(prefix="fault-matrix-"))
     run_id = f"matrix-{uuid.uuid4().hex[:8]}"
-    steps = STEPS.get(name, args.steps)
+    until_stopped = name in UNTIL_STOPPED
+    steps: int | None = 10**9 if until_stopped else args.steps
     script = [str(SCRIPT), "--workdir", str(workdir), "--steps", str(steps), "--hidden", str(args.hidden)]
+    if until_stopped:
+        script += ["--record-steps", "--stop-file", str(workdir / "stop")]
     if fault is not None:
         script += ["--fault", fault, "--fault-rank", "1", "--fault-step", str(args.fault_step)]
     with EtcdCluster(members=3) as cluster:
@@ -259,15 +283,24 @@ def run_scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
             started = _wait_for(lambda: len({e["rank"] for e in _events(workdir) if e["event"] == "start"}) == 4, 120)
             if started and external is not None:
                 _inject(external, workdir, nodes, cluster)
+            if started and until_stopped:
+                steps = _stop_after_the_fault(workdir, expected, time.time())
             waited = [nodes[0]] if external in ("node_kill", "node_stop") else nodes
-            finished = started and _wait_for(lambda: all(n.process.poll() is not None for n in waited), args.cap)
+            finished = (
+                started
+                and steps is not None
+                and _wait_for(lambda: all(n.process.poll() is not None for n in waited), args.cap)
+            )
             history = _rendezvous_history(cluster, run_id)
         finally:
             for node in nodes:
                 _kill_node(node, signal.SIGCONT)
                 node.terminate()
     done = [json.loads(path.read_text()) for path in workdir.glob("done-*.json")]
-    problems = ([] if finished else [f"the job did not finish within {args.cap:g} s"]) + check_history(history)
+    problems = [] if finished else [f"the job did not finish within {args.cap:g} s"]
+    if steps is None:
+        problems.append(f"the ranks did not all train again within a minute after the fault ({expected} expected)")
+    problems += check_history(history)
     problems += [
         f"node {node.tag} exited with {node.process.returncode}"
         for node in waited
@@ -275,7 +308,8 @@ def run_scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
     ]
     if finished and not done:
         problems.append("no rank finished the job")
-    problems += check_job(workdir, steps)
+    if steps is not None:
+        problems += check_job(workdir, steps)
     restarted = any(e["event"] == "enter" for e in _events(workdir))
     return {
         "scenario": name,
