@@ -6,6 +6,4 @@ scripts/setup.sh test
 PYTHON=${PYTHON:-python3}
 "$PYTHON" -m ruff check .
 "$PYTHON" -m mypy
-# Two pytest workers, each taking whole test files: a test spends about a third of its time waiting (timeouts,
-# faults, rendezvous), which the other worker fills; PYTEST_WORKERS=0 runs the suite in this process.
-exec "$PYTHON" -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-2}" --dist loadfile --durations=15 "$@"
+exec "$PYTHON" -m pytest -q -p no:cacheprovider --durations=15 "$@"
