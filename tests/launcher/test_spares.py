@@ -119,15 +119,25 @@ def test_a_respawned_worker_waits_as_reserve_then_is_activated_by_the_next_fault
     etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
 ) -> None:
     """respawn.rejoin=next_fault (the default is at_once): SIGKILL rank 3, the world shrinks to 3, its node
-    respawns the process, which joins at the next restart."""
+    respawns the process, which waits in reserve; the next fault (rank 0 raises once the respawned process
+    is registered, however long its start took) activates it."""
+    second_fault = {"rank": 0, "kind": "raise", "iteration": 1, "step": 10, "after_file": "reserve-registered"}
     scenario = {
         "steps": 200,
+        "iteration_steps": {"1": 3000},  # iteration 1 ends with the second fault, not by its length
         "step_seconds": 0.05,
-        "faults": [{"rank": 3, "kind": "sigkill", "step": 5}, {"rank": 0, "kind": "raise", "iteration": 1, "step": 90}],
+        "faults": [{"rank": 3, "kind": "sigkill", "step": 5}, second_fault],
     }
     config = tmp_path / "job.yaml"
     config.write_text("respawn: {rejoin: next_fault}\n")
     a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, job_config=config) for tag in "AB")
+    deadline = time.monotonic() + 90
+    while "respawned as pid" not in a.log() + b.log() or [
+        j["initial_rank"] for j in status_of(etcd, run_id)["joined"]
+    ] != [4]:
+        assert time.monotonic() < deadline and a.process.poll() is None and b.process.poll() is None, logs(nodes)
+        time.sleep(0.5)
+    (tmp_path / "out" / "reserve-registered").touch()
     assert [a.wait(150), b.wait(150)] == [0, 0], logs(nodes)
     done = read(tmp_path, "done-*.json")
     assert sorted(r["initial_rank"] for r in done.values()) == [0, 1, 2, 4]
@@ -191,7 +201,12 @@ def test_rejoin_at_once_restores_the_world_size_without_waiting_for_a_fault(
     etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
 ) -> None:
     """respawn.rejoin=at_once: once the respawned process is ready, its node asks for a restart that admits it."""
-    scenario = {"steps": 300, "step_seconds": 0.05, "faults": [{"rank": 3, "kind": "sigkill", "step": 5}]}
+    scenario = {
+        "steps": 100,
+        "iteration_steps": {"1": 3000},  # iteration 1 ends when the respawned process is admitted, however late
+        "step_seconds": 0.05,
+        "faults": [{"rank": 3, "kind": "sigkill", "step": 5}],
+    }
     config = tmp_path / "job.yaml"
     config.write_text("respawn: {rejoin: at_once}\n")
     a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, job_config=config) for tag in "AB")

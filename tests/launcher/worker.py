@@ -12,7 +12,10 @@ result.
 
 Faults (``faults``: list of ``{"rank", "kind", "restart", "iteration", "step"}``,
 ``rank`` the initial global rank): ``raise``, ``exit`` (``os._exit(17)``),
-``sigkill``. ``node_exit``: ``{"group_rank", "restart"}`` makes every worker
+``sigkill``. A fault with ``"after_file": NAME`` fires at the first step from
+``step`` on at which ``$EFT_OUT/NAME`` exists, so a test can time it by an
+event rather than a step count. ``steps`` is each iteration's length;
+``iteration_steps`` (``{"<iteration>": steps}``) overrides it for some. ``node_exit``: ``{"group_rank", "restart"}`` makes every worker
 of that node exit with code 19 at step 2 of its first iteration.
 ``slow_start_group_rank``: the workers of that node sleep 60 s before entering
 the Wrapper. ``respawn_blocks``: a respawned process blocks before the Wrapper
@@ -57,12 +60,12 @@ def inject(iteration: int, step: int) -> None:
     if node_exit and (node_exit["group_rank"], node_exit["restart"], iteration, step) == (GROUP_RANK, RESTART, 0, 2):
         os._exit(19)
     for fault in SCENARIO.get("faults", []):
-        if (fault["rank"], fault.get("restart", 0), fault.get("iteration", 0), fault.get("step", 2)) != (
-            INITIAL_RANK,
-            RESTART,
-            iteration,
-            step,
-        ):
+        if (fault["rank"], fault.get("restart", 0), fault.get("iteration", 0)) != (INITIAL_RANK, RESTART, iteration):
+            continue
+        if "after_file" in fault:
+            if step < fault.get("step", 2) or not os.path.exists(os.path.join(OUT, fault["after_file"])):
+                continue
+        elif step != fault.get("step", 2):
             continue
         if fault["kind"] == "raise":
             raise RuntimeError(f"injected fault on initial rank {INITIAL_RANK}")
@@ -76,7 +79,8 @@ def train(store: dist.Store | None, iteration: int) -> dict[str, Any]:
     rank, world_size = init_gloo(store, iteration, datetime.timedelta(seconds=30))
     try:
         value = torch.ones(1)
-        for step in range(SCENARIO.get("steps", 20)):
+        steps = SCENARIO.get("iteration_steps", {}).get(str(iteration), SCENARIO.get("steps", 20))
+        for step in range(steps):
             inject(iteration, step)
             if step == 1:
                 write(f"step-{INITIAL_RANK}.json", {"iteration": iteration, "world_size": world_size})
