@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,11 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_ftrun.py"
 CONF = "last_call_timeout=0.5,lease_ttl=1,join_timeout=60"
+
+
+def until_stopped(tmp_path: Path) -> tuple[str, ...]:
+    """Script arguments for a run that trains until the test writes its last step (:func:`stop_once_started`)."""
+    return ("--steps", str(10**9), "--stop-file", str(tmp_path / "work" / "stop"))
 
 
 def start(
@@ -93,6 +99,26 @@ def node_holding(nodes: list[TorchrunNode], tmp_path: Path, initial_rank: int, t
     )
 
 
+STEPS_AFTER = 300  # training after the restart under test: a few seconds, however long the restart took
+
+
+def stop_once_started(
+    nodes: list[TorchrunNode], tmp_path: Path, restarted: Callable[[dict[str, Any]], bool], ranks: int
+) -> int:
+    """Once ``ranks`` initial ranks logged a ``start`` event that ``restarted`` accepts, end training
+    ``STEPS_AFTER`` steps past where they resumed (``--stop-file``); returns that step. Sized by the event,
+    not by a step count, the run stays right however slowly a process starts on a loaded machine."""
+    deadline = time.monotonic() + 180
+    while len(found := {e["rank"]: e for e in events(tmp_path) if e["event"] == "start" and restarted(e)}) < ranks:
+        assert time.monotonic() < deadline, f"{len(found)} of {ranks} ranks restarted\n{logs(nodes, tmp_path)}"
+        assert all(node.process.poll() is None for node in nodes), logs(nodes, tmp_path)
+        time.sleep(0.2)
+    stop = max(e["resumed_at"] for e in found.values()) + STEPS_AFTER
+    (tmp_path / "work" / "stop.tmp").write_text(str(stop))
+    (tmp_path / "work" / "stop.tmp").replace(tmp_path / "work" / "stop")
+    return stop
+
+
 def starts_after(tmp_path: Path, iteration: int) -> dict[int, dict[str, Any]]:
     """The last ``start`` event of every initial rank in ``iteration``."""
     return {e["rank"]: e for e in events(tmp_path) if e["event"] == "start" and e["iteration"] == iteration}
@@ -146,11 +172,9 @@ def test_an_activated_hot_spare_takes_the_survivors_state_bit_for_bit(
 def test_a_respawned_worker_is_healed_when_it_joins(
     nodes: list[TorchrunNode], tmp_path: Path, etcd: EtcdServer, run_id: str
 ) -> None:
-    fault = ("--fault", "sigkill", "--fault-rank", "3", "--fault-step", "30")
-    a, b = (
-        start(nodes, tmp_path, etcd, run_id, tag, "--steps", "1500", *fault, job_config="respawn: {rejoin: at_once}\n")
-        for tag in "AB"
-    )
+    fault = ("--fault", "sigkill", "--fault-rank", "3", "--fault-step", "30", *until_stopped(tmp_path))
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, *fault, job_config="respawn: {rejoin: at_once}\n") for tag in "AB")
+    stop_once_started(nodes, tmp_path, lambda event: event["rank"] == 4, 1)  # the respawned process trains
     assert [a.wait(240), b.wait(240)] == [0, 0], logs(nodes, tmp_path)
     done = results(tmp_path)
     # initial rank 4: the process respawned for rank 3 (the logs say why when another rank died too)
@@ -195,12 +219,18 @@ def test_a_sender_killed_while_it_streams_the_state_costs_one_more_restart(
 def test_a_load_state_dict_that_raises_escalates_and_nothing_trains_on_half_a_state(
     nodes: list[TorchrunNode], tmp_path: Path, etcd: EtcdServer, run_id: str
 ) -> None:
-    # Long enough that the escalation restarts the workers before the others could finish in-process.
+    # Training ends only once the escalation restarted the workers, before the others could finish in-process.
     for tag in "ABC":
-        start(nodes, tmp_path, etcd, run_id, tag, "--steps", "1500", "--fail-load-rank", "4", spare=True)
+        start(nodes, tmp_path, etcd, run_id, tag, "--fail-load-rank", "4", *until_stopped(tmp_path), spare=True)
     holder = node_holding(nodes, tmp_path, 2)
     holder.kill()
     survivors = [node for node in nodes if node is not holder]
+
+    def restarted(event: dict[str, Any]) -> bool:  # a process started after the failed load
+        failed = [e for e in events(tmp_path) if e["event"] == "fault" and e["kind"] == "fail_load"]
+        return bool(failed) and event["t"] > failed[0]["t"] and event["pid"] != failed[0]["pid"]
+
+    stop = stop_once_started(survivors, tmp_path, restarted, 4)
     assert [node.wait(240) for node in survivors] == [0, 0], logs(nodes, tmp_path)
     logged = "\n".join(node.log() for node in nodes)
     assert "HealingError" in logged and "load_state_dict raised on the state healed from rank" in logged, logs(
@@ -211,4 +241,4 @@ def test_a_load_state_dict_that_raises_escalates_and_nothing_trains_on_half_a_st
     later = [e for e in events(tmp_path) if e["rank"] == 4 and e["pid"] == failure["pid"] and e["t"] > failure["t"]]
     assert later == [], later  # the process whose load failed never trained on what it half loaded
     done = results(tmp_path)
-    assert done and all(r["step"] == 1500 for r in done.values()), done  # the job finished after the restart
+    assert done and all(r["step"] == stop for r in done.values()), done  # the job finished after the restart
