@@ -93,6 +93,14 @@ def run_job(scenario: dict[str, Any], world_size: int, out: Path, timeout: float
     return outcomes
 
 
+def seconds_since_the_first_call(outcomes: list[RankOutcome]) -> float:
+    """Seconds from the first call of the wrapped function, on any rank, to now: a job's time without its
+    processes' start (importing torch), which a loaded machine stretches by seconds."""
+    entered = [o.report["calls"][0]["entered"] for o in outcomes if o.report is not None and o.report["calls"]]
+    assert entered, "no rank reported a call"
+    return time.time() - min(entered)
+
+
 def describe(outcomes: list[RankOutcome], out: Path) -> str:
     """Everything about a job, for assertion messages."""
     parts = []
