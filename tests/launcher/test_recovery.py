@@ -96,7 +96,13 @@ def assert_recovered(
     assert codes == [0, 0], logs(nodes, tmp_path / "work")
     done = results(tmp_path)
     missing = set(survivors) - set(done)
-    assert set(done) <= set(survivors) and len(missing) <= may_lose, logs(nodes, tmp_path / "work")
+    # A process its node respawned for a lost rank (initial rank 4 on) joins the running world once it is
+    # ready (respawn.rejoin: at_once): on a loaded machine that can be before a rank lost to the race below
+    # is terminated. It then finishes with the survivors, healed, and is checked as they are.
+    joiners = {rank for rank in done if rank >= 4}
+    lost = 4 - len(survivors) + len(missing)
+    assert set(done) - joiners <= set(survivors) and len(missing) <= may_lose, logs(nodes, tmp_path / "work")
+    assert len(joiners) <= lost, logs(nodes, tmp_path / "work")
     for rank in missing:
         # Terminated by its monitor: inactive after the restart request, or blocked in C code where the
         # restart could not reach it (the same race, caught at the delivery bound).
