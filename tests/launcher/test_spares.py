@@ -8,6 +8,7 @@ settings for rank assignment; faults are real SIGKILLs of whole nodes
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -211,14 +212,21 @@ def test_rejoin_at_once_restores_the_world_size_without_waiting_for_a_fault(
     config.write_text("respawn: {rejoin: at_once}\n")
     a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, job_config=config) for tag in "AB")
     assert [a.wait(150), b.wait(150)] == [0, 0], logs(nodes)
+    logged = a.log() + b.log()
+    # gloo's race (docs/inprocess.md, Known limitations) can strand a rank in a collective at the restart that
+    # admits rank 4 (seen once, under load): its monitor terminates it at the delivery bound, and its node
+    # respawns it as initial rank 5, admitted the same way one iteration later.
+    stranded = [int(r) for r in re.findall(r"rank (\d+) \(pid \d+\) ended with signal SIGTERM inside", logged)]
+    assert len(stranded) <= 1 and logged.count("restart_blocked on rank") == len(stranded), logs(nodes)
+    joiners = list(range(4, 5 + len(stranded)))
     done = read(tmp_path, "done-*.json")
-    assert sorted(r["initial_rank"] for r in done.values()) == [0, 1, 2, 4]
+    assert sorted(r["initial_rank"] for r in done.values()) == sorted({0, 1, 2} - set(stranded)) + joiners
     for record in done.values():  # iteration 1: without rank 3; iteration 2: with the respawned rank 4
-        assert record["result"]["world_size"] == 4 and record["result"]["iteration"] == 2
-    assert "asking iteration 1 to restart and admit them (respawn.rejoin=at_once)" in a.log() + b.log()
+        assert record["result"]["world_size"] == 4 and record["result"]["iteration"] == 1 + len(joiners)
+    assert "asking iteration 1 to restart and admit them (respawn.rejoin=at_once)" in logged
     status = status_of(etcd, run_id)
-    assert status["joined"] == [{"initial_rank": 4, "admitted": "2"}]
-    assert status["activations"] == [{"initial_rank": 4, "iteration": 2}]
+    assert status["joined"] == [{"initial_rank": j, "admitted": str(j - 2)} for j in joiners]
+    assert status["activations"] == [{"initial_rank": j, "iteration": j - 2} for j in joiners]
 
 
 def test_respawns_stop_at_the_job_budget(
