@@ -163,10 +163,12 @@ def test_a_spare_arriving_while_the_job_trains_joins_without_restarting_anyone(
 ) -> None:
     """The round closed with the 2 active nodes; the spare comes later, joins the running round as a hot
     spare (no process restarted), and replaces a node killed after that."""
-    a, b = (start(nodes, tmp_path, etcd, run_id, tag, LONG, extra_args=SPARE) for tag in "AB")
+    # Iteration 0 lasts until the node is killed, however long the spare took to start and register.
+    scenario = {"steps": 100, "iteration_steps": {"0": 3000}, "step_seconds": 0.05}
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, extra_args=SPARE) for tag in "AB")
     started = _by_node(wait_for(tmp_path, "start-*.json", 4, 90))
     wait_for(tmp_path, "step-*.json", 1, 60)
-    spare = start(nodes, tmp_path, etcd, run_id, "C", LONG, extra_args=SPARE)
+    spare = start(nodes, tmp_path, etcd, run_id, "C", scenario, extra_args=SPARE)
     late_workers = _by_node(wait_for(tmp_path, "start-C-*.json", 2, 90))["C"]
     assert sorted(w["rank"] for w in late_workers) == [4, 5]  # joiners: initial ranks above the world's
     deadline = time.monotonic() + 60
