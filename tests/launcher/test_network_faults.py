@@ -43,6 +43,10 @@ def run(tmp_path: Path, scenarios: str) -> dict[str, dict]:
     return rows
 
 
+# solo: its bounds were set for a 2-core machine running one test. Beside another test, a peers_only fault
+# took 7.5 s to resume (bound 6 s; the benchmark's median is 2 s): the lost host's lease was revoked after
+# 1.4 s, but the survivors' restart came 5.6 s later, while the host re-registered and was revoked again.
+@pytest.mark.solo
 @pytest.mark.timeout(1600)
 def test_lost_hosts_are_fenced_and_counted_out_fast_and_come_back_without_restarting_the_others(
     tmp_path: Path,

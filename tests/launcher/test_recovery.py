@@ -132,9 +132,11 @@ def assert_recovered(
         ("sigkill", [0, 2, 3], 5.0, 0),
         ("hang_gil_released", [0, 1, 2, 3], 10.0, 0),
         # A peer blocked in DDP's backward sometimes never sees its gloo send fail (measured:
-        # 2 to 5 runs in 20); its monitor then terminates it too, and the job goes on at 2.
+        # 2 to 5 runs in 20); its monitor then terminates it too, and the job goes on at 2. A stopped
+        # rank's connections close the same way, all at once when its monitor terminates it: the same
+        # race (seen once, in a run beside another test).
         ("hang_gil_held", [0, 2, 3], 10.0, 1),
-        ("sigstop", [0, 2, 3], 10.0, 0),
+        ("sigstop", [0, 2, 3], 10.0, 1),
     ],
 )
 def test_every_fault_kind_recovers_in_process(
