@@ -15,8 +15,9 @@ Faults (``faults``: list of ``{"rank", "kind", "restart", "iteration", "step"}``
 ``sigkill``. A fault with ``"after_file": NAME`` fires at the first step from
 ``step`` on at which ``$EFT_OUT/NAME`` exists, so a test can time it by an
 event rather than a step count. ``steps`` is each iteration's length;
-``iteration_steps`` (``{"<iteration>": steps}``) overrides it for some. ``node_exit``: ``{"group_rank", "restart"}`` makes every worker
-of that node exit with code 19 at step 2 of its first iteration.
+``iteration_steps`` (``{"<iteration>": steps}``) overrides it for some.
+``node_exit``: ``{"group_rank", "restart"}`` makes every worker of that node
+exit with code 19 at step 2 of its first iteration.
 ``slow_start_group_rank``: the workers of that node sleep 60 s before entering
 the Wrapper. ``respawn_blocks``: a respawned process blocks before the Wrapper
 (as one waiting for a store its completed peers hosted would). ``no_wrapper``: run the loop without the Wrapper; ``retry``: keyword arguments
