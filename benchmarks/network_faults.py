@@ -34,6 +34,9 @@ full world size; for ``arrival``: from the moment host 2's workers are
 ready to train), ``restarted`` (worker processes of hosts 0 and 1 that
 did not survive), ``restarts`` (for ``lossy`` and ``cpu``: ranks that
 started a new in-process iteration during the window: false alarms),
+``absorbed`` (the first revocation to the start of the survivors' new
+in-process iteration: how soon the agents act on a loss they confirmed;
+negative when the survivors restarted before, on a connection error),
 ``revoked`` (leases the agents revoked: confirmed losses; for ``lossy`` and
 ``cpu``, false deaths), ``killed`` (for ``lossy`` and ``cpu``: worker
 processes of host 2 that did not survive: a restart its rank could not
@@ -58,6 +61,7 @@ import sys
 import tempfile
 import time
 import uuid
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +172,17 @@ class Job:
         """Leases the agents revoked (each a confirmed loss), from their logs."""
         return sum(log.read_text(errors="replace").count("revoked the lease of node")
                    for log in self.workdir.glob("host*.log"))  # fmt: skip
+
+    def first_revocation(self) -> float | None:
+        """When an agent first revoked a lease (epoch seconds, from the local time its log line carries)."""
+        year = time.localtime().tm_year
+        stamps = [
+            datetime.strptime(f"{year}{line[1:18]}", "%Y%m%d %H:%M:%S.%f").timestamp()
+            for log in self.workdir.glob("host*.log")
+            for line in log.read_text(errors="replace").splitlines()
+            if "revoked the lease of node" in line
+        ]
+        return min(stamps, default=None)
 
     def iteration_of(self, pids: set[int]) -> int:
         self.refresh()
@@ -282,6 +297,10 @@ def run_one(system: str, scenario: str, args: argparse.Namespace) -> dict[str, A
                 row["resume"] = None if resume is None else resume - at
                 row["resume_capped"] = resume is None
                 job.refresh()
+                restarted_at = min((e["t"] for e in job.events if e["event"] == "start" and e["pid"] in survivors
+                                    and e["t"] > at and e["iteration"] > old_iteration), default=None)  # fmt: skip
+                revoked_at = job.first_revocation()
+                row["absorb"] = None if restarted_at is None or revoked_at is None else restarted_at - revoked_at
                 moved_on = resume if resume is not None else time.time()
                 row["stale"] = sum(
                     1
@@ -339,7 +358,7 @@ def summarize(rows: list[dict[str, Any]], cap: float) -> list[dict[str, Any]]:
                     value = statistics.median([v for v in filled if v is not None]) if filled else None
                 entry[key] = value
                 entry[f"{key}_capped"] = capped
-            for key in ("stale", "restarted", "restarts", "revocations", "killed"):
+            for key in ("absorb", "stale", "restarted", "restarts", "revocations", "killed"):
                 values = [r[key] for r in mine if r.get(key) is not None]
                 entry[key] = statistics.median(values) if values else None
             table.append(entry)
@@ -352,11 +371,13 @@ def _cell(entry: dict[str, Any], key: str) -> str:
         return "-"
     if key in ("resume", "rejoin"):
         return (">" if entry.get(f"{key}_capped") else "") + f"{value:.2f} s"
+    if key == "absorb":
+        return f"{value:.2f} s"
     return f"{value:g}"
 
 
 def print_table(table: list[dict[str, Any]]) -> None:
-    header = f"{'scenario':<12} {'system':<14} {'runs':>4} {'resume':>10} {'stale':>6} {'rejoin':>10} " \
+    header = f"{'scenario':<12} {'system':<14} {'runs':>4} {'resume':>10} {'absorbed':>9} {'stale':>6} {'rejoin':>10} " \
              f"{'restarted':>9} {'restarts':>8} {'revoked':>7} {'killed':>6}  ratio"  # fmt: skip
     print(header)
     print("-" * len(header))
@@ -375,7 +396,7 @@ def print_table(table: list[dict[str, Any]]) -> None:
                 if mine and theirs and not (other or {}).get("note"):
                     ratio += f" {key} {'>' if other.get(f'{key}_capped') else ''}{theirs / mine:.1f}x"
         print(f"{entry['scenario']:<12} {entry['system']:<14} {entry['runs']:>4} {_cell(entry, 'resume'):>10} "
-              f"{_cell(entry, 'stale'):>6} {_cell(entry, 'rejoin'):>10} {_cell(entry, 'restarted'):>9} "
+              f"{_cell(entry, 'absorb'):>9} {_cell(entry, 'stale'):>6} {_cell(entry, 'rejoin'):>10} {_cell(entry, 'restarted'):>9} "
               f"{_cell(entry, 'restarts'):>8} {_cell(entry, 'revocations'):>7} {_cell(entry, 'killed'):>6} {ratio}")  # fmt: skip
         for error in entry["errors"]:
             print(f"{'':<12} error: {error}")

@@ -162,6 +162,8 @@ class FtAgent(LocalElasticAgent):
         self._exits: dict[int, tuple[WorkerExit, ProcessFailure | None]] = {}  # by local rank
         self._dead_handled: set[str] = set()
         self._dead_lost: set[str] = set()
+        #: Nodes whose lease this agent revoked (its probes confirmed them lost); its loop absorbs them.
+        self._revoked: set[str] = set()
         #: The initial rank each local rank's process holds now (a respawned one has a new one).
         self._initial_ranks: dict[int, int] = {}
         #: By local rank: new processes in a row not yet seen taking part in training.
@@ -269,6 +271,7 @@ class FtAgent(LocalElasticAgent):
         self._exits = {}
         self._dead_handled = set()
         self._dead_lost = set()
+        self._revoked = set()
         self._initial_ranks = {worker.local_rank: worker.global_rank for worker in worker_group.workers}
         self._respawns = {}
         self._replaced = {}
@@ -610,6 +613,23 @@ class FtAgent(LocalElasticAgent):
                      reporter=self._handler.node)  # fmt: skip
         return tuple(sorted(self._dead_lost))
 
+    def _revoked_members(self, worker_group: WorkerGroup) -> tuple[str, ...]:
+        """Nodes this agent revoked that run workers in its round (their record is in the round's store), not
+        yet absorbed.
+
+        The board lists such a node dead too, but maybe not for long: one
+        that still reaches etcd (cut off from its peers only) announces
+        itself again at once (``EtcdftRendezvousHandler.membership_change``),
+        and a loop that reads the board a moment later finds it alive. The
+        agent that confirmed the loss absorbs it, whatever the board says by
+        then.
+        """
+        fresh = [node for node in sorted(self._revoked.copy()) if node not in self._dead_handled]
+        if not fresh:
+            return ()
+        store = group_store(worker_group)
+        return tuple(node for node in fresh if store.check([FTRUN_NODES + node]))
+
     def _reports_deaths(self, dead: tuple[str, ...]) -> bool:
         """Whether this node is the round's first member still alive: the one that reports member deaths."""
         member_of = self._handler.member_of
@@ -658,7 +678,7 @@ class FtAgent(LocalElasticAgent):
                 workers = self._observe_workers(group)
                 self._ask_admission(group)
                 change = self._handler.membership_change()
-                lost = self._absorb_dead_members(group, change.dead)
+                lost = self._absorb_dead_members(group, (*change.dead, *self._revoked_members(group)))
             except (EtcdUnavailableError, EtcdRequestError) as error:
                 log.warning("etcd unavailable while watching the workers; retrying: %s", error)
                 continue
@@ -781,6 +801,7 @@ class FtAgent(LocalElasticAgent):
                     (log.warning if verdict.lost else log.info)("probe of node %s: %s", verdict.node, verdict.reason)
                 if verdict.lost:
                     self._handler.revoke(verdict.node, alive[verdict.node][0], verdict.reason)
+                    self._revoked.add(verdict.node)
             if not board.may_join() and peers_reachable(answers):
                 log.info("node %s reaches every other member again: its new workers may join", self._handler.node)
                 board.set_may_join(True)
