@@ -41,20 +41,23 @@ def test_rendezvous_store_and_lease_expiry(versioned_etcd: EtcdServer, run_id: s
         )
 
     a, b = make(), make()
-    with ThreadPoolExecutor(2) as pool:
-        infos = [f.result(30) for f in [pool.submit(a.next_rendezvous), pool.submit(b.next_rendezvous)]]
-    assert sorted(i.rank for i in infos) == [0, 1]
-    infos[0].store.set("k", "v")
-    assert infos[1].store.add("n", 3) == 3
-    assert infos[1].store.get("k") == b"v"
-    assert infos[0].store.compare_set("k", "v", "w") == b"w"
-    # A dead member (lease not refreshed) is noticed through the watch.
-    assert b._session is not None
-    b._session.close(revoke=False)  # stops refreshing; the lease runs out
-    deadline = time.monotonic() + 10
-    while a.num_nodes_waiting() == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    again = a.next_rendezvous()
-    assert (again.rank, again.world_size) == (0, 1)
-    a.shutdown()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            infos = [f.result(30) for f in [pool.submit(a.next_rendezvous), pool.submit(b.next_rendezvous)]]
+        assert sorted(i.rank for i in infos) == [0, 1]
+        infos[0].store.set("k", "v")
+        assert infos[1].store.add("n", 3) == 3
+        assert infos[1].store.get("k") == b"v"
+        assert infos[0].store.compare_set("k", "v", "w") == b"w"
+        # A dead member (lease not refreshed) is noticed through the watch.
+        assert b._session is not None
+        b._session.close(revoke=False)  # stops refreshing; the lease runs out
+        deadline = time.monotonic() + 10
+        while a.num_nodes_waiting() == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        again = a.next_rendezvous()
+        assert (again.rank, again.world_size) == (0, 1)
+    finally:  # b too: its board view would go on re-listing after this test's etcd is gone
+        a.shutdown()
+        b.shutdown()
