@@ -613,9 +613,9 @@ class FtAgent(LocalElasticAgent):
                      reporter=self._handler.node)  # fmt: skip
         return tuple(sorted(self._dead_lost))
 
-    def _revoked_members(self, worker_group: WorkerGroup) -> tuple[str, ...]:
+    def _revoked_members(self, worker_group: WorkerGroup, left: tuple[str, ...]) -> tuple[str, ...]:
         """Nodes this agent revoked that run workers in its round (their record is in the round's store), not
-        yet absorbed.
+        yet absorbed, and not among those that ``left`` it cleanly (one probed while it shut down).
 
         The board lists such a node dead too, but maybe not for long: one
         that still reaches etcd (cut off from its peers only) announces
@@ -624,7 +624,7 @@ class FtAgent(LocalElasticAgent):
         agent that confirmed the loss absorbs it, whatever the board says by
         then.
         """
-        fresh = [node for node in sorted(self._revoked.copy()) if node not in self._dead_handled]
+        fresh = [node for node in sorted(self._revoked.copy()) if node not in self._dead_handled and node not in left]
         if not fresh:
             return ()
         store = group_store(worker_group)
@@ -678,7 +678,7 @@ class FtAgent(LocalElasticAgent):
                 workers = self._observe_workers(group)
                 self._ask_admission(group)
                 change = self._handler.membership_change()
-                lost = self._absorb_dead_members(group, (*change.dead, *self._revoked_members(group)))
+                lost = self._absorb_dead_members(group, (*change.dead, *self._revoked_members(group, change.left)))
             except (EtcdUnavailableError, EtcdRequestError) as error:
                 log.warning("etcd unavailable while watching the workers; retrying: %s", error)
                 continue
