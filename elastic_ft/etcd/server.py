@@ -66,6 +66,15 @@ def etcd_version(binary: str) -> tuple[int, int, int]:
     return major, minor, patch
 
 
+#: How many times :meth:`EtcdServer.start` picks new ports when another process took one first.
+PORT_ATTEMPTS = 3
+_PORT_TAKEN = "bind: address already in use"
+
+
+class EtcdPortTaken(RuntimeError):
+    """An etcd member exited at start: another process took the port chosen for it."""
+
+
 @dataclass
 class _Member:
     name: str
@@ -110,22 +119,37 @@ class EtcdServer:
         return self._workdir
 
     def start(self, ready_timeout: float = 20.0) -> EtcdServer:
+        """Start the members on free ports and wait until each answers.
+
+        A port found free may be taken by another process before etcd binds
+        it (two test processes, say); a member that exits for that reason is
+        started again, with every member on new ports, up to
+        :data:`PORT_ATTEMPTS` times.
+        """
         self.binary = self.binary or find_etcd_binary()
-        self._workdir = Path(tempfile.mkdtemp(prefix="elastic-ft-etcd-"))
-        self._members = [
-            _Member(
-                name=f"m{i}",
-                client_port=free_port(self.host),
-                peer_port=free_port(self.host),
-                data_dir=self._workdir / f"m{i}.data",
-                log_path=self._workdir / f"m{i}.log",
-            )
-            for i in range(self.member_count)
-        ]
-        for member in self._members:
-            self._spawn(member)
-        self.wait_ready(ready_timeout)
-        return self
+        attempt = 1
+        while True:
+            self._workdir = Path(tempfile.mkdtemp(prefix="elastic-ft-etcd-"))
+            self._members = [
+                _Member(
+                    name=f"m{i}",
+                    client_port=free_port(self.host),
+                    peer_port=free_port(self.host),
+                    data_dir=self._workdir / f"m{i}.data",
+                    log_path=self._workdir / f"m{i}.log",
+                )
+                for i in range(self.member_count)
+            ]
+            for member in self._members:
+                self._spawn(member)
+            try:
+                self.wait_ready(ready_timeout)
+                return self
+            except EtcdPortTaken:
+                self.stop()
+                if attempt == PORT_ATTEMPTS:
+                    raise
+                attempt += 1
 
     def _spawn(self, member: _Member, *, new_cluster: bool = True) -> None:
         if self.binary is None:
@@ -187,7 +211,9 @@ class EtcdServer:
             try:
                 while True:
                     if member.process is not None and member.process.poll() is not None:
-                        raise RuntimeError(f"etcd member {member.name} exited at start:\n{self._log_tail(member)}")
+                        tail = self._log_tail(member)
+                        error = EtcdPortTaken if _PORT_TAKEN in tail else RuntimeError
+                        raise error(f"etcd member {member.name} exited at start:\n{tail}")
                     try:
                         client.check_connection()
                         break
