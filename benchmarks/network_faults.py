@@ -24,7 +24,10 @@ own:
   may restart;
 * ``cpu``: busy loops on every core inside the host for ``--window``
   seconds: nothing may restart;
-* ``arrival``: the job trains on hosts 0 and 1, then host 2 starts.
+* ``arrival``: the job trains on hosts 0 and 1, then host 2 starts;
+* ``repeated``: ``peers_only`` three times in one job, each once host 2
+  trains again at the full world size (its agent, and so its node, is the
+  same each time); ``resume`` and ``rejoin`` are the slowest of the three.
 
 Measured (median of ``--repeats``): ``resume`` (fault to the first step of
 a survivor in the shrunken world), ``stale`` (steps host 2's ranks complete
@@ -70,8 +73,9 @@ SCRIPT = ROOT / "examples" / "train_ftrun.py"
 RESULTS = Path(__file__).resolve().parent / "results" / "network_faults.json"
 SYSTEMS = ("ftrun", "torchrun-c10d")
 #: Faults that do not apply to a system: c10d keeps its store on host 0 and never talks to etcd.
-NOT_APPLICABLE = {("torchrun-c10d", "etcd_only")}
-SCENARIOS = ("cut", "sigkill", "sigstop", "peers_only", "etcd_only", "lossy", "cpu", "arrival")
+NOT_APPLICABLE = {("torchrun-c10d", "etcd_only"), ("torchrun-c10d", "repeated")}
+SCENARIOS = ("cut", "sigkill", "sigstop", "peers_only", "etcd_only", "lossy", "cpu", "arrival", "repeated")
+REPEATED_FAULTS = 3
 HOSTS = 3
 FAULTY = 2  # the host every fault hits
 C10D_PORT = 29411
@@ -251,6 +255,30 @@ def run_one(system: str, scenario: str, args: argparse.Namespace) -> dict[str, A
                 time.sleep(args.downtime)
                 heal_at = time.time()
                 bed.clear(FAULTY)
+            elif scenario == "repeated":
+                resumes: list[float | None] = []
+                rejoins: list[float | None] = []
+                for _ in range(REPEATED_FAULTS):
+                    job.refresh()
+                    faulty = {pid for pid, host in job.host_of().items() if host == FAULTY and _alive(pid)}
+                    old_iteration = max(job.iteration_of(survivors), job.iteration_of(faulty))
+                    at = time.time()
+                    bed.isolate_from_peers(FAULTY)
+                    resume = resumed(at)
+                    resumes.append(None if resume is None else resume - at)
+                    time.sleep(args.downtime)
+                    heal_at = time.time()
+                    bed.clear(FAULTY)
+                    back = job.full_world(heal_at, FAULTY, args.cap)
+                    rejoins.append(None if back is None else back - heal_at)
+                    if resume is None or back is None:
+                        break
+                    time.sleep(args.settle)
+                row.update(resumes=resumes, rejoins=rejoins)
+                row["resume"] = None if None in resumes else max(r for r in resumes if r is not None)
+                row["rejoin"] = None if None in rejoins else max(r for r in rejoins if r is not None)
+                row["resume_capped"], row["rejoin_capped"] = row["resume"] is None, row["rejoin"] is None
+                resume = None
             elif scenario in ("lossy", "cpu"):
                 hogs: list[subprocess.Popen[bytes]] = []
                 if scenario == "lossy":
@@ -293,7 +321,7 @@ def run_one(system: str, scenario: str, args: argparse.Namespace) -> dict[str, A
                 row["rejoin"] = None if joined is None or ready is None else max(0.0, joined - ready)
                 row["rejoin_capped"] = joined is None
                 resume = None
-            if scenario not in ("lossy", "cpu", "arrival"):
+            if scenario not in ("lossy", "cpu", "arrival", "repeated"):
                 row["resume"] = None if resume is None else resume - at
                 row["resume_capped"] = resume is None
                 job.refresh()

@@ -35,12 +35,14 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -100,6 +102,7 @@ from elastic_ft.rendezvous.liveness import (
     should_probe,
 )
 from elastic_ft.rendezvous.probe import probe_all
+from elastic_ft.rendezvous.rules import MembershipChange
 from elastic_ft.torch_compat import (
     check_torch,
     exit_barrier_timeout,
@@ -162,8 +165,13 @@ class FtAgent(LocalElasticAgent):
         self._exits: dict[int, tuple[WorkerExit, ProcessFailure | None]] = {}  # by local rank
         self._dead_handled: set[str] = set()
         self._dead_lost: set[str] = set()
-        #: Nodes whose lease this agent revoked (its probes confirmed them lost); its loop absorbs them.
-        self._revoked: set[str] = set()
+        #: Nodes whose lease this agent's probe thread revoked (it confirmed them lost); its loop absorbs them.
+        self._revoked: queue.SimpleQueue[str] = queue.SimpleQueue()
+        #: The nodes the board listed dead at the agent's last look; deaths noted, not yet absorbed; the ranks
+        #: it reported dead.
+        self._dead_seen: set[str] = set()
+        self._deaths_pending: set[str] = set()
+        self._ranks_reported: set[int] = set()
         #: The initial rank each local rank's process holds now (a respawned one has a new one).
         self._initial_ranks: dict[int, int] = {}
         #: By local rank: new processes in a row not yet seen taking part in training.
@@ -271,7 +279,10 @@ class FtAgent(LocalElasticAgent):
         self._exits = {}
         self._dead_handled = set()
         self._dead_lost = set()
-        self._revoked = set()
+        self._revoked = queue.SimpleQueue()
+        self._dead_seen = set()
+        self._deaths_pending = set()
+        self._ranks_reported = set()
         self._initial_ranks = {worker.local_rank: worker.global_rank for worker in worker_group.workers}
         self._respawns = {}
         self._replaced = {}
@@ -576,61 +587,105 @@ class FtAgent(LocalElasticAgent):
             self._joiners_accepted = job_store(group_store(worker_group)).joiners_accepted()
         return self._joiners_accepted is False
 
-    def _absorb_dead_members(self, worker_group: WorkerGroup, dead: tuple[str, ...]) -> tuple[str, ...]:
+    def _note_deaths(self, change: MembershipChange) -> None:
+        """Add to the deaths to absorb: the nodes the board lists dead that it did not list at the last look,
+        and those this agent revoked since, unless they left cleanly (one probed while it shut down).
+
+        The board lists a revoked node dead, but maybe not for long: one that
+        still reaches etcd (cut off from its peers only) announces itself
+        again at once (``EtcdftRendezvousHandler.membership_change``), and a
+        loop that reads the board a moment later finds it alive. The agent
+        that confirmed the loss absorbs it, whatever the board says by then.
+        Each death is noted once, so a node that dies, rejoins and dies again
+        is absorbed again.
+        """
+        while not self._revoked.empty():
+            node = self._revoked.get_nowait()
+            if node not in change.left:
+                self._deaths_pending.add(node)
+        self._deaths_pending |= set(change.dead) - self._dead_seen
+        self._dead_seen = set(change.dead)
+
+    def _absorb_dead_members(self, worker_group: WorkerGroup, change: MembershipChange) -> tuple[str, ...]:
         """Report the ranks of member nodes that died, so in-process restart goes on without them.
 
         Returns the dead nodes it could not absorb: their ranks are unknown, or
         some of them never entered the Wrapper, so the others would wait for
-        them at its initial barrier.
+        them at its initial barrier. A death stays pending until it is
+        absorbed (etcd may fail midway).
         """
+        self._note_deaths(change)
         store = group_store(worker_group)
-        for node in dead:
-            if node in self._dead_handled or node == self._handler.node:
-                continue
-            self._dead_handled.add(node)
-            key = FTRUN_NODES + node
-            if not store.check([key]):
-                log.warning("node %s died before publishing its ranks", node)
-                self._dead_lost.add(node)
-                continue
-            try:
-                record = decode(key, store.get(key), NodeRecord.from_json)
-            except MalformedRecord as error:
-                log.warning("node %s died and its record is unreadable: %s", node, error)
-                self._dead_lost.add(node)
-                continue
-            job = job_store(store)
-            # A respawned process not yet in the Wrapper (rank above the world) was never counted on.
-            if not all(job.is_wrapped(rank) for rank in record.global_ranks if rank < record.world_size):
-                log.warning("node %s died before all its workers entered elastic_ft.Wrapper", node)
-                self._dead_lost.add(node)
-                continue
-            reported = report_node_gone(store, record.global_ranks, record.world_size, f"node {node} died")
-            # Every surviving agent absorbs the death and one records it; the Wrappers' restart report warns.
-            log.info("node %s died; reported its rank(s) %s terminated", node, reported)
-            if self._reports_deaths(dead):
-                emit("node_died", source="agent", node=node, round=self._round(), ranks=list(record.global_ranks),
-                     reporter=self._handler.node)  # fmt: skip
+        for node in sorted(self._deaths_pending):
+            if node != self._handler.node:
+                self._absorb(store, node, listed=node in change.dead)
+            self._deaths_pending.discard(node)
         return tuple(sorted(self._dead_lost))
 
-    def _revoked_members(self, worker_group: WorkerGroup, left: tuple[str, ...]) -> tuple[str, ...]:
-        """Nodes this agent revoked that run workers in its round (their record is in the round's store), not
-        yet absorbed, and not among those that ``left`` it cleanly (one probed while it shut down).
+    def _absorb(self, store: Any, node: str, listed: bool) -> None:
+        """Absorb the death of ``node`` (``listed``: the board lists it dead; else only this agent revoked it)."""
+        if node in self._dead_handled:
+            self._absorb_again(store, node)
+            return
+        key = FTRUN_NODES + node
+        if not store.check([key]):
+            if listed:  # a member; one this agent revoked runs no workers in its round (a spare, say)
+                log.warning("node %s died before publishing its ranks", node)
+                self._dead_lost.add(node)
+                self._dead_handled.add(node)
+            return
+        try:
+            record = decode(key, store.get(key), NodeRecord.from_json)
+        except MalformedRecord as error:
+            log.warning("node %s died and its record is unreadable: %s", node, error)
+            self._dead_lost.add(node)
+            self._dead_handled.add(node)
+            return
+        job = job_store(store)
+        # A respawned process not yet in the Wrapper (rank above the world) was never counted on.
+        wrapped = all(job.is_wrapped(rank) for rank in record.global_ranks if rank < record.world_size)
+        self._dead_handled.add(node)
+        if not wrapped:
+            log.warning("node %s died before all its workers entered elastic_ft.Wrapper", node)
+            self._dead_lost.add(node)
+            return
+        self._report_node(store, node, record, "died")
 
-        The board lists such a node dead too, but maybe not for long: one
-        that still reaches etcd (cut off from its peers only) announces
-        itself again at once (``EtcdftRendezvousHandler.membership_change``),
-        and a loop that reads the board a moment later finds it alive. The
-        agent that confirmed the loss absorbs it, whatever the board says by
-        then.
+    def _absorb_again(self, store: Any, node: str) -> None:
+        """A node absorbed before died again: report it if ranks it runs now were admitted since (it rejoined).
+
+        Its joiners still waiting for a place are left alone otherwise: a
+        node cut off from its peers but not from etcd is revoked again and
+        again while it announces itself again, and would lose every process
+        it respawns.
         """
-        fresh = [node for node in sorted(self._revoked.copy()) if node not in self._dead_handled and node not in left]
-        if not fresh:
-            return ()
-        store = group_store(worker_group)
-        return tuple(node for node in fresh if store.check([FTRUN_NODES + node]))
+        key = FTRUN_NODES + node
+        try:
+            record = decode(key, store.get(key), NodeRecord.from_json) if store.check([key]) else None
+        except MalformedRecord as error:
+            log.warning("node %s died again and its record is unreadable: %s", node, error)
+            return
+        if record is None:
+            return
+        job = job_store(store)
+        active = [
+            rank
+            for rank in record.global_ranks
+            if rank not in self._ranks_reported and job.position(rank) is not None and job.left(rank) is None
+        ]
+        if active:
+            self._report_node(store, node, record, "died again")
 
-    def _reports_deaths(self, dead: tuple[str, ...]) -> bool:
+    def _report_node(self, store: Any, node: str, record: NodeRecord, what: str) -> None:
+        reported = report_node_gone(store, record.global_ranks, record.world_size, f"node {node} {what}")
+        self._ranks_reported.update(record.global_ranks)
+        # Every surviving agent absorbs the death and one records it; the Wrappers' restart report warns.
+        log.info("node %s %s; reported its rank(s) %s terminated", node, what, reported)
+        if self._reports_deaths({*self._dead_seen, node}):
+            emit("node_died", source="agent", node=node, round=self._round(), ranks=list(record.global_ranks),
+                 reporter=self._handler.node)  # fmt: skip
+
+    def _reports_deaths(self, dead: Iterable[str]) -> bool:
         """Whether this node is the round's first member still alive: the one that reports member deaths."""
         member_of = self._handler.member_of
         if member_of is None:
@@ -678,7 +733,7 @@ class FtAgent(LocalElasticAgent):
                 workers = self._observe_workers(group)
                 self._ask_admission(group)
                 change = self._handler.membership_change()
-                lost = self._absorb_dead_members(group, (*change.dead, *self._revoked_members(group, change.left)))
+                lost = self._absorb_dead_members(group, change)
             except (EtcdUnavailableError, EtcdRequestError) as error:
                 log.warning("etcd unavailable while watching the workers; retrying: %s", error)
                 continue
@@ -801,7 +856,7 @@ class FtAgent(LocalElasticAgent):
                     (log.warning if verdict.lost else log.info)("probe of node %s: %s", verdict.node, verdict.reason)
                 if verdict.lost:
                     self._handler.revoke(verdict.node, alive[verdict.node][0], verdict.reason)
-                    self._revoked.add(verdict.node)
+                    self._revoked.put(verdict.node)
             if not board.may_join() and peers_reachable(answers):
                 log.info("node %s reaches every other member again: its new workers may join", self._handler.node)
                 board.set_may_join(True)

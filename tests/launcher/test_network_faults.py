@@ -64,6 +64,17 @@ def test_lost_hosts_are_fenced_and_counted_out_fast_and_come_back_without_restar
         assert row["restarted"] == 0, (scenario, row)
 
 
+@pytest.mark.timeout(600)
+def test_a_host_cut_off_again_and_again_is_counted_out_and_back_each_time(tmp_path: Path) -> None:
+    row = run(tmp_path, "repeated")["repeated"]
+    # The same agent, so the same node, lost three times: the survivors go on without it each time (the
+    # second loss once took the Wrapper's 60 s hang timeout: its node was absorbed already) and it rejoins.
+    assert len(row["resumes"]) == len(row["rejoins"]) == 3, row
+    assert all(r is not None and r < 6.0 for r in row["resumes"]), row
+    assert all(r is not None for r in row["rejoins"]), row
+    assert row["restarted"] == 0, row
+
+
 @pytest.mark.timeout(1200)
 def test_an_arriving_host_joins_in_process_and_a_lossy_link_or_a_busy_host_kills_nobody(tmp_path: Path) -> None:
     rows = run(tmp_path, "arrival,lossy,cpu")
