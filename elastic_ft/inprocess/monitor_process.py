@@ -464,10 +464,12 @@ class _Monitor:
             log.warning("%s: %s; terminating %d (its stacks go to its stderr)", kind, verdict.reason, self.target_pid)
             emit("fault_detected", rank=config.initial_rank, iteration=iteration.number, kind=kind,
                  message=verdict.reason)  # fmt: skip
-            self._dump_stacks(verdict.reason)
-            # Reported before a stopped rank continues for its dump: the iteration is interrupted first,
-            # so nothing the rank computes in the moments it runs again can complete it.
+            # Reported before the dump: the dump's signal ends a blocking call (a sleep, a read) and a stopped
+            # rank continues for it. Whatever the rank does in the moments it runs again, it meets the
+            # iteration already interrupted and itself counted out: its own arrival cannot complete the
+            # restart with it still counted in, only for it to be terminated in the next iteration.
             self._report_terminated(base_store, kind, verdict.reason)
+            self._dump_stacks(verdict.reason)
             if activity.stopped:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.target_pid, signal.SIGCONT)  # the dump runs now; SIGTERM comes after it

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_ft.coordination.iteration import iteration_store
 from elastic_ft.inprocess import rank_filter
 from elastic_ft.inprocess.completion import Completion
 from elastic_ft.inprocess.compose import Compose
@@ -94,7 +95,16 @@ def inject(kind: str, call_wrapper: CallWrapper) -> None:
         # Blocked in C code that neither the interrupt signal nor released connections end (as gloo
         # is when it misses its peer's closed connection): the restart cannot reach this thread.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
-        ctypes.CDLL(None).sleep(1000)
+        try:
+            ctypes.CDLL(None).sleep(1000)
+        finally:
+            # Only a signal ends the sleep early: the monitor process's stack dump, when this thread takes
+            # it; the restart scheduled long before raises then. By now this rank must be counted out of
+            # the iteration (it is terminated next), or its arrival completes the restart with it counted in.
+            iteration = iteration_store(call_wrapper.job_store.underlying_store, call_wrapper.iteration)
+            counted_out = INITIAL_RANK in iteration.terminated_ranks()
+            with open(os.path.join(OUT, f"woke{INITIAL_RANK}.json"), "w") as file:
+                json.dump({"counted_out": counted_out}, file)
     if kind == "sigkill_soon":
         # Dies while the others build the iteration's process group.
         delay = SCENARIO.get("kill_delay", 0.0) + INITIAL_RANK * 0.001
