@@ -34,12 +34,13 @@ import os
 import platform
 import signal
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import scratch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -252,7 +253,7 @@ def run_scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command
 
     fault, external, expected = SCENARIOS[name]
-    workdir = Path(tempfile.mkdtemp(prefix="fault-matrix-"))
+    workdir = scratch.workdir("fault-matrix-")
     run_id = f"matrix-{uuid.uuid4().hex[:8]}"
     until_stopped = name in UNTIL_STOPPED
     steps: int | None = 10**9 if until_stopped else args.steps
@@ -366,4 +367,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    scratch.run_main(main)

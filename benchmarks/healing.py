@@ -42,11 +42,12 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+import scratch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_ftrun.py"
@@ -90,7 +91,7 @@ def _reached(workdir: Path, step: int) -> bool:
 def run_node_kill(mode: str, hidden: int, args: argparse.Namespace, etcd: Any) -> dict[str, Any]:
     from elastic_ft.testing.local_cluster import TorchrunNode, descendants, ftrun_command
 
-    workdir = Path(tempfile.mkdtemp(prefix=f"healing-{mode}-"))
+    workdir = scratch.workdir(f"healing-{mode}-")
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     script = [str(SCRIPT), "--workdir", str(workdir), "--steps", str(args.kill_step + args.steps_after),
               "--hidden", str(hidden), "--checkpoint-every", str(args.checkpoint_every), "--record-steps"]  # fmt: skip
@@ -227,7 +228,7 @@ def _tensors(state: object) -> list[Any]:
 def measure_throughput(hidden: int, repeats: int) -> dict[str, Any]:
     from elastic_ft.net import free_port
 
-    out = Path(tempfile.mkdtemp(prefix="healing-throughput-")) / "result.json"
+    out = scratch.workdir("healing-throughput-") / "result.json"
     store_port, socket_port = free_port(), free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     peers = []
@@ -355,4 +356,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    scratch.run_main(main)

@@ -61,12 +61,13 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+import scratch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_ftrun.py"
@@ -202,7 +203,7 @@ def run_one(system: str, scenario: str, args: argparse.Namespace) -> dict[str, A
     from elastic_ft.etcd.server import EtcdServer
     from elastic_ft.testing.netns import TestBed, TestBedUnavailable
 
-    workdir = Path(tempfile.mkdtemp(prefix=f"netfault-{system}-{scenario}-"))
+    workdir = scratch.workdir(f"netfault-{system}-{scenario}-")
     row: dict[str, Any] = {"system": system, "scenario": scenario}
     with TestBed(HOSTS) as bed, EtcdServer(host=bed.bridge_address) as etcd:
         job = Job(system, bed, etcd, workdir, args)
@@ -494,4 +495,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    scratch.run_main(main)

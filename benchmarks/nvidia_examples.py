@@ -39,10 +39,11 @@ import statistics
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import scratch
 
 EXAMPLES = ("basic_example", "optimal_example")
 FAULTS = ("sigkill", "hang", "exception")
@@ -162,7 +163,7 @@ def main() -> None:
                         help="the examples' --total-iterations (a respawned worker needs a few seconds to rejoin)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="nvidia-examples-"))
+    work = scratch.workdir("nvidia-examples-")
     scripts = extract(args.repo, work)
     runs: list[dict[str, Any]] = []
     for name in args.examples.split(","):
@@ -195,4 +196,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    scratch.run_main(main)

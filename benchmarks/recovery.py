@@ -43,11 +43,12 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+import scratch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_ftrun.py"
@@ -104,7 +105,7 @@ def _wait_all(processes: list[Any], cap: float) -> bool:
 def run_nodes(system: str, kind: str, args: argparse.Namespace, etcd: Any) -> dict[str, Any]:
     from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command, torchrun_command
 
-    workdir = Path(tempfile.mkdtemp(prefix=f"recovery-{system}-{kind}-"))
+    workdir = scratch.workdir(f"recovery-{system}-{kind}-")
     script = _script_args(workdir, args, kind) + (["--no-wrapper"] if system == "torchrun" else [])
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     nodes = [
@@ -140,7 +141,7 @@ def run_nodes(system: str, kind: str, args: argparse.Namespace, etcd: Any) -> di
 def run_nvidia(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     from elastic_ft.net import free_port, port_is_free
 
-    workdir = Path(tempfile.mkdtemp(prefix=f"recovery-nvidia-{kind}-"))
+    workdir = scratch.workdir(f"recovery-nvidia-{kind}-")
     port = free_port()
     while not port_is_free(port + 1):  # MASTER_PORT for the process groups' store, MASTER_PORT + 1 for NVIDIA's own
         port = free_port()
@@ -253,7 +254,7 @@ def steady_state(args: argparse.Namespace) -> dict[str, Any]:
         order = ("plain", "wrapper") if index % 2 == 0 else ("wrapper", "plain")
         measured: dict[str, Any] = {}
         for variant in order:
-            workdir = Path(tempfile.mkdtemp(prefix=f"recovery-steady-{variant}-"))
+            workdir = scratch.workdir(f"recovery-steady-{variant}-")
             command = [*ftrun_command(), "--nproc-per-node=2", str(SCRIPT), "--workdir", str(workdir), "--steps",
                        str(args.steady_steps), "--hidden", str(args.hidden), "--pin-cpu", "--checkpoint-every", "100000"]  # fmt: skip
             if variant == "plain":
@@ -420,4 +421,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    scratch.run_main(main)

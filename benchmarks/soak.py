@@ -45,12 +45,13 @@ import random
 import signal
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import scratch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_ftrun.py"
@@ -136,7 +137,7 @@ class Soak:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.rng = random.Random(args.seed)
-        self.workdir = Path(tempfile.mkdtemp(prefix="soak-"))
+        self.workdir = scratch.workdir("soak-")
         self.faults_dir = self.workdir / "faults"
         self.faults_dir.mkdir()
         self.stop_file = self.workdir / "stop"
@@ -548,4 +549,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    scratch.run_main(main)

@@ -45,11 +45,12 @@ import json
 import platform
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+import scratch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_ftrun.py"
@@ -140,7 +141,7 @@ def _node_of_rank(workdir: Path, nodes: list[Any], rank: int) -> Any:
 def run_node_kill(system: str, args: argparse.Namespace, etcd: Any) -> dict[str, Any]:
     from elastic_ft.testing.local_cluster import ftrun_command, torchrun_command
 
-    workdir = Path(tempfile.mkdtemp(prefix=f"spares-{system}-"))
+    workdir = scratch.workdir(f"spares-{system}-")
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     launcher = torchrun_command() if system == "torchrun" else ftrun_command()
     script = _script(workdir, args, wrapper=system != "torchrun")
@@ -185,7 +186,7 @@ def run_respawn_at_once(args: argparse.Namespace, etcd: Any) -> dict[str, Any]:
     """``respawn.rejoin: at_once``: from the worker's SIGKILL to the first step at world size 4 again, no second fault."""
     from elastic_ft.testing.local_cluster import ftrun_command
 
-    workdir = Path(tempfile.mkdtemp(prefix="spares-at-once-"))
+    workdir = scratch.workdir("spares-at-once-")
     config = workdir / "job.yaml"
     config.write_text("respawn: {rejoin: at_once}\n")
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
@@ -214,7 +215,7 @@ def run_respawn(args: argparse.Namespace, etcd: Any) -> dict[str, Any]:
     from elastic_ft.keys import JOINERS, WRAPPER_JOB, RunKeys
     from elastic_ft.testing.local_cluster import ftrun_command
 
-    workdir = Path(tempfile.mkdtemp(prefix="spares-respawn-"))
+    workdir = scratch.workdir("spares-respawn-")
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     trigger = workdir / "second-fault"
     extra = ["--fault", "sigkill", "--fault-rank", "1", "--fault-step", str(args.fault_step),
@@ -355,4 +356,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    scratch.run_main(main)
