@@ -139,6 +139,27 @@ def _describe_exit(exitcode: int) -> str:
     return f"exit code {exitcode}"
 
 
+def admission_request(
+    job: JobView, live: list[int], world_size: int, waiting: list[int]
+) -> tuple[int, int, list[int]]:
+    """Which iteration to ask to admit this node's ``waiting`` joiners, on which of its ranks' behalf, and
+    which of them still wait once it is known (``live``: the node's initial ranks).
+
+    The joiners are read again after the iteration: a restart admits its joiners before it names the next
+    iteration and before any rank starts it. Read only before, a restart completing in between admits
+    them, and the agent asks the next iteration to admit them again: one restart for nothing.
+    """
+    in_world = [r for r in live if r < world_size or job.admission(r) is not None]
+    positions = [p for p in map(job.position, in_world) if p is not None]
+    if positions:
+        iteration = max(p["iteration"] for p in positions)
+        rank = next(p["rank"] for p in positions if p["iteration"] == iteration)
+    else:
+        # No rank of this node is in the world (it rejoins, or joined late): ask the one the job is in.
+        iteration, rank = job.latest_iteration(), 0  # recorded on the iteration's rank 0's behalf
+    return iteration, rank, [r for r in waiting if job.admission(r) is None]
+
+
 class FtAgent(LocalElasticAgent):
     """A ``LocalElasticAgent`` for the etcdft rendezvous that keeps healthy workers alive.
 
@@ -556,15 +577,8 @@ class FtAgent(LocalElasticAgent):
             self._joiners_ready_since = now
         if len(waiting) < len(joiners) and now - self._joiners_ready_since < _ADMISSION_BATCH_WAIT:
             return  # the node's other joiners are nearly ready: one restart admits them all
-        in_world = [r for r in live if r < world_size or job.admission(r) is not None]
-        positions = [p for p in map(job.position, in_world) if p is not None]
-        if positions:
-            iteration = max(p["iteration"] for p in positions)
-            rank = next(p["rank"] for p in positions if p["iteration"] == iteration)
-        else:
-            # No rank of this node is in the world (it rejoins, or joined late): ask the one the job is in.
-            iteration, rank = job.latest_iteration(), 0  # recorded on the iteration's rank 0's behalf
-        if iteration in self._admission_asked:
+        iteration, rank, waiting = admission_request(job, live, world_size, waiting)
+        if not waiting or iteration in self._admission_asked:
             return
         self._admission_asked.add(iteration)
         active = iteration_store(store, iteration).active_world_size()
@@ -891,3 +905,4 @@ class FtAgent(LocalElasticAgent):
                 )
                 return
             time.sleep(_EXIT_BARRIER_POLL)
+
