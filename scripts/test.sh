@@ -11,8 +11,9 @@ if [ $# -gt 0 ]; then  # the tests named, in one process
   exec "${pytest[@]}" "$@"
 fi
 # Two pytest processes, a whole file to each at a time: one fills the other's waits (hang timeouts, lease
-# expiries, faults held for seconds). The tests marked solo run alone afterwards (setup.cfg says why).
+# expiries, faults held for seconds), the longest files first (tests/conftest.py). The tests marked solo
+# run alone afterwards (setup.cfg says why).
 parallel=0 solo=0
-"${pytest[@]}" --durations=15 -n 2 --dist loadfile -m "not solo" || parallel=$?
+"${pytest[@]}" --durations=15 -n 2 --dist loadfile --no-loadscope-reorder -m "not solo" || parallel=$?
 "${pytest[@]}" -m solo || solo=$?
 exit $((parallel || solo))
