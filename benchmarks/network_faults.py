@@ -108,7 +108,7 @@ class Job:
 
         address = self.bed.address(host)
         script = [str(SCRIPT), "--workdir", str(self.workdir), "--steps", "100000000", "--record-steps",
-                  "--stop-file", str(self.stop_file)]  # fmt: skip
+                  "--stop-file", str(self.stop_file), "--step-wait", str(self.args.step_wait)]  # fmt: skip
         common = ["--nnodes=2:3", "--nproc-per-node=2", f"--local-addr={address}", "--max-restarts=3"]
         if self.system == "ftrun":
             argv = [*ftrun_command(), *common, "--rdzv-backend=etcdft", f"--rdzv-endpoint={self.etcd.endpoint}",
@@ -442,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=20.0, help="seconds of loss or CPU load")
     parser.add_argument("--settle", type=float, default=3.0, help="seconds of training before the fault")
     parser.add_argument("--start-timeout", type=float, default=180.0)
+    parser.add_argument("--step-wait", type=float, default=0.0,
+                        help="the script's --step-wait: seconds each step leaves the CPUs idle, as on GPUs")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--table-from", type=Path,
                         help="recompute and print the table of an earlier run's JSON (written back to it), run nothing")  # fmt: skip

@@ -157,7 +157,7 @@ class Soak:
 
         script = [str(SCRIPT), "--workdir", str(self.workdir), "--steps", "100000000", "--record-steps",
                   "--record-digests", "--fault-dir", str(self.faults_dir), "--stop-file", str(self.stop_file),
-                  "--monitor-logs"]  # fmt: skip
+                  "--monitor-logs", "--step-wait", str(self.args.step_wait)]  # fmt: skip
         conf = ["join_timeout=600"] + ([f"lease_ttl={self.args.lease_ttl}"] if self.args.lease_ttl else [])
         self.nodes[tag] = TorchrunNode(
             tag,
@@ -536,6 +536,8 @@ def main() -> None:
     parser.add_argument("--lease-ttl", type=int, default=None, help="the rendezvous lease_ttl (default: etcdft's)")
     parser.add_argument("--sample-every", type=float, default=5.0, help="seconds between two resource samples")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--step-wait", type=float, default=0.0,
+                        help="the script's --step-wait: seconds each step leaves the CPUs idle, as on GPUs")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"where to write the JSON (default: {RESULTS})")
     args = parser.parse_args()
     if len(args.weights) != len(KINDS):

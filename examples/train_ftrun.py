@@ -210,6 +210,8 @@ def train(args: argparse.Namespace, state: TrainingState, call_wrapper: CallWrap
             sampler.skip = batch * local_batch  # the batches of this epoch done before the checkpoint
             for index, (inputs, targets) in enumerate(loader, start=batch):
                 inject(args, call_wrapper, step)
+                if args.step_wait:  # an accelerator's share of the step, ahead of its collective: this CPU idles
+                    time.sleep(args.step_wait)
                 loss = torch.nn.functional.mse_loss(ddp(inputs), targets)
                 optimizer.zero_grad()
                 loss.backward()
@@ -385,6 +387,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--hold-group", action="store_true", help="keep a reference to every process group")
     parser.add_argument("--pin-cpu", action="store_true", help="pin each worker to one CPU (steadier step times)")
+    parser.add_argument(
+        "--step-wait", type=float, default=0.0,
+        help="seconds each step waits with the CPU idle, as it waits on a GPU (simulated hosts sharing CPUs)",
+    )  # fmt: skip
     parser.add_argument("--fault", choices=FAULTS)
     parser.add_argument("--fault-rank", type=int, default=1, help="initial rank that faults")
     parser.add_argument("--fault-step", type=int, default=30)

@@ -29,8 +29,10 @@ pytestmark = [
 def run(tmp_path: Path, scenarios: str) -> dict[str, dict]:
     out = tmp_path / "network_faults.json"
     done = subprocess.run(
+        # Each step leaves the CPUs idle for 50 ms, as a step on GPUs does: three simulated hosts of two
+        # workers share two cores with the other pytest process, and spinning they took a third of its time.
         [sys.executable, str(BENCHMARK), "--systems", "ftrun", "--scenarios", scenarios, "--repeats", "1",
-         "--window", "10", "--out", str(out)],
+         "--window", "10", "--step-wait", "0.05", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=1500,
