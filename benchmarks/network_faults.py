@@ -463,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown {name} {bad[0]!r}; expected some of {', '.join(known)}")
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if not args.step_wait >= 0:  # NaN too
+        parser.error(f"--step-wait must be a number of seconds >= 0, got {args.step_wait}")
     reason = unavailable()
     if reason is not None:
         print(f"network_faults: cannot run here: {reason}", file=sys.stderr)

@@ -542,6 +542,8 @@ def main() -> None:
     args = parser.parse_args()
     if len(args.weights) != len(KINDS):
         parser.error(f"--weights takes {len(KINDS)} numbers ({','.join(KINDS)}), got {args.weights}")
+    if not args.step_wait >= 0:  # NaN too
+        parser.error(f"--step-wait must be a number of seconds >= 0, got {args.step_wait}")
     report = Soak(args).run()
     print_report(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)

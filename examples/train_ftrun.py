@@ -408,7 +408,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fault-dir", type=Path, help=f"inject the fault a file DIR/fault-<initial rank> names: {REQUESTED_FAULTS}"
     )
     parser.add_argument("--stop-file", type=Path, help="end training at the step this file holds, once it exists")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not args.step_wait >= 0:  # NaN too
+        parser.error(f"--step-wait must be a number of seconds >= 0, got {args.step_wait}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
