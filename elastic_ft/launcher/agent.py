@@ -905,4 +905,3 @@ class FtAgent(LocalElasticAgent):
                 )
                 return
             time.sleep(_EXIT_BARRIER_POLL)
-
