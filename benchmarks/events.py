@@ -27,6 +27,7 @@ import time
 import uuid
 from pathlib import Path
 
+import scratch
 from torch.distributed.elastic import events as torch_events
 
 from elastic_ft.etcd.client import EtcdClient
@@ -185,4 +186,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    scratch.run_main(main)

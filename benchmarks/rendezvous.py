@@ -36,6 +36,7 @@ from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
+import scratch
 import torch.distributed as dist
 from rdzv_backends import BACKENDS, Setting, make_handler
 
@@ -270,4 +271,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    scratch.run_main(main)

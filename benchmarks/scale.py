@@ -49,6 +49,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import scratch
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -612,4 +614,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    scratch.run_main(main)

@@ -14,10 +14,18 @@ data loader workers, monitor processes, etcd. The reaper waits on a pidfd
 of the launcher (and on its pipe, closed by the kernel when the launcher
 dies); when the launcher is gone it SIGKILLs every process whose initial
 environment carries the token, then removes the directories it was told to
-(:meth:`Reaper.remove_on_exit`). It runs in its own session, ignoring the
+(:meth:`Reaper.remove_on_exit`) and runs the commands it was given
+(:meth:`Reaper.run_on_exit`). It runs in its own session, ignoring the
 terminal's signals, so a Ctrl-C that kills the launcher does not kill it
 first. A normal exit ends it the same way: by then torch has stopped the
 workers, and anything they left behind goes too.
+
+Test drivers use the same helper (pytest's processes, the benchmarks): the
+etcd servers and the network test beds they start go with them, even when
+a timeout SIGKILLs them. :class:`~elastic_ft.etcd.server.EtcdServer` and
+:class:`~elastic_ft.testing.netns.TestBed` hand their clean-up to this
+process's reaper, if it has one (:func:`current_reaper`), and take it back
+(:meth:`Reaper.forget`) once they cleaned up themselves.
 
 Linux only (``/proc``, pidfds).
 """
@@ -25,6 +33,7 @@ Linux only (``/proc``, pidfds).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
 import shutil
@@ -33,13 +42,15 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 #: The environment variable that marks the processes a launcher started: ``<launcher pid>:<random>``.
 REAPER_ENV = "ELASTIC_FT_REAPER"
 #: How long the reaper keeps sweeping for processes forked while it killed the others.
 _SWEEP_SECONDS = 2.0
+#: How long the reaper lets each command of :meth:`Reaper.run_on_exit` run.
+_COMMAND_SECONDS = 10.0
 
 
 class Reaper:
@@ -52,12 +63,37 @@ class Reaper:
     def remove_on_exit(self, path: str | os.PathLike[str]) -> None:
         """Have the reaper remove ``path`` (a directory or a file) once the launcher is gone: an embedded etcd's
         data, the node's shared-memory board."""
+        self._tell(_removal(path))
+
+    def run_on_exit(self, argv: Sequence[str]) -> None:
+        """Have the reaper run ``argv`` once the launcher is gone and its processes are killed (a test bed's
+        ``ip netns del``); in the order given, each for at most :data:`_COMMAND_SECONDS`."""
+        self._tell(_command(argv))
+
+    def forget(self, *, path: str | os.PathLike[str] | None = None, argv: Sequence[str] | None = None) -> None:
+        """Take back a :meth:`remove_on_exit` or :meth:`run_on_exit`: the caller cleaned up itself, and the
+        name may be reused by the time the launcher exits."""
+        if path is not None:
+            self._tell(f"forget {_removal(path)}")
+        if argv is not None:
+            self._tell(f"forget {_command(argv)}")
+
+    def _tell(self, line: str) -> None:
+        if "\n" in line:
+            raise ValueError(f"the reaper takes a task per line, and {line!r} holds a newline")
         if self.process.stdin is None:
             return
-        line = f"rmtree {os.fspath(path)}\n".encode()
         with contextlib.suppress(BrokenPipeError, OSError):
-            self.process.stdin.write(line)
+            self.process.stdin.write(f"{line}\n".encode())
             self.process.stdin.flush()
+
+
+def _removal(path: str | os.PathLike[str]) -> str:
+    return f"rmtree {os.fspath(path)}"
+
+
+def _command(argv: Sequence[str]) -> str:
+    return f"run {json.dumps(list(argv))}"
 
 
 _reaper: Reaper | None = None
@@ -85,6 +121,13 @@ def ensure_reaper() -> Reaper | None:
     )
     _reaper = Reaper(process, token)
     return _reaper
+
+
+def current_reaper() -> Reaper | None:
+    """This process's reaper if it started one (:func:`ensure_reaper`) and it runs; None otherwise."""
+    if _reaper is not None and _reaper.process.poll() is None:
+        return _reaper
+    return None
 
 
 def _processes_with(token: str) -> Iterator[int]:
@@ -119,10 +162,10 @@ def kill_marked(token: str, sweep: float = _SWEEP_SECONDS) -> list[int]:
 
 
 def _watch(launcher: int, token: str) -> None:
-    """The reaper's life: wait for the launcher to die, then kill what it started and remove its directories."""
+    """The reaper's life: wait for the launcher to die, then kill what it started and clean up after it."""
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
-    directories: list[str] = []
+    tasks: list[str] = []  # "rmtree PATH" and "run JSON" lines, in the order given
     try:
         pidfd: int | None = os.pidfd_open(launcher)
     except OSError:  # already gone
@@ -139,16 +182,34 @@ def _watch(launcher: int, token: str) -> None:
         buffer += chunk
         *lines, buffer = buffer.split(b"\n")
         for line in lines:
-            command, _, argument = line.decode(errors="replace").partition(" ")
-            if command == "rmtree" and argument:
-                directories.append(argument)
+            task = line.decode(errors="replace")
+            if task.startswith("forget "):
+                with contextlib.suppress(ValueError):
+                    tasks.remove(task.removeprefix("forget "))
+            elif task.startswith(("rmtree ", "run ")):
+                tasks.append(task)
     kill_marked(token)
-    for path in directories:
-        if os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
+    for task in tasks:
+        command, _, argument = task.partition(" ")
+        if command == "run":
+            _run_command(argument)
+        elif os.path.isdir(argument):
+            shutil.rmtree(argument, ignore_errors=True)
         else:
             with contextlib.suppress(OSError):
-                os.unlink(path)
+                os.unlink(argument)
+
+
+def _run_command(encoded: str) -> None:
+    try:
+        argv = json.loads(encoded)
+    except ValueError:
+        return
+    if not isinstance(argv, list) or not argv or not all(isinstance(part, str) for part in argv):
+        return
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       timeout=_COMMAND_SECONDS, check=False)  # fmt: skip
 
 
 def main(argv: list[str]) -> None:

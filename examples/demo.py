@@ -39,6 +39,7 @@ from elastic_ft.etcd.event_log import EventLog
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.keys import RunKeys
 from elastic_ft.observability.timeline import build_timeline, draw
+from elastic_ft.reaper import ensure_reaper
 from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command
 
 TRAIN = Path(__file__).with_name("train.py")
@@ -225,6 +226,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("demo-out"), help="where the timelines go")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    ensure_reaper()  # the etcd and the nodes it starts go with the demo, even if it is killed
     with tempfile.TemporaryDirectory(prefix="elastic-ft-demo-") as tmp, EtcdServer() as etcd:
         root = Path(tmp)
         print(f"embedded etcd {'.'.join(map(str, etcd.version()))} at {etcd.endpoint}")

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.etcd.store import EtcdStore
+from elastic_ft.reaper import ensure_reaper
 
 
 def store_test_base(path: Path) -> type:
@@ -78,6 +79,7 @@ def main() -> None:
     parser.add_argument("test_store", type=Path, help="torch's test/distributed/test_store.py")
     args = parser.parse_args()
     base = store_test_base(args.test_store)
+    ensure_reaper()  # the etcd goes with this script, even if it is killed
     with EtcdServer() as server:
         cases = test_cases(base, server)
         suite = unittest.TestSuite(unittest.defaultTestLoader.loadTestsFromTestCase(case) for case in cases)

@@ -25,6 +25,7 @@ import pytest
 
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.server import EtcdServer
+from elastic_ft.reaper import ensure_reaper
 from elastic_ft.testing.etcd_cluster import EtcdCluster
 from elastic_ft.testing.local_cluster import TorchrunNode
 
@@ -53,6 +54,13 @@ _LONGEST_FIRST = (
 def _file_order(item: pytest.Item) -> int:
     path = item.nodeid.split("::")[0]
     return _LONGEST_FIRST.index(path) if path in _LONGEST_FIRST else len(_LONGEST_FIRST)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every pytest process (xdist's workers too) gets a reaper (:mod:`elastic_ft.reaper`) first: the etcd
+    servers, launchers and test beds its tests start go with it, even when it is SIGKILLed."""
+    if config.option.markexpr != "unit":  # the unit tier starts no process
+        ensure_reaper()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

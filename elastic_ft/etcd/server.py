@@ -27,6 +27,7 @@ from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.endpoints import EtcdEndpoint, TlsFiles
 from elastic_ft.etcd.kv import EtcdUnavailableError
 from elastic_ft.net import free_port
+from elastic_ft.reaper import current_reaper
 
 
 class EtcdBinaryNotFoundError(FileNotFoundError):
@@ -130,6 +131,9 @@ class EtcdServer:
         attempt = 1
         while True:
             self._workdir = Path(tempfile.mkdtemp(prefix="elastic-ft-etcd-"))
+            reaper = current_reaper()  # this process's reaper: the members and their data go with it
+            if reaper is not None:
+                reaper.remove_on_exit(self._workdir)
             self._members = [
                 _Member(
                     name=f"m{i}",
@@ -245,6 +249,9 @@ class EtcdServer:
                     member.process.wait()
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
+            reaper = current_reaper()
+            if reaper is not None:
+                reaper.forget(path=self._workdir)
             self._workdir = None
 
     def __enter__(self) -> EtcdServer:

@@ -306,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args, given = parse_args(parser, argv)
     # Before anything is started: whatever ftrun starts dies with it, even if it is SIGKILLed.
-    reaper = ensure_reaper()
+    ensure_reaper()
     if "spare_nodes" in given:
         if args.rdzv_backend != "etcdft":
             parser.error(f"--spare-nodes needs the etcdft rendezvous, not --rdzv-backend={args.rdzv_backend}")
@@ -333,9 +333,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "give the etcd endpoints host:port[,host:port...], or use --nnodes=1 for an embedded etcd"
                 )
             binary = args.etcd_binary or find_etcd_binary()
-            etcd = stack.enter_context(EtcdServer(binary=binary))
-            if reaper is not None and etcd.workdir is not None:
-                reaper.remove_on_exit(etcd.workdir)
+            etcd = stack.enter_context(EtcdServer(binary=binary))  # its data goes with the reaper too
             args.rdzv_endpoint = etcd.endpoint
             if args.rdzv_id == "none":
                 args.rdzv_id = str(uuid.uuid4())

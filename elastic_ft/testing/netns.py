@@ -25,7 +25,9 @@ kernels lack (this project's CI machine among them): :meth:`delay` raises
 Needs root, ``ip`` (iproute2) and ``iptables-legacy``; :func:`unavailable`
 says why a machine cannot run it, for tests to skip with that reason. Every
 name carries a random tag and :meth:`TestBed.stop` removes everything, so
-beds of concurrent tests do not meet.
+beds of concurrent tests do not meet. A driver SIGKILLed before it could
+stop its bed leaves it to its reaper (:mod:`elastic_ft.reaper`), if it has
+one: the reaper kills what ran in the hosts and removes the rest.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 from typing import Any
+
+from elastic_ft.reaper import current_reaper
 
 #: The interface name of a host's link, inside its namespace (the same in every host).
 HOST_INTERFACE = "eth0"
@@ -108,6 +112,10 @@ class TestBed:
         if reason is not None:
             raise TestBedUnavailable(reason)
         self._started = True
+        reaper = current_reaper()
+        if reaper is not None:
+            for command in self._removals():
+                reaper.run_on_exit(command)
         try:
             _run("ip", "link", "add", self.bridge, "type", "bridge")
             _run("ip", "addr", "add", f"{self.bridge_address}/24", "dev", self.bridge)
@@ -136,10 +144,19 @@ class TestBed:
             for pid in self.processes(host):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, 9)
-            subprocess.run(["ip", "netns", "del", self.namespace(host)], capture_output=True, check=False)
-            subprocess.run(["ip", "link", "del", self._outer(host)], capture_output=True, check=False)
-        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
+        reaper = current_reaper()
+        for command in self._removals():
+            subprocess.run(command, capture_output=True, check=False)
+            if reaper is not None:
+                reaper.forget(argv=command)
         self._started = False
+
+    def _removals(self) -> list[list[str]]:
+        """The commands that remove the bed, in order; each may fail on what was never made."""
+        commands = []
+        for host in range(self.hosts):
+            commands += [["ip", "netns", "del", self.namespace(host)], ["ip", "link", "del", self._outer(host)]]
+        return [*commands, ["ip", "link", "del", self.bridge]]
 
     def __enter__(self) -> TestBed:
         return self.start()

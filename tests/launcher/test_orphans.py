@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from elastic_ft.etcd.server import EtcdServer
-from elastic_ft.reaper import REAPER_ENV, kill_marked
+from elastic_ft.reaper import REAPER_ENV, Reaper, kill_marked
 from elastic_ft.testing.local_cluster import descendants, torchrun_command
 
 pytestmark = pytest.mark.integration  # every test here starts processes
@@ -119,3 +119,88 @@ def test_the_reaper_kills_only_what_carries_its_token() -> None:
         for process in (marked, other):
             process.kill()
             process.wait()
+
+
+#: A test driver as the benchmarks run (``scratch.run_main``): starts a 3-member etcd cluster, and a test bed
+#: when asked, with a process in its host; asks its reaper to run one command at exit and takes another back;
+#: prints what it started, then waits to be killed.
+DRIVER = """
+import json, subprocess, sys, time
+sys.path.insert(0, {benchmarks!r})
+import scratch
+from elastic_ft.reaper import current_reaper
+from elastic_ft.testing.etcd_cluster import EtcdCluster
+from elastic_ft.testing.netns import TestBed
+
+def main():
+    cluster = EtcdCluster(members=3).start()
+    reaper = current_reaper()
+    reaper.run_on_exit(["touch", {ran!r}])
+    reaper.run_on_exit(["touch", {forgotten!r}])
+    reaper.forget(argv=["touch", {forgotten!r}])
+    started = {{"etcd": [m.process.pid for m in cluster._members], "data": str(cluster.workdir), "bed": None,
+               "reaper": reaper.process.pid}}
+    if {bed!r}:
+        bed = TestBed(2).start()
+        sleeper = bed.popen(1, ["sleep", "600"])
+        started["bed"] = {{"namespaces": [bed.namespace(h) for h in range(2)], "bridge": bed.bridge,
+                           "sleeper": sleeper.pid}}
+    print(json.dumps(started), flush=True)
+    time.sleep(600)
+
+scratch.run_main(main)
+"""
+
+
+def _links_and_namespaces() -> str:
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=False).stdout
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    return links + namespaces
+
+
+@pytest.mark.parametrize("bed", [False, True], ids=["etcd cluster", "etcd cluster and test bed"])
+def test_a_sigkilled_test_driver_leaves_no_etcd_data_or_test_bed_behind(tmp_path: Path, bed: bool) -> None:
+    from elastic_ft.testing.netns import unavailable
+
+    if bed and (reason := unavailable()) is not None:
+        pytest.skip(reason)
+    ran, forgotten = tmp_path / "ran", tmp_path / "forgotten"
+    code = DRIVER.format(benchmarks=str(TRAIN.parents[1] / "benchmarks"), ran=str(ran), forgotten=str(forgotten),
+                         bed=bed)  # fmt: skip
+    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)  # fmt: skip
+    assert driver.stdout is not None
+    started = __import__("json").loads(driver.stdout.readline())
+    leftovers = list(started["etcd"]) + ([started["bed"]["sleeper"]] if bed else [])
+    try:
+        assert all(_alive(pid) for pid in leftovers) and Path(started["data"]).is_dir(), started
+        if bed:
+            assert all(name in _links_and_namespaces() for name in started["bed"]["namespaces"]), started
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+        deadline = time.monotonic() + 20
+        while _alive(started["reaper"]) and time.monotonic() < deadline:  # it exits once it cleaned up
+            time.sleep(0.05)
+        assert not [pid for pid in leftovers if _alive(pid)], _names(leftovers)
+        assert not Path(started["data"]).exists(), "the cluster's data directory was left behind"
+        assert ran.exists() and not forgotten.exists()
+        if bed:
+            left = _links_and_namespaces()
+            names = [*started["bed"]["namespaces"], started["bed"]["bridge"]]
+            assert not [name for name in names if name in left], left
+    finally:
+        for pid in leftovers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_path_holding_a_newline_is_refused_before_anything_is_sent_to_the_reaper() -> None:
+    # (a command's arguments travel as JSON, newlines escaped)
+    class NoPipe:  # a process whose pipe must not be touched
+        @property
+        def stdin(self) -> None:
+            raise AssertionError("the task was sent")
+
+    reaper = Reaper(NoPipe(), "1:token")  # type: ignore[arg-type]  # a stand-in with no pipe at all
+    with pytest.raises(ValueError, match="holds a newline"):
+        reaper.remove_on_exit("/tmp/a\nrun [\"rm\"]")
