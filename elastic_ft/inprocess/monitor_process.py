@@ -197,8 +197,8 @@ class MonitorProcess:
         if pid == 0:
             code = 0
             try:
-                _detach(keep=read_end)
-                _Monitor(config, timestamps, store_factory, store_kwargs, target_pid, read_end).run()
+                rank_stderr = _detach(keep=read_end)
+                _Monitor(config, timestamps, store_factory, store_kwargs, target_pid, read_end, rank_stderr).run()
             except BaseException:
                 log.exception("monitor process failed")
                 code = 1
@@ -244,18 +244,28 @@ class MonitorProcess:
 MONITOR_PROCESS_NAME = "eft-monitor"
 
 
-def _detach(keep: int) -> None:
-    """Leave the parent's session, take the name ``eft-monitor`` and drop every inherited descriptor but ``keep``."""
+def _detach(keep: int) -> int:
+    """Leave the parent's session, take the name ``eft-monitor`` and drop every inherited descriptor but ``keep``.
+
+    Returns a descriptor of the rank's stderr: the same open file, so a line written there takes the rank's
+    own file offset. Opening ``/proc/<rank>/fd/2`` anew would not: in a log file (torchrun's ``--redirects``),
+    the rank's next write, its stack dump, landed on that line and erased it.
+    """
     os.setsid()
     # The name ps and top show, so operators (and benchmarks/recovery.py) can tell it from the rank.
     with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
         comm.write(MONITOR_PROCESS_NAME)
+    rank_stderr = os.dup(2)
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-    os.closerange(3, keep)
-    os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
+    low = 3
+    for kept in sorted((keep, rank_stderr)):
+        os.closerange(low, kept)
+        low = kept + 1
+    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return rank_stderr
 
 
 @dataclasses.dataclass
@@ -319,8 +329,10 @@ class _Monitor:
         store_kwargs: dict[str, Any],
         target_pid: int,
         pipe: int,
+        rank_stderr: int,
     ) -> None:
         self.config = config
+        self.rank_stderr = rank_stderr
         self.timestamps = timestamps
         self.store_factory = store_factory
         self.store_kwargs = store_kwargs
@@ -515,8 +527,8 @@ class _Monitor:
             f"\n[elastic_ft monitor process] stacks of initial rank {config.initial_rank} (pid {self.target_pid}), "
             f"about to be terminated: {reason}\n"
         )
-        with contextlib.suppress(OSError), open(f"/proc/{self.target_pid}/fd/2", "a") as stderr:
-            stderr.write(header)
+        with contextlib.suppress(OSError):
+            os.write(self.rank_stderr, header.encode())
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.target_pid, STACK_DUMP_SIGNAL)
 
