@@ -3,7 +3,8 @@
 Ranks are plain processes with the standard ``RANK``/``WORLD_SIZE``/
 ``MASTER_ADDR``/``MASTER_PORT`` environment, not torchrun workers: torchrun
 would kill every worker when one fails, which is the very situation the
-Wrapper must survive.
+Wrapper must survive. They are forked from a process that imported torch
+once (``forkserver.py``); each writes its output to ``output<rank>.log``.
 """
 
 from __future__ import annotations
@@ -12,15 +13,19 @@ import dataclasses
 import json
 import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from elastic_ft.net import port_is_free
+from tests.inprocess.forkserver import ForkServer
 
 WORKER = Path(__file__).with_name("worker.py")
+#: What the fork server imports once, for every rank it forks: what ``worker.py`` imports, and torch._dynamo,
+#: which a process imports at its first optimizer (about 1 s of CPU; the server starts no thread with it).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "elastic_ft.inprocess.wrapper",
+           "elastic_ft.coordination.iteration"]  # fmt: skip
+_server: ForkServer | None = None
 
 
 @dataclasses.dataclass
@@ -49,11 +54,20 @@ def free_port_pair() -> int:
     raise RuntimeError("no free pair of ports")
 
 
+def _fork_server() -> ForkServer:
+    """This pytest process's fork server (``forkserver.py``), started at the first job."""
+    global _server
+    if _server is None or not _server.alive():
+        _server = ForkServer(PRELOAD)
+    return _server
+
+
 def run_job(scenario: dict[str, Any], world_size: int, out: Path, timeout: float = 90) -> list[RankOutcome]:
     """Run ``world_size`` ranks of ``worker.py`` and wait for all of them."""
     out.mkdir(parents=True, exist_ok=True)
     port = free_port_pair()
-    processes = []
+    server = _fork_server()
+    pids, logs = [], []
     for rank in range(world_size):
         env = {
             **os.environ,
@@ -65,31 +79,22 @@ def run_job(scenario: dict[str, Any], world_size: int, out: Path, timeout: float
             "EFT_SCENARIO": json.dumps(scenario),
             "EFT_OUT": str(out),
         }
-        processes.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+        logs.append(out / f"output{rank}.log")
+        with logs[-1].open("wb") as log:
+            pids.append(server.start([str(WORKER)], env, os.getcwd(), log.fileno()))
     deadline = time.monotonic() + timeout
-    outputs = []
-    for process in processes:
-        try:
-            output, _ = process.communicate(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            for other in processes:
-                other.kill()
-            output, _ = process.communicate()
-            output += "\n<killed by the test: job timeout>"
-        outputs.append(output)
+    codes = [server.wait(pid, max(deadline - time.monotonic(), 0.1)) for pid in pids]
+    killed = [code is None for code in codes]
+    for pid, kill in zip(pids, killed, strict=True):
+        if kill:
+            server.kill(pid)
+    codes = [server.wait(pid, 30) if kill else code for pid, code, kill in zip(pids, codes, killed, strict=True)]
     outcomes = []
-    for rank, (process, output) in enumerate(zip(processes, outputs, strict=True)):
+    for rank, (code, log) in enumerate(zip(codes, logs, strict=True)):
+        output = log.read_text(errors="replace") + ("\n<killed by the test: job timeout>" if killed[rank] else "")
         report_path = out / f"rank{rank}.json"
         report = json.loads(report_path.read_text()) if report_path.exists() else None
-        outcomes.append(RankOutcome(process.returncode, report, output))
+        outcomes.append(RankOutcome(-9 if code is None else code, report, output))
     return outcomes
 
 
