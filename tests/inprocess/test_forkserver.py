@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -15,7 +16,7 @@ from tests.inprocess.forkserver import ForkServer
 pytestmark = pytest.mark.integration  # it starts processes
 
 SCRIPT = """
-import json, os, sys, threading
+import json, os, sys, threading, time
 what = sys.argv[1]
 if what == "report":
     print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("FORKED_VALUE"),
@@ -26,9 +27,9 @@ elif what == "raise":
 elif what == "exit":
     sys.exit(3)
 elif what == "thread":  # the interpreter waits for a non-daemon thread before it exits, as it would
-    threading.Thread(target=lambda: (__import__("time").sleep(0.3), print("thread done"))).start()
+    threading.Thread(target=lambda: (time.sleep(0.3), print("thread done"))).start()
 else:
-    __import__("time").sleep(600)
+    time.sleep(600)
 """
 
 
@@ -50,8 +51,6 @@ def run(server: ForkServer, tmp_path: Path, *argv: str) -> tuple[int | None, str
 
 
 def test_a_forked_script_sees_its_own_argv_environment_directory_and_main(server: ForkServer, tmp_path: Path) -> None:
-    import json
-
     code, output = run(server, tmp_path, "report", "x")
     assert code == 0, output
     seen = json.loads(output)

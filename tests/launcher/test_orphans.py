@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.reaper import REAPER_ENV, Reaper, kill_marked
 from elastic_ft.testing.local_cluster import descendants, torchrun_command
+from elastic_ft.testing.netns import unavailable
 
 pytestmark = pytest.mark.integration  # every test here starts processes
 
@@ -138,8 +140,7 @@ def main():
     reaper.run_on_exit(["touch", {ran!r}])
     reaper.run_on_exit(["touch", {forgotten!r}])
     reaper.forget(argv=["touch", {forgotten!r}])
-    started = {{"etcd": [m.process.pid for m in cluster._members], "data": str(cluster.workdir), "bed": None,
-               "reaper": reaper.process.pid}}
+    started = {{"data": str(cluster.workdir), "bed": None, "reaper": reaper.process.pid}}
     if {bed!r}:
         bed = TestBed(2).start()
         sleeper = bed.popen(1, ["sleep", "600"])
@@ -160,8 +161,6 @@ def _links_and_namespaces() -> str:
 
 @pytest.mark.parametrize("bed", [False, True], ids=["etcd cluster", "etcd cluster and test bed"])
 def test_a_sigkilled_test_driver_leaves_no_etcd_data_or_test_bed_behind(tmp_path: Path, bed: bool) -> None:
-    from elastic_ft.testing.netns import unavailable
-
     if bed and (reason := unavailable()) is not None:
         pytest.skip(reason)
     ran, forgotten = tmp_path / "ran", tmp_path / "forgotten"
@@ -170,10 +169,12 @@ def test_a_sigkilled_test_driver_leaves_no_etcd_data_or_test_bed_behind(tmp_path
     driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                               start_new_session=True)  # fmt: skip
     assert driver.stdout is not None
-    started = __import__("json").loads(driver.stdout.readline())
-    leftovers = list(started["etcd"]) + ([started["bed"]["sleeper"]] if bed else [])
+    started = json.loads(driver.stdout.readline())
+    members = [pid for pid in descendants(driver.pid) if _names([pid]) == ["etcd"]]
+    leftovers = members + ([started["bed"]["sleeper"]] if bed else [])
     try:
-        assert all(_alive(pid) for pid in leftovers) and Path(started["data"]).is_dir(), started
+        assert len(members) == 3 and all(_alive(pid) for pid in leftovers), (started, _names(leftovers))
+        assert Path(started["data"]).is_dir(), started
         if bed:
             assert all(name in _links_and_namespaces() for name in started["bed"]["namespaces"]), started
         os.kill(driver.pid, signal.SIGKILL)
