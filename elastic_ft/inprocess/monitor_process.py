@@ -249,18 +249,22 @@ def _detach(keep: int) -> int:
 
     Returns a descriptor of the rank's stderr: the same open file, so a line written there takes the rank's
     own file offset. Opening ``/proc/<rank>/fd/2`` anew would not: in a log file (torchrun's ``--redirects``),
-    the rank's next write, its stack dump, landed on that line and erased it.
+    the rank's next write, its stack dump, landed on that line and erased it. Returns -1 if the rank has no
+    stderr (it closed it): the monitor then runs without writing there.
     """
     os.setsid()
     # The name ps and top show, so operators (and benchmarks/recovery.py) can tell it from the rank.
     with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
         comm.write(MONITOR_PROCESS_NAME)
-    rank_stderr = os.dup(2)
+    try:
+        rank_stderr = os.dup(2)
+    except OSError:
+        rank_stderr = -1
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
     low = 3
-    for kept in sorted((keep, rank_stderr)):
+    for kept in sorted(fd for fd in (keep, rank_stderr) if fd >= 0):
         os.closerange(low, kept)
         low = kept + 1
     os.closerange(low, os.sysconf("SC_OPEN_MAX"))

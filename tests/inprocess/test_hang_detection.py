@@ -464,3 +464,50 @@ def test_cpu_seconds_count_the_main_thread_and_its_workers_not_other_threads(spi
             os.kill(int(child), signal.SIGKILL)
         process.kill()
         process.wait()
+
+
+def _detach_in_a_child(stderr: Path | None) -> tuple[int, list[int], str]:
+    """Fork, give the child ``stderr`` as fd 2 (None: closed), run ``_detach`` there; returns what it returned,
+    the child's descriptors afterwards and what the child then wrote through the returned one."""
+    from elastic_ft.inprocess.monitor_process import _detach
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            if stderr is None:
+                os.close(2)
+            else:
+                os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+                os.write(2, b"the rank's line\n")
+            returned = _detach(keep=write_end)
+            if returned >= 0:
+                os.write(returned, b"the monitor's header\n")
+            open_fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
+            os.write(write_end, f"{returned} {','.join(map(str, open_fds))}".encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as answer:
+        returned, open_fds = answer.read().split()
+    os.waitpid(pid, 0)
+    written = stderr.read_text() if stderr is not None else ""
+    return int(returned), [int(fd) for fd in open_fds.split(",")], written
+
+
+@pytest.mark.integration  # forks
+def test_the_monitor_process_writes_at_the_ranks_own_stderr_offset_and_keeps_no_other_descriptor(
+    tmp_path: Path,
+) -> None:
+    returned, open_fds, written = _detach_in_a_child(tmp_path / "rank.log")
+    assert returned > 2
+    assert written == "the rank's line\nthe monitor's header\n"
+    # 0-2 (/dev/null now), the kept pipe, the rank's stderr, and the one listing /proc/self/fd.
+    assert len(open_fds) == 6 and {0, 1, 2, returned} <= set(open_fds), open_fds
+
+
+@pytest.mark.integration  # forks
+def test_a_rank_without_stderr_still_gets_a_monitor_process() -> None:
+    returned, open_fds, _ = _detach_in_a_child(None)
+    assert returned == -1
+    assert len(open_fds) == 5 and {0, 1, 2} <= set(open_fds), open_fds
