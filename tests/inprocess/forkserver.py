@@ -1,8 +1,8 @@
 """Test ranks forked from one process that imported torch once, instead of each importing it again.
 
 A Wrapper test job's ranks are plain ``python worker.py`` processes
-(``job.py``). Each spent about 1.6 s of CPU importing torch and elastic-ft
-before its first line ran, for about 80 ranks in the suite. This module's
+(``job.py``). Each spent about 2 s of CPU importing torch, elastic-ft and
+``torch._dynamo`` before its first step, for about 80 ranks in the suite. This module's
 server imports them once per pytest process and forks each rank from that
 state; the rank then runs its script as ``python script.py`` would: as
 ``__main__``, with its own argv, environment, working directory and output
