@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from elastic_ft.coordination.iteration import TerminationResult
-from elastic_ft.launcher.records import NodeRecord
+from elastic_ft.launcher.records import NodeRecord, WorldRecord
 from elastic_ft.observability.events import JobEvent
 from elastic_ft.rendezvous.model import Board
 from elastic_ft.untrusted import MalformedRecord, SkipLog, decode, is_count, json_object
@@ -19,10 +19,11 @@ from elastic_ft.untrusted import MalformedRecord, SkipLog, decode, is_count, jso
     [
         Board.from_json,
         NodeRecord.from_json,
+        WorldRecord.from_json,
         JobEvent.from_json,
         lambda raw: TerminationResult.from_json(raw, 4),
     ],
-    ids=["rendezvous board", "ftrun node record", "event", "termination result"],
+    ids=["rendezvous board", "ftrun node record", "ftrun world record", "event", "termination result"],
 )
 @pytest.mark.parametrize("raw", [b"", b"not json", b"[1, 2]", b'{"unexpected": true}', b"[" * 100_000])
 def test_every_decoder_raises_the_one_error_type_with_the_key_named(
@@ -33,6 +34,26 @@ def test_every_decoder_raises_the_one_error_type_with_the_key_named(
     assert str(caught.value).startswith("/elastic_ft/run/some/key: ")
     assert caught.value.key == "/elastic_ft/run/some/key" and caught.value.reason
     assert isinstance(caught.value, ValueError)  # callers that caught ValueError still do
+
+
+def test_the_world_record_round_trips_and_counts_late_members_beyond_max_nodes_as_spares() -> None:
+    world = WorldRecord(world_size=4, active_world_size=None, max_nodes=2)
+    assert WorldRecord.from_json(world.to_json()) == world
+    assert [world.spares_with(members) for members in (1, 2, 3, 4)] == [0, 0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b'{"world_size": 4, "max_nodes": "2"}', "max_nodes='2'; expected a whole number"),
+        (b'{"world_size": true, "max_nodes": 2}', "world_size=True; expected a whole number"),
+        (b'{"world_size": 4, "max_nodes": 2, "active_world_size": -1}', "active_world_size=-1; expected"),
+        (b'{"world_size": 4, "max_nodes": 0}', "max_nodes=0; expected at least 1"),
+    ],
+)
+def test_a_forged_world_record_names_the_bad_field(raw: bytes, reason: str) -> None:
+    with pytest.raises(MalformedRecord, match=reason):
+        decode("/elastic_ft/run/store/ftrun/world", raw, WorldRecord.from_json)
 
 
 def test_an_error_naming_its_key_keeps_it() -> None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import logging
 import os
 import queue
@@ -85,7 +84,7 @@ from elastic_ft.launcher.escalation import (
     restarts_left,
     retire_joiner,
 )
-from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord
+from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, WorldRecord
 from elastic_ft.local_board import LocalBoard
 from elastic_ft.observability.log_format import set_where
 from elastic_ft.observability.metrics import JobMetrics, MetricsEndpoint
@@ -111,7 +110,7 @@ from elastic_ft.torch_compat import (
     set_remaining_restarts,
     worker_processes,
 )
-from elastic_ft.untrusted import MalformedRecord, decode, json_object
+from elastic_ft.untrusted import MalformedRecord, decode
 
 log = logging.getLogger(__name__)
 
@@ -288,13 +287,12 @@ class FtAgent(LocalElasticAgent):
         late = self._handler.late_place is not None
         os.environ.update(WorkerHandoff(self._active_world_size, joining=late).to_env())
         if not late:
-            world = {
-                "world_size": worker_group.workers[0].world_size if worker_group.workers else 0,
-                "active_world_size": self._active_world_size,
-                "spare_nodes": max(0, len(member_of.members) - settings.max_nodes),
-                "max_nodes": settings.max_nodes,
-            }
-            group_store(worker_group).set(FTRUN_WORLD, json.dumps(world))
+            world = WorldRecord(
+                world_size=worker_group.workers[0].world_size if worker_group.workers else 0,
+                active_world_size=self._active_world_size,
+                max_nodes=settings.max_nodes,
+            )
+            group_store(worker_group).set(FTRUN_WORLD, world.to_json())
         pids = super()._start_workers(worker_group)
         self._subprocesses()  # fails now, not later, if torch started something else
         self._exits = {}
@@ -340,10 +338,9 @@ class FtAgent(LocalElasticAgent):
         """
         if self._handler.late_place is None:
             return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
-        world = json_object(store.get(FTRUN_WORLD))
-        world_size = world.get("world_size") if world else None
-        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-            raise RuntimeError(f"the running round's {FTRUN_WORLD} record is malformed: {world!r:.200}")
+        world_size = decode(FTRUN_WORLD, store.get(FTRUN_WORLD), WorldRecord.from_json).world_size
+        if world_size < 1:
+            raise MalformedRecord(f"world record has world_size={world_size}; expected at least 1", FTRUN_WORLD)
         count = spec.local_world_size
         base = world_size + store.add(FTRUN_NEXT_RANK, count) - count
         return [

@@ -2,6 +2,7 @@
 
 In the round's store (names from :mod:`elastic_ft.keys`):
 
+``ftrun/world``               :class:`WorldRecord`: the round's world as its members' workers started it
 ``ftrun/nodes/<node>``        :class:`NodeRecord`: the node's global ranks and worker pids
 ``ftrun/exits/<rank>``        :class:`ExitRecord`: how a worker ended, as the agent classified it
 ``ftrun/exit_barrier/<node>`` the node's workers finished
@@ -20,7 +21,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from elastic_ft.untrusted import MalformedRecord
+from elastic_ft.untrusted import MalformedRecord, is_count
 
 
 def _document(raw: bytes | str, what: str) -> dict[str, Any]:
@@ -45,6 +46,51 @@ def _int_list(document: dict[str, Any], name: str, what: str) -> tuple[int, ...]
     if not all(isinstance(item, int) and not isinstance(item, bool) for item in value):
         raise MalformedRecord(f"{what} has {name}={value!r:.100}; expected a list of integers")
     return tuple(value)
+
+
+@dataclass(frozen=True)
+class WorldRecord:
+    """The round's world, written by each member's agent as it starts its workers (all write the same).
+
+    A hot spare that joins the running round later reads ``world_size`` to
+    number its workers above it; ``max_nodes`` tells which nodes are spares.
+    """
+
+    world_size: int
+    active_world_size: int | None
+    max_nodes: int
+
+    def spares_with(self, members: int) -> int:
+        """The round's hot spares once it has ``members`` nodes (late members too): those beyond ``max_nodes``.
+
+        A node that joins the running round below ``max_nodes`` grows the
+        active world instead of waiting in reserve.
+        """
+        return max(0, members - self.max_nodes)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> WorldRecord:
+        what = "world record"
+        document = _document(raw, what)
+        record = cls(
+            world_size=_count(document, "world_size", what),
+            active_world_size=None if document.get("active_world_size") is None
+            else _count(document, "active_world_size", what),
+            max_nodes=_count(document, "max_nodes", what),
+        )  # fmt: skip
+        if record.max_nodes < 1:
+            raise MalformedRecord(f"{what} has max_nodes={record.max_nodes}; expected at least 1")
+        return record
+
+
+def _count(document: dict[str, Any], name: str, what: str) -> int:
+    value = document.get(name)
+    if not is_count(value):
+        raise MalformedRecord(f"{what} has {name}={value!r:.100}; expected a whole number")
+    return value
 
 
 @dataclass(frozen=True)

@@ -41,9 +41,9 @@ from elastic_ft.keys import (
     wrapper_iteration,
 )
 from elastic_ft.launcher.escalation import WorkerExit
-from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord
+from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, WorldRecord
 from elastic_ft.rendezvous.model import RoundResult, parse_state
-from elastic_ft.untrusted import MalformedRecord, SkipLog, json_object
+from elastic_ft.untrusted import MalformedRecord, SkipLog, decode, json_object
 
 #: Exit kinds that are no failure: a worker that completed, or a respawned one the job completed without.
 _NOT_FAILED = (WorkerExit.SUCCEEDED.value, WorkerExit.RETIRED.value)
@@ -120,7 +120,7 @@ def collect_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
         workers, terminated, iteration = _worker_status(client, store, dead_nodes, malformed)
         if iteration is not None:
             restart = _restart_in_progress(client, store, iteration)
-        world = _world_status(client, store, malformed)
+        world = _world_status(client, store, len(members), malformed)
     escalations = _escalations(client, keys, malformed)
     return {
         "run": keys.run_id,
@@ -295,17 +295,24 @@ def _position(raw: bytes) -> dict[str, Any] | None:
     return {"iteration": values[0], "rank": values[1], "active": active}
 
 
-def _world_status(client: EtcdClient, store_prefix: str, malformed: list[dict[str, str]]) -> dict[str, Any]:
-    """Hot spares, respawned workers and activations of the round (from the agents' and Wrappers' records)."""
+def _world_status(
+    client: EtcdClient, store_prefix: str, members: int, malformed: list[dict[str, str]]
+) -> dict[str, Any]:
+    """Hot spares, respawned workers and activations of the round (from the agents' and Wrappers' records).
+
+    ``members``: the round's nodes, late members included, so that a spare
+    that joined the running round counts as one that joined the round.
+    """
     job = f"{store_prefix}{WRAPPER_JOB}/"
     world_kv, _ = client.get(store_prefix + FTRUN_WORLD)
-    world = json_object(world_kv.value) if world_kv is not None else {}
-    spares, size = (world or {}).get("spare_nodes", 0), (world or {}).get("active_world_size")
-    if world is None or parse_count(str(spares)) is None or not (size is None or parse_count(str(size))):
-        malformed.append(
-            {"key": store_prefix + FTRUN_WORLD, "reason": 'expected {"spare_nodes": N, "active_world_size": N}'}
-        )
-        spares, size = 0, None
+    spares, size = 0, None
+    if world_kv is not None:
+        try:
+            world = decode(world_kv.key, world_kv.value, WorldRecord.from_json)
+        except MalformedRecord as error:
+            malformed.append({"key": world_kv.key, "reason": error.reason[:300]})
+        else:
+            spares, size = world.spares_with(members), world.active_world_size
     respawns_kv, _ = client.get(store_prefix + FTRUN_NEXT_RANK)
     respawns = parse_count(respawns_kv.value.decode(errors="replace")) if respawns_kv is not None else 0
     joiners_kv, _ = client.get(job + JOINERS)

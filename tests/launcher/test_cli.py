@@ -226,11 +226,12 @@ def test_status_skips_forged_spare_records(etcd_client: EtcdClient, run_id: str)
         job + ACTIVATIONS, b'{"initial_rank": 4, "iteration": 2}\nnot json\n{"initial_rank": true, "iteration": 1}\n'
     )
     malformed: list[dict[str, str]] = []
-    world = _world_status(etcd_client, prefix, malformed)
+    world = _world_status(etcd_client, prefix, 3, malformed)
     assert (world["spare_nodes"], world["active_world_size"], world["respawns"]) == (0, None, 0)
     assert world["joined"] == [{"initial_rank": 4, "admitted": "2" * 32}, {"initial_rank": 5, "admitted": None}]
     assert world["activations"] == [{"initial_rank": 4, "iteration": 2}]
     assert [entry["key"] for entry in malformed] == [prefix + FTRUN_WORLD, job + ACTIVATIONS, job + ACTIVATIONS]
+    assert malformed[0]["reason"] == "world record has world_size=None; expected a whole number"
 
 
 def test_status_events_and_timeline_name_an_unknown_run(etcd: EtcdServer, run_id: str, tmp_path: Path) -> None:
