@@ -49,6 +49,7 @@ def test_the_world_record_round_trips_and_counts_late_members_beyond_max_nodes_a
         (b'{"world_size": true, "max_nodes": 2}', "world_size=True; expected a whole number"),
         (b'{"world_size": 4, "max_nodes": 2, "active_world_size": -1}', "active_world_size=-1; expected"),
         (b'{"world_size": 4, "max_nodes": 0}', "max_nodes=0; expected at least 1"),
+        (b'{"world_size": 0, "max_nodes": 2}', "world_size=0; expected at least 1"),
     ],
 )
 def test_a_forged_world_record_names_the_bad_field(raw: bytes, reason: str) -> None:

@@ -288,7 +288,7 @@ class FtAgent(LocalElasticAgent):
         os.environ.update(WorkerHandoff(self._active_world_size, joining=late).to_env())
         if not late:
             world = WorldRecord(
-                world_size=worker_group.workers[0].world_size if worker_group.workers else 0,
+                world_size=worker_group.workers[0].world_size,  # torch's WorkerSpec has at least one
                 active_world_size=self._active_world_size,
                 max_nodes=settings.max_nodes,
             )
@@ -339,8 +339,6 @@ class FtAgent(LocalElasticAgent):
         if self._handler.late_place is None:
             return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
         world_size = decode(FTRUN_WORLD, store.get(FTRUN_WORLD), WorldRecord.from_json).world_size
-        if world_size < 1:
-            raise MalformedRecord(f"world record has world_size={world_size}; expected at least 1", FTRUN_WORLD)
         count = spec.local_world_size
         base = world_size + store.add(FTRUN_NEXT_RANK, count) - count
         return [

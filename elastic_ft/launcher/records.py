@@ -81,8 +81,9 @@ class WorldRecord:
             else _count(document, "active_world_size", what),
             max_nodes=_count(document, "max_nodes", what),
         )  # fmt: skip
-        if record.max_nodes < 1:
-            raise MalformedRecord(f"{what} has max_nodes={record.max_nodes}; expected at least 1")
+        for name, value in (("world_size", record.world_size), ("max_nodes", record.max_nodes)):
+            if value < 1:
+                raise MalformedRecord(f"{what} has {name}={value}; expected at least 1")
         return record
 
 
