@@ -29,6 +29,10 @@ own:
   trains again at the full world size (its agent, and so its node, is the
   same each time); ``resume`` and ``rejoin`` are the slowest of the three.
 
+``--downtime`` sets how long host 2 stays cut off after the survivors
+resumed without it (3 s by default; 20, 60 and 300 s for long partitions,
+which end every lease the host held).
+
 Measured (median of ``--repeats``): ``resume`` (fault to the first step of
 a survivor in the shrunken world), ``stale`` (steps host 2's ranks complete
 in the old membership after the survivors resumed without them),
@@ -43,7 +47,10 @@ negative when the survivors restarted before, on a connection error),
 ``revoked`` (leases the agents revoked: confirmed losses; for ``lossy`` and
 ``cpu``, false deaths), ``killed`` (for ``lossy`` and ``cpu``: worker
 processes of host 2 that did not survive: a restart its rank could not
-take in time, ended by the hard timeout). A step that does
+take in time, ended by the hard timeout), ``replaced`` (for the faults
+host 2's processes live through: its worker processes that did not, for
+it rejoins in its own processes) and ``exited`` (whether its launcher
+exited before the driver stopped the job; it must not). A step that does
 not come within ``--cap`` seconds is reported as the cap, marked ``>``.
 
 Needs root and ``ip netns`` (:func:`elastic_ft.testing.netns.unavailable`).
@@ -340,6 +347,11 @@ def run_one(system: str, scenario: str, args: argparse.Namespace) -> dict[str, A
                 back = job.full_world(heal_at, FAULTY, args.cap)
                 row["rejoin"] = None if back is None else back - heal_at
                 row["rejoin_capped"] = back is None
+                if scenario != "sigkill":
+                    # Its workers lived through the fault: they rejoin in their own processes, and its launcher
+                    # never exits on its own while the job runs.
+                    row["replaced"] = sum(not _alive(pid) for pid in faulty)
+                    row["launcher_exited"] = job.launchers[FAULTY].poll() is not None
             if scenario not in ("lossy", "cpu"):
                 row["restarted"] = sum(not _alive(pid) for pid in survivors)
         finally:
@@ -387,9 +399,10 @@ def summarize(rows: list[dict[str, Any]], cap: float) -> list[dict[str, Any]]:
                     value = statistics.median([v for v in filled if v is not None]) if filled else None
                 entry[key] = value
                 entry[f"{key}_capped"] = capped
-            for key in ("absorb", "stale", "restarted", "restarts", "revocations", "killed"):
+            for key in ("absorb", "stale", "restarted", "restarts", "revocations", "killed", "replaced"):
                 values = [r[key] for r in mine if r.get(key) is not None]
                 entry[key] = statistics.median(values) if values else None
+            entry["exited"] = sum(bool(r.get("launcher_exited")) for r in mine)
             table.append(entry)
     return table
 
@@ -407,7 +420,7 @@ def _cell(entry: dict[str, Any], key: str) -> str:
 
 def print_table(table: list[dict[str, Any]]) -> None:
     header = f"{'scenario':<12} {'system':<14} {'runs':>4} {'resume':>10} {'absorbed':>9} {'stale':>6} {'rejoin':>10} " \
-             f"{'restarted':>9} {'restarts':>8} {'revoked':>7} {'killed':>6}  ratio"  # fmt: skip
+             f"{'restarted':>9} {'restarts':>8} {'revoked':>7} {'killed':>6} {'replaced':>8} {'exited':>6}  ratio"  # fmt: skip
     print(header)
     print("-" * len(header))
     by = {(e["scenario"], e["system"]): e for e in table}
@@ -426,7 +439,8 @@ def print_table(table: list[dict[str, Any]]) -> None:
                     ratio += f" {key} {'>' if other.get(f'{key}_capped') else ''}{theirs / mine:.1f}x"
         print(f"{entry['scenario']:<12} {entry['system']:<14} {entry['runs']:>4} {_cell(entry, 'resume'):>10} "
               f"{_cell(entry, 'absorb'):>9} {_cell(entry, 'stale'):>6} {_cell(entry, 'rejoin'):>10} {_cell(entry, 'restarted'):>9} "
-              f"{_cell(entry, 'restarts'):>8} {_cell(entry, 'revocations'):>7} {_cell(entry, 'killed'):>6} {ratio}")  # fmt: skip
+              f"{_cell(entry, 'restarts'):>8} {_cell(entry, 'revocations'):>7} {_cell(entry, 'killed'):>6} "
+              f"{_cell(entry, 'replaced'):>8} {_cell(entry, 'exited'):>6} {ratio}")  # fmt: skip
         for error in entry["errors"]:
             print(f"{'':<12} error: {error}")
 

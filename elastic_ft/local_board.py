@@ -26,6 +26,11 @@ optimizer step, the agent every ``--monitor-interval``.
   one of the Wrapper's barriers (NaN: it is not). The agent suspects the
   other members when a local rank stays blocked too long
   (:mod:`elastic_ft.rendezvous.liveness`).
+* **The initial rank** (each worker writes its own slot): the initial rank
+  its process holds now, when it took a new one: a rank counted out while
+  it lived (its node cut off) joins the running world again in the same
+  process, under a new initial rank, and its agent reports and admits it
+  under that one (NaN: the one it started with).
 
 Torch-free; used by both sides.
 """
@@ -43,7 +48,7 @@ from collections.abc import Mapping
 
 LOCAL_BOARD_ENV = "ELASTIC_FT_LOCAL_BOARD"
 _HEADER = 4  # the fence's time, the number of rank slots, the fence's generation, may join
-_PER_RANK = 2  # in a collective since, at a barrier since
+_PER_RANK = 3  # in a collective since, at a barrier since, the initial rank it took since it started
 _MAX_RANKS = 4096
 
 
@@ -153,11 +158,26 @@ class LocalBoard:
         """A new process takes ``local_rank``: what its predecessor left there is void."""
         self.set_in_collective(local_rank, None)
         self.set_at_barrier(local_rank, None)
+        self._slots[self._slot(local_rank, 2)] = math.nan
+
+    def set_initial_rank(self, local_rank: int, initial_rank: int) -> None:
+        """The process of ``local_rank`` holds ``initial_rank`` now (it joined the world again under it)."""
+        self._slots[self._slot(local_rank, 2)] = float(initial_rank)
+
+    def initial_rank(self, local_rank: int) -> int | None:
+        """The initial rank the process of ``local_rank`` took since it started; None: the one it started with."""
+        value = self._slots[self._slot(local_rank, 2)]
+        return None if math.isnan(value) or value < 0 else int(value)
 
     def stalled_for(self, now: float | None = None) -> float | None:
         """How long the longest-blocked local rank has been blocked (in a collective or at a barrier); None: none."""
         now = time.monotonic() if now is None else now
-        starts = [value for value in self._slots[_HEADER:] if not math.isnan(value)]
+        starts = [
+            value
+            for rank in range(self.ranks)
+            for value in (self._slots[self._slot(rank, 0)], self._slots[self._slot(rank, 1)])
+            if not math.isnan(value)
+        ]
         return now - min(starts) if starts else None
 
     def close(self, *, remove: bool = False) -> None:

@@ -11,6 +11,11 @@ Waiting is done by polling with a short back-off rather than with
 a ``wait``, which would stall the other threads of the process sharing the
 connection, and the polling loop executes Python bytecode, so an
 asynchronous restart exception can interrupt it at any time.
+
+A barrier's timeout bounds everything it does, etcd away included
+(:func:`elastic_ft.etcd.outage.bounded`): an etcd store waits for etcd within
+it, and a barrier that etcd's absence ends raises :class:`BarrierTimeout`
+saying so.
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ import torch.distributed as dist
 
 from elastic_ft import keys
 from elastic_ft.coordination.errors import BarrierOverflow, BarrierTimeout
+from elastic_ft.etcd.outage import bounded, grace
 
+#: How long a barrier that timed out may still take to read how many ranks arrived, for its error.
+_COUNT_GRACE = 2.0
 #: A barrier timeout meaning "arrive, do not wait".
 NO_WAIT = datetime.timedelta(0)
 _POLL_FIRST = 0.0005
@@ -179,9 +187,23 @@ class Barriers:
         waiting and returns ``None``; ``timedelta.max`` waits forever.
 
         Raises:
-            BarrierTimeout: the barrier did not complete in time.
+            BarrierTimeout: the barrier did not complete in time (the store unreachable meanwhile included).
             BarrierOverflow: more than ``world_size`` distinct ranks arrived.
         """
+        limit = (
+            None if timeout <= datetime.timedelta(0) or timeout == datetime.timedelta.max else timeout.total_seconds()
+        )
+        if limit is None:  # arrive only, or wait for ever: the store's own bound applies
+            return self._arrive_and_wait(name, ranks, world_size, timeout)
+        try:
+            with bounded(limit, f"the {name} barrier's timeout ({limit:g} s)"):
+                return self._arrive_and_wait(name, ranks, world_size, timeout)
+        except ConnectionError as error:  # the store did not answer within the barrier's timeout
+            raise BarrierTimeout(f"{name}: did not complete within {limit:g} s: {error}") from error
+
+    def _arrive_and_wait(
+        self, name: str, ranks: Iterable[int], world_size: int, timeout: datetime.timedelta
+    ) -> str | None:
         done_key = keys.barrier_done(name)
         counting = counting_store(self)
         for rank in ranks:
@@ -206,18 +228,41 @@ class Barriers:
             return None
         limit = None if timeout == datetime.timedelta.max else timeout.total_seconds()
         stalled = _StalledBarrier(self, name, world_size)
+        unreachable: list[ConnectionError] = []  # the last time the store did not answer, while it does not
+
+        def answered(look: Callable[[], bool]) -> Callable[[], bool]:
+            def resilient() -> bool:
+                try:
+                    done = look()
+                except ConnectionError as error:  # not yet: the barrier's own timeout ends the wait
+                    unreachable[:] = [error]
+                    return False
+                unreachable.clear()
+                return done
+
+            return resilient
+
         if counting is not None:
             # The loop stays a short-sleep poll the Wrapper can interrupt, but what it polls is a watch's
             # flag: one watch per rank, not a request every few milliseconds.
             appeared, stop = counting[0].watch_for(counting[1] + done_key)
             try:
-                completed = poll(lambda: (appeared.is_set() and self.check([done_key])) or stalled.repaired(), limit)
+                completed = poll(
+                    answered(lambda: (appeared.is_set() and self.check([done_key])) or stalled.repaired()), limit
+                )
             finally:
                 stop()
         else:
-            completed = poll(lambda: self.check([done_key]) or stalled.repaired(), limit)
+            completed = poll(answered(lambda: self.check([done_key]) or stalled.repaired()), limit)
         if not completed:
-            raise BarrierTimeout(f"{name}: {self._arrivals(name)} of {world_size} ranks arrived within {limit:g} s")
+            if unreachable:
+                raise BarrierTimeout(f"{name}: did not complete within {limit:g} s: {unreachable[0]}")
+            try:
+                with grace(_COUNT_GRACE, "the read of a timed-out barrier's arrivals"):
+                    arrived = str(self._arrivals(name))
+            except ConnectionError:
+                arrived = "?"
+            raise BarrierTimeout(f"{name}: {arrived} of {world_size} ranks arrived within {limit:g} s")
         return as_text(self.get(done_key))
 
     def _arrivals(self, name: str) -> int:

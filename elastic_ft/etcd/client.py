@@ -19,9 +19,13 @@ leases, puts of a key with a single writer, and transactions whose guards
 make a second application a no-op (the rendezvous's, and
 :class:`~elastic_ft.etcd.store.EtcdStore`'s, which carry a per-request
 token). Each request ends, one way or another, within ``connect_timeout +
-request_timeout``: every send is capped by the time left, and a request that
-no endpoint answered raises :class:`EtcdUnavailableError` naming the
-endpoints.
+request_timeout``, or sooner when the wait it serves ends sooner
+(:func:`elastic_ft.etcd.outage.bounded`): every send is capped by the time
+left, and a request that no endpoint answered raises
+:class:`EtcdUnavailableError` naming the endpoints. Whether etcd answers is
+recorded in the process's outage record (:data:`elastic_ft.etcd.outage.OUTAGES`),
+which logs each outage once; callers decide whether to wait on
+(:mod:`elastic_ft.etcd.outage`).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from elastic_ft.etcd.kv import (
     TxnResult,
     WatchEvent,
 )
+from elastic_ft.etcd.outage import OUTAGES, current_bound, time_left
 from elastic_ft.etcd.watch import EtcdWatch, KeepAliveStream, Stream, WatchStream
 from elastic_ft.shield import shield, shielded
 
@@ -232,6 +237,9 @@ class EtcdClient:
         self.errors_by_kind: Counter[tuple[str, str]] = Counter()
         #: When etcd last answered a request of this client (``time.monotonic()``).
         self.last_answer = time.monotonic()
+        #: etcd has answered this client once: from then on, not answering is an outage (before, a first contact
+        #: that fails, which its caller reports).
+        self.answered_once = False
 
     # ---- connection management ----
 
@@ -326,7 +334,13 @@ class EtcdClient:
         left, whichever is shorter.
         """
         start = time.monotonic()
-        deadline = start + (self.connect_timeout + self.request_timeout if budget is None else budget)
+        deadline = start + time_left(self.connect_timeout + self.request_timeout if budget is None else budget)
+        if deadline <= start:
+            bound = current_bound()
+            raise EtcdUnavailableError(
+                f"{bound.what if bound is not None else 'the wait'} ended before etcd at {self.describe_endpoints()} "
+                "could be asked"
+            )
         last_error: grpc.RpcError | None = None
         while True:
             for endpoint in self._endpoint_order():
@@ -361,15 +375,20 @@ class EtcdClient:
                     continue
                 self._mark_good(endpoint)
                 self.last_answer = time.monotonic()
+                self.answered_once = True
+                OUTAGES.answered(self.describe_endpoints())
                 return result
             left = deadline - time.monotonic()
             if left <= 0:
                 detail = last_error.details() if last_error is not None else "no answer"
-                raise EtcdUnavailableError(
+                error = EtcdUnavailableError(
                     f"no answer from etcd at {self.describe_endpoints()} within "
                     f"{time.monotonic() - start:.1f} s (connect_timeout={self.connect_timeout:g} s, "
                     f"request_timeout={self.request_timeout:g} s): {detail}"
-                ) from last_error
+                )
+                if last_error is not None and self.answered_once:
+                    OUTAGES.failed(self.describe_endpoints(), detail)
+                raise error from last_error
             time.sleep(min(0.2, left))
 
     # ---- requests ----

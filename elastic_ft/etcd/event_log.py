@@ -12,7 +12,8 @@ the capacity still bound it by the largest.
 An append is one transaction guarded by the counter's revision, so
 concurrent writers get distinct numbers. It is applied exactly once: each
 event carries a unique id, and when etcd's answer is lost the writer reads
-the slot it tried before trying again.
+the slot it tried before trying again, in the same call or in a later one
+with the same ``event_id`` (a sender that waits out an etcd outage).
 """
 
 from __future__ import annotations
@@ -50,20 +51,28 @@ class EventLog:
         self.client = client
         self.keys = keys
         self.capacity = capacity
+        #: The last append that may have committed without an answer: its event id and the number it tried.
+        self._unanswered: tuple[str, int] | None = None
 
-    def append(self, event: JobEvent) -> int:
+    def append(self, event: JobEvent, event_id: str | None = None) -> int:
         """Store ``event`` in its stream; returns its sequence number there. Raises the client's errors.
 
         A transaction that loses the race for a number (or a resend of one
         that had committed) answers with the counter and the slot it tried,
-        so the next attempt needs no read of its own.
+        so the next attempt needs no read of its own. ``event_id``: the same
+        for every call that sends the same event (a new one by default).
         """
         stream = EVENTS_PROGRESS if event.name == "progress" else EVENTS_MAIN
         counter_key = self.keys.events_next(stream)
-        event_id = uuid.uuid4().hex
+        event_id = event_id or uuid.uuid4().hex
+        unanswered = self._unanswered
+        if unanswered is not None and unanswered[0] == event_id and self._holds(unanswered[1], stream, event_id):
+            self._unanswered = None
+            return unanswered[1]  # an earlier call's send committed, its answer was lost
         counter, _ = self.client.get(counter_key)
         while True:
             seq, guard = self._next_number(counter_key, counter)
+            self._unanswered = (event_id, seq)
             slot_key = self.keys.event_slot(seq % self.capacity, stream)
             document = {**event.to_document(), "seq": seq, "id": event_id}
             ops = [put_op(counter_key, str(seq + 1).encode()), put_op(slot_key, json.dumps(document).encode())]
@@ -74,6 +83,7 @@ class EventLog:
                     return seq  # the answer was lost, but it committed
                 counter, _ = self.client.get(counter_key)
                 continue
+            self._unanswered = None
             if result.succeeded:
                 return seq
             now, slot = result.ranges

@@ -8,14 +8,20 @@ a process that simulates a thousand nodes costs etcd 16 streams, not a
 thousand, and itself 48 threads, not three thousand. A stream is reopened,
 on another endpoint if need be, only when it breaks or stops answering.
 
-A session is *lost* (:attr:`Session.expired`) as soon as etcd reports its
-lease gone, or when no refresh has succeeded for a whole TTL: by then etcd
-has dropped the lease and every key on it, whatever the client hears later,
-so waiting longer would only hide the loss.
+A session is *lost* (:attr:`Session.expired`) when etcd reports its lease
+gone: a refresh answered with no TTL left. Silence is not a loss: etcd keeps
+a lease through a restart, a leader change and a quorum lost and regained
+(each new leader extends every lease by its TTL), and drops it after a
+freeze longer than the TTL (measured on etcd 3.4 and 3.5,
+``tests/etcd/test_lease_outages.py``). So while etcd is silent the session
+keeps refreshing, and only says until when the lease is *proven* alive
+(:meth:`Session.valid_until`): what the node's workers may rely on. Whether
+the lease outlived the outage is etcd's answer once it is back.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import threading
@@ -24,6 +30,7 @@ import weakref
 
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.kv import EtcdRequestError, EtcdUnavailableError
+from elastic_ft.etcd.outage import OUTAGES
 from elastic_ft.etcd.watch import KeepAliveStream
 
 log = logging.getLogger(__name__)
@@ -54,7 +61,10 @@ class Session:
         self.interval = max(0.1, self.ttl / 3)
         self.last_refresh = time.monotonic()
         self.next_refresh = self.last_refresh + self.interval
-        self.sent_at: float | None = None  # a refresh awaits its answer since then
+        #: When each refresh still unanswered was sent, oldest first (etcd answers a stream's in order).
+        self.pending: collections.deque[float] = collections.deque()
+        #: Notified at every answer about the lease (refreshed, or gone).
+        self.answered = threading.Condition()
         self._lessor = _Lessor.of(client)
         self._lessor.add(self)
 
@@ -65,10 +75,29 @@ class Session:
         """
         return 0.0 if self.expired.is_set() else self.proven_at + self.ttl
 
+    def refresh_soon(self) -> None:
+        """Send the next refresh now (its answer proves the lease alive, or lost, from now on)."""
+        self._lessor.refresh_now(self)
+
+    def prove(self, since: float, timeout: float) -> bool | None:
+        """Whether the lease is alive at some time after ``since`` (``time.monotonic()``), as etcd answers a
+        refresh sent now: True, False once it is lost, None when no answer came within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        self._lessor.refresh_now(self)
+        with self.answered:
+            while not (self.expired.is_set() or self.proven_at >= since):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.answered.wait(left)
+        return not self.expired.is_set()
+
     def mark_lost(self, why: str) -> None:
         silent = time.monotonic() - self.last_refresh
         log.warning("etcd lease %x lost (%s; last refreshed %.1f s ago, TTL %d s)", self.id, why, silent, self.ttl)
         self.expired.set()
+        with self.answered:
+            self.answered.notify_all()
 
     def close(self, *, revoke: bool) -> None:
         """Stop refreshing; with ``revoke``, delete the lease and every key on it at once."""
@@ -130,6 +159,13 @@ class _Lessor:
             self._sessions.pop(session.id, None)
         self._wake.set()
 
+    def refresh_now(self, session: Session) -> None:
+        """Send ``session``'s next refresh at once."""
+        with self._lock:
+            if session.id in self._sessions:
+                session.next_refresh = time.monotonic() - session.interval
+        self._wake.set()
+
     def _on_answer(self, lease_id: int, ttl: int) -> None:
         with self._lock:
             session = self._sessions.get(lease_id)
@@ -137,26 +173,31 @@ class _Lessor:
                 return
             failing_since, breaks = self._failing_since, self._breaks
             self._failing_since, self._breaks = None, 0
+            sent = session.pending.popleft() if session.pending else None
             if ttl <= 0:
                 del self._sessions[lease_id]
             else:
-                now = time.monotonic()
-                session.proven_at = session.sent_at if session.sent_at is not None else session.proven_at
-                session.last_refresh, session.sent_at = now, None
+                if sent is not None:  # etcd restarted the TTL no earlier than this refresh was sent
+                    session.proven_at = max(session.proven_at, sent)
+                session.last_refresh = time.monotonic()
+        OUTAGES.answered(self._client.describe_endpoints())
         if failing_since is not None:
-            log.warning("etcd keep-alive answered again, after %.1f s and %d broken stream(s)",
-                        time.monotonic() - failing_since, breaks)  # fmt: skip
+            log.debug("etcd keep-alive answered again, after %.1f s and %d broken stream(s)",
+                      time.monotonic() - failing_since, breaks)  # fmt: skip
         if ttl <= 0:
             session.mark_lost("etcd reports it expired")
+        else:
+            with session.answered:
+                session.answered.notify_all()
 
     def _note_break(self, endpoint: object, why: object) -> None:
-        """Log the first of a run of broken streams; the rest go to debug (one reopen every 0.1 s)."""
+        """A stream broke or went silent: the process's outage record says so once; each reopen is debug."""
         with self._lock:
-            first = self._failing_since is None
-            if first:
+            if self._failing_since is None:
                 self._failing_since = time.monotonic()
             self._breaks += 1
-        (log.warning if first else log.debug)("etcd keep-alive stream to %s: %s; reopening", endpoint, why)
+        OUTAGES.failed(self._client.describe_endpoints(), f"keep-alive: {why}")
+        log.debug("etcd keep-alive stream to %s: %s; reopening", endpoint, why)
 
     def _on_end(self, opened: int, error: Exception) -> None:
         with self._lock:
@@ -176,12 +217,8 @@ class _Lessor:
                         return
                     sessions = list(self._sessions.values())
                     broken, self._broken = self._broken, None
-                lost = [s for s in sessions if now - s.last_refresh >= s.ttl]
-                for session in lost:
-                    self.remove(session)
-                    session.mark_lost(f"no refresh for a whole TTL ({broken or 'no answer'})")
-                live = [s for s in sessions if s not in lost]
-                late = [s for s in live if s.sent_at is not None and now - s.sent_at >= self._client.request_timeout]
+                live = sessions  # silence loses no lease: etcd's answer does (the module docstring)
+                late = [s for s in live if s.pending and now - s.pending[0] >= self._client.request_timeout]
                 if stream is not None and (broken is not None or late):
                     self._note_break(stream.endpoint, broken or f"no answer within {self._client.request_timeout:g} s")
                     stream.close()
@@ -201,22 +238,21 @@ class _Lessor:
                         self._note_break("etcd", f"cannot open one yet: {exc}")
                         self._wake.wait(_RETRY_PAUSE)
                         continue
-                    for session in live:  # what was sent on the old stream is lost with it
-                        session.next_refresh, session.sent_at = now, None
-                for session in live:
-                    if session.next_refresh - now <= session.interval / 4:
-                        if session.sent_at is None:
-                            session.sent_at = now
-                        session.next_refresh = now + session.interval
-                        stream.send(session.id)
-                timeout = self._client.request_timeout
-                wake_at = min(
-                    (
-                        min(s.next_refresh, s.last_refresh + s.ttl, (s.sent_at or s.next_refresh) + timeout)
-                        for s in live
-                    ),
-                    default=now,
-                )
+                    with self._lock:
+                        for session in live:  # what was sent on the old stream is lost with it
+                            session.next_refresh = now
+                            session.pending.clear()
+                with self._lock:
+                    for session in live:
+                        if session.next_refresh - now <= session.interval / 4:
+                            session.pending.append(now)
+                            session.next_refresh = now + session.interval
+                            stream.send(session.id)
+                    timeout = self._client.request_timeout
+                    wake_at = min(
+                        (min(s.next_refresh, s.pending[0] + timeout if s.pending else s.next_refresh) for s in live),
+                        default=now,
+                    )
                 self._wake.wait(max(0.0, wake_at - time.monotonic()))
         finally:
             if stream is not None:

@@ -17,7 +17,14 @@ torch's ``TCPStore`` (the tests run the same assertions against both):
   that outlives any resend) and requires it to be absent. A resend of a write
   that had committed finds its token and reports the first outcome instead
   of applying the write again. When no answer comes at all within the
-  client's bound, the write raises :class:`StoreWriteOutcomeUnknown`.
+  operation's bound, the write raises :class:`StoreWriteOutcomeUnknown`.
+* etcd away is a wait, not an error (:mod:`elastic_ft.etcd.outage`), as a
+  TCPStore client waits for its server: every operation retries with
+  backoff while etcd is unreachable, resending the same request, for as long
+  as its bound allows: the store's timeout (``wait``'s own, when given), or
+  less inside a shorter wait (:func:`~elastic_ft.etcd.outage.bounded`). Then
+  it raises :class:`EtcdStoreUnavailable` (a ``DistStoreError``, and a
+  ``ConnectionError``), saying how long etcd was away.
 * ``compare_set(key, expected, desired)`` sets ``desired`` when the current
   value equals ``expected`` (or when the key is missing and ``expected`` is
   empty) and returns the value the key holds afterwards; a missing key with a
@@ -37,6 +44,7 @@ Values are opaque bytes; etcd limits one value to 1.5 MiB by default.
 
 from __future__ import annotations
 
+import functools
 import math
 import queue
 import threading
@@ -44,7 +52,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -63,6 +71,7 @@ from elastic_ft.etcd.client import (
     key_modified_at,
     put_op,
 )
+from elastic_ft.etcd.outage import OUTAGES, bounded, patiently
 from elastic_ft.keys import parse_store_queue_key, store_queue_prefix, store_queues_prefix, store_write_token
 from elastic_ft.shield import shield
 
@@ -89,8 +98,44 @@ def _next_item(events: queue.Queue[_T], remaining: float) -> _T:
         return events.get(timeout=min(remaining, _WAIT_SLICE))
 
 
-class StoreWriteOutcomeUnknown(dist.DistStoreError):
-    """etcd did not answer a write within the client's bound: it may or may not have committed (once)."""
+class EtcdStoreUnavailable(dist.DistStoreError, EtcdUnavailableError):
+    """etcd did not answer within an operation's bound (the store's timeout, or a shorter enclosing one)."""
+
+
+class StoreWriteOutcomeUnknown(EtcdStoreUnavailable):
+    """etcd did not answer a write within its bound: it may or may not have committed (once)."""
+
+
+#: How long etcd may stay silent during a wait before the store reads the keys again: a watch stream that
+#: died without a word (a black-holed connection gRPC has not noticed yet) must not hide a key for long.
+_RECHECK_AFTER = 10.0
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _bounded_op(method: _F) -> _F:
+    """Run a store operation within the store's timeout, retrying while etcd is unreachable (the module
+    docstring); at the bound, :class:`EtcdStoreUnavailable`."""
+
+    @functools.wraps(method)
+    def run(self: EtcdStore, *args: Any, **kwargs: Any) -> Any:
+        seconds = self.timeout.total_seconds()
+        with bounded(seconds, f"the store's timeout ({seconds:g} s)"):
+            try:
+                return method(self, *args, **kwargs)
+            except EtcdStoreUnavailable:
+                raise
+            except EtcdUnavailableError as error:
+                raise EtcdStoreUnavailable(f"{method.__name__} on {self.prefix}: {error}") from error
+
+    return run  # type: ignore[return-value]  # the same signature as method
+
+
+def _unreachable_note() -> str:
+    """``"; etcd ... unreachable for the last N s"`` while this process sees an outage, else empty."""
+    since = OUTAGES.down_since()
+    return "" if since is None else f"; etcd has been unreachable for the last {time.monotonic() - since:.1f} s"
 
 
 def _as_bytes(value: str | bytes | bytearray | Sequence[int]) -> bytes:
@@ -116,7 +161,8 @@ class EtcdStore(dist.Store):
         self.set_timeout(timeout)
         #: Writes whose commit was learnt from their token: a resend after an earlier send had committed.
         self.writes_recovered = 0
-        self._token_lease: tuple[int, float] | None = None  # lease id, when to replace it (time.monotonic())
+        #: The write tokens' lease id, when to replace it (time.monotonic()), and the TTL it was asked for.
+        self._token_lease: tuple[int, float, int] | None = None
         self._token_lease_lock = threading.Lock()
         self._clones: list[EtcdStore] = []
 
@@ -126,6 +172,10 @@ class EtcdStore(dist.Store):
     def _timeout_seconds(self, timeout: timedelta | None) -> float:
         return (timeout if timeout is not None else self.timeout).total_seconds()
 
+    def _ask(self, call: Callable[[], _T]) -> _T:
+        """One etcd request, resent with backoff while etcd is unreachable, within the operation's bound."""
+        return patiently(call, f"EtcdStore at {self.prefix}")
+
     # ---- reads ----
 
     def _fetch(self, keys: Sequence[str]) -> tuple[dict[str, KeyValue], int]:
@@ -134,7 +184,7 @@ class EtcdStore(dist.Store):
         revision = 0
         for start in range(0, len(keys), _TXN_OPS):
             chunk = keys[start : start + _TXN_OPS]
-            result = self._client.txn([], [get_op(self._key(k)) for k in chunk])
+            result = self._ask(functools.partial(self._client.txn, [], [get_op(self._key(k)) for k in chunk]))
             revision = max(revision, result.revision)
             for key, kvs in zip(chunk, result.ranges, strict=True):
                 if kvs:
@@ -152,7 +202,7 @@ class EtcdStore(dist.Store):
         for start in range(0, len(keys), per_txn):
             chunk = keys[start : start + per_txn]
             ops = [op for k in chunk for op in (get_op(self._key(k)), first_key_op(store_queue_prefix(self.prefix, k)))]
-            result = self._client.txn([], ops)
+            result = self._ask(functools.partial(self._client.txn, [], ops))
             revision = max(revision, result.revision)
             for index, key in enumerate(chunk):
                 if not result.ranges[2 * index] and not result.ranges[2 * index + 1]:
@@ -161,38 +211,53 @@ class EtcdStore(dist.Store):
 
     def _await(self, keys: Sequence[str], timeout: timedelta | None, *, queues: bool) -> None:
         """Block until every key exists (with ``queues``: or its queue holds an item, as TCPStore's ``wait`` and
-        ``check`` count it), on watches; ``DistStoreError`` at the timeout."""
+        ``check`` count it), on watches; ``DistStoreError`` at the timeout, etcd reachable or not."""
         seconds = self._timeout_seconds(timeout)
         deadline = time.monotonic() + seconds
-        missing, revision = self._missing(keys, queues)
-        while missing:
-            events: queue.Queue[list[WatchEvent] | Exception] = queue.Queue()
-            watches = self._watch(sorted(missing), revision + 1, events, queues)
+        with bounded(seconds, f"the wait's timeout ({seconds:g} s)"):
             try:
-                self._await_events(missing, events, deadline, seconds)
-            finally:
-                for watch in watches:
-                    watch.close()
-            # Confirm with a read: a key deleted again meanwhile, or a broken stream, means waiting on.
-            missing, revision = self._missing(keys, queues)
+                missing, revision = self._missing(keys, queues)
+                while missing:
+                    events: queue.Queue[list[WatchEvent] | Exception] = queue.Queue()
+                    watches = self._ask(functools.partial(self._watch, sorted(missing), revision + 1, events, queues))
+                    try:
+                        self._await_events(missing, events, deadline, seconds)
+                    finally:
+                        for watch in watches:
+                            watch.close()
+                    # Confirm with a read: a key deleted again meanwhile, or a broken stream, means waiting on.
+                    missing, revision = self._missing(keys, queues)
+            except EtcdStoreUnavailable:
+                raise
+            except EtcdUnavailableError as error:
+                names = ", ".join(sorted(keys))
+                raise EtcdStoreUnavailable(
+                    f"wait timeout after {seconds * 1000:.0f}ms, keys: {names}: {error}"
+                ) from error
 
     def _await_events(
         self, missing: set[str], events: queue.Queue[list[WatchEvent] | Exception], deadline: float, seconds: float
     ) -> None:
-        """Take keys out of ``missing`` as the watches see them put; return when none is left or a watch broke."""
+        """Take keys out of ``missing`` as the watches see them put; return when none is left, a watch broke, or
+        nothing came for :data:`_RECHECK_AFTER` (the caller reads again)."""
+        quiet_until = time.monotonic() + _RECHECK_AFTER
         while missing:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = deadline - now
             if remaining <= 0:
                 names = ", ".join(sorted(missing))
-                raise dist.DistStoreError(f"wait timeout after {seconds * 1000:.0f}ms, keys: {names}")
+                raise dist.DistStoreError(
+                    f"wait timeout after {seconds * 1000:.0f}ms, keys: {names}{_unreachable_note()}"
+                )
+            if now >= quiet_until:
+                return
             try:
                 item = _next_item(events, remaining)
             except queue.Empty:
-                # A frozen etcd breaks no watch for a long while: fail within the client's bound instead.
-                self._client.ensure_reachable()
                 continue
             if isinstance(item, Exception):
                 return  # the stream broke: read again, then watch again
+            quiet_until = time.monotonic() + _RECHECK_AFTER
             for event in item:
                 if not event.deleted:
                     missing.discard(self._name_of(event.kv.key))
@@ -207,6 +272,7 @@ class EtcdStore(dist.Store):
         self, keys: Sequence[str], start_revision: int, events: queue.Queue[list[WatchEvent] | Exception], queues: bool
     ) -> list[EtcdWatch]:
         """Watch only what the wait needs: the one key (and its queue), or the store's prefix (and its queues)."""
+
         def put(batch: list[WatchEvent], _revision: int) -> None:
             events.put(batch)
 
@@ -229,9 +295,11 @@ class EtcdStore(dist.Store):
             if len(found) == len(set(keys)):
                 return found
 
+    @_bounded_op
     def get(self, key: str) -> bytes:
         return self._values([key])[key].value
 
+    @_bounded_op
     def multi_get(self, keys: list[str]) -> list[bytes]:
         found = self._values(keys)
         return [found[k].value for k in keys]
@@ -239,12 +307,14 @@ class EtcdStore(dist.Store):
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         self._await(keys, timeout, queues=True)
 
+    @_bounded_op
     def check(self, keys: list[str]) -> bool:
         missing, _ = self._missing(keys, queues=True)
         return not missing
 
+    @_bounded_op
     def num_keys(self) -> int:
-        return self._client.count_prefix(self.prefix)
+        return self._ask(lambda: self._client.count_prefix(self.prefix))
 
     # torch's Python-store trampoline (torch 2.13) looks these two methods up by their C++ names, every
     # other by its Python name: a PrefixStore (or any C++ caller) reaches ``num_keys`` and ``delete_key``
@@ -256,8 +326,9 @@ class EtcdStore(dist.Store):
     def deleteKey(self, key: str) -> bool:
         return self.delete_key(key)
 
+    @_bounded_op
     def list_keys(self) -> list[str]:
-        kvs, _ = self._client.get_prefix(self.prefix)
+        kvs, _ = self._ask(lambda: self._client.get_prefix(self.prefix))
         return [kv.key[len(self.prefix) :] for kv in kvs]
 
     def has_extended_api(self) -> bool:
@@ -277,13 +348,16 @@ class EtcdStore(dist.Store):
 
     # ---- queues ----
 
+    @_bounded_op
     def queue_push(self, key: str, value: str | bytes) -> None:
         item = store_queue_prefix(self.prefix, key) + uuid.uuid4().hex
         self._write(f"queue_push({key!r})", [put_op(item, _as_bytes(value))])
 
+    @_bounded_op
     def queue_len(self, key: str) -> int:
-        return self._client.count_prefix(store_queue_prefix(self.prefix, key))
+        return self._ask(lambda: self._client.count_prefix(store_queue_prefix(self.prefix, key)))
 
+    @_bounded_op
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         """The oldest item of queue ``key``, removed exactly once.
 
@@ -296,7 +370,7 @@ class EtcdStore(dist.Store):
         seconds = self._timeout_seconds(None)
         deadline = time.monotonic() + seconds
         while True:
-            items, revision = self._client.get_prefix(prefix)
+            items, revision = self._ask(lambda: self._client.get_prefix(prefix))
             if items:
                 first = min(items, key=lambda kv: kv.create_revision)
                 guard = key_modified_at(first.key, first.mod_revision)
@@ -312,13 +386,17 @@ class EtcdStore(dist.Store):
     def _await_put(self, prefix: str, revision: int, deadline: float) -> bool:
         """Wait for a key to be put under ``prefix`` after ``revision``; False at ``deadline``."""
         events: queue.Queue[list[WatchEvent] | Exception] = queue.Queue()
-        watch = self._client.watch_prefix(prefix, revision + 1, lambda b, _r: events.put(b), events.put)
+        watch = self._ask(
+            lambda: self._client.watch_prefix(prefix, revision + 1, lambda b, _r: events.put(b), events.put)
+        )
+        quiet_until = time.monotonic() + _RECHECK_AFTER
         try:
             while (remaining := deadline - time.monotonic()) > 0:
+                if time.monotonic() >= quiet_until:
+                    return True  # read again: a silent watch may be a dead one
                 try:
                     item = _next_item(events, remaining)
                 except queue.Empty:
-                    self._client.ensure_reachable()
                     continue
                 if isinstance(item, Exception) or any(not event.deleted for event in item):
                     return True  # read again (after a broken stream too)
@@ -331,16 +409,21 @@ class EtcdStore(dist.Store):
     def _write_lease(self) -> int:
         """The lease write tokens go on: granted lazily, replaced once half its TTL has passed.
 
-        The TTL is at least four times the longest a request can take, so a
-        token outlives every resend of its write.
+        A write is resent for as long as its bound (the store's timeout)
+        allows, so a token must outlive that, counted from the moment its
+        lease is replaced: the TTL is twice the store's timeout plus the
+        longest request, and at least a minute. etcd keeps no token longer:
+        a lease outlives a freeze only of less than its TTL.
         """
         with self._token_lease_lock:
             now = time.monotonic()
-            if self._token_lease is None or now >= self._token_lease[1]:
-                longest = self._client.connect_timeout + self._client.request_timeout
-                lease, ttl = self._client.grant_lease(max(60, math.ceil(4 * longest)))
-                self._token_lease = (lease, now + ttl / 2)
-            return self._token_lease[0]
+            longest = self._client.connect_timeout + self._client.request_timeout
+            wanted = max(60, math.ceil(2 * (self.timeout.total_seconds() + longest)))
+            held = self._token_lease
+            if held is None or now >= held[1] or held[2] < wanted:
+                lease, ttl = self._ask(lambda: self._client.grant_lease(wanted))
+                self._token_lease = held = (lease, now + ttl / 2, wanted)
+            return held[0]
 
     def _commit_once(self, what: str, guards: list[Compare], ops: list[Op], token: str, result: bytes) -> bytes | None:
         """Apply ``ops`` if ``guards`` hold, at most once per ``token``.
@@ -351,12 +434,10 @@ class EtcdStore(dist.Store):
         """
         token_key = store_write_token(self.prefix, token)
         lease = self._write_lease()  # before the write: failing here, nothing was sent
+        compare, success = [*guards, key_missing(token_key)], [*ops, put_op(token_key, result, lease)]
         try:
-            outcome = self._client.txn(
-                [*guards, key_missing(token_key)],
-                [*ops, put_op(token_key, result, lease)],
-                [get_op(token_key)],
-            )
+            # The same request each time, token included: a resend of a write that committed finds the token.
+            outcome = self._ask(lambda: self._client.txn(compare, success, [get_op(token_key)]))
         except EtcdUnavailableError as exc:
             raise StoreWriteOutcomeUnknown(f"{what}: etcd did not answer, the write may have committed: {exc}") from exc
         if outcome.succeeded:
@@ -373,9 +454,11 @@ class EtcdStore(dist.Store):
         if self._commit_once(what, [], ops, token, b"") is None:
             raise dist.DistStoreError(f"{what}: etcd refused an unconditional write")
 
+    @_bounded_op
     def set(self, key: str, value: str | bytes) -> None:
         self._write(f"set({key!r})", [put_op(self._key(key), _as_bytes(value))])
 
+    @_bounded_op
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         if len(keys) != len(values):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
@@ -383,11 +466,12 @@ class EtcdStore(dist.Store):
         for start in range(0, len(ops), _TXN_OPS - 1):  # one op of each transaction is its token
             self._write(f"multi_set({keys[start]!r}, ...)", ops[start : start + _TXN_OPS - 1])
 
+    @_bounded_op
     def delete_key(self, key: str) -> bool:
         full = self._key(key)
         token = uuid.uuid4().hex
         while True:
-            kv, _ = self._client.get(full)
+            kv, _ = self._ask(lambda: self._client.get(full))
             if kv is None:
                 return False
             guard = key_modified_at(full, kv.mod_revision)
@@ -399,13 +483,14 @@ class EtcdStore(dist.Store):
         full = self._key(key)
         token = uuid.uuid4().hex
         while True:
-            kv, _ = self._client.get(full)
+            kv, _ = self._ask(lambda: self._client.get(full))
             new = change(kv.value if kv else None)
             guard = key_modified_at(full, kv.mod_revision) if kv else key_missing(full)
             committed = self._commit_once(what, [guard], [put_op(full, new)], token, new)
             if committed is not None:
                 return committed
 
+    @_bounded_op
     def arrive_once(self, arrived: str, counter: str, token: str) -> tuple[bool, int]:
         """Count one arrival at a barrier, at most once: ``(counted, arrivals so far)``.
 
@@ -417,11 +502,16 @@ class EtcdStore(dist.Store):
         counts it once. ``counted`` is False when another token arrived first.
         """
         arrived_key, counter_key = self._key(arrived), self._key(counter)
-        outcome = self._client.txn(
-            [key_missing(arrived_key)],
-            [put_op(arrived_key, token.encode()), put_op(counter_key, b""), get_op(counter_key)],
-            [get_op(arrived_key), get_op(counter_key)],
-        )
+        try:
+            outcome = self._ask(
+                lambda: self._client.txn(
+                    [key_missing(arrived_key)],
+                    [put_op(arrived_key, token.encode()), put_op(counter_key, b""), get_op(counter_key)],
+                    [get_op(arrived_key), get_op(counter_key)],
+                )
+            )
+        except EtcdUnavailableError as exc:
+            raise StoreWriteOutcomeUnknown(f"arrive({arrived!r}): etcd did not answer, it may count: {exc}") from exc
         count = outcome.ranges[-1]
         arrivals = count[0].version if count else 0
         if outcome.succeeded:
@@ -429,13 +519,14 @@ class EtcdStore(dist.Store):
         mine = outcome.ranges[0]
         return bool(mine and mine[0].value == token.encode()), arrivals
 
+    @_bounded_op
     def watch_for(self, key: str) -> tuple[threading.Event, Callable[[], None]]:
         """A flag set once ``key`` exists, kept by a watch (no request while it is not), and the function that
         stops the watch. A broken watch sets the flag too, so a caller that checks the key falls back to
         reading it."""
         full = self._key(key)
         appeared = threading.Event()
-        kv, revision = self._client.get(full)
+        kv, revision = self._ask(lambda: self._client.get(full))
         if kv is not None:
             appeared.set()
             return appeared, lambda: None
@@ -444,14 +535,16 @@ class EtcdStore(dist.Store):
             if any(not event.deleted for event in events):
                 appeared.set()
 
-        watch = self._client.watch_key(full, revision + 1, on_events, lambda _error: appeared.set())
+        watch = self._ask(lambda: self._client.watch_key(full, revision + 1, on_events, lambda _error: appeared.set()))
         return appeared, watch.close
 
+    @_bounded_op
     def arrivals(self, counter: str) -> int:
         """The number of arrivals :meth:`arrive_once` counted under ``counter``."""
-        kv, _ = self._client.get(self._key(counter))
+        kv, _ = self._ask(lambda: self._client.get(self._key(counter)))
         return kv.version if kv is not None else 0
 
+    @_bounded_op
     def add(self, key: str, amount: int) -> int:
         def increment(current: bytes | None) -> bytes:
             try:
@@ -462,16 +555,18 @@ class EtcdStore(dist.Store):
 
         return int(self._read_modify_write(f"add({key!r}, {amount})", key, increment))
 
+    @_bounded_op
     def append(self, key: str, value: str | bytes) -> None:
         data = _as_bytes(value)
         self._read_modify_write(f"append({key!r})", key, lambda current: (current or b"") + data)
 
+    @_bounded_op
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         full = self._key(key)
         expected, desired = _as_bytes(expected_value), _as_bytes(desired_value)
         token = uuid.uuid4().hex
         while True:
-            kv, _ = self._client.get(full)
+            kv, _ = self._ask(lambda: self._client.get(full))
             if kv is None:
                 if expected:
                     return expected

@@ -18,6 +18,7 @@ from typing import Generic, TypeVar
 
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.kv import EtcdRequestError, EtcdUnavailableError, KeyValue, WatchEvent
+from elastic_ft.etcd.outage import Backoff
 from elastic_ft.etcd.watch import EtcdWatch
 
 log = logging.getLogger(__name__)
@@ -99,21 +100,25 @@ class PrefixView(Generic[FactT, StateT]):
                 return
             self._broken_since = time.monotonic()
             self._cond.notify_all()
-        log.warning("watch on %s broke (%s); re-listing", self._prefix, error)
+        log.debug("watch on %s broke (%s); re-listing", self._prefix, error)
         threading.Thread(target=self._recover, name="etcd-view-resync", daemon=True).start()
 
     def _recover(self) -> None:
-        delay = 0.05
+        backoff = Backoff()
         while not self._stopped:
             try:
                 self._resync()
                 return
-            except (EtcdUnavailableError, EtcdRequestError) as exc:
+            except EtcdUnavailableError as exc:  # etcd away: the process's outage record logs it once
+                if self._stopped:
+                    return
+                log.debug("re-listing %s failed: %s", self._prefix, exc)
+                time.sleep(backoff.next())
+            except EtcdRequestError as exc:
                 if self._stopped:
                     return
                 log.warning("re-listing %s failed: %s", self._prefix, exc)
-                time.sleep(delay)
-                delay = min(1.0, delay * 2)
+                time.sleep(backoff.next())
 
     def disconnected_for(self) -> float:
         """Seconds since the watch broke without being restored (0 when live)."""

@@ -19,7 +19,8 @@ through its own connection to the store. It
   SIGCONT+SIGTERM, then after ``termination_grace_time`` SIGCONT+SIGTERM+SIGKILL.
 
 The main process drives it with JSON lines on a pipe: ``store_ready``,
-``iteration`` (number, rank, world size) and ``stop``.
+``iteration`` (number, rank, world size), ``initial_rank`` (the rank joins
+the world again under a new one) and ``stop``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from elastic_ft.coordination.barriers import NO_WAIT, poll
 from elastic_ft.coordination.iteration import COMPLETED, IterationView, iteration_store, report_rank_gone
 from elastic_ft.coordination.job import JobView, job_store, joined_ranks
 from elastic_ft.coordination.reports import report_process_gone
+from elastic_ft.etcd.outage import OUTAGES, Backoff, bounded, patiently
 from elastic_ft.inprocess.hang_detection import (
     RankActivity,
     StallAction,
@@ -219,6 +221,10 @@ class MonitorProcess:
         """The store exists (its host is up): the monitor may connect."""
         self._send({"type": "store_ready"})
 
+    def take_initial_rank(self, initial_rank: int) -> None:
+        """The rank holds a new initial rank from now on: heartbeat and report it under that one."""
+        self._send({"type": "initial_rank", "initial_rank": initial_rank})
+
     def start_iteration(self, iteration: int, rank: int, world_size: int, active: bool = True) -> None:
         self._send(
             {"type": "iteration", "iteration": iteration, "rank": rank, "world_size": world_size, "active": active}
@@ -394,6 +400,7 @@ class _Monitor:
         job = job_store(base_store)
         watching_since = time.time()
         next_heartbeat = next_check = 0.0
+        backoff = Backoff()
         while True:
             messages, early = [*early, *self._receive(0.0 if early else config.interval)], []
             for message in messages:
@@ -410,6 +417,12 @@ class _Monitor:
                         active=message.get("active", True),
                     )
                     log.info("iteration %d: rank %d of %d", number, message["rank"], message["world_size"])
+                if message["type"] == "initial_rank":
+                    # The rank was counted out while it lived and joins the world again under a new one.
+                    self.config = dataclasses.replace(self.config, initial_rank=int(message["initial_rank"]))
+                    self.iteration, self.reported_silent = None, set()
+                    next_heartbeat = 0.0
+                    log.info("the rank joins the running world again as initial rank %d", self.config.initial_rank)
             if not process_is_alive(self.target_pid):
                 self._report_terminated(base_store, "terminated", f"process {self.target_pid} died")
                 return
@@ -418,15 +431,35 @@ class _Monitor:
             self.network.sample(monotonic_now)
             activity = self._activity(monotonic_now)
             timeouts = self._timeouts()
+            # etcd away: the rank trains on; its death is still seen (pidfd), and reported once etcd answers.
+            unreachable = False
             if now >= next_heartbeat:
-                reserve = self.iteration is not None and not self.iteration.active
-                job.send_heartbeat(config.initial_rank, now - activity.inactive_for, self.timestamps.waiting(), reserve)
                 next_heartbeat = now + heartbeat_period(activity, timeouts.soft, config.heartbeat_interval)
-            if now >= next_check:
-                self._check_heartbeats(job, now, watching_since)
-                next_check = now + config.heartbeat_interval
-            if self.iteration is not None and self._judge(base_store, job, self.iteration, activity, timeouts):
-                return
+                try:
+                    reserve = self.iteration is not None and not self.iteration.active
+                    self._heartbeat(job, now - activity.inactive_for, reserve)
+                except ConnectionError:
+                    unreachable = True
+            try:
+                # A look waits for etcd a heartbeat interval at most: the loop stays free to see the rank die.
+                with bounded(max(1.0, config.heartbeat_interval), "a look of the monitor process"):
+                    if now >= next_check and OUTAGES.down_since() is None:
+                        self._check_heartbeats(job, now, watching_since)
+                        next_check = now + config.heartbeat_interval
+                    if self.iteration is not None and self._judge(base_store, job, self.iteration, activity, timeouts):
+                        return
+            except ConnectionError:
+                unreachable = True
+            if unreachable:
+                early = self._receive(backoff.next())  # what the main process says meanwhile is handled next
+            else:
+                backoff.reset()
+
+    def _heartbeat(self, job: JobView, active_at: float, reserve: bool) -> None:
+        """One heartbeat, waiting at most a heartbeat interval for etcd: the loop must stay free to see the rank
+        die or stall (a heartbeat that etcd's absence loses is no fault: the next one follows)."""
+        with bounded(self.config.heartbeat_interval, "a heartbeat interval"):
+            job.send_heartbeat(self.config.initial_rank, active_at, self.timestamps.waiting(), reserve)
 
     def _activity(self, now: float) -> RankActivity:
         stopped = process_is_stopped(self.target_pid)
@@ -471,8 +504,8 @@ class _Monitor:
                 peer = f" (initial rank {self._latest_active_peer})" if verdict.waits_because == "peer active" else ""
                 log.info("not hung yet: %s%s", verdict.reason, peer)
         if verdict.action is StallAction.RESTART:
+            self._report_hang(job, iteration, activity, verdict.reason)  # etcd away: asked again at the next look
             iteration.restart_requested_at = time.monotonic()
-            self._report_hang(job, iteration, activity, verdict.reason)
         elif verdict.action is StallAction.KILL:
             kind = "stopped" if activity.stopped else "hard_timeout"
             if activity.restart_pending_for >= timeouts.delivery:
@@ -515,9 +548,9 @@ class _Monitor:
             f"rank {rank} (initial rank {culprit.rank}) made no progress for {time.time() - culprit.active_at:.1f} s: "
             f"{why} (seen by initial rank {config.initial_rank}: {reason})"
         )
+        iteration.store.record_interruption(rank, "hang", message)
         log.warning("soft timeout: %s", message)
         emit("fault_detected", rank=culprit.rank, iteration=iteration.number, kind="hang", message=message)
-        iteration.store.record_interruption(rank, "hang", message)
 
     def _dump_stacks(self, reason: str) -> None:
         """Have the rank write every thread's stack to its stderr, under a line that says whose and why.
@@ -587,8 +620,13 @@ class _Monitor:
     def _report_terminated(self, base_store: dist.Store, kind: str, message: str) -> None:
         """Record this rank as gone and arrive at the barriers in its place."""
         log.warning("rank leaves the job: %s (%s)", kind, message)
-        # The same report ftrun's agent makes from outside (idempotent if both do).
-        report_process_gone(base_store, self.config.initial_rank, self.config.initial_world_size, kind, message)
+        # The same report ftrun's agent makes from outside (idempotent if both do); made however long etcd is
+        # away: a fault during an outage is recovered from once it is back.
+        patiently(
+            lambda: report_process_gone(base_store, self.config.initial_rank, self.config.initial_world_size, kind,
+                                        message),
+            "the report of the rank's end",
+        )  # fmt: skip
 
     def _check_heartbeats(self, job: JobView, now: float, watching_since: float) -> None:
         config = self.config
@@ -598,11 +636,13 @@ class _Monitor:
         successor = ring_successor(config.initial_rank, config.initial_world_size, skip)
         if successor is None or job.has_arrived(EXIT_BARRIER, successor):
             return
-        if not silent_ranks({successor: job.last_heartbeat(successor)}, now, watching_since, config.heartbeat_timeout):
+        reachable_since = OUTAGES.last_ended_wall
+        beat = {successor: job.last_heartbeat(successor)}
+        if not silent_ranks(beat, now, watching_since, config.heartbeat_timeout, reachable_since):
             return
         others = [rank for rank in range(config.initial_world_size) if rank not in skip]
         heartbeats = {rank: job.last_heartbeat(rank) for rank in others if not job.has_arrived(EXIT_BARRIER, rank)}
-        for initial_rank in silent_ranks(heartbeats, now, watching_since, config.heartbeat_timeout):
+        for initial_rank in silent_ranks(heartbeats, now, watching_since, config.heartbeat_timeout, reachable_since):
             self.reported_silent.add(initial_rank)
             log.warning("initial rank %d sent no heartbeat for %g s", initial_rank, config.heartbeat_timeout)
             iteration = self.iteration

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import signal
 import sys
 import threading
@@ -44,6 +45,7 @@ from types import FrameType
 
 from elastic_ft import shield
 from elastic_ft.coordination.iteration import COMPLETED, INTERRUPTED, PLANNED, IterationView
+from elastic_ft.etcd.outage import Backoff
 from elastic_ft.inprocess.exception import RankShouldRestart, RestartDelivery
 from elastic_ft.inprocess.logs import get_logger
 from elastic_ft.inprocess.progress_watchdog import main_thread_stack
@@ -275,8 +277,12 @@ class MonitorThread(threading.Thread):
         self._pending = pending or (lambda _pending: None)
 
     def run(self) -> None:
-        try:
-            while not self._stop_requested.is_set():
+        """Watch until the iteration ends or a restart is delivered; a store that does not answer (etcd away) is
+        waited for, however long: the thread that delivers the next fault must outlive any outage."""
+        backoff = Backoff()
+        failures: set[str] = set()  # each kind of failure is logged once
+        while not self._stop_requested.is_set():
+            try:
                 outcome = self.store.wait_for_outcome(self.WAIT_SLICE, self.interval)
                 if outcome == PLANNED:
                     outcome = self._await_step_boundary()
@@ -285,9 +291,17 @@ class MonitorThread(threading.Thread):
                 if outcome is not None:
                     self._restart()
                     return
-        except Exception:
-            if not self._stop_requested.is_set():
-                log.exception("rank %s: monitor thread failed", self.state.rank)
+                backoff.reset()
+            except ConnectionError:
+                self._stop_requested.wait(backoff.next())  # the process's outage record logs the outage once
+            except Exception as error:
+                if self._stop_requested.is_set():
+                    return
+                if type(error).__name__ not in failures:
+                    failures.add(type(error).__name__)
+                    log.exception("rank %s: the monitor thread's look at the store failed; looking again",
+                                  self.state.rank)  # fmt: skip
+                self._stop_requested.wait(backoff.next())
 
     def _await_step_boundary(self) -> str | None:
         """A planned restart: let the main thread reach the agreed step boundary, where it turns the outcome
@@ -308,7 +322,8 @@ class MonitorThread(threading.Thread):
     def _restart(self) -> None:
         if self._stop_requested.wait(self.last_call_wait):
             return
-        log.debug("rank %s: restarting after interruptions %s", self.state.rank, self.store.interruptions())
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rank %s: restarting after interruptions %s", self.state.rank, self.store.interruptions())
         with self.atomic_lock:
             if self._stop_requested.is_set():
                 return

@@ -30,8 +30,17 @@ def silent_ranks(
     now: float,
     watching_since: float,
     timeout: float,
+    reachable_since: float | None = None,
 ) -> list[int]:
-    """The ranks whose last heartbeat (or, if they have none, ``watching_since``) is older than ``timeout``."""
-    return sorted(
-        rank for rank, beat in heartbeats.items() if now - (beat if beat is not None else watching_since) > timeout
-    )
+    """The ranks whose last heartbeat (or, if they have none, ``watching_since``) is older than ``timeout``.
+
+    ``reachable_since``: the end of the store's last outage as this process
+    saw it (etcd away): no heartbeat could get through before, so silence
+    counts from then at the earliest.
+    """
+
+    def silent_since(beat: float | None) -> float:
+        since = beat if beat is not None else watching_since
+        return since if reachable_since is None else max(since, reachable_since)
+
+    return sorted(rank for rank, beat in heartbeats.items() if now - silent_since(beat) > timeout)

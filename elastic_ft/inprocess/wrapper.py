@@ -60,6 +60,7 @@ from elastic_ft.coordination.iteration import (
     report_rank_gone,
 )
 from elastic_ft.coordination.job import JOINER_ACTIVITY_LIMIT, WITHDRAWN, JobView, job_store
+from elastic_ft.etcd.outage import OUTAGES, bounded
 from elastic_ft.fault_records import (
     PEER_LOST,
     fault_kind,
@@ -112,6 +113,7 @@ from elastic_ft.inprocess.worker_events import close_events, install_store_event
 from elastic_ft.keys import (
     COMPLETION_BARRIER,
     EXIT_BARRIER,
+    FTRUN_NEXT_RANK,
     INITIAL_BARRIER,
     ITERATION_BARRIER,
     TERMINATION_BARRIER,
@@ -133,6 +135,9 @@ _PLANNED_LEAD = 0.1
 _PLANNED_GRACE = 1.0
 #: How long a rank at the boundary waits for its monitor thread to deliver the restart (far beyond need).
 _PLANNED_DELIVERY = 30.0
+#: How long an optimizer step may wait for the iteration's progress record: longer, and the step would wait
+#: on etcd (the record is tried again at the next step).
+_PROGRESS_WRITE_BOUND = 1.0
 
 F = TypeVar("F", bound=Callable[..., Any])
 StateHook = Callable[[State], Any]
@@ -362,6 +367,18 @@ def _secs(value: datetime.timedelta) -> float:
     return value.total_seconds()
 
 
+def _unless_unreachable(predicate: Callable[[], bool]) -> Callable[[], bool]:
+    """``predicate``, false while the store does not answer (etcd away): the poll waits on, within its own bound."""
+
+    def look() -> bool:
+        try:
+            return predicate()
+        except ConnectionError:
+            return False
+
+    return look
+
+
 def exception_origin(error: BaseException) -> tuple[str | None, str]:
     """Where ``error`` was raised (``file:line in function``, its innermost frame) and its formatted traceback.
 
@@ -580,15 +597,19 @@ class CallWrapper:
         and waits to be reported active before a restart takes it.
         """
         job = self.job_store
-        if not poll(lambda: job.last_activity(initial_rank) is not None, JOINER_ACTIVITY_LIMIT):
+        if not poll(_unless_unreachable(lambda: job.last_activity(initial_rank) is not None), JOINER_ACTIVITY_LIMIT):
             log.warning("initial rank %d: no heartbeat from the monitor process yet; registering anyway", initial_rank)
         board = self._board
         if board is not None and not board.may_join():
             # Its node was cut off and counted out: a joiner that cannot reach the others would stall them again.
             log.info("initial rank %d waits until its node reaches the other members again", initial_rank)
-            while not board.may_join() and not job.finished():
-                time.sleep(_JOIN_POLL)
-        job.register_joiner(initial_rank)
+            poll(_unless_unreachable(lambda: board.may_join() or job.finished()), None, interval_max=_JOIN_POLL)
+
+        def register() -> bool:
+            job.register_joiner(initial_rank)  # a line written twice counts once (JobRecords.joiners)
+            return True
+
+        poll(_unless_unreachable(register), None, interval_max=_JOIN_POLL)  # etcd away included
 
     def _install_interrupt(self, signum: signal.Signals | None) -> None:
         if signum is None:
@@ -722,13 +743,16 @@ class CallWrapper:
         the store write; a failed write only delays a give-up.
         """
         store = self._iteration_store
-        if store is None or self._progress_marked or self.state.active_rank != 0:
-            return
-        self._progress_marked = True
+        if store is None or self._progress_marked or self.state.active_rank != 0 or OUTAGES.down_since() is not None:
+            return  # etcd away: the next step tries again once it answers, and no step waits for it
         try:
-            store.mark_progressed()
+            with bounded(_PROGRESS_WRITE_BOUND, "the progress record's bound"):
+                store.mark_progressed()
+        except ConnectionError:
+            return  # the next step tries again
         except Exception as error:  # noqa: BLE001 - training goes on; the rule then counts one restart too many
             log.warning("rank %s: could not record the iteration's progress: %s", self.state.rank, error)
+        self._progress_marked = True
 
     def _leave_optimizer_steps(self, levels: int | None = None) -> None:
         """Release ``levels`` optimizer-step holds of ``atomic_lock`` (all: a step that raised left them)."""
@@ -812,9 +836,10 @@ class CallWrapper:
                 gave_up = isinstance(error, GIVE_UP_ERRORS)
                 kind = "completed" if error is None else type(error).__name__
                 fatal = isinstance(error, RestartLimitError) and error.fatal
-                self._job_store.record_left(
-                    self.state.initial_rank or 0, kind, gave_up, "" if error is None else repr(error), fatal=fatal
-                )
+                with self._leaving_bound("its exit record"):
+                    self._job_store.record_left(
+                        self.state.initial_rank or 0, kind, gave_up, "" if error is None else repr(error), fatal=fatal
+                    )
         finally:
             self.shutdown()
 
@@ -825,12 +850,13 @@ class CallWrapper:
             # Joiners are not counted by the exit barrier: it is the initial world's.
             if self._job_store is not None and initial_rank < (self.state.initial_world_size or 1):
                 hosts_store = initial_rank in getattr(self.base_store, "critical_ranks", ())
-                self._job_store.arrive_and_wait(
-                    EXIT_BARRIER,
-                    [initial_rank],
-                    self.state.initial_world_size or 1,
-                    datetime.timedelta.max if hosts_store else NO_WAIT,
-                )
+                with self._leaving_bound("its arrival at the exit barrier"):
+                    self._job_store.arrive_and_wait(
+                        EXIT_BARRIER,
+                        [initial_rank],
+                        self.state.initial_world_size or 1,
+                        datetime.timedelta.max if hosts_store else NO_WAIT,
+                    )
         finally:
             gc.unfreeze()
             self._groups.keep_until_exit()
@@ -876,11 +902,13 @@ class CallWrapper:
             self.state = state
             store = iteration_store(self.base_store, state.iteration)
             self._iteration_store, self._progress_marked = store, False
-            store.set_initial_rank(state.rank or 0, state.initial_rank or 0)
-            store.set_active_world_size(state.active_world_size or state.world_size)
-            self.job_store.record_position(
-                state.initial_rank or 0, state.iteration, state.rank or 0, state.world_size, state.mode is Mode.ACTIVE
-            )
+            with self._restart_bound():
+                store.set_initial_rank(state.rank or 0, state.initial_rank or 0)
+                store.set_active_world_size(state.active_world_size or state.world_size)
+                self.job_store.record_position(
+                    state.initial_rank or 0, state.iteration, state.rank or 0, state.world_size,
+                    state.mode is Mode.ACTIVE,
+                )  # fmt: skip
             event_sink.emit(
                 "iteration_started", rank=state.initial_rank, iteration=state.iteration, iteration_rank=state.rank,
                 world_size=state.world_size, active=state.mode is Mode.ACTIVE,
@@ -905,7 +933,14 @@ class CallWrapper:
                 log.debug("rank %s: iteration %d completed", state.rank, state.iteration)
                 self._run_completion(state)
                 return result
-            state = self._prepare_restart(store, state)
+            next_state = self._prepare_restart(store, state)
+            if next_state is None:  # counted out while it lived: it joins the running world again
+                next_state = self._rejoin(state)
+                if next_state is None:
+                    log.info("initial rank %s: the job finished before this rank could join it again",
+                             self.state.initial_rank)  # fmt: skip
+                    return None
+            state = next_state
 
     def _assign(self, ctx: RankAssignmentCtx) -> State:
         """The rank assignment, then the deprecated ``rank_filter`` when one was given."""
@@ -1001,7 +1036,8 @@ class CallWrapper:
                 event_sink.emit("fault_detected", rank=state.initial_rank, iteration=state.iteration, kind=kind,
                                 exception=type(error).__name__, message=str(error), step=self.step,
                                 origin=origin)  # fmt: skip
-                store.record_interruption(rank, kind, repr(error), step=self.step, origin=origin, traceback=text)
+                with self._restart_bound():  # etcd away: waited for, within the restart's barrier timeout
+                    store.record_interruption(rank, kind, repr(error), step=self.step, origin=origin, traceback=text)
                 del error, text
                 self._await_restart(monitor)
         except RankShouldRestart as restart:
@@ -1049,10 +1085,11 @@ class CallWrapper:
         origin, text = exception_origin(restart)
         self.fn_exception = restart.with_traceback(None)
         log.info("rank %s: the function asked for a restart in iteration %d", rank, state.iteration)
-        store.record_interruption(
-            rank, "RankShouldRestart", "the function raised RankShouldRestart", step=self.step, origin=origin,
-            traceback=text,
-        )  # fmt: skip
+        with self._restart_bound():
+            store.record_interruption(
+                rank, "RankShouldRestart", "the function raised RankShouldRestart", step=self.step, origin=origin,
+                traceback=text,
+            )  # fmt: skip
         with suppress(RankShouldRestart):
             self._await_restart(monitor)
 
@@ -1063,6 +1100,28 @@ class CallWrapper:
             self.wrapper.completion(state)
         except Exception:
             log.exception("rank %s: completion failed", state.rank)
+
+    @contextmanager
+    def _restart_bound(self) -> Iterator[None]:
+        """A restart's store writes wait for an unreachable store (etcd away) within the barrier timeout, the
+        user's bound on a restart, and then raise ``BarrierTimeout`` saying the store did not answer."""
+        seconds = _secs(self.wrapper.barrier_timeout)
+        try:
+            with bounded(seconds, f"barrier_timeout ({seconds:g} s)"):
+                yield
+        except ConnectionError as error:
+            raise BarrierTimeout(f"the store did not answer within barrier_timeout: {error}") from error
+
+    @contextmanager
+    def _leaving_bound(self, what: str) -> Iterator[None]:
+        """The rank leaves: ``what`` waits for an unreachable store within the barrier timeout, then the rank
+        leaves without it (what it returns or raises is the caller's, not the store's)."""
+        seconds = _secs(self.wrapper.barrier_timeout)
+        try:
+            with bounded(seconds, f"barrier_timeout ({seconds:g} s)"):
+                yield
+        except ConnectionError as error:
+            log.warning("rank %s leaves without %s: the store did not answer: %s", self.state.rank, what, error)
 
     def _await_restart(self, monitor: MonitorThread) -> NoReturn:
         """Wait for the monitor thread to start the restart (the fault recorded here reaches it), then restart.
@@ -1126,7 +1185,8 @@ class CallWrapper:
         event_sink.emit("gave_up", rank=state.initial_rank, iteration=state.iteration, kind=leaving.kind,
                         message=repr(leaving.error), step=self.step)  # fmt: skip
         try:
-            report_rank_gone(store, rank, state.world_size, leaving.kind, repr(leaving.error))
+            with self._restart_bound():
+                report_rank_gone(store, rank, state.world_size, leaving.kind, repr(leaving.error))
         finally:
             self._abort(state)
             if self.wrapper.terminate is not None:
@@ -1166,8 +1226,12 @@ class CallWrapper:
         except Exception:
             log.exception("rank %s: abort failed", state.rank)
 
-    def _prepare_restart(self, store: IterationView, state: State) -> State:
-        """After an interruption: abort, finalize, health check, termination barrier, rank assignment."""
+    def _prepare_restart(self, store: IterationView, state: State) -> State | None:
+        """After an interruption: abort, finalize, health check, termination barrier, rank assignment.
+
+        Returns None when the others counted this rank out while it lived
+        (its node cut off) and it may join the world again (:meth:`_rejoin`).
+        """
         wrapper = self.wrapper
         rank = state.rank or 0
         state = dataclasses.replace(state, fn_exception=self.fn_exception)
@@ -1195,8 +1259,50 @@ class CallWrapper:
             log.info("rank %s: ranks %s left the job in iteration %d", rank, list(result.terminated), state.iteration)
         if result.joined:
             log.info("rank %s: initial ranks %s join in iteration %d", rank, list(result.joined), state.iteration + 1)
+        if rank in result.terminated and self._may_rejoin():
+            return None
         next_state = next_iteration_state(state, result)
         return self._assign(RankAssignmentCtx(next_state, store, set(result.terminated)))
+
+    def _may_rejoin(self) -> bool:
+        """Whether this rank, counted out while it lived, can join the running world again in its own process:
+        its agent admits it (under ``ftrun``), through a store no rank hosts, into a world that grows."""
+        hosted: tuple[int, ...] = getattr(self.base_store, "critical_ranks", ())
+        if self._board is None or hosted:
+            return False
+        with self._restart_bound():
+            return self.job_store.accepts_joiners()
+
+    def _rejoin(self, state: State) -> State | None:
+        """The others counted this rank out while it lived (its node was cut off, or its heartbeats went
+        unheard): it joins the running world again in this process, as a respawned process would, and is healed
+        from a peer.
+
+        It takes a new initial rank above the world's from the round's counter
+        (the agent's for respawned processes), leaves under its old one (the
+        exit barrier, a ``rejoined`` exit record), and tells its agent (the
+        node's board) and its monitor process. Returns the state it joins
+        with, or None when the job finished first.
+        """
+        old, world = state.initial_rank or 0, state.initial_world_size or state.world_size
+        job = self.job_store
+        with self._restart_bound():
+            new = world + self.base_store.add(FTRUN_NEXT_RANK, 1) - 1
+            job.record_wrapped(new, os.getpid())
+            job.record_left(old, "rejoined", False, f"counted out while it lived; joins again as initial rank {new}")
+            if old < world:
+                job.arrive_and_wait(EXIT_BARRIER, [old], world, NO_WAIT)
+        if self._board is not None:
+            self._board.set_initial_rank(self._local_rank, new)
+        self._monitor_process.take_initial_rank(new)
+        log.warning("initial rank %d was counted out while it lived (iteration %d): it joins the running world again "
+                    "in the same process, as initial rank %d", old, state.iteration, new)  # fmt: skip
+        event_sink.emit("rejoined", rank=new, iteration=state.iteration, previous_rank=old)
+        set_where(f"rank {new}")
+        self.state = State(None, world, initial_rank=new, initial_world_size=world)
+        self.joining, self._fresh = True, True
+        self._register_when_reported_active(new)
+        return self._await_admission()
 
     def _report_restart(self, store: IterationView, state: State, result: TerminationResult) -> str | None:
         """Log and record the restart once for the job, with every fault grouped and each text once.
@@ -1275,17 +1381,27 @@ class CallWrapper:
         """
         job, initial_rank = self.job_store, self.state.initial_rank or 0
         log.info("initial rank %d waits for a restart to join the running world", initial_rank)
-        while (admission := job.admission(initial_rank)) is None:
-            if job.finished():
-                return None
-            time.sleep(_JOIN_POLL)
+        admitted: list[str] = []
+
+        def admitted_or_finished() -> bool:
+            admission = job.admission(initial_rank)
+            if admission is not None:
+                admitted.append(admission)
+            return admission is not None or job.finished()
+
+        # For as long as the job runs, etcd away included.
+        poll(_unless_unreachable(admitted_or_finished), None, interval_max=_JOIN_POLL)
+        if not admitted:
+            return None
+        admission = admitted[0]
         iteration = parse_count(admission)
         if admission == WITHDRAWN or not iteration:
             raise InternalError(f"initial rank {initial_rank} was not admitted: its admission record is {admission!r}")
         previous = iteration_store(self.base_store, iteration - 1)
         barrier_timeout = _secs(self.wrapper.barrier_timeout)
-        if not poll(lambda: previous.termination_result() is not None, barrier_timeout):
-            raise BarrierTimeout(f"the restart admitting initial rank {initial_rank} did not publish its result")
+        with self._restart_bound():
+            if not poll(_unless_unreachable(lambda: previous.termination_result() is not None), barrier_timeout):
+                raise BarrierTimeout(f"the restart admitting initial rank {initial_rank} did not publish its result")
         try:
             result = TerminationResult.from_json(previous.termination_result(), None)
         except MalformedRecord as error:

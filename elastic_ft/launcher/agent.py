@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -63,6 +64,7 @@ from elastic_ft.coordination.job import JobView, job_store, joiner_ready
 from elastic_ft.coordination.reports import report_node_gone, report_process_gone
 from elastic_ft.etcd.client import EtcdRequestError, EtcdUnavailableError, key_missing, put_op
 from elastic_ft.etcd.event_log import EventLog
+from elastic_ft.etcd.outage import Backoff
 from elastic_ft.etcd.store import EtcdStore
 from elastic_ft.handoff import StoreHandoff, WorkerHandoff, job_config_from_env
 from elastic_ft.job_config import JobConfig
@@ -84,12 +86,14 @@ from elastic_ft.launcher.escalation import (
     restarts_left,
     retire_joiner,
 )
+from elastic_ft.launcher.fence_keeper import FenceKeeper
 from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, WorldRecord
 from elastic_ft.local_board import LocalBoard
 from elastic_ft.observability.log_format import set_where
 from elastic_ft.observability.metrics import JobMetrics, MetricsEndpoint
 from elastic_ft.observability.sink import EventsHandoff, emit
 from elastic_ft.reaper import ensure_reaper
+from elastic_ft.rendezvous.fencing import death_verdict
 from elastic_ft.rendezvous.handler import EtcdftRendezvousHandler
 from elastic_ft.rendezvous.liveness import (
     Answer,
@@ -136,6 +140,17 @@ def _describe_exit(exitcode: int) -> str:
         except ValueError:
             return f"signal {-exitcode}"
     return f"exit code {exitcode}"
+
+
+@dataclasses.dataclass
+class _Death:
+    """A member's lease seen ended, not yet absorbed: when, under which lease of this node's, whether this agent's
+    probes confirmed it, and why it waits (logged when that changes)."""
+
+    seen_at: float
+    lease: int
+    confirmed: bool
+    waits_because: str = ""
 
 
 def admission_request(
@@ -187,10 +202,9 @@ class FtAgent(LocalElasticAgent):
         self._dead_lost: set[str] = set()
         #: Nodes whose lease this agent's probe thread revoked (it confirmed them lost); its loop absorbs them.
         self._revoked: queue.SimpleQueue[str] = queue.SimpleQueue()
-        #: The nodes the board listed dead at the agent's last look; deaths noted, not yet absorbed; the ranks
-        #: it reported dead.
+        #: The nodes the board listed dead at the agent's last look; the ranks it reported dead.
         self._dead_seen: set[str] = set()
-        self._deaths_pending: set[str] = set()
+        self._deaths_pending: dict[str, _Death] = {}
         self._ranks_reported: set[int] = set()
         #: The initial rank each local rank's process holds now (a respawned one has a new one).
         self._initial_ranks: dict[int, int] = {}
@@ -210,9 +224,8 @@ class FtAgent(LocalElasticAgent):
         self._probing: threading.Thread | None = None
         self._verdicts: dict[str, str] = {}  # the state (lost, alive) last logged per node
         self._answer_times: dict[str, collections.deque[float]] = {}  # recent answer times per node
-        #: The lease the node announced itself on last, and its generation (see local_board).
-        self._fence_lease = 0
-        self._fence_generation = 0
+        #: Keeps the node's fence on the board, from its own thread (started with the first workers).
+        self._keeper: FenceKeeper | None = None
         set_where(f"node {self._handler.node}")
 
     # ---- metrics ----
@@ -279,7 +292,8 @@ class FtAgent(LocalElasticAgent):
             reaper = ensure_reaper()
             if reaper is not None:
                 reaper.remove_on_exit(self._board.path)
-        self._update_fence(self._board)
+        if self._keeper is None:
+            self._keeper = FenceKeeper(self._handler, self._board, self._probe_soon).start()
         for local_rank in range(self._board.ranks):
             self._board.clear_stalls(local_rank)
         os.environ.update(self._board.to_env())
@@ -300,7 +314,7 @@ class FtAgent(LocalElasticAgent):
         self._dead_lost = set()
         self._revoked = queue.SimpleQueue()
         self._dead_seen = set()
-        self._deaths_pending = set()
+        self._deaths_pending = {}
         self._ranks_reported = set()
         self._initial_ranks = {worker.local_rank: worker.global_rank for worker in worker_group.workers}
         self._respawns = {}
@@ -394,6 +408,7 @@ class FtAgent(LocalElasticAgent):
         pcontext = self._subprocesses()
         store = group_store(worker_group)
         job = job_store(store)
+        self._note_rejoined(worker_group)
         kinds: dict[int, WorkerExit] = {}
         for worker in worker_group.workers:
             rank = self._initial_ranks[worker.local_rank]
@@ -445,6 +460,23 @@ class FtAgent(LocalElasticAgent):
                 kinds[rank] = WorkerExit.ABSORBED  # the old process's fate; the new one is watched from now on
                 kinds[self._initial_ranks[worker.local_rank]] = WorkerExit.RUNNING
         return kinds
+
+    def _note_rejoined(self, worker_group: WorkerGroup) -> None:
+        """A worker counted out while it lived took a new initial rank to join again (it says so on the node's
+        board): watch, report and admit it under that one from now on."""
+        board = self._board
+        if board is None:
+            return
+        changed = False
+        for local_rank, rank in list(self._initial_ranks.items()):
+            taken = board.initial_rank(local_rank)
+            if taken is not None and taken != rank and local_rank not in self._exits:
+                log.info("local rank %d (initial rank %d) joins the running world again as initial rank %d",
+                         local_rank, rank, taken)  # fmt: skip
+                self._initial_ranks[local_rank] = taken
+                changed = True
+        if changed:
+            self._publish_node_record(worker_group)
 
     def _retire(self, store: JobView, local_rank: int, initial_rank: int) -> WorkerExit:
         """Stop a respawned process the job completed without (:func:`retire_joiner`): SIGTERM, SIGKILL if it lingers."""
@@ -608,27 +640,48 @@ class FtAgent(LocalElasticAgent):
         Each death is noted once, so a node that dies, rejoins and dies again
         is absorbed again.
         """
+        now = time.monotonic()
+        lease, _ = self._handler.lease_proof()
         while not self._revoked.empty():
             node = self._revoked.get_nowait()
             if node not in change.left:
-                self._deaths_pending.add(node)
-        self._deaths_pending |= set(change.dead) - self._dead_seen
+                self._deaths_pending[node] = _Death(now, lease, confirmed=True)
+        for node in set(change.dead) - self._dead_seen:
+            self._deaths_pending.setdefault(node, _Death(now, lease, confirmed=False))
         self._dead_seen = set(change.dead)
 
     def _absorb_dead_members(self, worker_group: WorkerGroup, change: MembershipChange) -> tuple[str, ...]:
         """Report the ranks of member nodes that died, so in-process restart goes on without them.
 
-        Returns the dead nodes it could not absorb: their ranks are unknown, or
-        some of them never entered the Wrapper, so the others would wait for
-        them at its initial barrier. A death stays pending until it is
-        absorbed (etcd may fail midway).
+        A lease that ended is a death only if this node's own lease was alive
+        then (:func:`~elastic_ft.rendezvous.fencing.death_verdict`): when etcd
+        was away for everybody, every lease ended at once, and nobody is
+        counted out. Returns the dead nodes it could not absorb: their ranks
+        are unknown, or some of them never entered the Wrapper, so the others
+        would wait for them at its initial barrier. A death stays pending
+        until it is absorbed or dropped (etcd may fail midway).
         """
         self._note_deaths(change)
         store = group_store(worker_group)
-        for node in sorted(self._deaths_pending):
-            if node != self._handler.node:
+        now = time.monotonic()
+        for node, death in sorted(self._deaths_pending.items()):
+            if node == self._handler.node:
+                del self._deaths_pending[node]
+                continue
+            own = None if death.confirmed else self._handler.lease_proven_since(death.lease, death.seen_at)
+            verdict, reason = death_verdict(
+                confirmed_here=death.confirmed, own_lease=own, hold_until=self._handler.hold_until(), now=now
+            )
+            if verdict == "wait":
+                if death.waits_because != reason:
+                    death.waits_because = reason
+                    log.info("node %s lost its lease; not counted out yet: %s", node, reason)
+                continue
+            if verdict == "drop":
+                log.warning("node %s lost its lease, and is not counted out: %s", node, reason)
+            else:
                 self._absorb(store, node, listed=node in change.dead)
-            self._deaths_pending.discard(node)
+            del self._deaths_pending[node]
         return tuple(sorted(self._dead_lost))
 
     def _absorb(self, store: Any, node: str, listed: bool) -> None:
@@ -721,6 +774,8 @@ class FtAgent(LocalElasticAgent):
             result = super().run(role)
         finally:
             self._stop_metrics()
+            if self._keeper is not None:
+                self._keeper.stop()
             if self._board is not None:
                 self._board.close(remove=True)
         if result is None:
@@ -735,6 +790,7 @@ class FtAgent(LocalElasticAgent):
         spec = group.spec
         log.info("[%s] starting workers for entrypoint: %s", spec.role, spec.get_entrypoint_name())
         self._initialize_workers(group)
+        backoff = Backoff()
         while True:
             time.sleep(spec.monitor_interval)
             self._watch_the_network()
@@ -743,9 +799,16 @@ class FtAgent(LocalElasticAgent):
                 self._ask_admission(group)
                 change = self._handler.membership_change()
                 lost = self._absorb_dead_members(group, change)
-            except (EtcdUnavailableError, EtcdRequestError) as error:
-                log.warning("etcd unavailable while watching the workers; retrying: %s", error)
+            except EtcdUnavailableError as error:
+                # etcd away: the workers train on; the process's outage record says so once.
+                log.debug("etcd unavailable while watching the workers; retrying: %s", error)
+                time.sleep(backoff.next())
                 continue
+            except EtcdRequestError as error:
+                log.warning("etcd refused a request while watching the workers; retrying: %s", error)
+                time.sleep(backoff.next())
+                continue
+            backoff.reset()
             decision = decide(workers, change, lost, self._cannot_grow(group))
             if decision.verdict is Verdict.CONTINUE:
                 group.state = WorkerState.HEALTHY
@@ -809,22 +872,13 @@ class FtAgent(LocalElasticAgent):
 
     # ---- node loss at network speed ----
 
-    def _update_fence(self, board: LocalBoard) -> None:
-        """Tell the workers until when the node's lease is proven alive, and on which lease (its generation).
-
-        A new lease means the node lost the one before: the others may have
-        counted it out, so its new workers wait to join until it reaches them.
-        """
-        lease, valid_until = self._handler.lease_proof()
-        if lease and lease != self._fence_lease:
-            if self._fence_lease:
-                board.set_may_join(False)
-                self._last_probe = None  # probe the others now: they decide when its joiners may ask
-            self._fence_lease, self._fence_generation = lease, self._fence_generation + 1
-        board.set_fence(valid_until, self._fence_generation)
+    def _probe_soon(self) -> None:
+        """The node may have been counted out (``FenceKeeper``): probe the others now; they decide when its
+        joiners may ask."""
+        self._last_probe = None
 
     def _watch_the_network(self) -> None:
-        """Keep the workers' fence current, and probe the other members when a local rank stays blocked.
+        """Probe the other members when a local rank stays blocked.
 
         See :mod:`elastic_ft.rendezvous.liveness`: a probe refused or left
         unanswered confirms a member lost, and its lease is revoked at once
@@ -835,7 +889,6 @@ class FtAgent(LocalElasticAgent):
         board = self._board
         if board is None:
             return
-        self._update_fence(board)
         now = time.monotonic()
         since = None if self._last_probe is None else now - self._last_probe
         stalled = board.stalled_for(now)

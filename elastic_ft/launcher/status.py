@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from elastic_ft.etcd.client import EtcdClient
+from elastic_ft.etcd.event_log import EventLog
 from elastic_ft.fault_records import parse_interruptions
 from elastic_ft.job_config import JobConfig, parse_job_config
 from elastic_ft.keys import (
@@ -42,6 +43,7 @@ from elastic_ft.keys import (
 )
 from elastic_ft.launcher.escalation import WorkerExit
 from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, WorldRecord
+from elastic_ft.observability.outages import describe_outage, outages
 from elastic_ft.rendezvous.model import RoundResult, parse_state
 from elastic_ft.untrusted import MalformedRecord, SkipLog, decode, json_object
 
@@ -123,6 +125,7 @@ def collect_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
         world = _world_status(client, store, len(members), malformed)
     escalations = _escalations(client, keys, malformed)
     return {
+        "etcd_outages": _etcd_outages(client, keys),
         "run": keys.run_id,
         "revision": revision,
         "closed": state.closed,
@@ -142,6 +145,19 @@ def collect_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
         "escalations": escalations,
         "malformed": malformed,
     }
+
+
+#: The most recent etcd outages ``status`` lists.
+RECENT_OUTAGES = 5
+
+
+def _etcd_outages(client: EtcdClient, keys: RunKeys) -> list[dict[str, Any]]:
+    """The job's most recent etcd outages, from its event log: start, end, length and who waited on it."""
+    now = time.time()
+    return [
+        {"start": o.start, "end": o.end, "seconds": round(o.seconds(now), 3), "seen_by": list(o.seen_by)}
+        for o in outages(EventLog(client, keys).read().events)[-RECENT_OUTAGES:]
+    ]
 
 
 def _members(current: RoundResult | None, state: Any, hosts: dict[str, Any]) -> list[dict[str, Any]]:
@@ -428,6 +444,8 @@ def render_status(status: dict[str, Any]) -> str:
         lines.append(f"  waiting for ranks: {restart['waiting_for'] or 'none'}")
     for escalation in status["escalations"]:
         lines.append(f"  escalated round {escalation['round']} on {escalation['node']}: {escalation['reason']}")
+    for outage in status.get("etcd_outages", []):
+        lines.append(f"etcd outage: {describe_outage(outage)}")
     joined = status["joined_next_round"]
     lines.append(f"round {status['next_round']} (next): {len(joined)} node(s) joined")
     for j in joined:

@@ -40,10 +40,16 @@ EVENTS: dict[str, str] = {
     "message)",
     "restart_decided": "an iteration is restarted (data: faults, grouped by message)",
     "spare_activated": "a reserve rank or joiner became active",
+    "rejoined": "a rank counted out while it lived (its node cut off) joins the running world again in the same "
+    "process, under a new initial rank (data: previous_rank)",
     "healed": "a rank's state was loaded from a peer (data: step, sender)",
     "gave_up": "a rank left the job for good (data: kind, message)",
     "fenced": "a rank waits before a step or an atomic section: its node cannot prove its lease alive (data: what)",
     "progress": "a rank's optimizer steps so far (data: step), sampled",
+    # any process: its etcd connection
+    "etcd_unavailable": "a process stopped reaching etcd and waits for it with backoff, training on (data: "
+    "endpoints, reason)",
+    "etcd_available": "a process reaches etcd again (data: endpoints, seconds it was away, since)",
 }
 SOURCES = ("rendezvous", "agent", "worker")
 #: Longest text kept in an event (a fault's message): the event log is bounded in bytes too.

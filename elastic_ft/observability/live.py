@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic_ft.observability.events import JobEvent
+from elastic_ft.observability.outages import describe_outage
 
 RECENT_EVENTS = 12
 
@@ -86,12 +87,16 @@ def render_live(status: dict[str, Any], events: list[JobEvent]) -> Any:
         f"terminated ranks {status['terminated_ranks'] or 'none'}; "
         f"next round {status['next_round']}: {len(status['joined_next_round'])} node(s) joined"
     ))  # fmt: skip
+    for outage in status.get("etcd_outages", []):
+        color = "red" if outage["end"] is None else "yellow"
+        parts.append(Text(f"etcd outage: {describe_outage(outage)}", style=color))
     recent = Table(title="recent events", title_justify="left")
     recent.add_column("time")
     recent.add_column("source")
     recent.add_column("event")
     for event in [e for e in events if e.name != "progress"][-RECENT_EVENTS:]:
-        color = "red" if event.name in ("fault_detected", "node_died", "gave_up", "escalated") else "white"
+        alarming = ("fault_detected", "node_died", "gave_up", "escalated", "etcd_unavailable")
+        color = "red" if event.name in alarming else "white"
         recent.add_row(_clock(event.time), event.source, f"[{color}]{event.describe()[:150]}[/{color}]")
     parts.append(recent)
     for entry in status["malformed"][:5]:

@@ -73,6 +73,7 @@ class JobMetrics:
         self.iteration = Gauge("elastic_ft_iteration", "the latest in-process iteration started",
                                registry=self.registry)  # fmt: skip
         self.registry.register(_EtcdCollector(etcd_counts))
+        self.registry.register(_OutageCollector())
         self._fault_time: dict[int, float] = {}  # by iteration: its restart's first fault
         self._first_start: dict[int, float] = {}  # by iteration: when this node's first rank started it
         self._resumed: set[int] = set()  # iterations this node resumed in (latency observed)
@@ -223,3 +224,24 @@ class MetricsEndpoint:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+
+
+class _OutageCollector:
+    """This agent's view of etcd's outages, read at scrape time (:data:`elastic_ft.etcd.outage.OUTAGES`):
+    ``elastic_ft_etcd_reachable`` (0 while etcd does not answer it), ``elastic_ft_etcd_outages_total`` and
+    ``elastic_ft_etcd_unreachable_seconds_total`` (the current outage's seconds so far included)."""
+
+    def collect(self) -> Iterator[Any]:
+        import time
+
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        from elastic_ft.etcd.outage import OUTAGES
+
+        since = OUTAGES.down_since()
+        current = 0.0 if since is None else time.monotonic() - since
+        yield GaugeMetricFamily("elastic_ft_etcd_reachable", "1 while etcd answers this agent, 0 during an outage",
+                                value=0 if since is not None else 1)  # fmt: skip
+        yield CounterMetricFamily("elastic_ft_etcd_outages", "etcd outages this agent has seen", value=OUTAGES.count)
+        yield CounterMetricFamily("elastic_ft_etcd_unreachable_seconds", "seconds etcd did not answer this agent",
+                                  value=OUTAGES.seconds + current)  # fmt: skip

@@ -8,8 +8,10 @@ Keeping etcd I/O off the caller's thread matters on the worker side, where
 the main thread may be interrupted by a restart at any moment; for the same
 reason the queue is a ``collections.deque`` (its ``append`` takes no lock an
 asynchronous exception could leave held), which the thread polls every
-:data:`POLL` seconds. A full queue drops events (counted and logged once),
-rather than slowing training.
+:data:`POLL` seconds. While etcd is away the thread keeps the events and
+sends them, in order and each once, when it answers again (a backoff between
+tries); a full queue drops events (counted and logged once), rather than
+slowing training.
 
 Each process has at most one sink (:func:`install`); without one,
 :func:`emit` does nothing. The worker side installs one from the
@@ -22,8 +24,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import random
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -38,6 +42,8 @@ EVENTS_ENV = "ELASTIC_FT_EVENTS"
 _QUEUE_SIZE = 10_000
 #: Seconds between two looks of the sending thread at the queue.
 POLL = 0.05
+#: The longest pause between two tries to store an event while etcd does not answer.
+_RETRY_CAP = 1.0
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,9 @@ class EventSink:
     Args:
         run_id: the run every event belongs to.
         source: ``rendezvous``, ``agent`` or ``worker``: the default source of emitted events.
-        append: stores one event (``EventLog.append``), or ``None`` for torch's events only.
+        append: stores one event (``EventLog.append(event, event_id)``: the same id for every try of the same
+            event, so that it is stored once), or ``None`` for torch's events only. A ``ConnectionError`` (etcd
+            away) keeps the event to try again; any other error drops it.
         destination: the torch events handler (``--event-log-handler``); an unknown one is logged once.
         node: the default node of emitted events.
     """
@@ -90,7 +98,7 @@ class EventSink:
         self,
         run_id: str,
         source: str,
-        append: Callable[[JobEvent], object] | None,
+        append: Callable[[JobEvent, str], object] | None,
         destination: str = "null",
         node: str | None = None,
     ) -> None:
@@ -98,6 +106,11 @@ class EventSink:
         self.source = source
         self.node = node
         self._append = append
+        #: The event whose store failed on etcd's absence, its id, and when to try it again (``time.monotonic()``).
+        self._retry: tuple[JobEvent, str] | None = None
+        self._retry_at = 0.0
+        self._retry_pause = POLL
+        self._close_by = 0.0
         self._destination = destination
         self._queue: deque[JobEvent] = deque()
         self._sending = False
@@ -154,16 +167,18 @@ class EventSink:
         next_sample = time.monotonic()
         while True:
             stopping = self._stop.wait(POLL)
-            while self._queue:
-                self._sending = True
-                try:
-                    self._send(self._queue.popleft())
-                finally:
-                    self._sending = False
+            self._sending = True
+            try:
+                self._flush()
+            finally:
+                self._sending = False
             progress = self._progress
             if stopping:
                 if progress is not None:
+                    self._progress = None
                     self._sample(progress[0])  # the last step reached, for the timeline
+                if (self._queue or self._retry is not None) and time.monotonic() < self._close_by:
+                    continue  # what is left goes out while close() waits for it
                 return
             if progress is not None and time.monotonic() >= next_sample:
                 next_sample = time.monotonic() + progress[1]
@@ -179,11 +194,26 @@ class EventSink:
             return
         self._last_progress = dict(fields)
         try:
-            self._send(self._event("progress", dict(fields)))
+            self._queue.append(self._event("progress", dict(fields)))
         except MalformedRecord as error:
             self._warn_once("probe-invalid", "the progress probe gave an invalid event: %s", error)
+        self._flush()
 
-    def _send(self, event: JobEvent) -> None:
+    def _flush(self) -> None:
+        """Send the queued events in order; stop at one that etcd's absence holds back (tried again later)."""
+        if self._retry is not None:
+            if time.monotonic() < self._retry_at:
+                return
+            event, event_id = self._retry
+            if not self._store(event, event_id):
+                return
+        while self._queue:
+            event = self._queue.popleft()
+            self._record(event)
+            if not self._store(event, uuid.uuid4().hex):
+                return
+
+    def _record(self, event: JobEvent) -> None:
         try:
             from torch.distributed.elastic import events as torch_events
 
@@ -193,15 +223,24 @@ class EventSink:
                             self._destination)  # fmt: skip
         except Exception as error:  # noqa: BLE001 - a user's handler must not stop the sender
             self._warn_once("torch", "torch's events handler %r failed: %r", self._destination, error)
+
+    def _store(self, event: JobEvent, event_id: str) -> bool:
+        """Store ``event`` in the run's log; False when etcd's absence holds it back (kept to try again)."""
         if self._append is not None:
             try:
-                self._append(event)
-            except Exception as error:  # noqa: BLE001 - etcd unreachable: the job goes on, the event is lost
+                self._append(event, event_id)
+            except ConnectionError:  # etcd away: the event waits for it (the outage is logged by the client)
+                self._retry = (event, event_id)
+                self._retry_at = time.monotonic() + self._retry_pause * (0.5 + random.random() / 2)
+                self._retry_pause = min(_RETRY_CAP, self._retry_pause * 2)
+                return False
+            except Exception as error:  # noqa: BLE001 - a refusal or a bad record: the job goes on, the event is lost
                 self.dropped += 1
                 self._warn_once("etcd", "could not store event %s in etcd (later failures are not logged): %s",
                                 event.name, error)  # fmt: skip
-                return
+        self._retry, self._retry_pause = None, POLL
         self.sent += 1
+        return True
 
     def _warn_once(self, what: str, message: str, *args: Any) -> None:
         if what not in self._warned:
@@ -215,10 +254,11 @@ class EventSink:
         """
         if not self._started:
             return True
+        self._close_by = time.monotonic() + timeout
         self._stop.set()
         self._thread.join(timeout)
         self._progress = None
-        return not self._queue
+        return not self._queue and self._retry is None
 
 
 _sink: EventSink | None = None

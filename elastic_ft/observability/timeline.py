@@ -11,6 +11,7 @@ what the picture shows. :func:`draw` renders it with matplotlib (the
   (shaded from the first fault to the first rank resuming), process-level
   restarts (purple lines), rendezvous rounds (grey dashes), spare
   activations (green triangles) and respawned workers (blue diamonds);
+  etcd's outages are shaded blue in both panels (the ranks train on);
 * bottom: each rank's optimizer steps (from its iteration starts, its
   sampled progress, its faults and its healing).
 """
@@ -22,6 +23,7 @@ from typing import Any
 
 from elastic_ft.fault_records import PEER_LOST
 from elastic_ft.observability.events import JobEvent
+from elastic_ft.observability.outages import outages
 from elastic_ft.untrusted import MalformedRecord
 
 
@@ -57,6 +59,7 @@ class Timeline:
     activations: list[Mark] = field(default_factory=list)
     respawns: list[Mark] = field(default_factory=list)
     progress: dict[int, list[tuple[float, int]]] = field(default_factory=dict)
+    etcd_outages: list[Span] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         """How many of each thing the picture shows (what ``elastic-ft timeline`` prints, and tests check)."""
@@ -70,6 +73,7 @@ class Timeline:
             "respawns": len(self.respawns),
             "ranks": len(self.progress),
             "world_changes": len(self.world),
+            "etcd_outages": len(self.etcd_outages),
         }
 
 
@@ -97,6 +101,8 @@ def build_timeline(events: list[JobEvent]) -> Timeline:
         resumed = [e.time for e in ordered if e.name == "iteration_started" and (e.iteration or 0) > iteration
                    and e.time >= fault_time]  # fmt: skip
         timeline.restarts.append(Span(fault_time, min(resumed) if resumed else None, f"iteration {iteration}"))
+    for outage in outages(events):
+        timeline.etcd_outages.append(Span(outage.start, outage.end, f"etcd away ({len(outage.seen_by)} waited)"))
     return timeline
 
 
@@ -157,6 +163,9 @@ def draw(timeline: Timeline, path: str, title: str | None = None) -> dict[str, i
         for span in timeline.restarts:
             axis.axvspan(span.start - t0, (span.end if span.end is not None else timeline.end) - t0,
                          color="orange", alpha=0.25, lw=0)  # fmt: skip
+        for span in timeline.etcd_outages:
+            axis.axvspan(span.start - t0, (span.end if span.end is not None else timeline.end) - t0,
+                         color="tab:blue", alpha=0.12, lw=0)  # fmt: skip
         for mark in timeline.escalations:
             axis.axvline(mark.time - t0, color="purple", lw=1.5)
         for mark in timeline.rounds:
@@ -198,6 +207,7 @@ def _draw_world(axis: Any, timeline: Timeline, t0: float, end: float) -> None:
         axis.plot([], [], "x", color="red", mew=2, label="fault")[0],
         axis.plot([], [], "x", color="grey", label="broken connection (peer_lost)")[0],
         axis.fill_between([], [], color="orange", alpha=0.25, label="in-process restart"),
+        axis.fill_between([], [], color="tab:blue", alpha=0.12, label="etcd unreachable"),
         axis.plot([], [], color="purple", label="process-level restart")[0],
         axis.plot([], [], "^", color="green", label="spare activated")[0],
         axis.plot([], [], "D", color="tab:blue", label="respawned")[0],

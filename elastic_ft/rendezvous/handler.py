@@ -62,6 +62,7 @@ from elastic_ft.etcd.client import (
     put_op,
 )
 from elastic_ft.etcd.kv import KeyValue
+from elastic_ft.etcd.outage import Backoff, bounded, grace
 from elastic_ft.etcd.session import Session
 from elastic_ft.etcd.store import EtcdStore
 from elastic_ft.etcd.view import PrefixView
@@ -69,6 +70,7 @@ from elastic_ft.net import free_port
 from elastic_ft.observability import sink as event_sink
 from elastic_ft.rendezvous import model, node_state, rules
 from elastic_ft.rendezvous.config import EtcdftSettings, connect, settings_from_parameters
+from elastic_ft.rendezvous.fencing import Vouch
 from elastic_ft.rendezvous.monitor import Monitor
 from elastic_ft.rendezvous.probe import ProbeServer, parse_address
 from elastic_ft.untrusted import MalformedRecord, SkipLog
@@ -81,6 +83,21 @@ BACKEND_NAME = "etcdft"
 def _node_id() -> str:
     host = "".join(c if c.isalnum() or c in "-." else "-" for c in socket.gethostname()) or "host"
     return f"{host}_{os.getpid()}_{secrets.token_hex(3)}"
+
+
+@dataclasses.dataclass
+class _JoinAttempt:
+    """What one ``next_rendezvous()`` call has done so far, from one look to the next."""
+
+    #: When the call fails with RendezvousTimeoutError (``time.monotonic()``; a standby's moves on).
+    deadline: float
+    session: Session | None = None
+    #: The round this call has joined.
+    joined: int | None = None
+    #: This call closes its round: it follows the whole state (``rules.next_action``).
+    leading: bool = False
+    #: The round whose last call started, and since when.
+    last_call: tuple[int, float | None] = (-1, None)
 
 
 class EtcdftRendezvousHandler(RendezvousHandler):
@@ -124,8 +141,13 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         self.last_round_seconds: float | None = None
         self._own_events: event_sink.EventSink | None = None
         self._events_client: EtcdClient | None = None
-        #: Where peers probe this node's agent (started with its first alive record).
+        #: Where peers probe this node's agent (started with its first alive record), and what it answers a
+        #: member that asks for a vouch (``set_vouch``).
         self._probe: ProbeServer | None = None
+        self._vouch: Callable[[], Vouch] | None = None
+        #: No member counts as dead before this (``time.monotonic()``): the end of the promises this node gave
+        #: (``rendezvous/fencing.py``).
+        self._held_until = 0.0
 
     def _parse_board(self, relative: str, raw: KeyValue) -> model.Board | None:
         if relative:
@@ -223,95 +245,109 @@ class EtcdftRendezvousHandler(RendezvousHandler):
                 ) from exc
 
     def _next_rendezvous(self) -> RendezvousInfo:
+        """Join the next round within ``join_timeout``; an etcd outage is waited out within it too."""
         settings = self.settings
-        deadline = time.monotonic() + settings.join_timeout
-        session = self._ensure_session()
-        joined: int | None = None  # the round this call has joined
-        leading = False  # this call closes its round: it follows the whole state (rules.next_action)
-        last_call: tuple[int, float | None] = (-1, None)
+        attempt = _JoinAttempt(deadline=time.monotonic() + settings.join_timeout)
+        backoff = Backoff()
+        unreachable_since: float | None = None  # etcd has not answered this call's looks since then
         try:
             while True:
                 if self._leaving.is_set():
                     raise RendezvousClosedError(f"the etcdft handler of node {self.node} was shut down while it waited")
-                if session.expired.is_set():
-                    session = self._ensure_session()
-                    joined = None
-                if self._view.disconnected_for() > settings.connect_timeout:
-                    raise EtcdUnavailableError(
-                        f"the watch on etcd has been down for more than {settings.connect_timeout:g} s"
-                    )
-                # Waiting sends nothing: a frozen etcd would go unnoticed until the lease ran out.
-                self._client.ensure_reachable()
-                board, board_version = self._board_view.snapshot()
-                if board is None:
-                    self._campaign(session)
-                    board, board_version = self._board_view.snapshot()
-                if board is not None and self._state.board_gone_seen:
-                    self._apply(node_state.board_seen)
                 now = time.monotonic()
-                wake: Any = self._board_view
-                version = board_version
-                if leading:
-                    state, version = self._snapshot()
-                    wake = self._view.live
-                    number = state.open_round
-                    since = last_call[1] if last_call[0] == number else None
-                    since = rules.last_call_started(state, number, self._limits, now, since)
-                    last_call = (number, since)
-                    action = rules.next_action(state, self.node, session.id, joined, self._limits, now, since)
-                elif board is None:
-                    action = rules.Wait(-1, rules.CloseVerdict.WAIT_FOR_MIN, None, False, "no rendezvous monitor yet")
-                else:
-                    action = rules.follower_action(board, self.node, joined, self._state.member_round, self._limits)
-                    if isinstance(action, rules.Lead):
-                        leading = True
-                        self._view.follow()
-                        self._emit("round_opened", round=action.number, at=self._state.joined_at)
-                        continue
-                self._log_verdict(action)
-                if isinstance(action, rules.Done):
-                    return self._completed(action)
-                if isinstance(action, rules.Ranked):
-                    info = self._ranked(board, action.number, session.id)
-                    if info is not None:
-                        return info
-                    joined = None  # the round closed without this node (beyond its capacity)
+                if now >= attempt.deadline and unreachable_since is not None:
+                    raise RendezvousTimeoutError(self._timeout_message(-1, unreachable_for=now - unreachable_since))
+                try:
+                    with bounded(attempt.deadline - now, f"join_timeout ({settings.join_timeout:g} s)"):
+                        info = self._look(attempt)
+                except EtcdUnavailableError:
+                    # Waited out within join_timeout; the process's outage record logs the outage once.
+                    unreachable_since = unreachable_since or time.monotonic()
+                    time.sleep(min(backoff.next(), max(0.0, attempt.deadline - time.monotonic())))
                     continue
-                if isinstance(action, rules.Closed):
-                    last = state.last_closed if leading else (board.last if board is not None else None)
-                    if last is None or last.round != self._state.member_round:
-                        # A spare (or late node) the job finished without: nothing failed.
-                        raise RendezvousGracefulExitError(
-                            f"the rendezvous '{settings.run_id}' was closed while node {self.node} waited to join"
-                        )
-                    raise RendezvousClosedError(f"the rendezvous '{settings.run_id}' is closed")
-                if isinstance(action, rules.Wait) and action.standby:
-                    deadline = max(deadline, now + settings.join_timeout)
-                if now >= deadline:
-                    message = self._timeout_message(action.number)
-                    self._withdraw()
-                    raise RendezvousTimeoutError(message)
-                if isinstance(action, rules.JoinLate | rules.JoinRound):
-                    try:
-                        if isinstance(action, rules.JoinLate):
-                            info = self._join_late(action, session.id, version, wake)
-                            if info is not None:
-                                return info
-                        elif self._join(action.number, session.id, version, wake, leading):
-                            joined = action.number
-                    except EtcdLeaseNotFoundError as exc:
-                        # The lease ran out before this node could use it (an overloaded host or etcd).
-                        log.warning("node %s: %s; joining again on a new lease", self.node, exc)
-                        session.expired.set()
-                elif isinstance(action, rules.CloseRound):
-                    self._close(action, version)
-                else:
-                    until = action.until if isinstance(action, rules.Wait) and action.until is not None else deadline
-                    # Wake up at least once a second to notice a lost connection.
-                    wake.wait_for_change(version, min(until, deadline, now + 1.0) - now)
+                unreachable_since = None
+                backoff.reset()
+                if info is not None:
+                    return info
         finally:
-            if leading:
+            if attempt.leading:
                 self._view.release()
+
+    def _look(self, attempt: _JoinAttempt) -> RendezvousInfo | None:
+        """One look at the rendezvous, and the action it calls for: the round's info once this node is in one,
+        else None (``attempt`` holds what the next look starts from)."""
+        settings = self.settings
+        if attempt.session is None or attempt.session.expired.is_set():
+            attempt.session = self._ensure_session()
+            attempt.joined = None
+        session = attempt.session
+        board, board_version = self._board_view.snapshot()
+        if board is None:
+            self._campaign(session)
+            board, board_version = self._board_view.snapshot()
+        if board is not None and self._state.board_gone_seen:
+            self._apply(node_state.board_seen)
+        now = time.monotonic()
+        wake: Any = self._board_view
+        version = board_version
+        if attempt.leading:
+            state, version = self._snapshot()
+            wake = self._view.live
+            number = state.open_round
+            since = attempt.last_call[1] if attempt.last_call[0] == number else None
+            since = rules.last_call_started(state, number, self._limits, now, since)
+            attempt.last_call = (number, since)
+            action = rules.next_action(state, self.node, session.id, attempt.joined, self._limits, now, since)
+        elif board is None:
+            action = rules.Wait(-1, rules.CloseVerdict.WAIT_FOR_MIN, None, False, "no rendezvous monitor yet")
+        else:
+            action = rules.follower_action(board, self.node, attempt.joined, self._state.member_round, self._limits)
+            if isinstance(action, rules.Lead):
+                attempt.leading = True
+                self._view.follow()
+                self._emit("round_opened", round=action.number, at=self._state.joined_at)
+                return None
+        self._log_verdict(action)
+        if isinstance(action, rules.Done):
+            return self._completed(action)
+        if isinstance(action, rules.Ranked):
+            info = self._ranked(board, action.number, session.id)
+            if info is None:
+                attempt.joined = None  # the round closed without this node (beyond its capacity)
+            return info
+        if isinstance(action, rules.Closed):
+            last = state.last_closed if attempt.leading else (board.last if board is not None else None)
+            if last is None or last.round != self._state.member_round:
+                # A spare (or late node) the job finished without: nothing failed.
+                raise RendezvousGracefulExitError(
+                    f"the rendezvous '{settings.run_id}' was closed while node {self.node} waited to join"
+                )
+            raise RendezvousClosedError(f"the rendezvous '{settings.run_id}' is closed")
+        if isinstance(action, rules.Wait) and action.standby:
+            attempt.deadline = max(attempt.deadline, now + settings.join_timeout)
+        if now >= attempt.deadline:
+            # The call's own bound has ended: its last requests get one request_timeout of their own.
+            with grace(settings.request_timeout, "the timed-out join's withdrawal"):
+                message = self._timeout_message(action.number)
+                self._withdraw()
+            raise RendezvousTimeoutError(message)
+        if isinstance(action, rules.JoinLate | rules.JoinRound):
+            try:
+                if isinstance(action, rules.JoinLate):
+                    return self._join_late(action, session.id, version, wake)
+                if self._join(action.number, session.id, version, wake, attempt.leading):
+                    attempt.joined = action.number
+            except EtcdLeaseNotFoundError as exc:
+                # The lease ran out before this node could use it (an overloaded host or etcd).
+                log.warning("node %s: %s; joining again on a new lease", self.node, exc)
+                session.expired.set()
+        elif isinstance(action, rules.CloseRound):
+            self._close(action, version)
+        else:
+            until = action.until if isinstance(action, rules.Wait) and action.until is not None else attempt.deadline
+            # Wake up at least once a second: a deadline or a last call may pass with no change to see.
+            wake.wait_for_change(version, min(until, attempt.deadline, now + 1.0) - now)
+        return None
 
     def _log_verdict(self, action: rules.Action) -> None:
         """Log the close verdict of the round this node waits in, each time it changes, with its reason."""
@@ -333,7 +369,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
     def _alive_record(self) -> bytes:
         """This node's ``alive`` value: its host, its agent's pid, and where peers probe it (see ``probe.py``)."""
         if self._probe is None:
-            self._probe = ProbeServer(self._addr).start()
+            self._probe = ProbeServer(self._addr, self._vouch).start()
         return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "probe": self._probe.address}).encode()
 
     def lease_proof(self) -> tuple[int, float]:
@@ -341,6 +377,33 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         ``local_board``)."""
         session = self._session
         return (0, 0.0) if session is None else (session.id, session.valid_until())
+
+    def lease_proven_since(self, lease: int, since: float) -> bool | None:
+        """Whether etcd has answered, since ``since``, that this node's lease ``lease`` is alive (True) or gone
+        (False: also when the node holds another one now); None while it has not answered (a refresh goes out
+        at once)."""
+        session = self._session
+        if session is None or session.id != lease or session.expired.is_set():
+            return False
+        if session.proven_at >= since:
+            return True
+        session.refresh_soon()
+        return None
+
+    def set_vouch(self, vouch: Callable[[], Vouch]) -> None:
+        """What this node answers a member that asks whether it reaches etcd (``rendezvous/fencing.py``)."""
+        self._vouch = vouch
+        if self._probe is not None:
+            self._probe.vouch = vouch
+
+    def hold(self, until: float) -> None:
+        """Count no member dead before ``until`` (``time.monotonic()``): this node promised so."""
+        self._held_until = max(self._held_until, until)
+
+    def hold_until(self) -> float:
+        """Before when no member counts as dead here: this node's promises, and the quiet window after it
+        announced itself again."""
+        return max(self._held_until, self._state.quiet_until)
 
     def alive_nodes(self) -> dict[str, tuple[int, tuple[str, int] | None]]:
         """Every node holding an alive key: its lease and probe address (one range read)."""
@@ -396,7 +459,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             view.wait_for_revision(outcome.revision, self.settings.request_timeout)
             self._monitor = Monitor(
                 self._client, self._keys, self._limits, self.node, session.id, outcome.revision, view,
-                lambda: self._state.quiet_until,
+                self.hold_until,
             ).start()  # fmt: skip
             monitor = self._monitor
         log.info("node %s is the rendezvous monitor of '%s'", self.node, self.settings.run_id)
@@ -568,7 +631,24 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             log.warning("could not withdraw node %s from round %d", self.node, held)
         self._apply(node_state.withdrawn)
 
-    def _timeout_message(self, number: int) -> str:
+    def _timeout_message(self, number: int, unreachable_for: float | None = None) -> str:
+        """Why ``next_rendezvous()`` timed out: who joined round ``number`` (-1: the open one), or, with
+        ``unreachable_for``, that etcd did not answer for that long."""
+        if unreachable_for is not None:
+            return (
+                f"the rendezvous '{self.settings.run_id}' timed out after {self.settings.join_timeout:g} s "
+                f"(join_timeout): etcd at {self._client.describe_endpoints()} was unreachable for the last "
+                f"{unreachable_for:.1f} s"
+            )
+        silent = self._view.disconnected_for()
+        if silent > 0:  # what this node last saw of the rendezvous, before its watch broke
+            unreachable = f"; etcd at {self._client.describe_endpoints()} has not answered for the last {silent:.1f} s"
+        else:
+            unreachable = ""
+            try:
+                self._client.check_connection()  # a frozen etcd breaks no watch: ask it
+            except EtcdUnavailableError:
+                unreachable = f"; etcd at {self._client.describe_endpoints()} does not answer (frozen, or cut off)"
         state, _ = self._view.snapshot()  # read once, if this node does not follow every key
         number = state.open_round if number < 0 else number
         joined = len(state.round(number).joins)
@@ -583,7 +663,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
                 f"; {len(pending)} member(s) of round {number - 1} are still running and have not re-joined: "
                 + ", ".join(m.node for m in pending)
             )
-        return message
+        return message + unreachable
 
     # ---- what the agent polls ----
 
@@ -621,7 +701,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         if lost is not None:
             self._announce_again(lost)
             look = self._board(campaign=False)
-        change, reason = node_state.membership(self._state, look, time.monotonic())
+        change, reason = node_state.membership(self._state, look, time.monotonic(), self._held_until)
         if reason != self._logged_membership and (change.dead or look.vanished or self._logged_membership):
             self._logged_membership = reason
             log.info("node %s, round %s of '%s': %s", self.node, self._state.member_round, self.settings.run_id,
@@ -637,9 +717,9 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             self._client.put(self._keys.alive(self.node), self._alive_record(), session.id)
             self._apply(node_state.announced, session.id, time.monotonic(), self.settings.lease_ttl)
         log.warning(
-            "node %s: its etcd lease is gone (%s: revoked by a member that lost it, or not refreshed for %g s: its "
-            "link to etcd was cut, or etcd was unreachable or frozen); announced again on a new lease, and no "
-            "member counts as dead for the next %g s",
+            "node %s: its etcd lease is gone (%s: revoked by a member that confirmed it lost, or ended by etcd after "
+            "%g s without a refresh: its link to etcd was cut, or etcd was frozen or without a leader); announced "
+            "again on a new lease, and no member counts as dead for the next %g s",
             self.node,
             why,
             self.settings.lease_ttl,

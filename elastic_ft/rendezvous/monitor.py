@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from elastic_ft.etcd.client import EtcdClient, EtcdRequestError, EtcdUnavailableError, key_created_at, put_op
+from elastic_ft.etcd.outage import Backoff
 from elastic_ft.etcd.view import PrefixView
 from elastic_ft.keys import RunKeys
 from elastic_ft.rendezvous import model, rules
@@ -27,7 +28,6 @@ log = logging.getLogger(__name__)
 #: Changes closer together than this are published as one board: a burst of joins costs one rebuild
 #: of the state per interval, not one per join.
 _SETTLE = 0.005
-_RETRY_PAUSE = 0.1
 
 
 class Monitor:
@@ -80,15 +80,20 @@ class Monitor:
 
     def _publish(self, board: model.Board) -> bool:
         """Write the board; False when this term is over."""
+        backoff = Backoff()
         while not self._stop.is_set():
             try:
                 outcome = self._client.txn(
                     [key_created_at(self._keys.monitor, self._term)],
                     [put_op(self._keys.board, board.to_json(), self.lease)],
                 )
-            except (EtcdUnavailableError, EtcdRequestError) as exc:
+            except EtcdUnavailableError as exc:  # etcd away: the process's outage record logs it once
+                log.debug("the rendezvous monitor cannot publish its board yet: %s", exc)
+                self._stop.wait(backoff.next())
+                continue
+            except EtcdRequestError as exc:
                 log.warning("the rendezvous monitor cannot publish its board yet: %s", exc)
-                self._stop.wait(_RETRY_PAUSE)
+                self._stop.wait(backoff.next())
                 continue
             if not outcome.succeeded:
                 log.warning("node %s is no longer the rendezvous monitor (its lease ended)", self.node)

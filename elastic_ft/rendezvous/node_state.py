@@ -159,12 +159,24 @@ def lost_announcement(state: NodeState, session_live: bool, board: Board | None)
     return None
 
 
-def membership(state: NodeState, look: BoardLook, now: float) -> tuple[rules.MembershipChange, str]:
-    """What changed around this node's round, from the board it looks at, and why it reads so."""
+def membership(
+    state: NodeState, look: BoardLook, now: float, promised_until: float = 0.0
+) -> tuple[rules.MembershipChange, str]:
+    """What changed around this node's round, from the board it looks at, and why it reads so.
+
+    Nobody counts as dead before ``promised_until`` (the node promised so to
+    a member that could not reach etcd: ``rendezvous/fencing.py``) nor during
+    the quiet window after the node announced itself again.
+    """
     if look.board is None:
         return rules.MembershipChange(), look.reason
     change = rules.board_change(look.board, state.member_round, vanished=look.vanished)
     dead = tuple(n for n in change.dead if n != state.node)
+    if dead and now < promised_until:
+        return dataclasses.replace(change, dead=()), (
+            f"{len(dead)} member(s) without a lease count as alive for {promised_until - now:.1f} s more (this node "
+            "promised a member that could not reach etcd to count nobody out)"
+        )
     if dead and now < state.quiet_until:
         return dataclasses.replace(change, dead=()), (
             f"{len(dead)} member(s) without a lease count as alive for {state.quiet_until - now:.1f} s more "

@@ -170,6 +170,15 @@ def test_silent_ranks() -> None:
     assert silent_ranks(heartbeats, now=103.0, watching_since=99.0, timeout=3.0) == [1, 2]
 
 
+def test_no_rank_is_silent_for_an_etcd_outage_it_could_not_beat_through() -> None:
+    heartbeats = {0: 100.0, 1: 95.0, 2: None}
+    # etcd answered this process again at 102: every rank gets a whole timeout from then.
+    assert silent_ranks(heartbeats, now=104.0, watching_since=99.0, timeout=3.0, reachable_since=102.0) == []
+    assert silent_ranks(heartbeats, now=105.5, watching_since=99.0, timeout=3.0, reachable_since=102.0) == [0, 1, 2]
+    # An outage that ended before the heartbeats changes nothing.
+    assert silent_ranks(heartbeats, now=101.0, watching_since=99.0, timeout=3.0, reachable_since=90.0) == [1]
+
+
 @pytest.fixture
 def tcp_store() -> dist.Store:
     return dist.TCPStore("127.0.0.1", 0, None, True, seconds(10), wait_for_workers=False)

@@ -26,13 +26,13 @@ pytestmark = [
 ]
 
 
-def run(tmp_path: Path, scenarios: str) -> dict[str, dict]:
-    out = tmp_path / "network_faults.json"
+def run(tmp_path: Path, scenarios: str, downtime: float = 3.0) -> dict[str, dict]:
+    out = tmp_path / f"network_faults-{downtime:g}.json"
     done = subprocess.run(
         # Each step leaves the CPUs idle for 50 ms, as a step on GPUs does: three simulated hosts of two
         # workers share two cores with the other pytest process, and spinning they took a third of its time.
         [sys.executable, str(BENCHMARK), "--systems", "ftrun", "--scenarios", scenarios, "--repeats", "1",
-         "--window", "10", "--step-wait", "0.05", "--out", str(out)],
+         "--window", "10", "--step-wait", "0.05", "--downtime", str(downtime), "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=1500,
@@ -64,6 +64,22 @@ def test_lost_hosts_are_fenced_and_counted_out_fast_and_come_back_without_restar
         # ... and it trains again in the running world, with no survivor's process restarted.
         assert row["rejoin"] is not None, (scenario, row)
         assert row["restarted"] == 0, (scenario, row)
+
+
+@pytest.mark.timeout(1600)
+@pytest.mark.parametrize(("scenarios", "downtime"), [("cut,etcd_only,peers_only", 20.0), ("cut", 60.0)])
+def test_a_host_cut_off_for_long_fences_itself_and_rejoins_in_its_own_processes(
+    tmp_path: Path, scenarios: str, downtime: float
+) -> None:
+    """20 s and 60 s: every lease the host held ends, its etcd calls fail for that long, and it comes back."""
+    for scenario, row in run(tmp_path, scenarios, downtime).items():
+        assert row["resume"] is not None and row["resume"] < (20.0 if scenario == "etcd_only" else 6.0), row
+        assert row["stale"] == 0, (scenario, row)  # fenced during the cut
+        # It trains again in the running world, in the processes it had (the goal: 5 s after the heal) ...
+        assert row["rejoin"] is not None and row["rejoin"] < 15.0, (scenario, row)
+        assert row["replaced"] == 0, (scenario, row)
+        # ... no survivor restarted, and its ftrun never gave up on the job.
+        assert row["restarted"] == 0 and not row["launcher_exited"], (scenario, row)
 
 
 @pytest.mark.timeout(600)

@@ -108,7 +108,7 @@ def test_the_timeline_model_holds_what_the_picture_draws() -> None:
     ]
     timeline = build_timeline(events)
     assert timeline.counts() == {"faults": 2, "broken_connections": 1, "restarts": 1, "escalations": 1, "rounds": 1,
-                                 "activations": 1, "respawns": 0, "ranks": 6, "world_changes": 1}  # fmt: skip
+                                 "activations": 1, "respawns": 0, "ranks": 6, "world_changes": 1, "etcd_outages": 0}  # fmt: skip
     (restart,) = timeline.restarts
     assert (restart.start, restart.end) == (3.0, 3.9)
     assert timeline.progress[4] == [(1.4, 0), (3.9, 20), (10.0, 60)]
