@@ -21,7 +21,8 @@ Systems:
 
 * ``ftrun``: ``--rdzv-backend=etcdft``, the script under ``elastic_ft.Wrapper``;
 * ``torchrun-etcd-v2``: plain ``torchrun --rdzv-backend=etcd-v2`` on the same
-  etcd (its v2 API on), the script without the Wrapper;
+  etcd (its v2 API on; its client takes one endpoint, the first member's),
+  the script without the Wrapper;
 * ``torchrun-c10d``: plain ``torchrun --rdzv-backend=c10d``, the store on node
   A's agent; its outage is that agent (the store's host) frozen for ``D``
   (``freeze`` and ``fault`` only: c10d uses no etcd).
@@ -89,8 +90,8 @@ class Run:
         for index, tag in enumerate("AB"):
             if self.system == "ftrun":
                 backend, endpoint, conf, launcher = "etcdft", etcd_endpoint, "", ftrun_command()
-            elif self.system == "torchrun-etcd-v2":
-                backend, endpoint, conf, launcher = "etcd-v2", etcd_endpoint, "", None
+            elif self.system == "torchrun-etcd-v2":  # its client takes one endpoint: the first member's
+                backend, endpoint, conf, launcher = "etcd-v2", etcd_endpoint.split(",")[0], "", None
             else:
                 backend, endpoint, conf, launcher = "c10d", f"127.0.0.1:{c10d_port}", f"is_host={int(index == 0)}", None
             self.nodes.append(TorchrunNode(

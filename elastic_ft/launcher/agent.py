@@ -922,7 +922,9 @@ class FtAgent(LocalElasticAgent):
             if not board.may_join() and peers_reachable(answers):
                 log.info("node %s reaches every other member again: its new workers may join", self._handler.node)
                 board.set_may_join(True)
-        except (EtcdUnavailableError, EtcdRequestError) as error:
+        except EtcdUnavailableError as error:  # etcd away: the process's outage record says so once
+            log.debug("could not probe the other nodes: %s", error)
+        except EtcdRequestError as error:
             log.warning("could not probe the other nodes: %s", error)
 
     def _exit_barrier(self) -> None:

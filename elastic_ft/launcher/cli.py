@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from elastic_ft.etcd.kv import EtcdRequestError, EtcdUnavailableError
 from elastic_ft.job_config import JobConfig, JobConfigError, json_schema, load_job_config, parse_job_config
@@ -203,7 +203,11 @@ def run(args: argparse.Namespace) -> int:
             from elastic_ft.observability.live import watch
 
             with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends the view, not with a traceback
-                watch(lambda: (collect_status(client, keys), _read_events(client, keys)), args.interval)
+                def read() -> tuple[dict[str, Any], list[Any]]:
+                    events = _read_events(client, keys)
+                    return collect_status(client, keys, events), events
+
+                watch(read, args.interval)
             return 0
         if args.command == "config":
             kv, _ = client.get(keys.config)

@@ -43,6 +43,7 @@ from elastic_ft.keys import (
 )
 from elastic_ft.launcher.escalation import WorkerExit
 from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, WorldRecord
+from elastic_ft.observability.events import JobEvent
 from elastic_ft.observability.outages import describe_outage, outages
 from elastic_ft.rendezvous.model import RoundResult, parse_state
 from elastic_ft.untrusted import MalformedRecord, SkipLog, decode, json_object
@@ -73,8 +74,8 @@ def _stored_config(raw: bytes) -> tuple[JobConfig | None, str | None]:
         return None, str(error)[:300]
 
 
-def collect_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
-    """Everything ``elastic-ft status`` shows."""
+def collect_status(client: EtcdClient, keys: RunKeys, events: list[JobEvent] | None = None) -> dict[str, Any]:
+    """Everything ``elastic-ft status`` shows (``events``: the run's, when the caller read them already)."""
     kvs, revision = client.get_prefix(keys.rdzv)
     config_kv, _ = client.get(keys.config)
     raw = {kv.key[len(keys.rdzv) :]: kv for kv in kvs}
@@ -125,7 +126,7 @@ def collect_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
         world = _world_status(client, store, len(members), malformed)
     escalations = _escalations(client, keys, malformed)
     return {
-        "etcd_outages": _etcd_outages(client, keys),
+        "etcd_outages": _etcd_outages(client, keys, events),
         "run": keys.run_id,
         "revision": revision,
         "closed": state.closed,
@@ -151,12 +152,14 @@ def collect_status(client: EtcdClient, keys: RunKeys) -> dict[str, Any]:
 RECENT_OUTAGES = 5
 
 
-def _etcd_outages(client: EtcdClient, keys: RunKeys) -> list[dict[str, Any]]:
+def _etcd_outages(client: EtcdClient, keys: RunKeys, events: list[JobEvent] | None) -> list[dict[str, Any]]:
     """The job's most recent etcd outages, from its event log: start, end, length and who waited on it."""
     now = time.time()
+    if events is None:
+        events = EventLog(client, keys).read().events
     return [
         {"start": o.start, "end": o.end, "seconds": round(o.seconds(now), 3), "seen_by": list(o.seen_by)}
-        for o in outages(EventLog(client, keys).read().events)[-RECENT_OUTAGES:]
+        for o in outages(events)[-RECENT_OUTAGES:]
     ]
 
 
