@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import scratch
+from phases import print_phase_table, run_phases
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_ftrun.py"
@@ -60,6 +61,12 @@ GOALS = {"raise": 0.5, "sigkill": 0.5, "hang_gil_held": 3.0, "hang_gil_released"
 
 
 # ---------------------------------------------------------------- one job
+
+
+def fault_time(workdir: Path) -> float | None:
+    """When the script injected its fault (wall time), None without one."""
+    events = [json.loads(line) for path in workdir.glob("events-*.jsonl") for line in path.open()]
+    return min((e["t"] for e in events if e["event"] == "fault"), default=None)
 
 
 def recovery_seconds(workdir: Path, until: str = "first_step") -> float | None:
@@ -129,9 +136,11 @@ def run_nodes(system: str, kind: str, args: argparse.Namespace, etcd: Any) -> di
     finally:
         for node in nodes:
             node.terminate()
+    timed = run_phases(run_id, etcd.endpoints, fault_time(workdir)) if system == "elastic_ft" else None
     return {
         "seconds": recovery_seconds(workdir) if finished else None,
         "wrapper_seconds": recovery_seconds(workdir, "enter") if finished and system == "elastic_ft" else None,
+        "phases": timed,
         "survivors": survivors(workdir),
         "finished": finished,
         "dir": str(workdir),
@@ -333,7 +342,14 @@ def main() -> None:
     parser.add_argument("--steady-rounds", type=int, default=6)
     parser.add_argument("--steady-steps", type=int, default=400)
     parser.add_argument("--only", choices=("recovery", "steady"))
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="CI's mode: elastic-ft alone, one run of each fault, the recovery and per-phase tables (no steady state)",
+    )  # fmt: skip
+    parser.add_argument("--out", type=Path, help="the JSON file to write (default: benchmarks/results/recovery*.json)")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.systems, args.only = 1, "elastic_ft", "recovery"
     kinds = args.kinds.split(",")
     systems = args.systems.split(",")
     if "nvidia" in systems and importlib.util.find_spec("nvidia_resiliency_ext") is None:
@@ -391,6 +407,11 @@ def main() -> None:
                 ours = [r for r in runs if r["system"] == "elastic_ft" and r["kind"] == kind]
                 shares = [r["wrapper_seconds"] for r in ours]
                 print(f"| {kind} | {_cell(shares, args.cap)} | {', '.join(str(r['survivors']) for r in ours)} |")
+            report["phases"] = print_phase_table(
+                "elastic-ft: where the recovery goes, per phase (ms; the longest across ranks, median of runs)",
+                {kind: [r["phases"] for r in runs if r["system"] == "elastic_ft" and r["kind"] == kind]
+                 for kind in kinds},
+            )  # fmt: skip
     if args.only != "recovery":
         print(f"\nSteady state: 2 workers pinned to a CPU each, {args.steady_steps} steps, {args.steady_rounds} rounds")
         steady = steady_state(args)
@@ -414,9 +435,9 @@ def main() -> None:
             ("total", "total"),
         ):
             print(f"| {name} | {accounted[part] * 100:.2f} % |")  # fmt: skip
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    path = RESULTS if args.only is None else RESULTS.with_name(f"recovery_{args.only}.json")
-    path.write_text(json.dumps(report, indent=2))
+    path = args.out or (RESULTS if args.only is None else RESULTS.with_name(f"recovery_{args.only}.json"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, default=str))
     print(f"\nwrote {path}")
 
 

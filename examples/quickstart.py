@@ -43,8 +43,7 @@ def load_state_dict(state):
 def train(call_wrapper: CallWrapper | None = None):
     # RANK and WORLD_SIZE are set for each call: after a fault the world may be smaller.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.PrefixStore(f"pg/{call_wrapper.iteration}", call_wrapper.base_store)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", store=call_wrapper.process_group_store(), rank=rank, world_size=world_size)
     try:
         if call_wrapper.iteration == 0 and os.path.exists(args.checkpoint):
             load_state_dict(torch.load(args.checkpoint))  # a (re)started process; later calls heal from peers

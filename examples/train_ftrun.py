@@ -137,7 +137,7 @@ _PROCESS_STORE: list[dist.Store] = []
 
 
 def process_group_store(call_wrapper: CallWrapper | None, iteration: int) -> dist.Store | None:
-    """Where this iteration's process group meets: a fresh prefix of the Wrapper's store.
+    """Where this iteration's process group meets: the Wrapper's store for it (a fresh one per iteration).
 
     Without a Wrapper, torchrun's ``env://`` rendezvous (``None``). Under a
     Wrapper without a store of its own to share (NVIDIA's), a TCPStore on
@@ -145,6 +145,8 @@ def process_group_store(call_wrapper: CallWrapper | None, iteration: int) -> dis
     """
     if call_wrapper is None:
         return None
+    if hasattr(call_wrapper, "process_group_store"):
+        return call_wrapper.process_group_store()
     base = getattr(call_wrapper, "base_store", None)
     if base is None:
         if not _PROCESS_STORE:

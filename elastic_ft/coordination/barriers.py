@@ -33,6 +33,7 @@ import torch.distributed as dist
 from elastic_ft import keys
 from elastic_ft.coordination.errors import BarrierOverflow, BarrierTimeout
 from elastic_ft.etcd.outage import bounded, grace
+from elastic_ft.shield import shield
 
 #: How long a barrier that timed out may still take to read how many ranks arrived, for its error.
 _COUNT_GRACE = 2.0
@@ -57,6 +58,20 @@ def poll(predicate: Callable[[], bool], timeout: float | None, interval_max: flo
     return True
 
 
+class KeyWatch(Protocol):
+    """A watch for one key to exist (:class:`elastic_ft.etcd.store.KeyWatch`): ``appeared`` is set when there is
+    something to look at, ``value`` is the value the watch saw (None: not yet), ``broken`` says the watch ended,
+    :meth:`must_read` whether the caller reads the key itself, and ``stop()`` ends the watch."""
+
+    appeared: threading.Event
+    value: bytes | None
+    broken: bool
+
+    def must_read(self) -> bool: ...
+
+    def stop(self) -> None: ...
+
+
 @runtime_checkable
 class CountingStore(Protocol):
     """A store that counts a barrier's arrival in one request and watches for a key (:class:`EtcdStore
@@ -66,7 +81,7 @@ class CountingStore(Protocol):
 
     def arrivals(self, counter: str) -> int: ...
 
-    def watch_for(self, key: str) -> tuple[threading.Event, Callable[[], None]]: ...
+    def watch_for(self, key: str) -> KeyWatch: ...
 
 
 def counting_store(view: object) -> tuple[CountingStore, str] | None:
@@ -144,6 +159,30 @@ class _StalledBarrier:
         )  # fmt: skip
         store._publish(self.name, self.world_size, admit=False)
         return True
+
+
+#: The longest a barrier's wait blocks on its watch in one go: a restart raised meanwhile lands that soon.
+_WAIT_SLICE = 0.05
+
+
+def _await_watch(watch: KeyWatch, look: Callable[[], bool], limit: float | None) -> tuple[bool, bytes | None]:
+    """Wait on ``watch`` for the key: ``(True, value)`` once the watch brings it, ``(True, None)`` once ``look()``
+    finds it (a read, where the watch cannot tell; the stalled barrier's repair), ``(False, None)`` after
+    ``limit`` seconds (``None``: never)."""
+    deadline = None if limit is None else time.monotonic() + limit
+    while True:
+        if watch.value is not None:
+            return True, watch.value
+        if look():
+            return True, None
+        left = _WAIT_SLICE if deadline is None else min(_WAIT_SLICE, deadline - time.monotonic())
+        if left <= 0:
+            return False, None
+        if watch.broken:  # no watch left: the look reads, at most once a slice
+            time.sleep(left)
+            continue
+        with shield():  # a restart raised inside the event's wait could leave its lock held (elastic_ft.shield)
+            watch.appeared.wait(left)
 
 
 def as_text(value: bytes) -> str:
@@ -243,15 +282,18 @@ class Barriers:
             return resilient
 
         if counting is not None:
-            # The loop stays a short-sleep poll the Wrapper can interrupt, but what it polls is a watch's
-            # flag: one watch per rank, not a request every few milliseconds.
-            appeared, stop = counting[0].watch_for(counting[1] + done_key)
+            # One watch per rank, not a request every few milliseconds; the result comes with its event (a
+            # barrier's result is written once).
+            watch = counting[0].watch_for(counting[1] + done_key)
             try:
-                completed = poll(
-                    answered(lambda: (appeared.is_set() and self.check([done_key])) or stalled.repaired()), limit
-                )
+                completed, published = _await_watch(
+                    watch, answered(lambda: (watch.must_read() and self.check([done_key])) or stalled.repaired()),
+                    limit,
+                )  # fmt: skip
             finally:
-                stop()
+                watch.stop()
+            if published is not None:
+                return as_text(published)
         else:
             completed = poll(answered(lambda: self.check([done_key]) or stalled.repaired()), limit)
         if not completed:

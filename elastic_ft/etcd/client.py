@@ -188,6 +188,8 @@ def _watch_create_request(key: bytes, range_end: bytes, start_revision: int, wat
     """A request to create a watch whose id the client picks (so a response names the watch it answers)."""
     if watch_id <= 0:
         raise ValueError(f"a watch id must be positive, got {watch_id}")
+    if start_revision < 0:
+        raise ValueError(f"a watch's start revision must be 0 (from now on) or positive, got {start_revision}")
     create = _WatchCreateRequest(key=key, range_end=range_end, start_revision=start_revision, watch_id=watch_id)
     return etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest.FromString(create.SerializeToString()))
 
@@ -511,16 +513,24 @@ class EtcdClient:
         start_revision: int,
         on_events: Callable[[list[WatchEvent], int], None],
         on_error: Callable[[Exception], None],
+        on_created: Callable[[int], None] | None = None,
     ) -> EtcdWatch:
-        """Stream every change under ``prefix`` from ``start_revision`` on.
+        """Stream every change under ``prefix`` from ``start_revision`` on (0: from now on).
 
         ``on_events(events, revision)`` runs for each batch in the reader
         thread of the stream all this client's watches share, so it must
         return quickly; ``on_error`` runs once if the stream breaks or
         history was compacted, after which the watch is over and the caller
-        re-lists.
+        re-lists; ``on_created(revision)``, once etcd created the watch (it
+        delivers every change after ``revision``).
+
+        A watch that starts in the past, behind etcd's current revision, is
+        caught up by etcd's background loop every 100 ms, and its first
+        events come that late (measured: 78 ms, against 1.4 ms from now on).
+        A caller that reads and then waits should watch from now on and read
+        again what changed before the watch was created (``on_created``).
         """
-        return self._watch(prefix, prefix_end(prefix), start_revision, on_events, on_error)
+        return self._watch(prefix, prefix_end(prefix), start_revision, on_events, on_error, on_created)
 
     def watch_key(
         self,
@@ -528,9 +538,10 @@ class EtcdClient:
         start_revision: int,
         on_events: Callable[[list[WatchEvent], int], None],
         on_error: Callable[[Exception], None],
+        on_created: Callable[[int], None] | None = None,
     ) -> EtcdWatch:
         """As :meth:`watch_prefix`, for the one key ``key``."""
-        return self._watch(key, b"", start_revision, on_events, on_error)
+        return self._watch(key, b"", start_revision, on_events, on_error, on_created)
 
     def _watch(
         self,
@@ -539,11 +550,12 @@ class EtcdClient:
         start_revision: int,
         on_events: Callable[[list[WatchEvent], int], None],
         on_error: Callable[[Exception], None],
+        on_created: Callable[[int], None] | None = None,
     ) -> EtcdWatch:
         watch: EtcdWatch | None = None
         try:
             with shield():
-                watch = self._open_watch(key, range_end, start_revision, on_events, on_error)
+                watch = self._open_watch(key, range_end, start_revision, on_events, on_error, on_created)
         except BaseException:
             if watch is not None:
                 watch.close()  # a restart deferred to the section's end: nobody would ever close it
@@ -557,10 +569,11 @@ class EtcdClient:
         start_revision: int,
         on_events: Callable[[list[WatchEvent], int], None],
         on_error: Callable[[Exception], None],
+        on_created: Callable[[int], None] | None = None,
     ) -> EtcdWatch:
         watch_id = next(self._watch_ids)
         request = _watch_create_request(key.encode(), range_end, start_revision, watch_id)
-        watch = EtcdWatch(watch_id, request, on_events, on_error)
+        watch = EtcdWatch(watch_id, request, on_events, on_error, on_created)
         self._count("watch")
         for _ in range(3):
             if self._watch_stream().add(watch):

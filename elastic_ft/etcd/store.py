@@ -51,6 +51,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -73,7 +74,7 @@ from elastic_ft.etcd.client import (
 )
 from elastic_ft.etcd.outage import OUTAGES, bounded, patiently
 from elastic_ft.keys import parse_store_queue_key, store_queue_prefix, store_queues_prefix, store_write_token
-from elastic_ft.shield import shield
+from elastic_ft.shield import shield, shielded
 
 # etcd's default --max-txn-ops.
 _TXN_OPS = 128
@@ -144,6 +145,71 @@ def _as_bytes(value: str | bytes | bytearray | Sequence[int]) -> bytes:
     return bytes(value)
 
 
+@dataclass(frozen=True)
+class _Created:
+    """A wait's watch exists: it delivers every change after ``revision``."""
+
+    revision: int
+
+
+#: What a wait's watches hand its loop: a batch of events, the end of a watch, or a watch's creation.
+_WatchItem = list[WatchEvent] | Exception | _Created
+
+
+class KeyWatch:
+    """What :meth:`EtcdStore.watch_for` keeps of one key. ``appeared`` is set when there is something to look
+    at: the key's ``value`` (the watch saw it put), a read to make once (the key may have come between the
+    caller's read and the watch's creation), or a broken watch (``broken``: the caller reads from then on).
+    :meth:`must_read` says whether to read; ``stop()`` ends the watch.
+
+    No lock: the waiting thread may be interrupted by a restart at any moment, and a lock it held would stall
+    the watch's thread. The one race, a value arriving as :meth:`must_read` clears ``appeared``, costs the
+    waiter one wait slice: it checks ``value`` before each wait.
+    """
+
+    def __init__(self) -> None:
+        self.appeared = threading.Event()
+        self.value: bytes | None = None
+        self.broken = False
+        self._read_once = False
+        self.stop: Callable[[], None] = lambda: None
+
+    def saw(self, value: bytes) -> None:
+        if self.value is None:
+            self.value = value
+        self.appeared.set()
+
+    def missed_maybe(self) -> None:
+        self._read_once = True
+        self.appeared.set()
+
+    def lost(self) -> None:
+        self.broken = True
+        self.appeared.set()
+
+    @shielded  # clearing the event takes its lock: no restart may cut that
+    def must_read(self) -> bool:
+        """Whether the caller must read the key itself: always once the watch broke, once after it may have
+        missed the key (``appeared`` is then cleared, to wait for the watch again)."""
+        if self.broken:
+            return True
+        if not self._read_once:
+            return False
+        self._read_once = False
+        if self.value is None:
+            self.appeared.clear()
+        return True
+
+
+class _TokenLease:
+    """The lease a store's write tokens go on: its id, when to replace it (``time.monotonic()``), and the TTL it
+    was asked for; None until the first write."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.held: tuple[int, float, int] | None = None
+
+
 class EtcdStore(dist.Store):
     """Keys live under ``prefix`` in etcd; see the module docstring."""
 
@@ -152,7 +218,14 @@ class EtcdStore(dist.Store):
     #: torch's ``Store.timeout`` property (``set_timeout`` changes it), which torch's stubs leave out.
     timeout: timedelta
 
-    def __init__(self, client: EtcdClient, prefix: str, timeout: timedelta = timedelta(seconds=300)) -> None:
+    def __init__(
+        self,
+        client: EtcdClient,
+        prefix: str,
+        timeout: timedelta = timedelta(seconds=300),
+        *,
+        tokens: _TokenLease | None = None,
+    ) -> None:
         super().__init__()
         if not prefix.endswith("/"):
             raise ValueError(f"EtcdStore prefix {prefix!r} must end with '/'")
@@ -161,9 +234,9 @@ class EtcdStore(dist.Store):
         self.set_timeout(timeout)
         #: Writes whose commit was learnt from their token: a resend after an earlier send had committed.
         self.writes_recovered = 0
-        #: The write tokens' lease id, when to replace it (time.monotonic()), and the TTL it was asked for.
-        self._token_lease: tuple[int, float, int] | None = None
-        self._token_lease_lock = threading.Lock()
+        #: The lease write tokens go on: shared with the stores made from this one (``group_store``).
+        self._tokens = tokens or _TokenLease()
+        self._clones_lock = threading.Lock()
         self._clones: list[EtcdStore] = []
 
     def _key(self, key: str) -> str:
@@ -179,8 +252,13 @@ class EtcdStore(dist.Store):
     # ---- reads ----
 
     def _fetch(self, keys: Sequence[str]) -> tuple[dict[str, KeyValue], int]:
-        """Read many keys consistently (one transaction per 128 keys)."""
+        """Read many keys consistently: one range request for one key, one transaction per 128 keys."""
         found: dict[str, KeyValue] = {}
+        if len(keys) == 1:
+            kv, revision = self._ask(functools.partial(self._client.get, self._key(keys[0])))
+            if kv is not None:
+                found[keys[0]] = kv
+            return found, revision
         revision = 0
         for start in range(0, len(keys), _TXN_OPS):
             chunk = keys[start : start + _TXN_OPS]
@@ -209,19 +287,29 @@ class EtcdStore(dist.Store):
                     missing.add(key)
         return missing, revision
 
-    def _await(self, keys: Sequence[str], timeout: timedelta | None, *, queues: bool) -> None:
+    def _await(
+        self, keys: Sequence[str], timeout: timedelta | None, *, queues: bool, read: tuple[set[str], int] | None = None
+    ) -> None:
         """Block until every key exists (with ``queues``: or its queue holds an item, as TCPStore's ``wait`` and
-        ``check`` count it), on watches; ``DistStoreError`` at the timeout, etcd reachable or not."""
+        ``check`` count it), on watches; ``DistStoreError`` at the timeout, etcd reachable or not.
+
+        ``read``: the keys missing at a revision the caller read already.
+
+        The watches start from now on, not after the read (a watch that
+        starts in the past gets its first events up to 100 ms late, see
+        :meth:`EtcdClient.watch_prefix`); once etcd created them, what
+        changed between the read and their start is read again.
+        """
         seconds = self._timeout_seconds(timeout)
         deadline = time.monotonic() + seconds
         with bounded(seconds, f"the wait's timeout ({seconds:g} s)"):
             try:
-                missing, revision = self._missing(keys, queues)
+                missing, revision = read if read is not None else self._missing(keys, queues)
                 while missing:
-                    events: queue.Queue[list[WatchEvent] | Exception] = queue.Queue()
-                    watches = self._ask(functools.partial(self._watch, sorted(missing), revision + 1, events, queues))
+                    events: queue.Queue[_WatchItem] = queue.Queue()
+                    watches = self._ask(functools.partial(self._watch, sorted(missing), events, queues))
                     try:
-                        self._await_events(missing, events, deadline, seconds)
+                        self._await_events(missing, revision, events, deadline, seconds, queues)
                     finally:
                         for watch in watches:
                             watch.close()
@@ -236,10 +324,17 @@ class EtcdStore(dist.Store):
                 ) from error
 
     def _await_events(
-        self, missing: set[str], events: queue.Queue[list[WatchEvent] | Exception], deadline: float, seconds: float
+        self,
+        missing: set[str],
+        read_at: int,
+        events: queue.Queue[_WatchItem],
+        deadline: float,
+        seconds: float,
+        queues: bool,
     ) -> None:
-        """Take keys out of ``missing`` as the watches see them put; return when none is left, a watch broke, or
-        nothing came for :data:`_RECHECK_AFTER` (the caller reads again)."""
+        """Take keys out of ``missing`` as the watches see them put (and, once a watch exists, as a read of what
+        changed since ``read_at`` finds them); return when none is left, a watch broke, or nothing came for
+        :data:`_RECHECK_AFTER` (the caller reads again)."""
         quiet_until = time.monotonic() + _RECHECK_AFTER
         while missing:
             now = time.monotonic()
@@ -257,6 +352,11 @@ class EtcdStore(dist.Store):
                 continue
             if isinstance(item, Exception):
                 return  # the stream broke: read again, then watch again
+            if isinstance(item, _Created):
+                if item.revision > read_at:  # something changed between the read and the watch: read again
+                    still, read_at = self._missing(sorted(missing), queues)
+                    missing.intersection_update(still)
+                continue
             quiet_until = time.monotonic() + _RECHECK_AFTER
             for event in item:
                 if not event.deleted:
@@ -268,32 +368,41 @@ class EtcdStore(dist.Store):
             return key[len(self.prefix) :]
         return parse_store_queue_key(self.prefix, key)
 
-    def _watch(
-        self, keys: Sequence[str], start_revision: int, events: queue.Queue[list[WatchEvent] | Exception], queues: bool
-    ) -> list[EtcdWatch]:
-        """Watch only what the wait needs: the one key (and its queue), or the store's prefix (and its queues)."""
+    def _watch(self, keys: Sequence[str], events: queue.Queue[_WatchItem], queues: bool) -> list[EtcdWatch]:
+        """Watch only what the wait needs, from now on: the one key (and its queue), or the store's prefix (and its
+        queues). Their batches, their ends and their creations go to ``events``."""
 
         def put(batch: list[WatchEvent], _revision: int) -> None:
             events.put(batch)
 
+        def created(revision: int) -> None:
+            events.put(_Created(revision))
+
         client = self._client
         if len(keys) == 1:
-            watches = [client.watch_key(self._key(keys[0]), start_revision, put, events.put)]
+            watches = [client.watch_key(self._key(keys[0]), 0, put, events.put, created)]
             queues_prefix = store_queue_prefix(self.prefix, keys[0])
         else:
-            watches = [client.watch_prefix(self.prefix, start_revision, put, events.put)]
+            watches = [client.watch_prefix(self.prefix, 0, put, events.put, created)]
             queues_prefix = store_queues_prefix(self.prefix)
         if queues:
-            watches.append(client.watch_prefix(queues_prefix, start_revision, put, events.put))
+            watches.append(client.watch_prefix(queues_prefix, 0, put, events.put, created))
         return watches
 
     def _values(self, keys: Sequence[str]) -> dict[str, KeyValue]:
-        """The keys' values once they all exist (``get``: a queue of the same name does not count)."""
-        while True:
-            self._await(keys, None, queues=False)
-            found, _ = self._fetch(keys)
-            if len(found) == len(set(keys)):
-                return found
+        """The keys' values once they all exist (``get``: a queue of the same name does not count).
+
+        Read first: a key already there (a process group's peers' addresses,
+        mostly) costs one request; a missing one is watched from the read's
+        revision on, then read.
+        """
+        found, revision = self._fetch(keys)
+        while len(found) < len(set(keys)):
+            missing = sorted(set(keys) - set(found))
+            self._await(missing, None, queues=False, read=(set(missing), revision))
+            more, revision = self._fetch(missing)
+            found.update(more)
+        return found
 
     @_bounded_op
     def get(self, key: str) -> bytes:
@@ -341,8 +450,8 @@ class EtcdStore(dist.Store):
         return self._client
 
     def clone(self) -> EtcdStore:
-        copy = EtcdStore(self._client, self.prefix, self.timeout)
-        with self._token_lease_lock:
+        copy = EtcdStore(self._client, self.prefix, self.timeout, tokens=self._tokens)
+        with self._clones_lock:
             self._clones.append(copy)
         return copy
 
@@ -385,9 +494,11 @@ class EtcdStore(dist.Store):
 
     def _await_put(self, prefix: str, revision: int, deadline: float) -> bool:
         """Wait for a key to be put under ``prefix`` after ``revision``; False at ``deadline``."""
-        events: queue.Queue[list[WatchEvent] | Exception] = queue.Queue()
+        events: queue.Queue[_WatchItem] = queue.Queue()
         watch = self._ask(
-            lambda: self._client.watch_prefix(prefix, revision + 1, lambda b, _r: events.put(b), events.put)
+            lambda: self._client.watch_prefix(
+                prefix, 0, lambda b, _r: events.put(b), events.put, lambda r: events.put(_Created(r))
+            )
         )
         quiet_until = time.monotonic() + _RECHECK_AFTER
         try:
@@ -397,6 +508,10 @@ class EtcdStore(dist.Store):
                 try:
                     item = _next_item(events, remaining)
                 except queue.Empty:
+                    continue
+                if isinstance(item, _Created):
+                    if item.revision > revision:
+                        return True  # an item may have come between the read and the watch: read again
                     continue
                 if isinstance(item, Exception) or any(not event.deleted for event in item):
                     return True  # read again (after a broken stream too)
@@ -415,14 +530,15 @@ class EtcdStore(dist.Store):
         longest request, and at least a minute. etcd keeps no token longer:
         a lease outlives a freeze only of less than its TTL.
         """
-        with self._token_lease_lock:
+        tokens = self._tokens
+        with tokens.lock:
             now = time.monotonic()
             longest = self._client.connect_timeout + self._client.request_timeout
             wanted = max(60, math.ceil(2 * (self.timeout.total_seconds() + longest)))
-            held = self._token_lease
+            held = tokens.held
             if held is None or now >= held[1] or held[2] < wanted:
                 lease, ttl = self._ask(lambda: self._client.grant_lease(wanted))
-                self._token_lease = held = (lease, now + ttl / 2, wanted)
+                tokens.held = held = (lease, now + ttl / 2, wanted)
             return held[0]
 
     def _commit_once(self, what: str, guards: list[Compare], ops: list[Op], token: str, result: bytes) -> bytes | None:
@@ -520,23 +636,27 @@ class EtcdStore(dist.Store):
         return bool(mine and mine[0].value == token.encode()), arrivals
 
     @_bounded_op
-    def watch_for(self, key: str) -> tuple[threading.Event, Callable[[], None]]:
-        """A flag set once ``key`` exists, kept by a watch (no request while it is not), and the function that
-        stops the watch. A broken watch sets the flag too, so a caller that checks the key falls back to
-        reading it."""
+    def watch_for(self, key: str) -> KeyWatch:
+        """A watch for ``key`` to exist (no request while it does not): see :class:`KeyWatch`."""
         full = self._key(key)
-        appeared = threading.Event()
         kv, revision = self._ask(lambda: self._client.get(full))
+        found = KeyWatch()
         if kv is not None:
-            appeared.set()
-            return appeared, lambda: None
+            found.saw(kv.value)
+            return found
 
         def on_events(events: list[WatchEvent], _revision: int) -> None:
-            if any(not event.deleted for event in events):
-                appeared.set()
+            for event in events:
+                if not event.deleted:
+                    found.saw(event.kv.value)
 
-        watch = self._ask(lambda: self._client.watch_key(full, revision + 1, on_events, lambda _error: appeared.set()))
-        return appeared, watch.close
+        def on_created(created_at: int) -> None:
+            if created_at > revision:  # the key may have come between the read and the watch: the caller reads
+                found.missed_maybe()
+
+        watch = self._ask(lambda: self._client.watch_key(full, 0, on_events, lambda _error: found.lost(), on_created))
+        found.stop = watch.close
+        return found
 
     @_bounded_op
     def arrivals(self, counter: str) -> int:

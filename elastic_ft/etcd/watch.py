@@ -106,7 +106,9 @@ class EtcdWatch:
     reader thread, so it must be quick (record and return); ``on_error``
     runs once at the end: the stream broke, etcd cancelled the watch, or its
     history was compacted. After that the watch is over and the caller
-    re-lists and watches again.
+    re-lists and watches again. ``on_created(revision)``, when given, runs
+    once etcd has created the watch: it delivers every change after
+    ``revision``.
     """
 
     def __init__(
@@ -115,11 +117,13 @@ class EtcdWatch:
         request: Any,
         on_events: Callable[[list[WatchEvent], int], None],
         on_error: Callable[[Exception], None],
+        on_created: Callable[[int], None] | None = None,
     ) -> None:
         self.id = watch_id
         self.request = request
         self.on_events = on_events
         self.on_error = on_error
+        self.on_created = on_created
         self.stream: WatchStream | None = None
         self._closed = threading.Event()
 
@@ -177,6 +181,16 @@ class WatchStream(Stream):
         if watch is not None and not watch.cancelled:
             _report_end(watch, error)
 
+    def _created(self, watch: EtcdWatch, revision: int) -> None:
+        callback = watch.on_created
+        if callback is None:
+            return
+        try:
+            callback(revision)
+        except Exception as exc:  # reported to that watch's owner
+            log.exception("a watch's on_created raised; ending that watch (%s)", self.endpoint)
+            self._end_one(watch.id, exc)
+
     def _deliver(self, watch: EtcdWatch, events: list[WatchEvent], revision: int) -> None:
         """Hand ``events`` to ``watch``; a callback that raises ends its own watch, not the others'."""
         try:
@@ -191,6 +205,8 @@ class WatchStream(Stream):
                 watch = self._watches.get(response.watch_id)
                 if watch is None or watch.cancelled:
                     continue  # cancelled by us, or the answer to a cancel
+                if response.created and watch.on_created is not None:
+                    self._created(watch, response.header.revision)
                 if response.compact_revision:
                     self._end_one(watch.id, EtcdCompactedError(response.compact_revision))
                 elif response.canceled:

@@ -86,16 +86,20 @@ class AdaptiveTimeouts:
         warmup_multiplier: a warm-up's soft timeout = ``warmup_multiplier`` x the longest earlier warm-up.
         min_samples: samples needed before the timeouts adapt.
         window: how many recent step intervals are kept.
+        delivery_floor: the shortest time a restart has to reach a main thread blocked in C code (a store wait,
+            gloo's connect loop) before the rank is terminated; the adaptive hard timeout when longer. Not tied
+            to ``soft_floor``: what ends such a call is the connection release, whatever the step time.
     """
 
-    multiplier: float = 20.0
+    multiplier: float = 10.0
     percentile: float = 99.0
-    soft_floor: datetime.timedelta = datetime.timedelta(seconds=1.5)
+    soft_floor: datetime.timedelta = datetime.timedelta(seconds=0.5)
     hard_multiplier: float = 2.0
     warmup_steps: int = 3
     min_samples: int = 8
     window: int = 256
     warmup_multiplier: float = 4.0
+    delivery_floor: datetime.timedelta = datetime.timedelta(seconds=3)
 
     def __post_init__(self) -> None:
         for name in ("multiplier", "hard_multiplier", "warmup_multiplier"):
@@ -106,8 +110,10 @@ class AdaptiveTimeouts:
             raise TypeError(f"AdaptiveTimeouts percentile must be a number, got {self.percentile!r}")
         if not 0 < self.percentile <= 100:
             raise ValueError(f"AdaptiveTimeouts percentile must be in (0, 100], got {self.percentile!r}")
-        if not isinstance(self.soft_floor, datetime.timedelta) or self.soft_floor <= datetime.timedelta(0):
-            raise ValueError(f"AdaptiveTimeouts soft_floor must be a positive timedelta, got {self.soft_floor!r}")
+        for name in ("soft_floor", "delivery_floor"):
+            value = getattr(self, name)
+            if not isinstance(value, datetime.timedelta) or value <= datetime.timedelta(0):
+                raise ValueError(f"AdaptiveTimeouts {name} must be a positive timedelta, got {value!r}")
         for name, minimum in (("warmup_steps", 0), ("min_samples", 1), ("window", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

@@ -271,6 +271,8 @@ class MonitorThread(threading.Thread):
         self._raise_lock = threading.Lock()
         self._held = False  # the main thread left the wrapped function: nothing more is delivered to it
         self.restart_started = threading.Event()
+        #: When the restart started (``time.time()``): its connections released, ``abort`` called.
+        self.restart_started_at: float | None = None
         #: A planned restart waits for the main thread at a step boundary (see _await_step_boundary).
         self.restart_planned = threading.Event()
         self.planned_bound = planned_bound
@@ -327,6 +329,7 @@ class MonitorThread(threading.Thread):
         with self.atomic_lock:
             if self._stop_requested.is_set():
                 return
+            self.restart_started_at = time.time()
             self.restart_started.set()
             try:
                 released = self.release(False)

@@ -193,9 +193,9 @@ class StepClock:
         self._warmup_long = 0.0
         self._long_entered: float | None = None
         # How long a restart may take to reach the main thread (the monitor process terminates the rank
-        # after that): the adaptive hard timeout, at least twice the adaptive floor (3 s by default), which
-        # holds too until the job's steps give one, as a restart abandons whatever the rank does.
-        self._delivery_floor = min(hard_limit, 2 * config.soft_floor.total_seconds()) if config else soft_limit
+        # after that): the adaptive hard timeout, at least AdaptiveTimeouts.delivery_floor (3 s by default),
+        # which holds too until the job's steps give one, as a restart abandons whatever the rank does.
+        self._delivery_floor = min(hard_limit, config.delivery_floor.total_seconds()) if config else soft_limit
         timestamps.set_delivery_bound(self._delivery_floor)
 
     def start_iteration(self, active: bool = True) -> None:

@@ -45,7 +45,7 @@ import typing
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -99,6 +99,7 @@ from elastic_ft.inprocess.process_groups import ProcessGroupKeeper
 from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps, ProgressWatchdog, StepClock
 from elastic_ft.inprocess.rank_assignment.base import RankAssignmentCtx, admits_new_ranks
 from elastic_ft.inprocess.rank_assignment.policies import ActivateAllRanks, MaxActiveWorldSize, ShiftRanks
+from elastic_ft.inprocess.recovery_phases import RecoveryClock
 from elastic_ft.inprocess.sockets import (
     close_inherited_in_child,
     gloo_listeners,
@@ -124,6 +125,9 @@ from elastic_ft.observability import sink as event_sink
 from elastic_ft.observability.log_format import set_where
 from elastic_ft.torch_compat import check_torch
 from elastic_ft.untrusted import MalformedRecord
+
+if TYPE_CHECKING:
+    from elastic_ft.etcd.group_store import GroupStore
 
 log = get_logger("wrapper")
 
@@ -533,6 +537,10 @@ class CallWrapper:
         #: The current iteration's store view, and whether its progress is recorded (see _mark_progress).
         self._iteration_store: IterationView | None = None
         self._progress_marked = False
+        #: The moments of the restart under way on this rank, until its first step (``recovery_phases``).
+        self._recovery = RecoveryClock()
+        #: The stores this call handed out for process groups (``process_group_store``), by iteration.
+        self._group_stores: dict[int, GroupStore] = {}
         self.base_store = wrapper.store_factory(**wrapper.store_kwargs)
         self._events = self._install_events()
         undo.callback(self._close_events)
@@ -732,6 +740,10 @@ class CallWrapper:
         self._steps.step()
         try:
             self._mark_progress()
+            if self._recovery.open:
+                timed = self._recovery.finish()
+                event_sink.emit("recovery_phases", rank=self.state.initial_rank, iteration=self.state.iteration,
+                                **(timed or {}))  # fmt: skip
         finally:
             self._leave_optimizer_steps(1)
 
@@ -771,6 +783,37 @@ class CallWrapper:
     def iteration(self) -> int:
         """Index of the current restart iteration (0 for the first call)."""
         return self.state.iteration
+
+    def process_group_store(self, name: str = "pg") -> dist.Store:
+        """The store this iteration's process group is bootstrapped from:
+        ``init_process_group(backend, store=call_wrapper.process_group_store(), rank=..., world_size=...)``.
+
+        A prefix of the Wrapper's store of its own per iteration
+        (``<name>/<iteration>``), so no group meets a failed iteration's
+        ranks. Over the round's etcd store (under ``ftrun``) it is a
+        :class:`~elastic_ft.etcd.group_store.GroupStore`: the keys gloo and
+        NCCL publish are written once, so every rank reads them from one
+        watch, and forming a group of N ranks costs each rank three etcd
+        requests instead of 2N. It stays open for the iteration (NCCL may
+        read it after the group is built) and is closed at the next restart.
+        """
+        from elastic_ft.etcd.group_store import group_store  # the etcd client only where an etcd store is used
+        from elastic_ft.etcd.store import EtcdStore
+
+        base = self.base_store
+        iteration = self.state.iteration
+        if not isinstance(base, EtcdStore):
+            return dist.PrefixStore(f"{name}/{iteration}", base)
+        store = self._group_stores.get(iteration)
+        if store is None or not store.prefix.endswith(f"/{name}/{iteration}/"):
+            store = group_store(base, f"{name}/{iteration}/")
+            self._group_stores[iteration] = store
+        return store
+
+    def _close_group_stores(self, before: int | None = None) -> None:
+        """Close the process-group stores of the iterations before ``before`` (None: all)."""
+        for iteration in [i for i in self._group_stores if before is None or i < before]:
+            self._group_stores.pop(iteration).close()
 
     def ping(self) -> None:
         """Report progress by hand: a step, for loops without a ``torch.optim`` optimizer.
@@ -859,6 +902,7 @@ class CallWrapper:
                     )
         finally:
             gc.unfreeze()
+            self._close_group_stores()
             self._groups.keep_until_exit()
             self._release_hooks()
             self._watchdog.shutdown()
@@ -927,6 +971,7 @@ class CallWrapper:
             self._fence_generation = self._board.generation() if self._board is not None else 0
             with self._at_barrier():
                 store.arrive_and_wait(ITERATION_BARRIER, [state.rank or 0], state.world_size, wrapper.barrier_timeout)
+            self._recovery.mark("started")
             log.debug("rank %s: iteration %d starts as %s", state.rank, state.iteration, state.mode.name)
             completed, result = self._run_iteration(fn, args, kwargs, store, state)
             if completed:
@@ -985,9 +1030,11 @@ class CallWrapper:
                 # A rank unhealthy before the function is a fault of this iteration, as in NVIDIA's Wrapper: the
                 # ranks restart, and the check after finalize decides whether it leaves (_prepare_restart).
                 self._check_health(state, leave=False)
+                self._recovery.mark("checked")
                 result = None
                 if state.mode is Mode.ACTIVE:
                     self._heal(store, state)
+                    self._recovery.mark("healed")
                     self._fresh = False
                     result = fn(*args, **kwargs)
                     self._left_function()
@@ -1036,8 +1083,12 @@ class CallWrapper:
                 event_sink.emit("fault_detected", rank=state.initial_rank, iteration=state.iteration, kind=kind,
                                 exception=type(error).__name__, message=str(error), step=self.step,
                                 origin=origin)  # fmt: skip
-                with self._restart_bound():  # etcd away: waited for, within the restart's barrier timeout
-                    store.record_interruption(rank, kind, repr(error), step=self.step, origin=origin, traceback=text)
+                if not (kind == PEER_LOST and monitor.restart_started.is_set()):
+                    # A broken connection once a restart is under way is its consequence, not a fault to record.
+                    with self._restart_bound():  # etcd away: waited for, within the restart's barrier timeout
+                        store.record_interruption(
+                            rank, kind, repr(error), step=self.step, origin=origin, traceback=text
+                        )
                 del error, text
                 self._await_restart(monitor)
         except RankShouldRestart as restart:
@@ -1046,6 +1097,8 @@ class CallWrapper:
             if not monitor.restart_started.is_set():
                 self._restart_asked_by_function(restart, monitor, store, state)
             monitor.acknowledge()
+            self._recovery.start(monitor.restart_started_at)
+            self._recovery.mark("unwound")
             log.debug("rank %s: iteration %d interrupted, restarting", rank, state.iteration)
             return False, None
         except BaseException as error:  # noqa: BLE001 - any other exit makes this rank leave, then re-raises
@@ -1240,6 +1293,8 @@ class CallWrapper:
         # the process groups retired one restart ago, which nothing else can hold by now.
         gc.collect()
         self._groups.release()
+        self._close_group_stores(before=state.iteration + 1)
+        self._recovery.mark("released")
         try:
             try:
                 if wrapper.finalize is not None:
@@ -1250,8 +1305,10 @@ class CallWrapper:
         except _RankLeaves as leaving:
             self._leave(store, state, leaving)
             raise leaving.release() from None
+        self._recovery.mark("finalized")
         with self._at_barrier():
             payload = store.arrive_and_wait(TERMINATION_BARRIER, [rank], state.world_size, wrapper.barrier_timeout)
+        self._recovery.mark("terminated")
         result = _termination_result(payload, state.world_size)
         cause_traceback = self._report_restart(store, state, result)
         self._check_limits(state, result, cause_traceback)
@@ -1262,7 +1319,9 @@ class CallWrapper:
         if rank in result.terminated and self._may_rejoin():
             return None
         next_state = next_iteration_state(state, result)
-        return self._assign(RankAssignmentCtx(next_state, store, set(result.terminated)))
+        assigned = self._assign(RankAssignmentCtx(next_state, store, set(result.terminated)))
+        self._recovery.mark("assigned")
+        return assigned
 
     def _may_rejoin(self) -> bool:
         """Whether this rank, counted out while it lived, can join the running world again in its own process:
@@ -1394,6 +1453,7 @@ class CallWrapper:
         if not admitted:
             return None
         admission = admitted[0]
+        self._recovery.start()  # its admission is this process's recovery: timed from here to its first step
         iteration = parse_count(admission)
         if admission == WITHDRAWN or not iteration:
             raise InternalError(f"initial rank {initial_rank} was not admitted: its admission record is {admission!r}")
@@ -1419,4 +1479,6 @@ class CallWrapper:
         log.info(
             "initial rank %d joins iteration %d as rank %s of %d", initial_rank, iteration, state.rank, state.world_size
         )
-        return self._assign(RankAssignmentCtx(state, previous, set(result.terminated)))
+        assigned = self._assign(RankAssignmentCtx(state, previous, set(result.terminated)))
+        self._recovery.mark("assigned")
+        return assigned

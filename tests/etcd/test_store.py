@@ -407,6 +407,46 @@ def test_wrapper_barrier_on_an_etcd_store_counts_in_one_transaction_per_rank(etc
     client.close()
 
 
+def test_a_barrier_waits_on_its_watch_and_does_not_poll_while_etcd_is_busy(etcd: EtcdServer, run_id: str) -> None:
+    """The barrier's result comes with its watch event. Other writes (heartbeats, other jobs) move etcd's revision
+    between the wait's read and its watch's creation: that costs the wait one read of the result, not a poll
+    every wait slice."""
+    from elastic_ft.coordination.iteration import iteration_store
+
+    client, other = EtcdClient(etcd.endpoints), EtcdClient(etcd.endpoints)
+    base = EtcdStore(client, f"/elastic_ft/{run_id}/round/0/store/", TIMEOUT)
+    other_base = EtcdStore(other, base.prefix, TIMEOUT)  # referenced here: a view holds only its C++ part
+    waiter, last = iteration_store(base, 1), iteration_store(other_base, 1)
+    busy = threading.Event()
+
+    def keep_etcd_busy() -> None:
+        while not busy.is_set():
+            other.put(f"/elastic_ft/{run_id}/noise", b"x")
+            time.sleep(0.005)
+
+    noise = threading.Thread(target=keep_etcd_busy)
+    noise.start()
+    try:
+        results: list[object] = []
+        thread = threading.Thread(target=lambda: results.append(waiter.arrive_and_wait("b", [0], 2, TIMEOUT * 5)))
+        thread.start()
+        time.sleep(0.5)  # arrived, watching (and the one read its watch's creation asked for)
+        before = client.requests_by_kind.copy()
+        time.sleep(1.0)  # a second of waiting on a moving revision
+        during = sum(client.requests_by_kind.values()) - sum(before.values())
+        assert last.arrive_and_wait("b", [1], 2, TIMEOUT * 5) == ""
+        thread.join(5)
+        assert results == [""]
+    finally:
+        busy.set()
+        noise.join()
+    # No poll (it would be 20 requests): the result comes with the watch's event. What remains is the barrier's
+    # own read once a second, for a last arrival that died before publishing (_StalledBarrier).
+    assert during <= 2, (before, client.requests_by_kind)
+    client.close()
+    other.close()
+
+
 def _wait_in_threads(views: list, ranks: list[int], world_size: int, timeout: float) -> tuple[dict, list]:
     """Ranks arriving at the termination barrier and waiting, each in a thread: (results by rank, threads)."""
     from elastic_ft.keys import TERMINATION_BARRIER

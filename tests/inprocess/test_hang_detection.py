@@ -58,10 +58,11 @@ def test_percentile_is_nearest_rank() -> None:
 
 
 def test_timeouts_follow_step_times_between_floor_and_ceiling() -> None:
-    fast = [0.05] * 100
-    assert adaptive_timeouts(fast, CONFIG, 60, 90) == (1.5, 3.0)  # 20 x 50 ms is under the 1.5 s floor
+    fast = [0.03] * 100
+    assert adaptive_timeouts(fast, CONFIG, 60, 90) == (0.5, 1.0)  # 10 x 30 ms is under the 0.5 s floor
+    assert adaptive_timeouts([0.08] * 100, CONFIG, 60, 90) == pytest.approx((0.8, 1.6))  # 10 step times
     slow = [2.0] * 100
-    assert adaptive_timeouts(slow, CONFIG, 60, 90) == (40.0, 80.0)
+    assert adaptive_timeouts(slow, CONFIG, 60, 90) == (20.0, 40.0)
     very_slow = [10.0] * 100
     assert adaptive_timeouts(very_slow, CONFIG, 60, 90) == (60, 90)  # the configured values are the ceiling
 
@@ -69,7 +70,7 @@ def test_timeouts_follow_step_times_between_floor_and_ceiling() -> None:
 def test_one_outlier_does_not_move_the_high_percentile_much() -> None:
     samples = [0.1] * 199 + [30.0]  # one 30 s checkpoint that was not marked long
     soft, _ = adaptive_timeouts(samples, CONFIG, 60, 90)
-    assert soft == pytest.approx(2.0)
+    assert soft == pytest.approx(1.0)
 
 
 def test_too_few_samples_or_no_adaptation_keep_the_configured_timeouts() -> None:
@@ -85,6 +86,8 @@ def test_too_few_samples_or_no_adaptation_keep_the_configured_timeouts() -> None
         ("percentile", 0),
         ("percentile", 101),
         ("soft_floor", datetime.timedelta(0)),
+        ("delivery_floor", datetime.timedelta(seconds=-1)),
+        ("delivery_floor", 3.0),
         ("warmup_steps", -1),
         ("warmup_multiplier", 0.5),
         ("warmup_multiplier", math.nan),
@@ -118,6 +121,21 @@ def stepped_clock(
     return clock, timestamps, steps, advance
 
 
+def test_the_restarts_delivery_bound_keeps_its_floor_whatever_the_step_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Short steps give short hang timeouts, but a restart still has AdaptiveTimeouts.delivery_floor (3 s) to reach
+    a main thread blocked in C code (a store wait that a peer's restart leaves unanswered) before the rank is
+    terminated; longer steps lengthen it with the adaptive hard timeout."""
+    clock, timestamps, steps, _ = stepped_clock(monkeypatch, AdaptiveTimeouts(warmup_steps=0, min_samples=4))
+    assert timestamps.delivery_bound() == 3.0
+    clock.start_iteration()
+    steps(8, 0.02)
+    assert timestamps.timeouts() == pytest.approx((0.5, 1.0)) and timestamps.delivery_bound() == 3.0
+    steps(256, 0.5)
+    assert timestamps.timeouts() == pytest.approx((5.0, 10.0)) and timestamps.delivery_bound() == pytest.approx(10.0)
+    _, timestamps, _, _ = stepped_clock(monkeypatch, AdaptiveTimeouts(delivery_floor=datetime.timedelta(seconds=8)))
+    assert timestamps.delivery_bound() == 8.0
+
+
 def test_step_clock_warms_up_per_iteration_and_skips_long_sections(monkeypatch: pytest.MonkeyPatch) -> None:
     clock, timestamps, steps, advance = stepped_clock(monkeypatch, AdaptiveTimeouts(warmup_steps=2, min_samples=4))
     clock.start_iteration()
@@ -125,19 +143,19 @@ def test_step_clock_warms_up_per_iteration_and_skips_long_sections(monkeypatch: 
     assert not clock.samples and timestamps.timeouts() == (60, 90)
     steps(5, 0.05)
     assert list(clock.samples) == pytest.approx([0.05] * 5)
-    assert timestamps.timeouts() == (1.5, 3.0)
+    assert timestamps.timeouts() == pytest.approx((0.5, 1.0))
     clock.enter_long_section()
     assert timestamps.timeouts() == (60, 90)  # a checkpoint may take long
     advance(30)
     clock.exit_long_section()
     steps(1, 0.05)  # the step after the section closes no interval
-    assert len(clock.samples) == 5 and timestamps.timeouts() == (1.5, 3.0)
+    assert len(clock.samples) == 5 and timestamps.timeouts() == pytest.approx((0.5, 1.0))
     # After a restart: warm-up again, bounded by the first one (10.05 s: two 5 s steps and a 0.05 s one).
     assert list(clock.warmups) == pytest.approx([10.05])
     clock.start_iteration()
     assert timestamps.timeouts() == pytest.approx((4 * 10.05, 8 * 10.05)) and timestamps.warming_up()
     steps(3, 0.05)
-    assert timestamps.timeouts() == (1.5, 3.0) and not timestamps.warming_up()
+    assert timestamps.timeouts() == pytest.approx((0.5, 1.0)) and not timestamps.warming_up()
     assert list(clock.warmups) == pytest.approx([10.05, 0.15])
 
 
@@ -171,7 +189,7 @@ def test_warmup_timeouts_need_a_timed_warm_up_and_step_samples_and_respect_floor
     assert warmup_timeouts([1.0], [0.1], config, 60, 90) is None
     assert warmup_timeouts([1.0], [0.1, 0.1], None, 60, 90) is None
     assert warmup_timeouts([1.0, 0.2], [0.1, 0.1], config, 60, 90) == (4.0, 8.0)  # the longest warm-up
-    assert warmup_timeouts([0.01], [0.1, 0.1], config, 60, 90) == (2.0, 4.0)  # a step's soft timeout at least
+    assert warmup_timeouts([0.01], [0.1, 0.1], config, 60, 90) == (1.0, 2.0)  # a step's soft timeout at least
     assert warmup_timeouts([100.0], [0.1, 0.1], config, 60, 90) == (60, 90)  # never past the ceilings
 
 
