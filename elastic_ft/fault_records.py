@@ -283,21 +283,27 @@ def restart_reporter(world_size: int, terminated: Iterable[int]) -> int | None:
 @dataclass(frozen=True)
 class Heartbeat:
     """A rank's heartbeat: when it was sent and when the rank was last active (wall clock), whether its main
-    thread, blocked in C code, waits for other ranks (``waiting``; None: it was not blocked), and whether the
-    rank is a reserve rank (a spare, not running the function)."""
+    thread, blocked in C code, waits for other ranks (``waiting``; None: it was not blocked), whether the
+    rank is a reserve rank (a spare, not running the function), and when its next heartbeat is due (``due_at``,
+    wall clock; None: no promise). Past that, what the heartbeat says of the rank's activity is out of date."""
 
     sent_at: float
     active_at: float
     waiting: bool | None = None
     reserve: bool = False
+    due_at: float | None = None
 
 
-def encode_heartbeat(sent_at: float, active_at: float, waiting: bool | None = None, reserve: bool = False) -> str:
+def encode_heartbeat(
+    sent_at: float, active_at: float, waiting: bool | None = None, reserve: bool = False, due_at: float | None = None
+) -> str:
     record: dict[str, object] = {"t": sent_at, "active": active_at}
     if waiting is not None:
         record["waiting"] = waiting
     if reserve:
         record["reserve"] = True
+    if due_at is not None:
+        record["due"] = due_at
     return json.dumps(record)
 
 
@@ -305,7 +311,8 @@ def parse_heartbeat_record(text: str) -> Heartbeat | None:
     """The heartbeat in ``text``, with finite times; None for anything else (untrusted)."""
     try:
         record = json.loads(text)
-        values = (record["t"], record["active"])
+        due = record.get("due")
+        values = (record["t"], record["active"], *(() if due is None else (due,)))
         waiting, reserve = record.get("waiting"), record.get("reserve", False)
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
@@ -313,7 +320,7 @@ def parse_heartbeat_record(text: str) -> Heartbeat | None:
         return None
     if (waiting is not None and not isinstance(waiting, bool)) or not isinstance(reserve, bool):
         return None
-    return Heartbeat(float(values[0]), float(values[1]), waiting, reserve)
+    return Heartbeat(float(values[0]), float(values[1]), waiting, reserve, None if due is None else float(due))
 
 
 def parse_heartbeat(text: str) -> tuple[float, float] | None:

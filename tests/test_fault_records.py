@@ -80,6 +80,13 @@ def test_a_heartbeat_says_whether_the_rank_waits_for_others_and_whether_it_is_a_
         assert parse_heartbeat_record(forged) is None
 
 
+def test_a_heartbeat_says_when_the_next_is_due_and_a_forged_promise_is_refused() -> None:
+    assert parse_heartbeat_record(encode_heartbeat(10.0, 9.5, due_at=10.25)) == Heartbeat(10.0, 9.5, due_at=10.25)
+    for forged in ('{"t": 1, "active": 1, "due": "soon"}', '{"t": 1, "active": 1, "due": Infinity}',
+                   '{"t": 1, "active": 1, "due": true}'):  # fmt: skip
+        assert parse_heartbeat_record(forged) is None
+
+
 def test_an_exception_records_its_step_origin_and_traceback() -> None:
     line = encode_interruption(
         1, "KeyError", "KeyError('x')", 5.0, step=7, origin="/job/train.py:42 in train", traceback="t" * 10_000

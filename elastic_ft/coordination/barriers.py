@@ -208,6 +208,7 @@ class Barriers:
     check: Callable[[list[str]], bool]
     compare_set: Callable[[str, str, str], bytes]
     wait: Callable[..., None]
+    multi_get: Callable[[list[str]], list[bytes]]
 
     def arrive_and_wait(
         self,

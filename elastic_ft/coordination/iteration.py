@@ -57,7 +57,7 @@ class IterationRecords(Barriers):
         if name == COMPLETION_BARRIER:
             return self.decide_outcome(COMPLETED)
         if name == HEAL_BARRIER:
-            return json.dumps([self.heal_progress(rank) for rank in range(world_size)])
+            return json.dumps(self.heal_progresses(world_size))
         if name == TERMINATION_BARRIER:
             iteration = self.iteration
             if iteration is None:
@@ -183,6 +183,15 @@ class IterationRecords(Barriers):
 
     def set_heal_progress(self, active_rank: int, step: int, fresh: bool) -> None:
         self.set(keys.heal_progress(active_rank), json.dumps({"step": step, "fresh": fresh}))
+
+    def heal_progresses(self, active_world_size: int) -> list[object]:
+        """Every active rank's progress record, in rank order (see :meth:`heal_progress`): two requests when
+        all are there (the usual case: each rank records its own before it arrives), else one rank at a time
+        (a rank arrived for by another, dead before it recorded, has None)."""
+        names = [keys.heal_progress(rank) for rank in range(active_world_size)]
+        if names and self.check(names):
+            return [json_object(raw) for raw in self.multi_get(names)]
+        return [self.heal_progress(rank) for rank in range(active_world_size)]
 
     def heal_progress(self, active_rank: int) -> object:
         """An active rank's progress record as stored (untrusted: decoded, not checked), None if absent."""

@@ -34,11 +34,18 @@ class JobRecords(Barriers):
     # ---- liveness ----
 
     def send_heartbeat(
-        self, rank: int, active_at: float | None = None, waiting: bool | None = None, reserve: bool = False
+        self,
+        rank: int,
+        active_at: float | None = None,
+        waiting: bool | None = None,
+        reserve: bool = False,
+        next_in: float | None = None,
     ) -> None:
-        """A heartbeat for initial rank ``rank`` (:class:`~elastic_ft.fault_records.Heartbeat`), sent now."""
+        """A heartbeat for initial rank ``rank`` (:class:`~elastic_ft.fault_records.Heartbeat`), sent now; the
+        next one is due ``next_in`` seconds later (None: no promise)."""
         now = time.time()
-        text = encode_heartbeat(now, now if active_at is None else active_at, waiting, reserve)
+        due = None if next_in is None else now + next_in
+        text = encode_heartbeat(now, now if active_at is None else active_at, waiting, reserve, due)
         self.set(f"{keys.HEARTBEAT}{rank}", text)
 
     def heartbeat(self, rank: int) -> Heartbeat | None:

@@ -220,6 +220,13 @@ def heartbeat_period(rank: RankActivity, soft: float, interval: float) -> float:
     return min(interval, soft / 4) if working_without_progress else interval
 
 
+def overdue_slack(soft: float) -> float:
+    """How late a peer's heartbeat may come before what it said of the peer's activity no longer counts (a
+    quarter of ``soft``): a busy peer on a saturated host may send late, and its last heartbeat must not then
+    read as inactivity (see the module docstring)."""
+    return soft / 4
+
+
 def peer_read_period(soft: float, interval: float) -> float:
     """How stale the peers' heartbeats read by a rank at its soft timeout may be, at most (see the module docstring)."""
     return min(interval, soft / 4)
@@ -231,6 +238,7 @@ def judge_stall(
     gil_held_limit: float,
     peers_inactive_for: float | None,
     restart_requested_for: float | None,
+    peer_overdue_for: float | None = None,
 ) -> StallVerdict:
     """What the monitor process does about its rank now (see the module docstring).
 
@@ -244,6 +252,8 @@ def judge_stall(
         gil_held_limit: silence of every Python thread beyond which the GIL is held for good.
         peers_inactive_for: seconds since any other rank was last active; ``None`` if not known.
         restart_requested_for: seconds since this rank asked for a restart in this iteration (None: it did not).
+        peer_overdue_for: how late the latest heartbeat of the most overdue peer is, past its promise and
+            :func:`overdue_slack` (None: every peer's is on time): that peer's activity is not known.
     """
     if rank.restart_pending_for >= timeouts.delivery and rank.progress_age >= timeouts.delivery:
         # Released connections and the interrupt signal did not bring the main thread back to Python: it is
@@ -314,6 +324,15 @@ def judge_stall(
             f"inactive for {rank.inactive_for:.1f} s ({timeouts.describe_soft()}), but another rank was active "
             f"{peers_inactive_for:.1f} s ago: it waits for a slow peer",
             "peer active",
+        )
+    if peer_overdue_for is not None:
+        # No news is not news of inactivity: a busy peer on a saturated host may heartbeat late. The
+        # configured soft timeout still bounds the wait (above).
+        return StallVerdict(
+            StallAction.NONE,
+            f"inactive for {rank.inactive_for:.1f} s ({timeouts.describe_soft()}), but a peer's heartbeat is "
+            f"{peer_overdue_for:.1f} s overdue: its activity is not known yet",
+            "peer overdue",
         )
     return StallVerdict(StallAction.RESTART, f"inactive for {rank.inactive_for:.1f} s ({timeouts.describe_soft()})")
 

@@ -52,6 +52,7 @@ from elastic_ft.inprocess.hang_detection import (
     hang_culprit,
     heartbeat_period,
     judge_stall,
+    overdue_slack,
     peer_read_period,
 )
 from elastic_ft.inprocess.logs import get_logger, log_to_file
@@ -89,7 +90,10 @@ STACK_DUMP_SIGNAL = signal.SIGRTMIN + 1
 
 #: A rank's main thread (with its data loader workers) using more than this share of a core is working.
 BUSY_CPU_SHARE = 0.1
-_CPU_SAMPLE_PERIOD = 0.2
+#: How often the rank's CPU use (and its resends) are sampled: the end of its work is seen this late at most,
+#: which the hang detection adds to the soft timeout. CPU time comes in clock ticks (10 ms), so a window this
+#: short still tells 20 ms of work from none.
+_CPU_SAMPLE_PERIOD = 0.1
 _STACK_DUMP_PAUSE = 0.05
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -356,6 +360,8 @@ class _Monitor:
         self.cpu = _CpuMeter(target_pid)
         self.network = _NetworkMeter(target_pid)
         self._peers: tuple[float, float | None] = (-float("inf"), None)  # (read at, inactive for then)
+        #: The peer whose heartbeat was overdue at the last read, and by how long then (None: none was).
+        self._overdue_peer: tuple[int, float] | None = None
         #: The other active ranks, as their heartbeats last read said.
         self._stalled_peers: list[StalledRank] = []
         #: The initial rank whose heartbeat was the latest active one, as last read.
@@ -399,7 +405,11 @@ class _Monitor:
         config = self.config
         job = job_store(base_store)
         watching_since = time.time()
-        next_heartbeat = next_check = 0.0
+        next_check = 0.0
+        # The last heartbeat's time and the period it promised: the next one is sent at the shorter of that
+        # period and the one the rank's activity asks for now (a rank that starts working without progress
+        # heartbeats faster at once, and none comes later than promised).
+        last_heartbeat, promised = -math.inf, 0.0
         backoff = Backoff()
         while True:
             messages, early = [*early, *self._receive(0.0 if early else config.interval)], []
@@ -421,7 +431,7 @@ class _Monitor:
                     # The rank was counted out while it lived and joins the world again under a new one.
                     self.config = dataclasses.replace(self.config, initial_rank=int(message["initial_rank"]))
                     self.iteration, self.reported_silent = None, set()
-                    next_heartbeat = 0.0
+                    last_heartbeat = -math.inf
                     log.info("the rank joins the running world again as initial rank %d", self.config.initial_rank)
             if not process_is_alive(self.target_pid):
                 self._report_terminated(base_store, "terminated", f"process {self.target_pid} died")
@@ -433,11 +443,12 @@ class _Monitor:
             timeouts = self._timeouts()
             # etcd away: the rank trains on; its death is still seen (pidfd), and reported once etcd answers.
             unreachable = False
-            if now >= next_heartbeat:
-                next_heartbeat = now + heartbeat_period(activity, timeouts.soft, config.heartbeat_interval)
+            period = heartbeat_period(activity, timeouts.soft, config.heartbeat_interval)
+            if now >= last_heartbeat + min(period, promised):
+                last_heartbeat, promised = now, period
                 try:
                     reserve = self.iteration is not None and not self.iteration.active
-                    self._heartbeat(job, now - activity.inactive_for, reserve)
+                    self._heartbeat(job, now - activity.inactive_for, reserve, period)
                 except ConnectionError:
                     unreachable = True
             try:
@@ -455,11 +466,12 @@ class _Monitor:
             else:
                 backoff.reset()
 
-    def _heartbeat(self, job: JobView, active_at: float, reserve: bool) -> None:
-        """One heartbeat, waiting at most a heartbeat interval for etcd: the loop must stay free to see the rank
-        die or stall (a heartbeat that etcd's absence loses is no fault: the next one follows)."""
+    def _heartbeat(self, job: JobView, active_at: float, reserve: bool, next_in: float) -> None:
+        """One heartbeat, the next due ``next_in`` seconds later, waiting at most a heartbeat interval for etcd:
+        the loop must stay free to see the rank die or stall (a heartbeat that etcd's absence loses is no
+        fault: the next one follows)."""
         with bounded(self.config.heartbeat_interval, "a heartbeat interval"):
-            job.send_heartbeat(self.config.initial_rank, active_at, self.timestamps.waiting(), reserve)
+            job.send_heartbeat(self.config.initial_rank, active_at, self.timestamps.waiting(), reserve, next_in)
 
     def _activity(self, now: float) -> RankActivity:
         stopped = process_is_stopped(self.target_pid)
@@ -497,11 +509,16 @@ class _Monitor:
         requested_for = None if requested is None else time.monotonic() - requested
         if activity.inactive_for >= timeouts.soft and requested_for is None:
             peers = self._peers_inactive_for(job, peer_read_period(timeouts.soft, config.heartbeat_interval))
-        verdict = judge_stall(activity, timeouts, config.gil_held_limit, peers, requested_for)
+        overdue = None if peers is None or self._overdue_peer is None else self._overdue_peer[1]
+        verdict = judge_stall(activity, timeouts, config.gil_held_limit, peers, requested_for, overdue)
         if verdict.waits_because != iteration.waits_because:
             iteration.waits_because = verdict.waits_because
             if verdict.waits_because:
-                peer = f" (initial rank {self._latest_active_peer})" if verdict.waits_because == "peer active" else ""
+                peer = ""
+                if verdict.waits_because == "peer active":
+                    peer = f" (initial rank {self._latest_active_peer})"
+                elif verdict.waits_because == "peer overdue" and self._overdue_peer is not None:
+                    peer = f" (initial rank {self._overdue_peer[0]})"
                 log.info("not hung yet: %s%s", verdict.reason, peer)
         if verdict.action is StallAction.RESTART:
             self._report_hang(job, iteration, activity, verdict.reason)  # etcd away: asked again at the next look
@@ -586,6 +603,8 @@ class _Monitor:
         config = self.config
         latest, latest_rank = None, None
         stalled = []
+        overdue: tuple[int, float] | None = None
+        slack = overdue_slack(self._timeouts().soft)
         for rank in self._candidate_peers(job):
             if rank == config.initial_rank or rank in self.reported_silent or job.has_arrived(EXIT_BARRIER, rank):
                 continue
@@ -595,9 +614,12 @@ class _Monitor:
             stalled.append(StalledRank(rank, heartbeat.active_at, heartbeat.waiting))
             if latest is None or heartbeat.active_at > latest:
                 latest, latest_rank = heartbeat.active_at, rank
+            late = now - heartbeat.due_at if heartbeat.due_at is not None else 0.0
+            if late > slack and (overdue is None or late > overdue[1]):
+                overdue = (rank, late)
         inactive_for = None if latest is None else max(0.0, now - latest)
         self._peers, self._latest_active_peer = (now, inactive_for), latest_rank
-        self._stalled_peers = stalled
+        self._stalled_peers, self._overdue_peer = stalled, overdue
         return inactive_for
 
     def _receive(self, timeout: float) -> list[dict[str, Any]]:

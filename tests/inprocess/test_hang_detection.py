@@ -29,6 +29,7 @@ from elastic_ft.inprocess.hang_detection import (
     hang_culprit,
     heartbeat_period,
     judge_stall,
+    overdue_slack,
     peer_read_period,
     percentile,
     warmup_timeouts,
@@ -218,6 +219,20 @@ def test_a_rank_waiting_on_a_busy_peer_waits() -> None:
     assert verdict.waits_because == "peer active"
 
 
+def test_a_peer_whose_heartbeat_is_overdue_is_not_taken_for_inactive() -> None:
+    """No news is not news of inactivity: a peer whose heartbeat is late (a busy peer on a saturated host) holds
+    the verdict, until the configured soft timeout; with every heartbeat on time an idle job restarts."""
+    verdict = judge_stall(activity(5), TIMEOUTS, 1.0, peers_inactive_for=3.0, restart_requested_for=None,
+                          peer_overdue_for=0.4)  # fmt: skip
+    assert verdict.action is StallAction.NONE and verdict.waits_because == "peer overdue"
+    assert "0.4 s overdue" in verdict.reason
+    on_time = judge_stall(activity(5), TIMEOUTS, 1.0, peers_inactive_for=3.0, restart_requested_for=None)
+    assert on_time.action is StallAction.RESTART
+    configured = judge_stall(activity(61), TIMEOUTS, 1.0, 3.0, None, peer_overdue_for=10.0)
+    assert configured.action is StallAction.RESTART and "soft_timeout" in configured.reason
+    assert overdue_slack(0.5) == 0.125
+
+
 def test_why_a_rank_without_progress_is_left_alone_is_named_in_a_stable_word() -> None:
     # The monitor logs the reason when this word changes: once per cause, not once per check.
     busy = judge_stall(activity(10, cpu_idle=0.1), TIMEOUTS, 1.0, None, None)
@@ -336,20 +351,25 @@ def sock(inode: int, local: int, remote: int, state: str) -> TcpSocket:
     return TcpSocket(inode, inode + 100, local, remote, state)
 
 
-@pytest.mark.parametrize("soft", [1.5, 3.0, 40.0])
+@pytest.mark.parametrize("soft", [0.5, 1.0, 1.5, 3.0, 40.0])
 def test_a_waiting_rank_sees_a_busy_peer_within_its_soft_timeout(soft: float) -> None:
-    # A peer starts a long computation at t=0 (no progress from then on, CPU busy) and sends
-    # heartbeats on the schedule heartbeat_period gives it; a rank waiting for it since t=0
-    # reaches its soft timeout at t=soft and reads its peers' heartbeats at most
-    # peer_read_period ago. Whatever the phases, the activity it sees must be < soft old,
-    # or the busy peer would be taken for a hung job (CI saw a 4 s step restart the job).
-    interval = 1.0
-    for first_beat in (0.0, 0.3, 0.99):
-        beats, t = [], first_beat - interval
+    # A peer starts a long computation at t=0 (no progress from then on, CPU busy); its monitor process looks
+    # every 0.1 s and sends a heartbeat once the shorter of the period it promised and the one the activity asks
+    # for now has passed (monitor_process._watch). A rank waiting for it since t=0 reaches its soft timeout at
+    # t=soft and reads its peers' heartbeats at most peer_read_period ago. Whatever the phases, the activity
+    # it sees must be < soft old, or the busy peer would be taken for a hung job (CI saw a 4 s step restart
+    # the job).
+    interval, tick = 1.0, 0.1
+    for first_beat in (0.0, 0.05, 0.3, 0.99):
+        beats, last, promised = [first_beat - interval], first_beat - interval, interval
+        t = first_beat - interval
         while t <= soft:
-            beats.append(t)
+            t = round(t + tick, 6)
             busy = RankActivity(progress_age=max(0.0, t), cpu_idle_for=0.0, stopped=False, threads_silent_for=0.0)
-            t += heartbeat_period(busy, soft, interval)
+            period = heartbeat_period(busy, soft, interval)
+            if t >= last + min(period, promised):
+                beats.append(t)
+                last, promised = t, period
         latest_read = soft - peer_read_period(soft, interval)
         seen = max(beat for beat in beats if beat <= latest_read)
         assert soft - seen < soft, (soft, first_beat, beats)
