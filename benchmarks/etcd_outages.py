@@ -210,7 +210,7 @@ def measure(run: Run, went: float, back: float, normal_from: float) -> dict[str,
 
 
 def run_one(system: str, kind: str, duration: float, args: argparse.Namespace) -> dict[str, Any]:
-    from elastic_ft.net import free_port
+    from elastic_ft.runtime.net import free_port
     from elastic_ft.testing.etcd_cluster import EtcdCluster
 
     run = Run(system, kind, args)

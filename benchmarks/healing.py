@@ -226,7 +226,7 @@ def _tensors(state: object) -> list[Any]:
 
 
 def measure_throughput(hidden: int, repeats: int) -> dict[str, Any]:
-    from elastic_ft.net import free_port
+    from elastic_ft.runtime.net import free_port
 
     out = scratch.workdir("healing-throughput-") / "result.json"
     store_port, socket_port = free_port(), free_port()

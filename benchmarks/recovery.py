@@ -148,7 +148,8 @@ def run_nodes(system: str, kind: str, args: argparse.Namespace, etcd: Any) -> di
 
 
 def run_nvidia(kind: str, args: argparse.Namespace) -> dict[str, Any]:
-    from elastic_ft.net import free_port, port_is_free
+    from elastic_ft.runtime.net import free_port
+    from elastic_ft.testing.ports import port_is_free
 
     workdir = scratch.workdir(f"recovery-nvidia-{kind}-")
     port = free_port()

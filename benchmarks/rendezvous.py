@@ -41,7 +41,7 @@ import torch.distributed as dist
 from rdzv_backends import BACKENDS, Setting, make_handler
 
 from elastic_ft.etcd.server import EtcdServer
-from elastic_ft.net import free_port
+from elastic_ft.runtime.net import free_port
 
 HERE = Path(__file__).resolve().parent
 

@@ -32,10 +32,10 @@ def workdir(prefix: str) -> Path:
 def run_main(main: Callable[[], int | None]) -> None:
     """Run a benchmark's ``main`` and exit with its status; remove this run's directories if it passed.
 
-    First starts the benchmark's reaper (:mod:`elastic_ft.reaper`): the etcd servers, launchers and test
+    First starts the benchmark's reaper (:mod:`elastic_ft.runtime.reaper`): the etcd servers, launchers and test
     beds it starts go with it even when it is SIGKILLed (a test's timeout, say).
     """
-    from elastic_ft.reaper import ensure_reaper
+    from elastic_ft.runtime.reaper import ensure_reaper
 
     ensure_reaper()
     code: int | str | None = 1

@@ -111,7 +111,7 @@ def main() -> int:
     import torch  # noqa: F401 - imported once here: the ranks are forked from this process
 
     from elastic_ft.etcd.server import EtcdServer
-    from elastic_ft.net import free_port
+    from elastic_ft.runtime.net import free_port
 
     sizes = [int(size) for size in args.sizes.split(",")]
     rows = []

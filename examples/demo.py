@@ -39,7 +39,7 @@ from elastic_ft.etcd.event_log import EventLog
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.keys import RunKeys
 from elastic_ft.observability.timeline import build_timeline, draw
-from elastic_ft.reaper import ensure_reaper
+from elastic_ft.runtime.reaper import ensure_reaper
 from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command
 
 TRAIN = Path(__file__).with_name("train.py")

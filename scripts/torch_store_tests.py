@@ -28,7 +28,7 @@ import torch.distributed as dist
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.etcd.store import EtcdStore
-from elastic_ft.reaper import ensure_reaper
+from elastic_ft.runtime.reaper import ensure_reaper
 
 
 def store_test_base(path: Path) -> type:

@@ -25,7 +25,7 @@ import pytest
 
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.server import EtcdServer
-from elastic_ft.reaper import ensure_reaper
+from elastic_ft.runtime.reaper import ensure_reaper
 from elastic_ft.testing.etcd_cluster import EtcdCluster
 from elastic_ft.testing.local_cluster import TorchrunNode
 
@@ -57,7 +57,7 @@ def _file_order(item: pytest.Item) -> int:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Every pytest process (xdist's workers too) gets a reaper (:mod:`elastic_ft.reaper`) first: the etcd
+    """Every pytest process (xdist's workers too) gets a reaper (:mod:`elastic_ft.runtime.reaper`) first: the etcd
     servers, launchers and test beds its tests start go with it, even when it is SIGKILLed."""
     if config.option.markexpr != "unit":  # the unit tier starts no process
         ensure_reaper()

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from elastic_ft import keys
 from elastic_ft.coordination.errors import BarrierOverflow, BarrierTimeout
 from elastic_ft.etcd.outage import bounded, grace
-from elastic_ft.shield import shield
+from elastic_ft.etcd.shield import shield
 
 #: How long a barrier that timed out may still take to read how many ranks arrived, for its error.
 _COUNT_GRACE = 2.0
@@ -181,7 +181,7 @@ def _await_watch(watch: KeyWatch, look: Callable[[], bool], limit: float | None)
         if watch.broken:  # no watch left: the look reads, at most once a slice
             time.sleep(left)
             continue
-        with shield():  # a restart raised inside the event's wait could leave its lock held (elastic_ft.shield)
+        with shield():  # a restart raised inside the event's wait could leave its lock held (elastic_ft.etcd.shield)
             watch.appeared.wait(left)
 
 

@@ -19,8 +19,14 @@ import torch.distributed as dist
 
 from elastic_ft import keys
 from elastic_ft.coordination.barriers import NO_WAIT, Barriers, as_text, log, underlying
+from elastic_ft.coordination.fault_records import (
+    FaultHistory,
+    Interruption,
+    encode_interruption,
+    next_history,
+    parse_interruptions,
+)
 from elastic_ft.coordination.job import JOINED_MAX, admit_joiners, admitted_joiners, job_store
-from elastic_ft.fault_records import FaultHistory, Interruption, encode_interruption, next_history, parse_interruptions
 from elastic_ft.keys import COMPLETION_BARRIER, HEAL_BARRIER, ITERATION_BARRIER, TERMINATION_BARRIER
 from elastic_ft.untrusted import MalformedRecord, SkipLog, is_count, json_object
 
@@ -133,7 +139,7 @@ class IterationRecords(Barriers):
         """Record why ``rank`` interrupts the iteration (and when), then propose :data:`INTERRUPTED`.
 
         An exception also records the rank's step, where it was raised, and
-        its traceback (:class:`~elastic_ft.fault_records.Interruption`).
+        its traceback (:class:`~elastic_ft.coordination.fault_records.Interruption`).
         """
         line = encode_interruption(rank, kind, message, time.time(), step=step, origin=origin, traceback=traceback)
         self.append(keys.INTERRUPTIONS, line)
@@ -239,7 +245,7 @@ class TerminationResult:
     next iteration, which take ranks ``world_size, world_size + 1, ...`` in
     this order before the rank assignment renumbers everyone; ``history``:
     the job's faults so far as the give-up rule counts them
-    (:func:`~elastic_ft.fault_records.next_history`).
+    (:func:`~elastic_ft.coordination.fault_records.next_history`).
     """
 
     world_size: int

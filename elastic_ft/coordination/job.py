@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from elastic_ft import keys
 from elastic_ft.coordination.barriers import Barriers, as_text, log
-from elastic_ft.fault_records import Heartbeat, encode_heartbeat, parse_heartbeat_record
+from elastic_ft.coordination.fault_records import Heartbeat, encode_heartbeat, parse_heartbeat_record
 from elastic_ft.untrusted import is_count, json_object
 
 #: A joiner's admission when it died before any restart admitted it.
@@ -41,7 +41,7 @@ class JobRecords(Barriers):
         reserve: bool = False,
         next_in: float | None = None,
     ) -> None:
-        """A heartbeat for initial rank ``rank`` (:class:`~elastic_ft.fault_records.Heartbeat`), sent now; the
+        """A heartbeat for initial rank ``rank`` (:class:`~elastic_ft.coordination.fault_records.Heartbeat`), sent now; the
         next one is due ``next_in`` seconds later (None: no promise)."""
         now = time.time()
         due = None if next_in is None else now + next_in

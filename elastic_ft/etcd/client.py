@@ -53,8 +53,8 @@ from elastic_ft.etcd.kv import (
     WatchEvent,
 )
 from elastic_ft.etcd.outage import OUTAGES, current_bound, time_left
+from elastic_ft.etcd.shield import shield, shielded
 from elastic_ft.etcd.watch import EtcdWatch, KeepAliveStream, Stream, WatchStream
-from elastic_ft.shield import shield, shielded
 
 __all__ = [
     "EtcdClient",
@@ -352,7 +352,7 @@ class EtcdClient:
                 self._count(kind)
                 timeout = min(self.request_timeout, left)
                 try:
-                    with shield():  # a restart raised inside gRPC could leave its locks held (elastic_ft.shield)
+                    with shield():  # a restart raised inside gRPC could leave its locks held (elastic_ft.etcd.shield)
                         channel = self._channel(endpoint)
                         call = {"timeout": timeout, "metadata": self._auth_metadata(channel, timeout)}
                         result = method(channel, call)

@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from elastic_ft.etcd.client import EtcdClient, EtcdWatch
 from elastic_ft.etcd.kv import EtcdUnavailableError, KeyValue, WatchEvent
+from elastic_ft.etcd.shield import shield
 from elastic_ft.etcd.store import EtcdStore, _bounded_op, _TokenLease
-from elastic_ft.shield import shield
 
 
 class _Copy:
@@ -121,7 +121,7 @@ class GroupStore(EtcdStore):
         while True:
             view = self._copy()
             # One slice at a time, shielded: a restart raised inside the condition's wait could leave its lock held
-            # (elastic_ft.shield); it is raised at the slice's end instead.
+            # (elastic_ft.etcd.shield); it is raised at the slice's end instead.
             with shield(), view.changed:
                 found = {key: view.keys[key] for key in keys if key in view.keys}
                 if any(kv.version != 1 or key in self._changed for key, kv in found.items()):

@@ -25,8 +25,8 @@ from pathlib import Path
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.endpoints import EtcdEndpoint, TlsFiles
 from elastic_ft.etcd.kv import EtcdUnavailableError
-from elastic_ft.net import free_port
-from elastic_ft.reaper import current_reaper
+from elastic_ft.runtime.net import free_port
+from elastic_ft.runtime.reaper import current_reaper
 
 
 class EtcdBinaryNotFoundError(FileNotFoundError):

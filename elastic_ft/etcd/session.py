@@ -71,7 +71,7 @@ class Session:
     def valid_until(self) -> float:
         """Until when (``time.monotonic()``) etcd cannot have dropped the lease; 0 once it is lost.
 
-        What the node's workers check before committing a step (``elastic_ft.local_board``).
+        What the node's workers check before committing a step (``elastic_ft.runtime.local_board``).
         """
         return 0.0 if self.expired.is_set() else self.proven_at + self.ttl
 

@@ -73,8 +73,8 @@ from elastic_ft.etcd.client import (
     put_op,
 )
 from elastic_ft.etcd.outage import OUTAGES, bounded, patiently
+from elastic_ft.etcd.shield import shield, shielded
 from elastic_ft.keys import parse_store_queue_key, store_queue_prefix, store_queues_prefix, store_write_token
-from elastic_ft.shield import shield, shielded
 
 # etcd's default --max-txn-ops.
 _TXN_OPS = 128
@@ -89,7 +89,7 @@ def _next_item(events: queue.Queue[_T], remaining: float) -> _T:
     """The next item of a watch's queue within ``remaining`` seconds, waited for in one shielded slice.
 
     ``queue.Queue.get`` takes a Python-level lock, which a restart raised
-    inside it could leave held (:mod:`elastic_ft.shield`); the slice is
+    inside it could leave held (:mod:`elastic_ft.etcd.shield`); the slice is
     short so that a restart raised when it ends still ends a long wait at once.
 
     Raises:

@@ -28,7 +28,7 @@ from elastic_ft.etcd.kv import (
     KeyValue,
     WatchEvent,
 )
-from elastic_ft.shield import shielded
+from elastic_ft.etcd.shield import shielded
 
 _JOIN_TIMEOUT = 5.0
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from elastic_ft.lazy import lazy_exports
+from elastic_ft.runtime.lazy import lazy_exports
 
 __all__ = [
     "CallWrapper",

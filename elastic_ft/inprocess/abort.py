@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_ft.inprocess.state import State
-from elastic_ft.torch_compat import forget_group_numbers, group_backend, group_names
+from elastic_ft.runtime.torch_compat import forget_group_numbers, group_backend, group_names
 
 
 class Abort(abc.ABC):

@@ -59,9 +59,14 @@ store's load low. That is too coarse for rule 2 when the soft timeout is
 about as short: a peer busy in a long computation would look inactive for up
 to two intervals. So a rank that is active but has made no progress for half
 its soft timeout heartbeats every quarter of it (:func:`heartbeat_period`),
-and a rank near its soft timeout re-reads its peers as often
-(:func:`peer_read_period`): the evidence is then at most half a soft
-timeout old when it is judged. Only ranks in a slow step pay for this.
+at once, not after the period its last heartbeat promised, and a rank near
+its soft timeout re-reads its peers as often (:func:`peer_read_period`):
+the evidence is then at most half a soft timeout old when it is judged.
+Only ranks in a slow step pay for this. Each heartbeat says when the next
+is due; a peer whose heartbeat is later than that by more than
+:func:`overdue_slack` (a busy peer on a saturated host, its monitor
+process starved of CPU) is *unknown*, not inactive, and holds the restart
+until it reports or the configured soft timeout passes.
 """
 
 from __future__ import annotations

@@ -43,8 +43,8 @@ import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 
-from elastic_ft import shield
 from elastic_ft.coordination.iteration import COMPLETED, INTERRUPTED, PLANNED, IterationView
+from elastic_ft.etcd import shield
 from elastic_ft.etcd.outage import Backoff
 from elastic_ft.inprocess.exception import RankShouldRestart, RestartDelivery
 from elastic_ft.inprocess.logs import get_logger
@@ -201,7 +201,7 @@ class InterruptSignal:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.pending.is_set() and RankShouldRestart.delivery is not None:
-            # Inside the etcd client the raise waits for the section's end (elastic_ft.shield).
+            # Inside the etcd client the raise waits for the section's end (elastic_ft.etcd.shield).
             if self._due(frame) and not shield.active():
                 clear_main_thread_pending_exception()  # this raise takes the place of the scheduled one
                 raise RankShouldRestart()

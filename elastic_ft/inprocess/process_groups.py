@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_ft.inprocess.logs import get_logger
-from elastic_ft.torch_compat import group_backend, registered_groups
+from elastic_ft.runtime.torch_compat import group_backend, registered_groups
 
 log = get_logger("process_groups")
 

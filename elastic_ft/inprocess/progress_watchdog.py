@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from elastic_ft import shield
+from elastic_ft.etcd import shield
 from elastic_ft.inprocess.hang_detection import AdaptiveTimeouts, adaptive_timeouts, warmup_timeouts
 from elastic_ft.inprocess.logs import get_logger
 

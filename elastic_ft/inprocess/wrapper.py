@@ -51,6 +51,13 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from elastic_ft.coordination.barriers import NO_WAIT, poll
+from elastic_ft.coordination.fault_records import (
+    PEER_LOST,
+    fault_kind,
+    give_up_reason,
+    group_faults,
+    restart_reporter,
+)
 from elastic_ft.coordination.iteration import (
     COMPLETED,
     INTERRUPTED,
@@ -61,13 +68,6 @@ from elastic_ft.coordination.iteration import (
 )
 from elastic_ft.coordination.job import JOINER_ACTIVITY_LIMIT, WITHDRAWN, JobView, job_store
 from elastic_ft.etcd.outage import OUTAGES, bounded
-from elastic_ft.fault_records import (
-    PEER_LOST,
-    fault_kind,
-    give_up_reason,
-    group_faults,
-    restart_reporter,
-)
 from elastic_ft.handoff import WorkerHandoff
 from elastic_ft.inprocess.abort import AbortTorchDistributed
 from elastic_ft.inprocess.arguments import (
@@ -120,10 +120,10 @@ from elastic_ft.keys import (
     TERMINATION_BARRIER,
     parse_count,
 )
-from elastic_ft.local_board import LocalBoard
 from elastic_ft.observability import sink as event_sink
 from elastic_ft.observability.log_format import set_where
-from elastic_ft.torch_compat import check_torch
+from elastic_ft.runtime.local_board import LocalBoard
+from elastic_ft.runtime.torch_compat import check_torch
 from elastic_ft.untrusted import MalformedRecord
 
 if TYPE_CHECKING:

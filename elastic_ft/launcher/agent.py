@@ -88,11 +88,9 @@ from elastic_ft.launcher.escalation import (
 )
 from elastic_ft.launcher.fence_keeper import FenceKeeper
 from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, WorldRecord
-from elastic_ft.local_board import LocalBoard
 from elastic_ft.observability.log_format import set_where
 from elastic_ft.observability.metrics import JobMetrics, MetricsEndpoint
 from elastic_ft.observability.sink import EventsHandoff, emit
-from elastic_ft.reaper import ensure_reaper
 from elastic_ft.rendezvous.fencing import death_verdict
 from elastic_ft.rendezvous.handler import EtcdftRendezvousHandler
 from elastic_ft.rendezvous.liveness import (
@@ -106,7 +104,9 @@ from elastic_ft.rendezvous.liveness import (
 )
 from elastic_ft.rendezvous.probe import probe_all
 from elastic_ft.rendezvous.rules import MembershipChange
-from elastic_ft.torch_compat import (
+from elastic_ft.runtime.local_board import LocalBoard
+from elastic_ft.runtime.reaper import ensure_reaper
+from elastic_ft.runtime.torch_compat import (
     check_torch,
     exit_barrier_timeout,
     group_store,

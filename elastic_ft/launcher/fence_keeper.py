@@ -1,7 +1,7 @@
 """The node's fence on its local board, kept current from a thread of its own.
 
 The workers read the fence before every optimizer step
-(:mod:`elastic_ft.local_board`). It must stay current whatever the agent's
+(:mod:`elastic_ft.runtime.local_board`). It must stay current whatever the agent's
 loop is doing, and that loop waits on etcd while etcd is away. Every
 :data:`PERIOD` the keeper reads the node's lease proof (no I/O), asks the
 other members for their promises when the proof is about to run out
@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable
 
 from elastic_ft.etcd.kv import EtcdRequestError, EtcdUnavailableError
-from elastic_ft.local_board import LocalBoard
 from elastic_ft.rendezvous import fencing
 from elastic_ft.rendezvous.handler import EtcdftRendezvousHandler
 from elastic_ft.rendezvous.probe import ask_all
+from elastic_ft.runtime.local_board import LocalBoard
 
 log = logging.getLogger(__name__)
 

@@ -53,9 +53,9 @@ from elastic_ft.launcher.agent import FtAgent
 from elastic_ft.observability import log_format
 from elastic_ft.observability.events import write_events_file
 from elastic_ft.observability.sink import EventSink, install
-from elastic_ft.reaper import ensure_reaper
 from elastic_ft.rendezvous.config import MAX_NODES, EtcdftSettings, RendezvousConfigError, connect, make_settings
-from elastic_ft.torch_compat import launched_agent_class
+from elastic_ft.runtime.reaper import ensure_reaper
+from elastic_ft.runtime.torch_compat import launched_agent_class
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from elastic_ft.coordination.fault_records import parse_interruptions
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.event_log import EventLog
-from elastic_ft.fault_records import parse_interruptions
 from elastic_ft.job_config import JobConfig, parse_job_config
 from elastic_ft.keys import (
     ACTIVATIONS,

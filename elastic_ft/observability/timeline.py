@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic_ft.fault_records import PEER_LOST
+from elastic_ft.coordination.fault_records import PEER_LOST
 from elastic_ft.observability.events import JobEvent
 from elastic_ft.observability.outages import outages
 from elastic_ft.untrusted import MalformedRecord

@@ -66,13 +66,13 @@ from elastic_ft.etcd.outage import Backoff, bounded, grace
 from elastic_ft.etcd.session import Session
 from elastic_ft.etcd.store import EtcdStore
 from elastic_ft.etcd.view import PrefixView
-from elastic_ft.net import free_port
 from elastic_ft.observability import sink as event_sink
 from elastic_ft.rendezvous import model, node_state, rules
 from elastic_ft.rendezvous.config import EtcdftSettings, connect, settings_from_parameters
 from elastic_ft.rendezvous.fencing import Vouch
 from elastic_ft.rendezvous.monitor import Monitor
 from elastic_ft.rendezvous.probe import ProbeServer, parse_address
+from elastic_ft.runtime.net import free_port
 from elastic_ft.untrusted import MalformedRecord, SkipLog
 
 log = logging.getLogger(__name__)

@@ -18,12 +18,12 @@ if TYPE_CHECKING:
 def create_etcdft_handler(params: RendezvousParameters) -> RendezvousHandler:
     """The handler torchrun's agent asks for, in the agent's process, before it starts any worker.
 
-    Starts the agent's reaper first (:mod:`elastic_ft.reaper`): the workers
+    Starts the agent's reaper first (:mod:`elastic_ft.runtime.reaper`): the workers
     it starts next, their monitor processes and data loader workers then die
     with the agent, even when it is SIGKILLed.
     """
-    from elastic_ft.reaper import ensure_reaper
     from elastic_ft.rendezvous.handler import EtcdftRendezvousHandler
+    from elastic_ft.runtime.reaper import ensure_reaper
 
     handler = EtcdftRendezvousHandler.from_parameters(params)
     ensure_reaper()

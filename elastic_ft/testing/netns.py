@@ -26,7 +26,7 @@ Needs root, ``ip`` (iproute2) and ``iptables-legacy``; :func:`unavailable`
 says why a machine cannot run it, for tests to skip with that reason. Every
 name carries a random tag and :meth:`TestBed.stop` removes everything, so
 beds of concurrent tests do not meet. A driver SIGKILLed before it could
-stop its bed leaves it to its reaper (:mod:`elastic_ft.reaper`), if it has
+stop its bed leaves it to its reaper (:mod:`elastic_ft.runtime.reaper`), if it has
 one: the reaper kills what ran in the hosts and removes the rest.
 """
 
@@ -40,7 +40,7 @@ import subprocess
 from collections.abc import Sequence
 from typing import Any
 
-from elastic_ft.reaper import current_reaper
+from elastic_ft.runtime.reaper import current_reaper
 
 #: The interface name of a host's link, inside its namespace (the same in every host).
 HOST_INTERFACE = "eth0"

@@ -7,10 +7,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from elastic_ft import net
 from elastic_ft.etcd import server as etcd_server
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.server import PORT_ATTEMPTS, EtcdPortTaken, EtcdServer
+from elastic_ft.runtime import net
 from elastic_ft.testing.etcd_cluster import EtcdCluster
 
 pytestmark = pytest.mark.integration  # starts etcd

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.etcd.store import EtcdStore
-from elastic_ft.net import free_port
+from elastic_ft.runtime.net import free_port
 
 TIMEOUT = timedelta(seconds=2)
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastic_ft.net import port_is_free
+from elastic_ft.testing.ports import port_is_free
 from tests.inprocess.forkserver import ForkServer
 
 WORKER = Path(__file__).with_name("worker.py")

@@ -135,7 +135,7 @@ def test_while_a_restart_waits_to_be_taken_only_a_shielded_section_counts_as_pro
     """The restart signal's handler runs pending calls (the probe) while the main thread waits on a lock, even
     where it declines to raise (a finalizer): a rank no restart reaches must not look alive by it. The etcd
     client's shielded sections, bounded by its timeouts, still count."""
-    from elastic_ft import shield
+    from elastic_ft.etcd import shield
 
     timestamps = ProgressTimestamps()
     watchdog = ProgressWatchdog(timestamps, 0.01)

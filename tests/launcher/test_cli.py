@@ -16,8 +16,8 @@ from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.inprocess.rank_assignment import LayerFlag, Tree
 from elastic_ft.inprocess.rank_assignment.from_config import policy_from_config
 from elastic_ft.job_config import JobConfigError, load_job_config, parse_job_config
-from elastic_ft.net import free_port
 from elastic_ft.rendezvous import EtcdftRendezvousHandler, make_settings
+from elastic_ft.runtime.net import free_port
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 CLI = [sys.executable, "-m", "elastic_ft.launcher.cli"]

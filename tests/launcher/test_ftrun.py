@@ -15,7 +15,7 @@ from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.job_config import load_job_config
 from elastic_ft.launcher.ftrun import apply_job_config, build_parser, parse_args
-from elastic_ft.net import free_port
+from elastic_ft.runtime.net import free_port
 
 TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train.py"
 FTRUN = [sys.executable, "-m", "elastic_ft.launcher.ftrun"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from elastic_ft.etcd.server import EtcdServer
-from elastic_ft.reaper import REAPER_ENV, Reaper, kill_marked
+from elastic_ft.runtime.reaper import REAPER_ENV, Reaper, kill_marked
 from elastic_ft.testing.local_cluster import descendants, torchrun_command
 from elastic_ft.testing.netns import unavailable
 
@@ -130,7 +130,7 @@ DRIVER = """
 import json, subprocess, sys, time
 sys.path.insert(0, {benchmarks!r})
 import scratch
-from elastic_ft.reaper import current_reaper
+from elastic_ft.runtime.reaper import current_reaper
 from elastic_ft.testing.etcd_cluster import EtcdCluster
 from elastic_ft.testing.netns import TestBed
 

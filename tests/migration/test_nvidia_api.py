@@ -34,7 +34,7 @@ from elastic_ft.inprocess.nested_restarter import (
 )
 from elastic_ft.inprocess.state import FrozenState, Mode, State
 from elastic_ft.inprocess.store import FileStore, TCPStore
-from elastic_ft.net import free_port
+from elastic_ft.runtime.net import free_port
 
 FAILED = State(0, 2, fn_exception=RuntimeError("boom"))
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ft.fault_records import Interruption, group_faults, restart_reporter
+from elastic_ft.coordination.fault_records import Interruption, group_faults, restart_reporter
 from elastic_ft.observability.events import EVENTS, JobEvent, read_events_file, write_events_file
 from elastic_ft.observability.timeline import build_timeline
 from elastic_ft.untrusted import MalformedRecord

@@ -8,10 +8,10 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from elastic_ft.net import free_port
 from elastic_ft.observability.events import JobEvent
 from elastic_ft.observability.live import render_live
 from elastic_ft.observability.metrics import JobMetrics, MetricsEndpoint
+from elastic_ft.runtime.net import free_port
 
 
 def ev(name: str, t: float, source: str = "worker", **fields: object) -> JobEvent:

@@ -26,8 +26,8 @@ from torch.distributed.elastic.rendezvous import (
 
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.server import EtcdServer
-from elastic_ft.net import free_port
 from elastic_ft.rendezvous import EtcdftRendezvousHandler, make_settings
+from elastic_ft.runtime.net import free_port
 from elastic_ft.testing.etcd_cluster import EtcdCluster
 
 NODE_SCRIPT = Path(__file__).with_name("node.py")

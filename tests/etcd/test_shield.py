@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from elastic_ft import shield
+from elastic_ft.etcd import shield
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.inprocess.exception import RankShouldRestart, RestartDelivery

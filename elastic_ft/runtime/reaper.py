@@ -114,7 +114,7 @@ def ensure_reaper() -> Reaper | None:
     token = f"{os.getpid()}:{uuid.uuid4().hex}"
     os.environ[REAPER_ENV] = token
     process = subprocess.Popen(
-        [sys.executable, "-m", "elastic_ft.reaper", str(os.getpid()), token],
+        [sys.executable, "-m", "elastic_ft.runtime.reaper", str(os.getpid()), token],
         stdin=subprocess.PIPE,
         start_new_session=True,
         close_fds=True,
@@ -214,7 +214,7 @@ def _run_command(encoded: str) -> None:
 
 def main(argv: list[str]) -> None:
     if len(argv) != 2 or not argv[0].isdigit():
-        raise SystemExit("usage: python -m elastic_ft.reaper LAUNCHER_PID TOKEN")
+        raise SystemExit("usage: python -m elastic_ft.runtime.reaper LAUNCHER_PID TOKEN")
     with contextlib.suppress(OSError), Path("/proc/self/comm").open("w") as comm:
         comm.write("eft-reaper")
     _watch(int(argv[0]), argv[1])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ft.local_board import LOCAL_BOARD_ENV, LocalBoard
+from elastic_ft.runtime.local_board import LOCAL_BOARD_ENV, LocalBoard
 
 
 @pytest.fixture
@@ -67,7 +67,7 @@ def test_a_worker_process_sees_what_the_agent_writes_and_the_agent_sees_its_stal
     board.set_may_join(False)
     code = (
         "import time\n"
-        "from elastic_ft.local_board import LocalBoard\n"
+        "from elastic_ft.runtime.local_board import LocalBoard\n"
         "b = LocalBoard.from_env()\n"
         "print(b.ranks, b.generation(), b.fence_valid(), b.may_join(), flush=True)\n"
         "b.set_in_collective(1, time.monotonic() - 7.0)\n"

@@ -1,4 +1,4 @@
-"""Ports on this host: the one helper that finds a free TCP port."""
+"""Ports on this host: a free TCP port to listen on."""
 
 from __future__ import annotations
 
@@ -20,12 +20,3 @@ def free_port(host: str = "127.0.0.1") -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("", 0))
             return int(sock.getsockname()[1])
-
-
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_ft.fault_records import (
+from elastic_ft.coordination.fault_records import (
     MESSAGE_LIMIT,
     PEER_LOST,
     TRACEBACK_LIMIT,

@@ -1,4 +1,4 @@
-"""torch's internals stay behind elastic_ft.torch_compat, which knows the torch versions they were tested on."""
+"""torch's internals stay behind elastic_ft.runtime.torch_compat, which knows the torch versions they were tested on."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 
-from elastic_ft import torch_compat
-from elastic_ft.torch_compat import TESTED, UnsupportedTorchError, check_torch, parse_version, version_verdict
+from elastic_ft.runtime import torch_compat
+from elastic_ft.runtime.torch_compat import TESTED, UnsupportedTorchError, check_torch, parse_version, version_verdict
 
-PACKAGE = Path(torch_compat.__file__).resolve().parent
+PACKAGE = Path(torch_compat.__file__).resolve().parents[1]  # the whole elastic_ft package
 #: torch internals (private members) only torch_compat may name.
 INTERNALS = re.compile(r"distributed_c10d\._world|\._remaining_restarts|\._pcontext\b|\._exit_barrier_timeout|"
                        r"subprocess_handlers\[[^]]*\]\s*=|\._get_backend\(|setattr\([^,]+, .LocalElasticAgent.")  # fmt: skip
