@@ -79,9 +79,20 @@ class Run:
         self.nodes: list[Any] = []
 
     def script(self) -> list[str]:
-        script = [str(SCRIPT), "--workdir", str(self.workdir), "--steps", "100000000", "--record-steps",
-                  "--stop-file", str(self.stop_file), "--step-wait", str(self.args.step_wait),
-                  "--fault-dir", str(self.workdir)]  # fmt: skip
+        script = [
+            str(SCRIPT),
+            "--workdir",
+            str(self.workdir),
+            "--steps",
+            "100000000",
+            "--record-steps",
+            "--stop-file",
+            str(self.stop_file),
+            "--step-wait",
+            str(self.args.step_wait),
+            "--fault-dir",
+            str(self.workdir),
+        ]
         return script + (["--no-wrapper"] if self.system != "ftrun" else [])
 
     def start(self, etcd_endpoint: str, c10d_port: int) -> None:
@@ -94,11 +105,22 @@ class Run:
                 backend, endpoint, conf, launcher = "etcd-v2", etcd_endpoint.split(",")[0], "", None
             else:
                 backend, endpoint, conf, launcher = "c10d", f"127.0.0.1:{c10d_port}", f"is_host={int(index == 0)}", None
-            self.nodes.append(TorchrunNode(
-                tag, endpoint=endpoint, run_id=self.run_id, script=self.script(), nnodes="2:2", nproc_per_node=2,
-                backend=backend, rdzv_conf=conf, max_restarts=3, log_path=self.workdir / f"node-{tag}.log",
-                extra_env={"OMP_NUM_THREADS": "1"}, launcher=launcher,
-            ))  # fmt: skip
+            self.nodes.append(
+                TorchrunNode(
+                    tag,
+                    endpoint=endpoint,
+                    run_id=self.run_id,
+                    script=self.script(),
+                    nnodes="2:2",
+                    nproc_per_node=2,
+                    backend=backend,
+                    rdzv_conf=conf,
+                    max_restarts=3,
+                    log_path=self.workdir / f"node-{tag}.log",
+                    extra_env={"OMP_NUM_THREADS": "1"},
+                    launcher=launcher,
+                )
+            )
 
     def events(self) -> list[dict[str, Any]]:
         found = []
@@ -217,8 +239,9 @@ def run_one(system: str, kind: str, duration: float, args: argparse.Namespace) -
     row: dict[str, Any] = {"system": system, "kind": kind, "duration": duration, "dir": str(run.workdir)}
     members = 3 if kind in ("quorum", "rolling") else 1
     # Default heartbeat and election timeouts, as a production etcd has them (the tests' servers are faster).
-    with EtcdCluster(members=members, enable_v2=system == "torchrun-etcd-v2", heartbeat_ms=100,
-                     election_ms=1000) as cluster:  # fmt: skip
+    with EtcdCluster(
+        members=members, enable_v2=system == "torchrun-etcd-v2", heartbeat_ms=100, election_ms=1000
+    ) as cluster:
         endpoint = ",".join(e.target for e in cluster.endpoints)
         try:
             run.start(endpoint, free_port("127.0.0.1"))
@@ -257,13 +280,25 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 if not mine:
                     continue
                 ok = [r for r in mine if "error" not in r]
-                entry: dict[str, Any] = {"kind": kind, "duration": duration, "system": system, "runs": len(ok),
-                                         "errors": [r["error"] for r in mine if "error" in r]}  # fmt: skip
-                for key in ("rate_during", "ranks_stopped", "in_process_restarts", "processes_replaced",
-                            "back_to_normal", "ranks_finished"):  # fmt: skip
+                entry: dict[str, Any] = {
+                    "kind": kind,
+                    "duration": duration,
+                    "system": system,
+                    "runs": len(ok),
+                    "errors": [r["error"] for r in mine if "error" in r],
+                }
+                for key in (
+                    "rate_during",
+                    "ranks_stopped",
+                    "in_process_restarts",
+                    "processes_replaced",
+                    "back_to_normal",
+                    "ranks_finished",
+                ):
                     entry[key] = _median(ok, key)
-                entry["exit_codes"] = sorted({code for r in ok for code in r.get("exit_codes", [])},
-                                             key=lambda c: (c is None, c))  # fmt: skip
+                entry["exit_codes"] = sorted(
+                    {code for r in ok for code in r.get("exit_codes", [])}, key=lambda c: (c is None, c)
+                )
                 table.append(entry)
     return table
 
@@ -277,15 +312,19 @@ def _cell(value: Any, unit: str = "") -> str:
 
 
 def print_table(table: list[dict[str, Any]]) -> None:
-    print("| outage | D (s) | system | runs | step rate during (of normal) | ranks stopped | in-process restarts | "
-          "processes replaced | back to normal (s) | ranks finished | exit codes |")  # fmt: skip
+    print(
+        "| outage | D (s) | system | runs | step rate during (of normal) | ranks stopped | in-process restarts | "
+        "processes replaced | back to normal (s) | ranks finished | exit codes |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for e in table:
         rate = "-" if e["rate_during"] is None else f"{100 * e['rate_during']:.0f} %"
         codes = ",".join("running" if c is None else str(c) for c in e["exit_codes"]) or "-"
-        print(f"| {e['kind']} | {e['duration']:g} | {e['system']} | {e['runs']} | {rate} | {_cell(e['ranks_stopped'])} | "
-              f"{_cell(e['in_process_restarts'])} | {_cell(e['processes_replaced'])} | {_cell(e['back_to_normal'])} | "
-              f"{_cell(e['ranks_finished'])} | {codes} |")  # fmt: skip
+        print(
+            f"| {e['kind']} | {e['duration']:g} | {e['system']} | {e['runs']} | {rate} | {_cell(e['ranks_stopped'])} | "
+            f"{_cell(e['in_process_restarts'])} | {_cell(e['processes_replaced'])} | {_cell(e['back_to_normal'])} | "
+            f"{_cell(e['ranks_finished'])} | {codes} |"
+        )
         for error in e["errors"]:
             print(f"|  | | error: {error[:200]} | | | | | | | | |")
 
@@ -306,8 +345,10 @@ def goals_missed(rows: list[dict[str, Any]]) -> list[str]:
             if r["back_to_normal"] is None or r["back_to_normal"] > FAULT_GOAL:
                 missed.append(f"{name}: back to training {r['back_to_normal']} s after etcd's return")
         elif r["ranks_stopped"] or r["in_process_restarts"] or r["processes_replaced"]:
-            missed.append(f"{name}: {r['ranks_stopped']} rank(s) stopped, {r['in_process_restarts']} in-process "
-                          f"restart(s), {r['processes_replaced']} process(es) replaced")  # fmt: skip
+            missed.append(
+                f"{name}: {r['ranks_stopped']} rank(s) stopped, {r['in_process_restarts']} in-process "
+                f"restart(s), {r['processes_replaced']} process(es) replaced"
+            )
     return missed
 
 
@@ -320,8 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--before", type=float, default=5.0, help="seconds of training the normal rate is taken on")
     parser.add_argument("--after", type=float, default=15.0, help="seconds of training after the outage")
     parser.add_argument("--steps-after", type=int, default=50, help="steps trained once the driver stops the job")
-    parser.add_argument("--step-wait", type=float, default=0.05,
-                        help="the script's --step-wait: each step leaves the CPUs idle, as on GPUs")  # fmt: skip
+    parser.add_argument(
+        "--step-wait",
+        type=float,
+        default=0.05,
+        help="the script's --step-wait: each step leaves the CPUs idle, as on GPUs",
+    )
     parser.add_argument("--start-timeout", type=float, default=180.0)
     parser.add_argument("--cap", type=float, default=180.0, help="seconds the job may take to stop")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -355,8 +400,12 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         row = run_one(system, kind, duration, args)
                     except Exception as error:  # noqa: BLE001 - one failed run is reported, the others go on
-                        row = {"system": system, "kind": kind, "duration": duration,
-                               "error": f"{type(error).__name__}: {error}"}  # fmt: skip
+                        row = {
+                            "system": system,
+                            "kind": kind,
+                            "duration": duration,
+                            "error": f"{type(error).__name__}: {error}",
+                        }
                     row["repeat"], row["seconds"] = repeat, round(time.monotonic() - started, 1)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
@@ -367,9 +416,18 @@ def main(argv: list[str] | None = None) -> int:
     for line in missed:
         print(f"goal missed: {line}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-                                    "args": {k: str(v) for k, v in vars(args).items()},
-                                    "table": table, "runs": rows, "goals_missed": missed}, indent=2))  # fmt: skip
+    args.out.write_text(
+        json.dumps(
+            {
+                "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "table": table,
+                "runs": rows,
+                "goals_missed": missed,
+            },
+            indent=2,
+        )
+    )
     print(f"\nwrote {args.out}")
     return 1 if missed else 0
 

@@ -41,8 +41,16 @@ HERE = Path(__file__).resolve().parent
 
 
 def fault(run_id: str, i: int) -> JobEvent:
-    return JobEvent("fault_detected", time.time(), run_id, "worker", node="n0", rank=i % 8, iteration=0,
-                    data={"kind": "RuntimeError", "message": "injected fault", "step": i})  # fmt: skip
+    return JobEvent(
+        "fault_detected",
+        time.time(),
+        run_id,
+        "worker",
+        node="n0",
+        rank=i % 8,
+        iteration=0,
+        data={"kind": "RuntimeError", "message": "injected fault", "step": i},
+    )
 
 
 def quantiles(samples: list[float]) -> dict[str, float]:
@@ -78,8 +86,11 @@ def storage_cost(etcd: EtcdServer, repeats: int) -> dict[str, dict[str, float]]:
         results = {}
         for name, call in (
             ("EventLog.append (ring, numbered, once)", lambda i: log.append(fault(run, i))),
-            ("plain put of a unique key", lambda i: client.put(plain + uuid.uuid4().hex, fault(run, i).to_json().encode())),
-        ):  # fmt: skip
+            (
+                "plain put of a unique key",
+                lambda i: client.put(plain + uuid.uuid4().hex, fault(run, i).to_json().encode()),
+            ),
+        ):
             samples = []
             for i in range(repeats):
                 start = time.perf_counter()
@@ -172,16 +183,19 @@ def main() -> None:
         print(f"  {name:44} {q['median']:8.3f} {q['p90']:8.3f}")
     ours, plain = (q["median"] for q in storage.values())
     print(f"  ratio append / plain put: {ours / plain:.2f}")
-    print(f"\n{concurrent['writers']} writers at once: {concurrent['events']} events in {concurrent['seconds']:.2f} s "
-          f"({concurrent['events_per_second']:.0f}/s); numbers distinct and complete: "
-          f"{concurrent['numbers_distinct_and_complete']}")  # fmt: skip
+    print(
+        f"\n{concurrent['writers']} writers at once: {concurrent['events']} events in {concurrent['seconds']:.2f} s "
+        f"({concurrent['events_per_second']:.0f}/s); numbers distinct and complete: "
+        f"{concurrent['numbers_distinct_and_complete']}"
+    )
     print("\nreading (milliseconds)")
     for name, q in reads.items():
         print(f"  {name:44} {q['median']:8.3f} {q['p90']:8.3f}")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(
-        {"caller_us": caller, "storage_ms": storage, "concurrent": concurrent, "read_ms": reads}, indent=2
-    ) + "\n")  # fmt: skip
+    args.output.write_text(
+        json.dumps({"caller_us": caller, "storage_ms": storage, "concurrent": concurrent, "read_ms": reads}, indent=2)
+        + "\n"
+    )
     print(f"\nwrote {args.output}")
 
 

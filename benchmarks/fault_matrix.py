@@ -349,12 +349,16 @@ def main() -> None:
     print("\n| fault | ranks finished (expected) | world size | fault -> resume (s) | rounds | checks |")
     print("| --- | --- | --- | --- | --- | --- |")
     for run in runs:
-        resume = "no restart" if not run["restarted"] else (
-            "-" if run["recovery_seconds"] is None else f"{run['recovery_seconds']:.2f}"
-        )  # fmt: skip
+        resume = (
+            "no restart"
+            if not run["restarted"]
+            else ("-" if run["recovery_seconds"] is None else f"{run['recovery_seconds']:.2f}")
+        )
         checks = "pass" if not run["problems"] else "FAIL: " + "; ".join(run["problems"])[:200]
-        print(f"| {run['scenario']} | {run['survivors']} ({run['expected_survivors']}) | "
-              f"{','.join(map(str, run['world_size']))} | {resume} | {run['rounds']} | {checks} |")  # fmt: skip
+        print(
+            f"| {run['scenario']} | {run['survivors']} ({run['expected_survivors']}) | "
+            f"{','.join(map(str, run['world_size']))} | {resume} | {run['rounds']} | {checks} |"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},

@@ -93,8 +93,18 @@ def run_node_kill(mode: str, hidden: int, args: argparse.Namespace, etcd: Any) -
 
     workdir = scratch.workdir(f"healing-{mode}-")
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
-    script = [str(SCRIPT), "--workdir", str(workdir), "--steps", str(args.kill_step + args.steps_after),
-              "--hidden", str(hidden), "--checkpoint-every", str(args.checkpoint_every), "--record-steps"]  # fmt: skip
+    script = [
+        str(SCRIPT),
+        "--workdir",
+        str(workdir),
+        "--steps",
+        str(args.kill_step + args.steps_after),
+        "--hidden",
+        str(hidden),
+        "--checkpoint-every",
+        str(args.checkpoint_every),
+        "--record-steps",
+    ]
     if mode == "checkpoint":
         script.append("--reload-checkpoint")
     nodes = [
@@ -340,8 +350,11 @@ def main() -> None:
         heal_runs = results["node_kill"][size]["heal"]
         in_job = _median([r["heal_seconds"] for r in heal_runs])
         ratio = found["loopback_gbps"] / found["transfer_gbps"]
-        summary[size]["throughput"] = {**{k: v for k, v in found.items() if not k.endswith("_runs")}, "ratio": ratio,
-                                       "heal_in_job_median_seconds": in_job}  # fmt: skip
+        summary[size]["throughput"] = {
+            **{k: v for k, v in found.items() if not k.endswith("_runs")},
+            "ratio": ratio,
+            "heal_in_job_median_seconds": in_job,
+        }
         lines.append(
             f"  {size:<7} {found['bytes'] / 1e6:>8.1f} {found['transfer_gbps']:>9.3f} {found['loopback_gbps']:>9.3f} "
             f"{ratio:>18.2f} {_fmt(in_job) + ' s':>20}"

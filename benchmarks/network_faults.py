@@ -114,16 +114,39 @@ class Job:
         from elastic_ft.testing.local_cluster import ftrun_command, torchrun_command
 
         address = self.bed.address(host)
-        script = [str(SCRIPT), "--workdir", str(self.workdir), "--steps", "100000000", "--record-steps",
-                  "--stop-file", str(self.stop_file), "--step-wait", str(self.args.step_wait)]  # fmt: skip
+        script = [
+            str(SCRIPT),
+            "--workdir",
+            str(self.workdir),
+            "--steps",
+            "100000000",
+            "--record-steps",
+            "--stop-file",
+            str(self.stop_file),
+            "--step-wait",
+            str(self.args.step_wait),
+        ]
         common = ["--nnodes=2:3", "--nproc-per-node=2", f"--local-addr={address}", "--max-restarts=3"]
         if self.system == "ftrun":
-            argv = [*ftrun_command(), *common, "--rdzv-backend=etcdft", f"--rdzv-endpoint={self.etcd.endpoint}",
-                    f"--rdzv-id={self.run_id}", *script]  # fmt: skip
+            argv = [
+                *ftrun_command(),
+                *common,
+                "--rdzv-backend=etcdft",
+                f"--rdzv-endpoint={self.etcd.endpoint}",
+                f"--rdzv-id={self.run_id}",
+                *script,
+            ]
         else:
-            argv = [*torchrun_command(), *common, "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint={self.bed.address(0)}:{C10D_PORT}", f"--rdzv-id={self.run_id}",
-                    f"--rdzv-conf=is_host={int(host == 0)}", *script, "--no-wrapper"]  # fmt: skip
+            argv = [
+                *torchrun_command(),
+                *common,
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={self.bed.address(0)}:{C10D_PORT}",
+                f"--rdzv-id={self.run_id}",
+                f"--rdzv-conf=is_host={int(host == 0)}",
+                *script,
+                "--no-wrapper",
+            ]
         env = {**os.environ, "NODE_TAG": str(host), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         with open(self.workdir / f"host{host}-{len(self.launchers)}-{int(time.time())}.log", "wb") as log:
             self.launchers[host] = self.bed.popen(host, argv, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -175,15 +198,20 @@ class Job:
         hosts = self.host_of
 
         def matches(e: dict[str, Any]) -> bool:
-            return (e["event"] == "step" and e["t"] > since and e["world_size"] == 2 * HOSTS
-                    and (host is None or hosts().get(e["pid"]) == host))  # fmt: skip
+            return (
+                e["event"] == "step"
+                and e["t"] > since
+                and e["world_size"] == 2 * HOSTS
+                and (host is None or hosts().get(e["pid"]) == host)
+            )
 
         return self.first(matches, cap)
 
     def revocations(self) -> int:
         """Leases the agents revoked (each a confirmed loss), from their logs."""
-        return sum(log.read_text(errors="replace").count("revoked the lease of node")
-                   for log in self.workdir.glob("host*.log"))  # fmt: skip
+        return sum(
+            log.read_text(errors="replace").count("revoked the lease of node") for log in self.workdir.glob("host*.log")
+        )
 
     def first_revocation(self) -> float | None:
         """When an agent first revoked a lease (epoch seconds, from the local time its log line carries)."""
@@ -230,11 +258,15 @@ def run_one(system: str, scenario: str, args: argparse.Namespace) -> dict[str, A
 
             def resumed(since: float) -> float | None:
                 return job.first(
-                    lambda e: e["event"] == "step" and e["t"] > since and e["pid"] not in faulty
-                    and e["world_size"] == 2 * (HOSTS - 1)
-                    and (e["iteration"] > old_iteration or e["pid"] not in survivors),
+                    lambda e: (
+                        e["event"] == "step"
+                        and e["t"] > since
+                        and e["pid"] not in faulty
+                        and e["world_size"] == 2 * (HOSTS - 1)
+                        and (e["iteration"] > old_iteration or e["pid"] not in survivors)
+                    ),
                     args.cap,
-                )  # fmt: skip
+                )
 
             at = time.time()
             heal_at: float | None = None
@@ -298,8 +330,10 @@ def run_one(system: str, scenario: str, args: argparse.Namespace) -> dict[str, A
                         row["delay_ms"] = 0
                         row["note"] = f"no delay: {error}"
                 else:
-                    hogs = [bed.popen(FAULTY, [sys.executable, "-c", "while True: pass"])
-                            for _ in range(os.cpu_count() or 2)]  # fmt: skip
+                    hogs = [
+                        bed.popen(FAULTY, [sys.executable, "-c", "while True: pass"])
+                        for _ in range(os.cpu_count() or 2)
+                    ]
                 time.sleep(args.window)
                 for hog in hogs:
                     hog.kill()
@@ -320,9 +354,14 @@ def run_one(system: str, scenario: str, args: argparse.Namespace) -> dict[str, A
                 resume = None
             else:  # arrival
                 job.start(FAULTY)
-                ready = job.first(lambda e: e["event"] == "ready" and e["node"] == str(FAULTY)
-                                  and len([x for x in job.events if x["event"] == "ready"
-                                           and x["node"] == str(FAULTY)]) >= 2, args.start_timeout)  # fmt: skip
+                ready = job.first(
+                    lambda e: (
+                        e["event"] == "ready"
+                        and e["node"] == str(FAULTY)
+                        and len([x for x in job.events if x["event"] == "ready" and x["node"] == str(FAULTY)]) >= 2
+                    ),
+                    args.start_timeout,
+                )
                 if ready is not None:  # both of its workers ready: the later one
                     ready = max(e["t"] for e in job.events if e["event"] == "ready" and e["node"] == str(FAULTY))
                 joined = job.full_world(at, FAULTY, args.cap) if ready is not None else None
@@ -333,8 +372,17 @@ def run_one(system: str, scenario: str, args: argparse.Namespace) -> dict[str, A
                 row["resume"] = None if resume is None else resume - at
                 row["resume_capped"] = resume is None
                 job.refresh()
-                restarted_at = min((e["t"] for e in job.events if e["event"] == "start" and e["pid"] in survivors
-                                    and e["t"] > at and e["iteration"] > old_iteration), default=None)  # fmt: skip
+                restarted_at = min(
+                    (
+                        e["t"]
+                        for e in job.events
+                        if e["event"] == "start"
+                        and e["pid"] in survivors
+                        and e["t"] > at
+                        and e["iteration"] > old_iteration
+                    ),
+                    default=None,
+                )
                 revoked_at = job.first_revocation()
                 row["absorb"] = None if restarted_at is None or revoked_at is None else restarted_at - revoked_at
                 moved_on = resume if resume is not None else time.time()
@@ -419,8 +467,10 @@ def _cell(entry: dict[str, Any], key: str) -> str:
 
 
 def print_table(table: list[dict[str, Any]]) -> None:
-    header = f"{'scenario':<12} {'system':<14} {'runs':>4} {'resume':>10} {'absorbed':>9} {'stale':>6} {'rejoin':>10} " \
-             f"{'restarted':>9} {'restarts':>8} {'revoked':>7} {'killed':>6} {'replaced':>8} {'exited':>6}  ratio"  # fmt: skip
+    header = (
+        f"{'scenario':<12} {'system':<14} {'runs':>4} {'resume':>10} {'absorbed':>9} {'stale':>6} {'rejoin':>10} "
+        f"{'restarted':>9} {'restarts':>8} {'revoked':>7} {'killed':>6} {'replaced':>8} {'exited':>6}  ratio"
+    )
     print(header)
     print("-" * len(header))
     by = {(e["scenario"], e["system"]): e for e in table}
@@ -437,10 +487,12 @@ def print_table(table: list[dict[str, Any]]) -> None:
                 mine, theirs = entry.get(key), (other or {}).get(key)
                 if mine and theirs and not (other or {}).get("note"):
                     ratio += f" {key} {'>' if other.get(f'{key}_capped') else ''}{theirs / mine:.1f}x"
-        print(f"{entry['scenario']:<12} {entry['system']:<14} {entry['runs']:>4} {_cell(entry, 'resume'):>10} "
-              f"{_cell(entry, 'absorb'):>9} {_cell(entry, 'stale'):>6} {_cell(entry, 'rejoin'):>10} {_cell(entry, 'restarted'):>9} "
-              f"{_cell(entry, 'restarts'):>8} {_cell(entry, 'revocations'):>7} {_cell(entry, 'killed'):>6} "
-              f"{_cell(entry, 'replaced'):>8} {_cell(entry, 'exited'):>6} {ratio}")  # fmt: skip
+        print(
+            f"{entry['scenario']:<12} {entry['system']:<14} {entry['runs']:>4} {_cell(entry, 'resume'):>10} "
+            f"{_cell(entry, 'absorb'):>9} {_cell(entry, 'stale'):>6} {_cell(entry, 'rejoin'):>10} {_cell(entry, 'restarted'):>9} "
+            f"{_cell(entry, 'restarts'):>8} {_cell(entry, 'revocations'):>7} {_cell(entry, 'killed'):>6} "
+            f"{_cell(entry, 'replaced'):>8} {_cell(entry, 'exited'):>6} {ratio}"
+        )
         for error in entry["errors"]:
             print(f"{'':<12} error: {error}")
 
@@ -456,11 +508,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=20.0, help="seconds of loss or CPU load")
     parser.add_argument("--settle", type=float, default=3.0, help="seconds of training before the fault")
     parser.add_argument("--start-timeout", type=float, default=180.0)
-    parser.add_argument("--step-wait", type=float, default=0.0,
-                        help="the script's --step-wait: seconds each step leaves the CPUs idle, as on GPUs")  # fmt: skip
+    parser.add_argument(
+        "--step-wait",
+        type=float,
+        default=0.0,
+        help="the script's --step-wait: seconds each step leaves the CPUs idle, as on GPUs",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--table-from", type=Path,
-                        help="recompute and print the table of an earlier run's JSON (written back to it), run nothing")  # fmt: skip
+    parser.add_argument(
+        "--table-from",
+        type=Path,
+        help="recompute and print the table of an earlier run's JSON (written back to it), run nothing",
+    )
     args = parser.parse_args(argv)
     if args.table_from is not None:
         earlier = json.loads(args.table_from.read_text())
@@ -505,9 +564,17 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print_table(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-                                    "args": {k: str(v) for k, v in vars(args).items()},
-                                    "table": table, "runs": rows}, indent=2))  # fmt: skip
+    args.out.write_text(
+        json.dumps(
+            {
+                "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "table": table,
+                "runs": rows,
+            },
+            indent=2,
+        )
+    )
     print(f"\nwrote {args.out}")
     return 0
 

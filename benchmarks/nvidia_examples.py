@@ -53,16 +53,19 @@ NPROC = 3
 EXPECTED_EXCEPTIONS = 6
 # The Wrapper's restart report, in elastic-ft's log format or, as here, the example's own (the Wrapper's
 # handler takes the formatter of the application's): "W1126 21:32:50.655 ..." or "2026-11-26 21:32:50,655 | ...".
-RESTART = re.compile(r"^(?:W\d{4} |\d{4}-\d\d-\d\d )(\d\d):(\d\d):(\d\d[.,]\d+) .*\biteration (\d+) restarts",
-                     re.MULTILINE)  # fmt: skip
+RESTART = re.compile(
+    r"^(?:W\d{4} |\d{4}-\d\d-\d\d )(\d\d):(\d\d):(\d\d[.,]\d+) .*\biteration (\d+) restarts", re.MULTILINE
+)
 
 
 def extract(repo: Path, into: Path) -> dict[str, Path]:
     """NVIDIA's examples at v0.4.1, their import swapped."""
-    git_dir = subprocess.run(["git", "-C", str(repo), "rev-parse", "--absolute-git-dir"], check=True,
-                             capture_output=True, text=True).stdout.strip()  # fmt: skip
-    archive = subprocess.run(["git", f"--git-dir={git_dir}", "archive", "v0.4.1", "examples/inprocess"], check=True,
-                             capture_output=True).stdout  # fmt: skip
+    git_dir = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "--absolute-git-dir"], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    archive = subprocess.run(
+        ["git", f"--git-dir={git_dir}", "archive", "v0.4.1", "examples/inprocess"], check=True, capture_output=True
+    ).stdout
     path = into / "nvidia.tar"
     path.write_bytes(archive)
     with tarfile.open(path) as tar:
@@ -71,8 +74,9 @@ def extract(repo: Path, into: Path) -> dict[str, Path]:
     for name in EXAMPLES:
         script = into / "examples" / "inprocess" / f"{name}.py"
         text = script.read_text()
-        swapped = text.replace("import nvidia_resiliency_ext.inprocess as inprocess",
-                               "import elastic_ft.inprocess as inprocess")  # fmt: skip
+        swapped = text.replace(
+            "import nvidia_resiliency_ext.inprocess as inprocess", "import elastic_ft.inprocess as inprocess"
+        )
         if swapped == text:
             raise RuntimeError(f"{script}: NVIDIA's import line was not found")
         script.write_text(swapped)
@@ -111,9 +115,23 @@ def run_once(script: Path, fault: str, workdir: Path, timeout: float, iterations
     checkpoints.mkdir(parents=True)
     # About EXPECTED_EXCEPTIONS faults per run: the examples draw one per rank and iteration.
     prob = f"{EXPECTED_EXCEPTIONS / (NPROC * iterations):.6f}" if fault == "exception" else "0"
-    command = [*FTRUN, f"--nproc-per-node={NPROC}", "--max-restarts=0", "--monitor-interval=0.1", str(script),
-               "--total-iterations", str(iterations), "--chkpt-interval", "100", "--log-interval", "1000",
-               "--path", str(checkpoints), "--fault-prob", prob]  # fmt: skip
+    command = [
+        *FTRUN,
+        f"--nproc-per-node={NPROC}",
+        "--max-restarts=0",
+        "--monitor-interval=0.1",
+        str(script),
+        "--total-iterations",
+        str(iterations),
+        "--chkpt-interval",
+        "100",
+        "--log-interval",
+        "1000",
+        "--path",
+        str(checkpoints),
+        "--fault-prob",
+        prob,
+    ]
     log_path = workdir / "ftrun.log"
     started = time.monotonic()
     injected_at = None
@@ -147,9 +165,15 @@ def run_once(script: Path, fault: str, workdir: Path, timeout: float, iterations
         later = [t - injected for t in restarts if t >= injected - 0.5]
         resume = round(min(later), 3) if later else None
     passed = code == 0 and not escalated and bool(restarts) and (fault == "exception" or injected_at is not None)
-    return {"exit": code, "escalated": escalated, "in_process_restarts": len(restarts), "restart_after": resume,
-            "seconds": round(time.monotonic() - started, 1), "passed": passed,
-            "log_tail": "" if passed else text[-3000:]}  # fmt: skip
+    return {
+        "exit": code,
+        "escalated": escalated,
+        "in_process_restarts": len(restarts),
+        "restart_after": resume,
+        "seconds": round(time.monotonic() - started, 1),
+        "passed": passed,
+        "log_tail": "" if passed else text[-3000:],
+    }
 
 
 def main() -> None:
@@ -159,8 +183,12 @@ def main() -> None:
     parser.add_argument("--examples", default=",".join(EXAMPLES))
     parser.add_argument("--faults", default=",".join(FAULTS))
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds one run may take")
-    parser.add_argument("--iterations", type=int, default=4000,
-                        help="the examples' --total-iterations (a respawned worker needs a few seconds to rejoin)")
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=4000,
+        help="the examples' --total-iterations (a respawned worker needs a few seconds to rejoin)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     work = scratch.workdir("nvidia-examples-")
@@ -171,24 +199,38 @@ def main() -> None:
             for index in range(args.runs):
                 result = run_once(scripts[name], fault, work / f"{name}-{fault}-{index}", args.timeout, args.iterations)
                 runs.append({"example": name, "fault": fault, "run": index, **result})
-                print(f"  {name:<16} {fault:<10} run {index}: " + ("pass" if result["passed"] else
-                      f"FAIL (exit {result['exit']}, escalated {result['escalated']})"), flush=True)  # fmt: skip
-    print("\n| example | fault | passed | in-process restarts (median) | Wrapper restart after the fault, median | "
-          "run time, median |")  # fmt: skip
+                print(
+                    f"  {name:<16} {fault:<10} run {index}: "
+                    + (
+                        "pass" if result["passed"] else f"FAIL (exit {result['exit']}, escalated {result['escalated']})"
+                    ),
+                    flush=True,
+                )
+    print(
+        "\n| example | fault | passed | in-process restarts (median) | Wrapper restart after the fault, median | "
+        "run time, median |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     table = []
     for name in args.examples.split(","):
         for fault in args.faults.split(","):
             mine = [r for r in runs if r["example"] == name and r["fault"] == fault]
             delays = [r["restart_after"] for r in mine if r["restart_after"] is not None]
-            row = {"example": name, "fault": fault, "passed": sum(r["passed"] for r in mine), "runs": len(mine),
-                   "restarts": statistics.median(r["in_process_restarts"] for r in mine),
-                   "restart_after": statistics.median(delays) if delays else None,
-                   "seconds": statistics.median(r["seconds"] for r in mine)}  # fmt: skip
+            row = {
+                "example": name,
+                "fault": fault,
+                "passed": sum(r["passed"] for r in mine),
+                "runs": len(mine),
+                "restarts": statistics.median(r["in_process_restarts"] for r in mine),
+                "restart_after": statistics.median(delays) if delays else None,
+                "seconds": statistics.median(r["seconds"] for r in mine),
+            }
             table.append(row)
             after = "-" if row["restart_after"] is None else f"{row['restart_after']:.2f} s"
-            print(f"| {name} | {fault} | {row['passed']} of {row['runs']} | {row['restarts']:g} | {after} | "
-                  f"{row['seconds']:.1f} s |")  # fmt: skip
+            print(
+                f"| {name} | {fault} | {row['passed']} of {row['runs']} | {row['restarts']:g} | {after} | "
+                f"{row['seconds']:.1f} s |"
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"table": table, "runs": runs}, indent=2))
     print(f"\nwrote {args.out}")

@@ -95,8 +95,21 @@ def survivors(workdir: Path) -> int:
 
 
 def _script_args(workdir: Path, args: argparse.Namespace, kind: str) -> list[str]:
-    return [str(SCRIPT), "--workdir", str(workdir), "--steps", str(args.steps), "--hidden", str(args.hidden),
-            "--fault", kind, "--fault-rank", "1", "--fault-step", str(args.fault_step)]  # fmt: skip
+    return [
+        str(SCRIPT),
+        "--workdir",
+        str(workdir),
+        "--steps",
+        str(args.steps),
+        "--hidden",
+        str(args.hidden),
+        "--fault",
+        kind,
+        "--fault-rank",
+        "1",
+        "--fault-step",
+        str(args.fault_step),
+    ]
 
 
 def _wait_all(processes: list[Any], cap: float) -> bool:
@@ -265,12 +278,25 @@ def steady_state(args: argparse.Namespace) -> dict[str, Any]:
         measured: dict[str, Any] = {}
         for variant in order:
             workdir = scratch.workdir(f"recovery-steady-{variant}-")
-            command = [*ftrun_command(), "--nproc-per-node=2", str(SCRIPT), "--workdir", str(workdir), "--steps",
-                       str(args.steady_steps), "--hidden", str(args.hidden), "--pin-cpu", "--checkpoint-every", "100000"]  # fmt: skip
+            command = [
+                *ftrun_command(),
+                "--nproc-per-node=2",
+                str(SCRIPT),
+                "--workdir",
+                str(workdir),
+                "--steps",
+                str(args.steady_steps),
+                "--hidden",
+                str(args.hidden),
+                "--pin-cpu",
+                "--checkpoint-every",
+                "100000",
+            ]
             if variant == "plain":
                 command.append("--no-wrapper")
-            with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"}) as running:  # fmt: skip
+            with subprocess.Popen(
+                command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"}
+            ) as running:
                 monitor_rate = _monitor_cpu_rate(running)
                 stderr = running.stderr.read() if running.stderr else b""
             if running.returncode != 0:
@@ -284,9 +310,14 @@ def steady_state(args: argparse.Namespace) -> dict[str, Any]:
                 "monitor_process_cpu": monitor_rate * step,
             }
         rounds.append(measured)
-        print(f"  steady round {index}: " + ", ".join(
-            f"{v} {m['step'] * 1e3:.2f} ms (main thread CPU {m['main_cpu'] * 1e3:.2f} ms)" for v, m in measured.items()
-        ), flush=True)  # fmt: skip
+        print(
+            f"  steady round {index}: "
+            + ", ".join(
+                f"{v} {m['step'] * 1e3:.2f} ms (main thread CPU {m['main_cpu'] * 1e3:.2f} ms)"
+                for v, m in measured.items()
+            ),
+            flush=True,
+        )
 
     def median(variant: str, figure: str) -> float:
         return statistics.median(r[variant][figure] for r in rounds)
@@ -344,9 +375,10 @@ def main() -> None:
     parser.add_argument("--steady-steps", type=int, default=400)
     parser.add_argument("--only", choices=("recovery", "steady"))
     parser.add_argument(
-        "--quick", action="store_true",
+        "--quick",
+        action="store_true",
         help="CI's mode: elastic-ft alone, one run of each fault, the recovery and per-phase tables (no steady state)",
-    )  # fmt: skip
+    )
     parser.add_argument("--out", type=Path, help="the JSON file to write (default: benchmarks/results/recovery*.json)")
     args = parser.parse_args()
     if args.quick:
@@ -382,8 +414,10 @@ def main() -> None:
             "torchrun": "torchrun full restart",
             "nvidia": "NVIDIA inprocess 0.4.1",
         }
-        print(f"\nRecovery, fault -> first step of every surviving rank (seconds; median (min-max) of {args.repeats};"
-              f" 2 nodes x 2 workers; DDP + AdamW, default settings)")  # fmt: skip
+        print(
+            f"\nRecovery, fault -> first step of every surviving rank (seconds; median (min-max) of {args.repeats};"
+            f" 2 nodes x 2 workers; DDP + AdamW, default settings)"
+        )
         print("| fault | " + " | ".join(names[s] for s in systems) + " | goal | vs torchrun | vs NVIDIA |")
         print("| --- | " + " | ".join("---" for _ in systems) + " | --- | --- | --- |")
         for kind in kinds:
@@ -400,8 +434,10 @@ def main() -> None:
                     ratios.append(f"> {args.cap / statistics.median(ours):.0f}x")
             print(f"| {kind} | " + " | ".join(cells) + f" | < {GOALS[kind]:g} | {ratios[0]} | {ratios[1]} |")
         if "elastic_ft" in systems:
-            print("\nelastic-ft: the Wrapper's share (fault -> function entered again on every surviving rank), and"
-                  " ranks that finished (4 started; the faulty one is lost for SIGKILL, SIGSTOP and GIL-held hangs)")  # fmt: skip
+            print(
+                "\nelastic-ft: the Wrapper's share (fault -> function entered again on every surviving rank), and"
+                " ranks that finished (4 started; the faulty one is lost for SIGKILL, SIGSTOP and GIL-held hangs)"
+            )
             print("| fault | Wrapper's share (s) | ranks that finished, per run |")
             print("| --- | --- | --- |")
             for kind in kinds:
@@ -410,9 +446,11 @@ def main() -> None:
                 print(f"| {kind} | {_cell(shares, args.cap)} | {', '.join(str(r['survivors']) for r in ours)} |")
             report["phases"] = print_phase_table(
                 "elastic-ft: where the recovery goes, per phase (ms; the longest across ranks, median of runs)",
-                {kind: [r["phases"] for r in runs if r["system"] == "elastic_ft" and r["kind"] == kind]
-                 for kind in kinds},
-            )  # fmt: skip
+                {
+                    kind: [r["phases"] for r in runs if r["system"] == "elastic_ft" and r["kind"] == kind]
+                    for kind in kinds
+                },
+            )
     if args.only != "recovery":
         print(f"\nSteady state: 2 workers pinned to a CPU each, {args.steady_steps} steps, {args.steady_rounds} rounds")
         steady = steady_state(args)
@@ -435,7 +473,7 @@ def main() -> None:
             ("monitor_process", "monitor process, steady state"),
             ("total", "total"),
         ):
-            print(f"| {name} | {accounted[part] * 100:.2f} % |")  # fmt: skip
+            print(f"| {name} | {accounted[part] * 100:.2f} % |")
     path = args.out or (RESULTS if args.only is None else RESULTS.with_name(f"recovery_{args.only}.json"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, default=str))

@@ -108,8 +108,15 @@ def bench_join(backend: str, endpoint: str, n: int, repeats: int, last_call: flo
 
 
 def start_victim(backend: str, endpoint: str, run_id: str, setting: Setting) -> subprocess.Popen[str]:
-    args = [sys.executable, str(Path(__file__).resolve()), "--victim", backend, endpoint, run_id,
-            json.dumps(setting.__dict__)]  # fmt: skip
+    args = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--victim",
+        backend,
+        endpoint,
+        run_id,
+        json.dumps(setting.__dict__),
+    ]
     return subprocess.Popen(args, stdout=subprocess.PIPE, text=True, start_new_session=True, cwd=HERE)
 
 

@@ -150,7 +150,9 @@ def deltas(handlers: list, client: Any, before: dict) -> dict:
     return {
         "requests": after["requests"] - before["requests"],
         "events": [a - b for a, b in zip(after["events"], before["events"], strict=True)],
-        "roles": ["monitor" if h.is_monitor else "closer" if d else "node" for h, d in zip(handlers, live, strict=True)],
+        "roles": [
+            "monitor" if h.is_monitor else "closer" if d else "node" for h, d in zip(handlers, live, strict=True)
+        ],
     }
 
 
@@ -188,9 +190,11 @@ def what_it_sees(handler: Any) -> str:
     if board is None:
         return f"member of round {handler._state.member_round}, no board (version {version})"
     last = board.last.round if board.last is not None else None
-    return (f"member of round {handler._state.member_round}; board version {version}: monitor {board.monitor}, open round "
-            f"{board.open_round}, last closed {last}, rejoined {len(board.rejoined)}, dead {list(board.dead)}; its "
-            f"watch down for {handler._board_view.disconnected_for():.1f} s")  # fmt: skip
+    return (
+        f"member of round {handler._state.member_round}; board version {version}: monitor {board.monitor}, open round "
+        f"{board.open_round}, last closed {last}, rejoined {len(board.rejoined)}, dead {list(board.dead)}; its "
+        f"watch down for {handler._board_view.disconnected_for():.1f} s"
+    )
 
 
 def follow(handlers: list, client: Any, timeout: float, settle: float = 3.0) -> dict:
@@ -227,13 +231,22 @@ def follow(handlers: list, client: Any, timeout: float, settle: float = 3.0) -> 
         except Exception as exc:  # noqa: BLE001 - reported
             errors.append(f"{exc!r} [{what_it_sees(handlers[i])}]")
             board = handlers[i]._board_view.snapshot()[0]
-            kinds.append(f"{type(exc).__name__} after seeing {'a change' if seen[i] else 'no change'}; member of round "
-                         f"{handlers[i]._member_round}, board: open {board.open_round if board else None}, last "
-                         f"{board.last.round if board and board.last else None}")  # fmt: skip
+            kinds.append(
+                f"{type(exc).__name__} after seeing {'a change' if seen[i] else 'no change'}; member of round "
+                f"{handlers[i]._member_round}, board: open {board.open_round if board else None}, last "
+                f"{board.last.round if board and board.last else None}"
+            )
 
     run_each(node, len(handlers))
-    return {"done": done, "seen": seen, "sizes": sizes, "rounds": rounds, "errors": errors[:3], "error_kinds": kinds,
-            **deltas(handlers, client, before)}  # fmt: skip
+    return {
+        "done": done,
+        "seen": seen,
+        "sizes": sizes,
+        "rounds": rounds,
+        "errors": errors[:3],
+        "error_kinds": kinds,
+        **deltas(handlers, client, before),
+    }
 
 
 # ---- the parent: the cluster, the workers, the table -------------------------------------
@@ -357,8 +370,15 @@ def summarize(answers: list[dict], start: float, nodes: int) -> dict:
 
 
 def bench(cluster: Any, nodes: int, procs: int, death: bool, lease_ttl: int) -> dict:
-    conf = {"min_nodes": nodes, "max_nodes": nodes, "last_call_timeout": 1.0, "lease_ttl": lease_ttl,
-            "join_timeout": 600, "request_timeout": 30, "connect_timeout": 30}  # fmt: skip
+    conf = {
+        "min_nodes": nodes,
+        "max_nodes": nodes,
+        "last_call_timeout": 1.0,
+        "lease_ttl": lease_ttl,
+        "join_timeout": 600,
+        "request_timeout": 30,
+        "connect_timeout": 30,
+    }
     if death:
         conf["min_nodes"] = 1
         conf["join_timeout"] = 120  # a simulation whose leases expire under its own load fails, not hangs
@@ -388,8 +408,11 @@ def bench(cluster: Any, nodes: int, procs: int, death: bool, lease_ttl: int) -> 
                     raise RuntimeError(f"the survivors' round has sizes {summary['sizes']}, not {nodes}")
                 name = "monitor_death" if monitor else "death"
                 row[name] = {**summary, **metric_delta(before, after, nodes)}
-                print(f"N={nodes + 1:<5} {name}: seen {summary['seen_seconds']:.2f} s, round again "
-                      f"{summary['seconds']:.2f} s ({summary['rounds_max']} round(s) at most)", flush=True)  # fmt: skip
+                print(
+                    f"N={nodes + 1:<5} {name}: seen {summary['seen_seconds']:.2f} s, round again "
+                    f"{summary['seconds']:.2f} s ({summary['rounds_max']} round(s) at most)",
+                    flush=True,
+                )
     finally:
         workers.close()
     return row
@@ -418,7 +441,9 @@ def bench_barrier(cluster: Any, ranks: int, *, counted: bool = True, threads: in
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(lambda r: view.arrive_and_wait("bench", [r], ranks, datetime.timedelta(0)), range(ranks)))
         arrived = time.perf_counter() - start
-        waited = list(pool.map(lambda r: view.arrive_and_wait("bench", [r], ranks, datetime.timedelta(60)), range(ranks)))
+        waited = list(
+            pool.map(lambda r: view.arrive_and_wait("bench", [r], ranks, datetime.timedelta(60)), range(ranks))
+        )
     elapsed = time.perf_counter() - start
     server = etcd_metrics(cluster)
     client.close()
@@ -481,8 +506,9 @@ def bench_exchange(cluster: Any, ranks: int, threads: int = 32) -> dict:
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(arrive, everyone[:-1]))
         arrived = time.perf_counter()
-        columns = gather_keys(view, name, ranks - 1, everyone, ["root", host(ranks - 1)],
-                              datetime.timedelta(seconds=120), "bench")  # fmt: skip
+        columns = gather_keys(
+            view, name, ranks - 1, everyone, ["root", host(ranks - 1)], datetime.timedelta(seconds=120), "bench"
+        )
         tabled = time.perf_counter()
         tables = set(pool.map(lambda _r: view.get(exchange_table(name)), everyone[:-1]))
     read = time.perf_counter()
@@ -591,24 +617,37 @@ def main() -> None:
     print(table(rows))
     for row in rows:
         if "death_failed" in row:
-            print(f"N={row['nodes']}, lease_ttl={row['lease_ttl']}: the death measurement failed: {row['death_failed']}")
+            print(
+                f"N={row['nodes']}, lease_ttl={row['lease_ttl']}: the death measurement failed: {row['death_failed']}"
+            )
     print("\nThe Wrapper's barrier on the etcd store (each rank arrives, then waits for the result):")
     print("| barrier | ranks | arrive s | total s | requests/rank (client) | requests/rank (etcd) |")
     print("|---|---|---|---|---|---|")
     for b in barriers:
-        print(f"| {b['barrier']} | {b['ranks']} | {b['arrive_s']:.2f} | {b['seconds']:.2f} | {b['client_requests_per_rank']:.2f} | "
-              f"{b['etcd_requests_per_rank']:.2f} |")  # fmt: skip
+        print(
+            f"| {b['barrier']} | {b['ranks']} | {b['arrive_s']:.2f} | {b['seconds']:.2f} | {b['client_requests_per_rank']:.2f} | "
+            f"{b['etcd_requests_per_rank']:.2f} |"
+        )
     print("\nA Tree's grouping keys exchanged through the etcd store (its first call), then computed:")
-    print("| ranks | publish s | table s | read s | table KB | decode ms/rank | exchange s | first assignment s | "
-          "reassign s | requests/rank |")  # fmt: skip
+    print(
+        "| ranks | publish s | table s | read s | table KB | decode ms/rank | exchange s | first assignment s | "
+        "reassign s | requests/rank |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for e in exchanges:
-        print(f"| {e['ranks']} | {e['publish_s']:.2f} | {e['table_s']:.2f} | {e['read_s']:.2f} | "
-              f"{e['table_bytes'] / 1024:.1f} | {e['decode_ms']:.2f} | {e['exchange_s']:.2f} | "
-              f"{e['first_assignment_s']:.3f} | {e['reassign_s']:.3f} | {e['etcd_requests_per_rank']:.2f} |")  # fmt: skip
+        print(
+            f"| {e['ranks']} | {e['publish_s']:.2f} | {e['table_s']:.2f} | {e['read_s']:.2f} | "
+            f"{e['table_bytes'] / 1024:.1f} | {e['decode_ms']:.2f} | {e['exchange_s']:.2f} | "
+            f"{e['first_assignment_s']:.3f} | {e['reassign_s']:.3f} | {e['etcd_requests_per_rank']:.2f} |"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"machine": os.uname().nodename, "cpus": os.cpu_count(), "rows": rows, "barriers": barriers,
-              "exchanges": exchanges}  # fmt: skip
+    result = {
+        "machine": os.uname().nodename,
+        "cpus": os.cpu_count(),
+        "rows": rows,
+        "barriers": barriers,
+        "exchanges": exchanges,
+    }
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
 

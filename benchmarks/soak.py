@@ -155,9 +155,22 @@ class Soak:
     def _start_node(self, tag: str) -> None:
         from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command
 
-        script = [str(SCRIPT), "--workdir", str(self.workdir), "--steps", "100000000", "--record-steps",
-                  "--record-digests", "--fault-dir", str(self.faults_dir), "--stop-file", str(self.stop_file),
-                  "--monitor-logs", "--step-wait", str(self.args.step_wait)]  # fmt: skip
+        script = [
+            str(SCRIPT),
+            "--workdir",
+            str(self.workdir),
+            "--steps",
+            "100000000",
+            "--record-steps",
+            "--record-digests",
+            "--fault-dir",
+            str(self.faults_dir),
+            "--stop-file",
+            str(self.stop_file),
+            "--monitor-logs",
+            "--step-wait",
+            str(self.args.step_wait),
+        ]
         conf = ["join_timeout=600"] + ([f"lease_ttl={self.args.lease_ttl}"] if self.args.lease_ttl else [])
         self.nodes[tag] = TorchrunNode(
             tag,
@@ -328,9 +341,11 @@ class Soak:
                         continue
                     self.faults.append(fault)
                     self._await_resume(fault)
-                    print(f"  {len(self.faults):4d}  {fault.kind:<18} {fault.target:<16} "
-                          + ("unresolved" if fault.resumed is None else f"{fault.resumed - fault.at:6.2f} s"),
-                          flush=True)  # fmt: skip
+                    print(
+                        f"  {len(self.faults):4d}  {fault.kind:<18} {fault.target:<16} "
+                        + ("unresolved" if fault.resumed is None else f"{fault.resumed - fault.at:6.2f} s"),
+                        flush=True,
+                    )
                 while self.down:  # every node back, so the end is the job's
                     self._restart_nodes()
                     time.sleep(0.1)
@@ -371,8 +386,9 @@ class Soak:
         """(restarts checked, steps lost, steps done twice): each iteration must resume at the highest step any
         rank had completed before it began."""
         self.job.refresh()
-        starts = sorted((e for e in self.job.events if e["event"] == "start" and e["iteration"] > 0),
-                        key=lambda e: e["t"])  # fmt: skip
+        starts = sorted(
+            (e for e in self.job.events if e["event"] == "start" and e["iteration"] > 0), key=lambda e: e["t"]
+        )
         steps = sorted(self.job.steps(), key=lambda e: e["t"])
         # The processes that went on into each iteration: a step only the fault's victim completed (its
         # all-reduce ended just before it died, the others' did not) died with it; it is no lost state.
@@ -387,8 +403,11 @@ class Soak:
                 continue
             seen_iterations.add(key)
             survivors = went_on[start["iteration"]]
-            before = [e["step"] for e in steps
-                      if e["t"] < start["t"] and e["iteration"] < start["iteration"] and e["pid"] in survivors]  # fmt: skip
+            before = [
+                e["step"]
+                for e in steps
+                if e["t"] < start["t"] and e["iteration"] < start["iteration"] and e["pid"] in survivors
+            ]
             if not before:
                 continue
             expected, resumed = max(before), start["resumed_at"]
@@ -449,11 +468,15 @@ class Soak:
             }
         every = [f.resumed - f.at for f in self.faults if f.resumed is not None]
         overall = (
-            {"p50": statistics.median(every), "p90": _percentile(every, 90), "p99": _percentile(every, 99),
-             "max": max(every)}
+            {
+                "p50": statistics.median(every),
+                "p90": _percentile(every, 90),
+                "p99": _percentile(every, 99),
+                "max": max(every),
+            }
             if every
             else {}
-        )  # fmt: skip
+        )
         resources = self._resource_report()
         growth = {
             pid: {name: r["last"][name] - r["first"][name] for name in ("threads", "fds", "rss_kib")}
@@ -512,12 +535,16 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"| {kind} | {row['faults']} | {' | '.join(cells)} | {row.get('unresolved', '-')} |")
     growth = report["growth"].values()
     worst = {name: max((g[name] for g in growth), default=0) for name in ("threads", "fds", "rss_kib")}
-    print(f"\nescalations: {report['escalations']}, process-level restarts: {report['process_restarts']}; "
-          f"restarts checked: {report['restarts_checked']}, steps lost: "
-          f"{report['steps_lost']}, done twice: {report['steps_twice']}; ranks finished at step "
-          f"{report['stop_step']}: {report['finished_ranks']}, same state bit for bit: {report['same_state']}")  # fmt: skip
-    print(f"worker processes sampled: {len(report['resources'])}; largest growth from the first step to the last "
-          f"sample: threads +{worst['threads']}, fds +{worst['fds']}, RSS +{worst['rss_kib'] / 1024:.1f} MiB")  # fmt: skip
+    print(
+        f"\nescalations: {report['escalations']}, process-level restarts: {report['process_restarts']}; "
+        f"restarts checked: {report['restarts_checked']}, steps lost: "
+        f"{report['steps_lost']}, done twice: {report['steps_twice']}; ranks finished at step "
+        f"{report['stop_step']}: {report['finished_ranks']}, same state bit for bit: {report['same_state']}"
+    )
+    print(
+        f"worker processes sampled: {len(report['resources'])}; largest growth from the first step to the last "
+        f"sample: threads +{worst['threads']}, fds +{worst['fds']}, RSS +{worst['rss_kib'] / 1024:.1f} MiB"
+    )
     print(f"processes alive 2 s after the launchers exited: {len(report['processes_left'])}")
     print("checks: " + ("pass" if not report["problems"] else "FAIL: " + "; ".join(report["problems"])))
 
@@ -528,16 +555,22 @@ def main() -> None:
     parser.add_argument("--min-gap", type=float, default=2.0, help="seconds of training between two faults, at least")
     parser.add_argument("--max-gap", type=float, default=5.0, help="... and at most")
     parser.add_argument(
-        "--weights", type=lambda t: [float(w) for w in t.split(",")], default=[3, 3, 2, 2, 2, 1, 1],
+        "--weights",
+        type=lambda t: [float(w) for w in t.split(",")],
+        default=[3, 3, 2, 2, 2, 1, 1],
         help=f"relative frequency of each fault kind, in the order {','.join(KINDS)}",
-    )  # fmt: skip
+    )
     parser.add_argument("--node-downtime", type=float, default=3.0, help="seconds a killed node stays down")
     parser.add_argument("--etcd-downtime", type=float, default=2.0, help="seconds a killed etcd member stays down")
     parser.add_argument("--lease-ttl", type=int, default=None, help="the rendezvous lease_ttl (default: etcdft's)")
     parser.add_argument("--sample-every", type=float, default=5.0, help="seconds between two resource samples")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--step-wait", type=float, default=0.0,
-                        help="the script's --step-wait: seconds each step leaves the CPUs idle, as on GPUs")  # fmt: skip
+    parser.add_argument(
+        "--step-wait",
+        type=float,
+        default=0.0,
+        help="the script's --step-wait: seconds each step leaves the CPUs idle, as on GPUs",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"where to write the JSON (default: {RESULTS})")
     args = parser.parse_args()
     if len(args.weights) != len(KINDS):

@@ -259,8 +259,18 @@ def run_respawn(args: argparse.Namespace, etcd: Any) -> dict[str, Any]:
     workdir = scratch.workdir("spares-respawn-")
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     trigger = workdir / "second-fault"
-    extra = ["--fault", "sigkill", "--fault-rank", "1", "--fault-step", str(args.fault_step),
-             "--fault-file", str(trigger), "--fault-file-rank", "0"]  # fmt: skip
+    extra = [
+        "--fault",
+        "sigkill",
+        "--fault-rank",
+        "1",
+        "--fault-step",
+        str(args.fault_step),
+        "--fault-file",
+        str(trigger),
+        "--fault-file-rank",
+        "0",
+    ]
     script = _script(workdir, args, wrapper=True, extra=extra)
     nodes = [_node(tag, workdir, etcd, run_id, script, ftrun_command(), args.lease_ttl) for tag in "AB"]
     joiners_key = f"{RunKeys('/elastic_ft', run_id).round_store(0)}{WRAPPER_JOB}/{JOINERS}"
@@ -383,8 +393,12 @@ def main() -> None:
         ready = _median([r["ready_seconds"] for r in runs])
         active = _median([r["active_seconds"] for r in runs])
         full = _median([r["full_world_seconds"] for r in runs])
-        summary["respawn"] = {"ready_median_seconds": ready, "active_median_seconds": active,
-                              "full_world_median_seconds": full, "ok": all(r["finished"] for r in runs)}  # fmt: skip
+        summary["respawn"] = {
+            "ready_median_seconds": ready,
+            "active_median_seconds": active,
+            "full_world_median_seconds": full,
+            "ok": all(r["finished"] for r in runs),
+        }
         lines += [
             "",
             f"Worker SIGKILLed -> respawned process (median of {len(runs)}; 2 nodes x 2 workers, ftrun defaults)",
@@ -396,8 +410,11 @@ def main() -> None:
         runs = results["at_once"]
         full = _median([r["full_world_seconds"] for r in runs])
         stall = _median([r["admission_stall_seconds"] for r in runs])
-        summary["at_once"] = {"full_world_median_seconds": full, "admission_stall_median_seconds": stall,
-                              "ok": all(r["finished"] for r in runs)}  # fmt: skip
+        summary["at_once"] = {
+            "full_world_median_seconds": full,
+            "admission_stall_median_seconds": stall,
+            "ok": all(r["finished"] for r in runs),
+        }
         lines.append(f"  with respawn.rejoin=at_once, kill -> world size 4 again (no second fault): {_fmt(full)} s")
         lines.append(f"  the survivors' pause at the restart that admits it (goal under 0.3 s):  {_fmt(stall)} s")
     results["summary"] = summary

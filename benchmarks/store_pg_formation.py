@@ -86,8 +86,9 @@ def rank_main(rank: int, size: int, store_kind: str, where: dict[str, Any], tria
 def form(size: int, store_kind: str, where: dict[str, Any], trials: int) -> list[dict[str, Any]]:
     context = multiprocessing.get_context("fork")
     start, out = context.Barrier(size), context.Queue()
-    ranks = [context.Process(target=rank_main, args=(r, size, store_kind, where, trials, start, out))
-             for r in range(size)]  # fmt: skip
+    ranks = [
+        context.Process(target=rank_main, args=(r, size, store_kind, where, trials, start, out)) for r in range(size)
+    ]
     for process in ranks:
         process.start()
     results = [out.get(timeout=600) for _ in range(trials * size)]
@@ -120,8 +121,13 @@ def main() -> int:
             for kind in STORES:
                 where = {"port": free_port(), "endpoint": etcd.endpoint, "prefix": f"/bench/{uuid.uuid4().hex}/"}
                 trials = form(size, kind, where, args.trials)
-                row = {"store": kind, "ranks": size, "seconds": statistics.median(t["seconds"] for t in trials),
-                       "requests": trials[0]["requests"], "trials": trials}  # fmt: skip
+                row = {
+                    "store": kind,
+                    "ranks": size,
+                    "seconds": statistics.median(t["seconds"] for t in trials),
+                    "requests": trials[0]["requests"],
+                    "trials": trials,
+                }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     print()
@@ -133,16 +139,29 @@ def main() -> int:
         tcp = by["TCPStore"]["seconds"]
         entry = {"ranks": size, "tcp_s": tcp}
         for kind in ("EtcdStore", "GroupStore"):
-            entry[kind] = {"seconds": by[kind]["seconds"], "ratio": by[kind]["seconds"] / tcp,
-                           "requests": by[kind]["requests"]}  # fmt: skip
+            entry[kind] = {
+                "seconds": by[kind]["seconds"],
+                "ratio": by[kind]["seconds"] / tcp,
+                "requests": by[kind]["requests"],
+            }
         table.append(entry)
-        cells = " | ".join(f"{entry[k]['seconds']:.3f} | {entry[k]['ratio']:.2f}x | {entry[k]['requests']}"
-                           for k in ("EtcdStore", "GroupStore"))  # fmt: skip
+        cells = " | ".join(
+            f"{entry[k]['seconds']:.3f} | {entry[k]['ratio']:.2f}x | {entry[k]['requests']}"
+            for k in ("EtcdStore", "GroupStore")
+        )
         print(f"| {size} | {tcp:.3f} | {cells} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-                                    "args": {k: str(v) for k, v in vars(args).items()}, "table": table,
-                                    "rows": rows}, indent=2))  # fmt: skip
+    args.out.write_text(
+        json.dumps(
+            {
+                "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "table": table,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
     print(f"\nwrote {args.out}")
     return 0
 

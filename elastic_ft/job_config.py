@@ -173,9 +173,11 @@ def _ordered(error_path: str, smaller: str, smaller_value: float, larger: str, l
         raise PydanticCustomError(
             "job_config_relation",
             "{message}",
-            {"message": f"{error_path}.{smaller}={smaller_value:g} exceeds {error_path}.{larger}={larger_value:g}",
-             "field": smaller},
-        )  # fmt: skip
+            {
+                "message": f"{error_path}.{smaller}={smaller_value:g} exceeds {error_path}.{larger}={larger_value:g}",
+                "field": smaller,
+            },
+        )
 
 
 class NodesSection(_Section):
@@ -206,10 +208,12 @@ class RespawnSection(_Section):
     per_job: Count0 = Field(256, description="replacements of dead workers in the whole job")
     rejoin: Annotated[
         Literal["next_fault", "at_once"],
-        Field(description="next_fault: the new process waits in reserve for the next restart; "
-              "at_once: its node asks for a restart to admit it as soon as it is ready"),
+        Field(
+            description="next_fault: the new process waits in reserve for the next restart; "
+            "at_once: its node asks for a restart to admit it as soon as it is ready"
+        ),
         BeforeValidator(_choice_check(REJOIN_CHOICES, " or ".join(map(repr, REJOIN_CHOICES)))),
-    ] = "at_once"  # fmt: skip
+    ] = "at_once"
 
 
 class ObservabilitySection(_Section):
@@ -220,12 +224,15 @@ class ObservabilitySection(_Section):
     metrics_port: (
         Annotated[
             int,
-            Field(ge=0, le=65535, description="port of each agent's Prometheus endpoint (0: any free port); unset: "
-                  "no endpoint"),
+            Field(
+                ge=0,
+                le=65535,
+                description="port of each agent's Prometheus endpoint (0: any free port); unset: no endpoint",
+            ),
             BeforeValidator(count_check(0, 65535)),
         ]
         | None
-    ) = None  # fmt: skip
+    ) = None
 
 
 class RendezvousSection(_Section):
@@ -345,9 +352,12 @@ class RankAssignmentSection(_Section):
             raise PydanticCustomError(
                 "job_config_relation",
                 "{message}",
-                {"message": f"rank_assignment.tree[0].key={self.tree[0].key!r} is invalid; expected 'job' "
-                            "(the root: one group for every rank)", "field": "tree"},
-            )  # fmt: skip
+                {
+                    "message": f"rank_assignment.tree[0].key={self.tree[0].key!r} is invalid; expected 'job' "
+                    "(the root: one group for every rank)",
+                    "field": "tree",
+                },
+            )
         return self
 
 

@@ -78,4 +78,3 @@ def check_seconds(value: Any, *, may_be_zero: bool) -> float:
     if seconds < 0 or (seconds == 0 and not may_be_zero) or seconds > MAX_SECONDS:
         raise SecondsError("is out of range", expected)
     return seconds
-

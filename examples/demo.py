@@ -65,11 +65,14 @@ def stop_when_regrown(workdir: Path, deadline: float) -> None:
     steps = [e["step"] for e in _events(workdir) if e["event"] == "step"] or [0]
     (workdir / "stop.tmp").write_text(str(max(steps) + 20))
     (workdir / "stop.tmp").replace(workdir / "stop")
+
+
 CONF = "last_call_timeout=1,lease_ttl=2,join_timeout=60"
 
 
-def run_nodes(etcd: EtcdServer, workdir: Path, run_id: str, tags: str, nnodes: str, nproc: int, steps: int,
-              kill: str | None) -> tuple[list[dict], dict[str, int]]:  # fmt: skip
+def run_nodes(
+    etcd: EtcdServer, workdir: Path, run_id: str, tags: str, nnodes: str, nproc: int, steps: int, kill: str | None
+) -> tuple[list[dict], dict[str, int]]:
     nodes = [
         TorchrunNode(
             tag,
@@ -143,8 +146,10 @@ def draw_timeline(etcd: EtcdServer, run_id: str, path: Path, title: str) -> None
     finally:
         client.close()
     counts = draw(build_timeline(events), str(path), title)
-    print(f"    timeline: {path} ({counts['faults']} fault(s), {counts['restarts']} in-process restart(s), "
-          f"{counts['ranks']} ranks, {len(events)} events)")  # fmt: skip
+    print(
+        f"    timeline: {path} ({counts['faults']} fault(s), {counts['restarts']} in-process restart(s), "
+        f"{counts['ranks']} ranks, {len(events)} events)"
+    )
 
 
 def hot_spare_scene(etcd: EtcdServer, workdir: Path, root: Path) -> bool:
@@ -206,8 +211,10 @@ def hot_spare_scene(etcd: EtcdServer, workdir: Path, root: Path) -> bool:
     healed = len(starts) == 4 and len({(e["digest"], e["resumed_at"]) for e in starts.values()}) == 1
     reads = [e for e in _events(workdir) if e["event"] == "checkpoint_read" and e["rank"] in (4, 5)]
     at = next(iter(starts.values()))["resumed_at"] if starts else "?"
-    print(f"    the spare's ranks 4 and 5 were healed from the survivors: same state, bit for bit, at step {at}: "
-          f"{healed}; checkpoints read by them: {len(reads)}")  # fmt: skip
+    print(
+        f"    the spare's ranks 4 and 5 were healed from the survivors: same state, bit for bit, at step {at}: "
+        f"{healed}; checkpoints read by them: {len(reads)}"
+    )
     print("    the run's events from the kill on (elastic-ft events), times after the kill:")
     show_events(etcd, "demo-spares", killed_at)
     return (
@@ -246,8 +253,10 @@ def main() -> None:
         print(
             f"    {'OK' if ok2 else 'FAILED'}: survivors re-rendezvoused without B in {time.monotonic() - start:.1f} s"
         )
-        print("\n[3] ftrun, two nodes x two workers (DDP + AdamW); the worker of rank 3 is SIGKILLed at step 30,"
-              " and its node respawns it")
+        print(
+            "\n[3] ftrun, two nodes x two workers (DDP + AdamW); the worker of rank 3 is SIGKILLed at step 30,"
+            " and its node respawns it"
+        )
         start = time.monotonic()
         workdir = root / "job3"
         nodes = [
@@ -314,14 +323,22 @@ def main() -> None:
             f"    {'OK' if ok3 else 'FAILED'}: three workers went on in-process, the respawned one rejoined "
             f"({recovery}{time.monotonic() - start:.1f} s in all)"
         )
-        draw_timeline(etcd, "demo-ftrun", args.out / "timeline-ftrun.png",
-                      "demo [3]: ftrun, 2 nodes x 2 workers; rank 3 SIGKILLed at step 30")  # fmt: skip
+        draw_timeline(
+            etcd,
+            "demo-ftrun",
+            args.out / "timeline-ftrun.png",
+            "demo [3]: ftrun, 2 nodes x 2 workers; rank 3 SIGKILLed at step 30",
+        )
         print("\n[4] ftrun --spare-nodes=1, three nodes x two workers: two train, one waits in reserve; one is killed")
         start = time.monotonic()
         ok4 = hot_spare_scene(etcd, root / "job4", root)
         print(f"    {'OK' if ok4 else 'FAILED'}: ({time.monotonic() - start:.1f} s in all)")
-        draw_timeline(etcd, "demo-spares", args.out / "timeline-spares.png",
-                      "demo [4]: ftrun --spare-nodes=1, 3 nodes x 2 workers; node with ranks 2, 3 SIGKILLed")  # fmt: skip
+        draw_timeline(
+            etcd,
+            "demo-spares",
+            args.out / "timeline-spares.png",
+            "demo [4]: ftrun --spare-nodes=1, 3 nodes x 2 workers; node with ranks 2, 3 SIGKILLed",
+        )
         if not (ok1 and ok2 and ok3 and ok4):
             for log in sorted(root.glob("*.log")):
                 print(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}")

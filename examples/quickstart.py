@@ -1,6 +1,6 @@
 """Quickstart: a DDP training script with torch.optim, made fault tolerant by elastic_ft.Wrapper.
 
-    ftrun --nproc-per-node=4 examples/quickstart.py --checkpoint /tmp/quickstart.pt
+ftrun --nproc-per-node=4 examples/quickstart.py --checkpoint /tmp/quickstart.pt
 """
 
 import argparse

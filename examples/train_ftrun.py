@@ -65,9 +65,12 @@ HELD_GROUPS: list[Any] = []
 def build_model(hidden: int) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(32, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(32, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
         torch.nn.Linear(hidden, 1),
-    )  # fmt: skip
+    )
 
 
 def dataset(size: int) -> TensorDataset:
@@ -201,8 +204,14 @@ def train(args: argparse.Namespace, state: TrainingState, call_wrapper: CallWrap
         local_batch = args.global_batch // world_size
         sampler = ResumableSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=0, drop_last=True)
         loader = DataLoader(data, batch_size=local_batch, sampler=sampler, num_workers=args.workers)
-        record(args, "start", iteration=iteration, world_size=world_size, resumed_at=position["step"],
-               digest=state.digest() if args.record_digests else None)  # fmt: skip
+        record(
+            args,
+            "start",
+            iteration=iteration,
+            world_size=world_size,
+            resumed_at=position["step"],
+            digest=state.digest() if args.record_digests else None,
+        )
         step, epoch, batch = position["step"], position["epoch"], position["batch"]
         loss = torch.zeros(())
         first_step_done = time.perf_counter()
@@ -242,10 +251,18 @@ def train(args: argparse.Namespace, state: TrainingState, call_wrapper: CallWrap
         step_cpu = (
             {"main": main_cpu / steps_timed, "other_threads": other_cpu / steps_timed} if steps_timed > 0 else None
         )
-        return {"step": step, "iteration": iteration, "world_size": world_size, "rank": rank,
-                "loss": float(loss.detach()), "checksum": checksum, "resumed_at": position["step"],
-                "step_seconds": step_seconds, "step_cpu_seconds": step_cpu,
-                "digest": state.digest() if args.record_digests else None}  # fmt: skip
+        return {
+            "step": step,
+            "iteration": iteration,
+            "world_size": world_size,
+            "rank": rank,
+            "loss": float(loss.detach()),
+            "checksum": checksum,
+            "resumed_at": position["step"],
+            "step_seconds": step_seconds,
+            "step_cpu_seconds": step_cpu,
+            "digest": state.digest() if args.record_digests else None,
+        }
     finally:
         dist.destroy_process_group()
 
@@ -255,8 +272,13 @@ def train(args: argparse.Namespace, state: TrainingState, call_wrapper: CallWrap
 
 def record(args: argparse.Namespace, event: str, **fields: Any) -> None:
     """Append an event (wall time, initial rank, pid) to ``--workdir``/events-<initial rank>.jsonl."""
-    line = {"event": event, "t": time.time(), "rank": int(os.environ["ELASTIC_FT_INITIAL_RANK"]), "pid": os.getpid(),
-            **fields}  # fmt: skip
+    line = {
+        "event": event,
+        "t": time.time(),
+        "rank": int(os.environ["ELASTIC_FT_INITIAL_RANK"]),
+        "pid": os.getpid(),
+        **fields,
+    }
     with open(args.workdir / f"events-{line['rank']}.jsonl", "a") as file:
         file.write(json.dumps(line) + "\n")
 
@@ -390,9 +412,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hold-group", action="store_true", help="keep a reference to every process group")
     parser.add_argument("--pin-cpu", action="store_true", help="pin each worker to one CPU (steadier step times)")
     parser.add_argument(
-        "--step-wait", type=float, default=0.0,
+        "--step-wait",
+        type=float,
+        default=0.0,
         help="seconds each step waits with the CPU idle, as it waits on a GPU (simulated hosts sharing CPUs)",
-    )  # fmt: skip
+    )
     parser.add_argument("--fault", choices=FAULTS)
     parser.add_argument("--fault-rank", type=int, default=1, help="initial rank that faults")
     parser.add_argument("--fault-step", type=int, default=30)
@@ -439,8 +463,13 @@ def main(argv: list[str] | None = None) -> None:
         result = Wrapper(monitor_process_logfile=logfile, **healing)(train)(args, state)
     if result is None:
         return  # a spare rank: it never trained
-    done = {**result, "initial_rank": initial_rank, "pid": os.getpid(), "node": os.environ.get("NODE_TAG", "?"),
-            "process_restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}  # fmt: skip
+    done = {
+        **result,
+        "initial_rank": initial_rank,
+        "pid": os.getpid(),
+        "node": os.environ.get("NODE_TAG", "?"),
+        "process_restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    }
     path = args.workdir / f"done-{initial_rank}.json"
     path.with_suffix(".tmp").write_text(json.dumps(done))
     os.replace(path.with_suffix(".tmp"), path)

@@ -118,7 +118,10 @@ def render() -> str:
         "## Modules",
         "",
     ]
-    lines += [f"- [`{name}`](#{name.replace('.', '')}): {_first_paragraph(importlib.import_module(name).__doc__)}" for name in MODULES]
+    lines += [
+        f"- [`{name}`](#{name.replace('.', '')}): {_first_paragraph(importlib.import_module(name).__doc__)}"
+        for name in MODULES
+    ]
     for name in MODULES:
         module = importlib.import_module(name)
         lines += ["", f"## {name}", ""]

@@ -5,6 +5,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh test
 PYTHON=${PYTHON:-python3}
 "$PYTHON" -m ruff check .
+"$PYTHON" -m ruff format --check .
 "$PYTHON" -m mypy
 pytest=("$PYTHON" -m pytest -q -p no:cacheprovider)
 if [ $# -gt 0 ]; then  # the tests named, in one process

@@ -57,8 +57,9 @@ def test_cases(base: type, server: EtcdServer) -> list[type]:
     def etcd_store() -> EtcdStore:
         client = EtcdClient(server.endpoints)
         clients.append(client)
-        store = EtcdStore(client, f"/elastic_ft/torch-tests-{uuid.uuid4().hex[:8]}/round/0/store/",
-                          timedelta(seconds=300))  # fmt: skip
+        store = EtcdStore(
+            client, f"/elastic_ft/torch-tests-{uuid.uuid4().hex[:8]}/round/0/store/", timedelta(seconds=300)
+        )
         stores.append(store)
         return store
 
@@ -86,9 +87,11 @@ def main() -> None:
         result = unittest.TextTestRunner(verbosity=2).run(suite)
         for client in cases[0].clients:
             client.close()
-    print(f"\n{result.testsRun - len(result.failures) - len(result.errors) - len(result.skipped)} passed, "
-          f"{len(result.failures) + len(result.errors)} failed, {len(result.skipped)} skipped "
-          f"of {result.testsRun}")  # fmt: skip
+    print(
+        f"\n{result.testsRun - len(result.failures) - len(result.errors) - len(result.skipped)} passed, "
+        f"{len(result.failures) + len(result.errors)} failed, {len(result.skipped)} skipped "
+        f"of {result.testsRun}"
+    )
     sys.exit(0 if result.wasSuccessful() else 1)
 
 

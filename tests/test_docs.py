@@ -21,7 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.integration
 def test_api_reference_is_generated_from_the_current_code() -> None:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "api_reference.py"), "--check"], check=False, capture_output=True, text=True
+        [sys.executable, str(ROOT / "scripts" / "api_reference.py"), "--check"],
+        check=False,
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr
 

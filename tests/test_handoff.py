@@ -64,7 +64,13 @@ def test_worker_handoff_round_trips_and_rejects_malformed_values() -> None:
     for handoff in (WorkerHandoff(), WorkerHandoff(4), WorkerHandoff(4, joining=True)):
         assert WorkerHandoff.from_env(handoff.to_env()) == handoff
     assert WorkerHandoff.from_env({}) is None
-    for text in ('{"active_world_size": 0, "joining": false}', '{"active_world_size": 4}', "[4]", "nope",
-                 '{"active_world_size": true, "joining": false}', '{"active_world_size": 4, "joining": "yes"}'):  # fmt: skip
+    for text in (
+        '{"active_world_size": 0, "joining": false}',
+        '{"active_world_size": 4}',
+        "[4]",
+        "nope",
+        '{"active_world_size": true, "joining": false}',
+        '{"active_world_size": 4, "joining": "yes"}',
+    ):
         with pytest.raises(ValueError, match=f"{WORKER_ENV}=.* is not a valid worker hand-off"):
             WorkerHandoff.from_env({WORKER_ENV: text})

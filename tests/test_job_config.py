@@ -54,7 +54,10 @@ def test_every_error_is_reported_at_once_with_its_line_and_field() -> None:
     text = str(caught.value)
     assert text.startswith("job config has 9 errors:\n")
     assert "  job.yaml:2:3: nodes.min=0 is invalid; expected an integer from 1 to 1000000" in text
-    assert "job.yaml:7:3: wrapper.soft_timeout=100 must be less than wrapper.hard_timeout=90 (the Wrapper's default)" in text
+    assert (
+        "job.yaml:7:3: wrapper.soft_timeout=100 must be less than wrapper.hard_timeout=90 (the Wrapper's default)"
+        in text
+    )
     assert "rank_assignment.tree[1].key='rack' is invalid; expected 'job', 'host' or 'env:NAME'" in text
 
 
@@ -106,7 +109,10 @@ def test_the_shipped_configs_follow_the_schema(name: str) -> None:
 @pytest.mark.integration
 def test_schema_command_prints_the_schema(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "elastic_ft.launcher.cli", "config", "schema"], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "elastic_ft.launcher.cli", "config", "schema"],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     schema = json.loads(done.stdout)
@@ -137,11 +143,17 @@ SECTIONS = {
     "nproc_per_node": VALUES,
     "max_restarts": VALUES,
     "respawn": st.dictionaries(st.sampled_from(["per_rank", "per_job", "rejoin"]), VALUES, max_size=3),
-    "rendezvous": st.dictionaries(st.sampled_from(["join_timeout", "last_call_timeout", "lease_ttl"]), VALUES, max_size=2),
-    "wrapper": st.dictionaries(st.sampled_from(["soft_timeout", "hard_timeout", "last_call_wait", "x"]), VALUES, max_size=2),
-    "observability": st.dictionaries(st.sampled_from(["events_kept", "progress_interval", "metrics_port", "x"]),
-                                     st.one_of(VALUES, st.sampled_from([100_000, 100_001, 65535, 65536])),
-                                     max_size=2),
+    "rendezvous": st.dictionaries(
+        st.sampled_from(["join_timeout", "last_call_timeout", "lease_ttl"]), VALUES, max_size=2
+    ),
+    "wrapper": st.dictionaries(
+        st.sampled_from(["soft_timeout", "hard_timeout", "last_call_wait", "x"]), VALUES, max_size=2
+    ),
+    "observability": st.dictionaries(
+        st.sampled_from(["events_kept", "progress_interval", "metrics_port", "x"]),
+        st.one_of(VALUES, st.sampled_from([100_000, 100_001, 65535, 65536])),
+        max_size=2,
+    ),
     "rank_assignment": st.fixed_dictionaries(
         {}, optional={"tree": st.one_of(st.lists(LAYER, max_size=3), VALUES), "max_active_world_size": VALUES}
     ),
@@ -164,8 +176,9 @@ def test_schema_accepts_exactly_what_the_parser_accepts_field_by_field(document:
 
 def test_observability_fields_are_checked() -> None:
     with pytest.raises(JobConfigError) as caught:
-        load_job_config("observability:\n  events_kept: 0\n  progress_interval: -1\n  metrics_port: 70000\n",
-                        source="job.yaml")  # fmt: skip
+        load_job_config(
+            "observability:\n  events_kept: 0\n  progress_interval: -1\n  metrics_port: 70000\n", source="job.yaml"
+        )
     text = str(caught.value)
     assert "job.yaml:2:3: observability.events_kept=0 is invalid; expected an integer from 1 to 100000" in text
     assert "job.yaml:3:3: observability.progress_interval=-1 is invalid" in text

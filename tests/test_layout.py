@@ -110,8 +110,13 @@ def test_the_job_config_and_the_hand_off_import_nothing_of_the_worker_side() -> 
 def test_the_node_side_and_the_shared_protocol_import_nothing_of_the_worker_side() -> None:
     """ftrun's agent coordinates with the workers through elastic_ft.coordination, which both sides import."""
     graph = import_graph()
-    node_side = [name for name in graph if name.startswith(("elastic_ft.launcher", "elastic_ft.rendezvous",
-                                                           "elastic_ft.coordination", "elastic_ft.etcd"))]  # fmt: skip
+    node_side = [
+        name
+        for name in graph
+        if name.startswith(
+            ("elastic_ft.launcher", "elastic_ft.rendezvous", "elastic_ft.coordination", "elastic_ft.etcd")
+        )
+    ]
     for name in node_side:
         reachable, frontier = set(), [name]
         while frontier:
@@ -178,8 +183,9 @@ def test_cli_commands_import_neither_torch_nor_the_worker_side(etcd: EtcdServer,
     assert validate.returncode == 0 and "valid" in validate.stdout, validate.stderr
     unknown = run_cli_in_process("status", f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}")
     assert unknown.returncode == 2 and f"no run {run_id!r}" in unknown.stderr, unknown.stderr
-    stored = run_cli_in_process("config", "put", str(configs / "single-host.yaml"),
-                                f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}")  # fmt: skip
+    stored = run_cli_in_process(
+        "config", "put", str(configs / "single-host.yaml"), f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}"
+    )
     assert stored.returncode == 0, stored.stderr
     status = run_cli_in_process("status", f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}")
     assert status.returncode == 0 and "no round has completed yet" in status.stdout, status.stderr

@@ -41,8 +41,11 @@ def test_the_benchmarks_refuse_a_negative_step_wait_before_starting_anything(scr
     before = set(Path(tempfile.gettempdir()).glob("eft-bench-*"))
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--step-wait", "-1", "--out", "/nonexistent/x.json"],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 2, done.stderr
     assert "--step-wait must be a number of seconds >= 0, got -1.0" in done.stderr
     assert set(Path(tempfile.gettempdir()).glob("eft-bench-*")) == before  # no job directory made

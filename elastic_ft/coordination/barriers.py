@@ -155,8 +155,11 @@ class _StalledBarrier:
             return False
         log.warning(
             "%s: all %d ranks arrived %.1f s ago, but the last (%s) published no result: publishing it in its place",
-            self.name, self.world_size, now - self.stalled_since, "unknown" if last is None else f"rank {last}, gone",
-        )  # fmt: skip
+            self.name,
+            self.world_size,
+            now - self.stalled_since,
+            "unknown" if last is None else f"rank {last}, gone",
+        )
         store._publish(self.name, self.world_size, admit=False)
         return True
 
@@ -288,9 +291,10 @@ class Barriers:
             watch = counting[0].watch_for(counting[1] + done_key)
             try:
                 completed, published = _await_watch(
-                    watch, answered(lambda: (watch.must_read() and self.check([done_key])) or stalled.repaired()),
+                    watch,
+                    answered(lambda: (watch.must_read() and self.check([done_key])) or stalled.repaired()),
                     limit,
-                )  # fmt: skip
+                )
             finally:
                 watch.stop()
             if published is not None:

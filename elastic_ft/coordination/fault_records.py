@@ -70,7 +70,6 @@ def encode_interruption(
     return json.dumps(record) + "\n"
 
 
-
 def parse_interruption(line: str) -> Interruption | None:
     """The record on ``line``; None unless it is one (a rank >= 0, a kind, a finite time if any, a step >= 0 if
     any, text origin and traceback if any)."""

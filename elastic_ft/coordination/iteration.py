@@ -306,8 +306,9 @@ def previous_history(base: dist.Store, iteration: int) -> FaultHistory:
     try:
         return TerminationResult.from_json(payload, None).history
     except MalformedRecord as error:
-        log.warning("iteration %d: the previous termination result is unreadable; fault counts restart: %s",
-                    iteration, error)  # fmt: skip
+        log.warning(
+            "iteration %d: the previous termination result is unreadable; fault counts restart: %s", iteration, error
+        )
         return FaultHistory()
 
 

@@ -48,8 +48,9 @@ class _Copy:
         self.version = 0
         self.broken: Exception | None = None
         created = threading.Event()
-        self.watch: EtcdWatch = client.watch_prefix(prefix, 0, self._on_events, self._on_error,
-                                                    lambda _revision: created.set())  # fmt: skip
+        self.watch: EtcdWatch = client.watch_prefix(
+            prefix, 0, self._on_events, self._on_error, lambda _revision: created.set()
+        )
         if not created.wait(bound):
             self.watch.close()
             raise EtcdUnavailableError(f"etcd did not create a watch on {prefix} within {bound:g} s")

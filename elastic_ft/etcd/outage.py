@@ -194,8 +194,9 @@ class Outages:
             outage = _Outage(self._clock(), self._wall(), f"{error}"[:300])
             self._current[endpoints] = outage
             self.count += 1
-        log.warning("etcd at %s is unreachable (%s); waiting for it with backoff, training goes on", endpoints,
-                    outage.reason)  # fmt: skip
+        log.warning(
+            "etcd at %s is unreachable (%s); waiting for it with backoff, training goes on", endpoints, outage.reason
+        )
         _emit("etcd_unavailable", endpoints=endpoints, reason=outage.reason, at=outage.since_wall)
 
     def answered(self, endpoints: str) -> None:
@@ -209,8 +210,9 @@ class Outages:
             now = self._clock()
             seconds = now - outage.since
             self.last_ended, self.last_ended_wall, self.seconds = now, self._wall(), self.seconds + seconds
-        log.warning("etcd at %s answers again after %.1f s away (%d request(s) retried)", endpoints, seconds,
-                    outage.failures)  # fmt: skip
+        log.warning(
+            "etcd at %s answers again after %.1f s away (%d request(s) retried)", endpoints, seconds, outage.failures
+        )
         _emit("etcd_available", endpoints=endpoints, seconds=round(seconds, 3), since=outage.since_wall)
 
     def down_since(self) -> float | None:

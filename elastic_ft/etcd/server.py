@@ -160,17 +160,27 @@ class EtcdServer:
         cluster = ",".join(f"{m.name}=http://{self.host}:{m.peer_port}" for m in self._members)
         args = [
             self.binary,
-            "--name", member.name,
-            "--data-dir", str(member.data_dir),
-            "--listen-client-urls", f"{self._scheme}://{self.host}:{member.client_port}",
-            "--advertise-client-urls", f"{self._scheme}://{self.host}:{member.client_port}",
-            "--listen-peer-urls", f"http://{self.host}:{member.peer_port}",
-            "--initial-advertise-peer-urls", f"http://{self.host}:{member.peer_port}",
-            "--initial-cluster", cluster,
-            "--heartbeat-interval", str(self.heartbeat_ms),
-            "--election-timeout", str(self.election_ms),
-            "--log-level", "warn",
-        ]  # fmt: skip
+            "--name",
+            member.name,
+            "--data-dir",
+            str(member.data_dir),
+            "--listen-client-urls",
+            f"{self._scheme}://{self.host}:{member.client_port}",
+            "--advertise-client-urls",
+            f"{self._scheme}://{self.host}:{member.client_port}",
+            "--listen-peer-urls",
+            f"http://{self.host}:{member.peer_port}",
+            "--initial-advertise-peer-urls",
+            f"http://{self.host}:{member.peer_port}",
+            "--initial-cluster",
+            cluster,
+            "--heartbeat-interval",
+            str(self.heartbeat_ms),
+            "--election-timeout",
+            str(self.election_ms),
+            "--log-level",
+            "warn",
+        ]
         if new_cluster:
             token = self._workdir.name if self._workdir else "elastic-ft"
             args += ["--initial-cluster-state", "new", "--initial-cluster-token", token]

@@ -182,8 +182,11 @@ class _Lessor:
                 session.last_refresh = time.monotonic()
         OUTAGES.answered(self._client.describe_endpoints())
         if failing_since is not None:
-            log.debug("etcd keep-alive answered again, after %.1f s and %d broken stream(s)",
-                      time.monotonic() - failing_since, breaks)  # fmt: skip
+            log.debug(
+                "etcd keep-alive answered again, after %.1f s and %d broken stream(s)",
+                time.monotonic() - failing_since,
+                breaks,
+            )
         if ttl <= 0:
             session.mark_lost("etcd reports it expired")
         else:

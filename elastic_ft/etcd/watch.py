@@ -74,8 +74,12 @@ class Stream:
         self._cancelled.set()
         self._requests.put(None)
         if not self._cancel_within(_JOIN_TIMEOUT):
-            log.warning("cancelling the %s stream to %s did not return within %g s; going on", self._thread.name,
-                        self.endpoint, _JOIN_TIMEOUT)  # fmt: skip
+            log.warning(
+                "cancelling the %s stream to %s did not return within %g s; going on",
+                self._thread.name,
+                self.endpoint,
+                _JOIN_TIMEOUT,
+            )
         if threading.current_thread() is not self._thread and self._thread.ident is not None:
             self._thread.join(_JOIN_TIMEOUT)
 

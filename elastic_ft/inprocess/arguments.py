@@ -104,7 +104,9 @@ def job_config_defaults() -> dict[str, Any]:
     config = job_config_from_env(os.environ)
     if config is None:
         return {}
-    defaults: dict[str, Any] = {name: datetime.timedelta(seconds=value) for name, value in config.wrapper.durations().items()}
+    defaults: dict[str, Any] = {
+        name: datetime.timedelta(seconds=value) for name, value in config.wrapper.durations().items()
+    }
     defaults.update({name: value or None for name, value in config.wrapper.limits().items()})  # 0: no limit
     policy = policy_from_config(config)
     if policy is not None:

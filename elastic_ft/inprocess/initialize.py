@@ -51,7 +51,9 @@ class RetryController(Initialize):
         elif state.world_size < self.min_world_size:
             reason = f"world size {state.world_size} is below min_world_size={self.min_world_size}"
         elif active_world_size < self.min_active_world_size:
-            reason = f"active world size {active_world_size} is below min_active_world_size={self.min_active_world_size}"
+            reason = (
+                f"active world size {active_world_size} is below min_active_world_size={self.min_active_world_size}"
+            )
         else:
             return state
         # Then every field, as NVIDIA's message spells them (tests and log searches match them).

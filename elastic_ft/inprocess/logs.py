@@ -65,11 +65,7 @@ def configure_logging() -> LoggingSetup | None:
         # NVIDIA's Wrapper warns here too (and then disables its logs); ours go to stderr instead.
         warnings.warn("logging not initialized: elastic_ft.inprocess logs to stderr", UserWarning, stacklevel=2)
     handler = logging.StreamHandler(template.stream if template is not None else sys.stderr)
-    handler.setFormatter(
-        template.formatter
-        if template is not None and template.formatter is not None
-        else Formatter()
-    )
+    handler.setFormatter(template.formatter if template is not None and template.formatter is not None else Formatter())
     if template is not None:
         handler.setLevel(template.level)
     previous = logger.level

@@ -528,8 +528,13 @@ class _Monitor:
             if activity.restart_pending_for >= timeouts.delivery:
                 kind = "restart_blocked"
             log.warning("%s: %s; terminating %d (its stacks go to its stderr)", kind, verdict.reason, self.target_pid)
-            emit("fault_detected", rank=config.initial_rank, iteration=iteration.number, kind=kind,
-                 message=verdict.reason)  # fmt: skip
+            emit(
+                "fault_detected",
+                rank=config.initial_rank,
+                iteration=iteration.number,
+                kind=kind,
+                message=verdict.reason,
+            )
             # Reported before the dump: the dump's signal ends a blocking call (a sleep, a read) and a stopped
             # rank continues for it. Whatever the rank does in the moments it runs again, it meets the
             # iteration already interrupted and itself counted out: its own arrival cannot complete the
@@ -645,10 +650,11 @@ class _Monitor:
         # The same report ftrun's agent makes from outside (idempotent if both do); made however long etcd is
         # away: a fault during an outage is recovered from once it is back.
         patiently(
-            lambda: report_process_gone(base_store, self.config.initial_rank, self.config.initial_world_size, kind,
-                                        message),
+            lambda: report_process_gone(
+                base_store, self.config.initial_rank, self.config.initial_world_size, kind, message
+            ),
             "the report of the rank's end",
-        )  # fmt: skip
+        )
 
     def _check_heartbeats(self, job: JobView, now: float, watching_since: float) -> None:
         config = self.config

@@ -301,8 +301,9 @@ class MonitorThread(threading.Thread):
                     return
                 if type(error).__name__ not in failures:
                     failures.add(type(error).__name__)
-                    log.exception("rank %s: the monitor thread's look at the store failed; looking again",
-                                  self.state.rank)  # fmt: skip
+                    log.exception(
+                        "rank %s: the monitor thread's look at the store failed; looking again", self.state.rank
+                    )
                 self._stop_requested.wait(backoff.next())
 
     def _await_step_boundary(self) -> str | None:
@@ -316,8 +317,9 @@ class MonitorThread(threading.Thread):
             if outcome != PLANNED:
                 return outcome
             if time.monotonic() >= deadline:
-                log.debug("rank %s: no step boundary within %g s: interrupting now", self.state.rank,
-                          self.planned_bound)  # fmt: skip
+                log.debug(
+                    "rank %s: no step boundary within %g s: interrupting now", self.state.rank, self.planned_bound
+                )
                 return self.store.decide_outcome(INTERRUPTED)
         return None
 
@@ -357,8 +359,9 @@ class MonitorThread(threading.Thread):
                 if self._stop_requested.is_set():
                     return
                 if delivery.swallowed.is_set():
-                    log.warning("rank %s: the wrapped function swallowed RankShouldRestart; raising it again",
-                                self.state.rank)  # fmt: skip
+                    log.warning(
+                        "rank %s: the wrapped function swallowed RankShouldRestart; raising it again", self.state.rank
+                    )
                     delivery.delivered.clear()
                     delivery.swallowed.clear()
                     started = time.monotonic()
@@ -367,8 +370,12 @@ class MonitorThread(threading.Thread):
                     # Inside a blocking call or a finalizer: signal again; after a few tries schedule the
                     # exception too (a handler replaced by the application, a call deaf to signals).
                     if not blocked_logged:
-                        log.warning("rank %s: restart not delivered yet (main thread blocked in C code); "
-                                    "signalling it every %g s", self.state.rank, self.interval)  # fmt: skip
+                        log.warning(
+                            "rank %s: restart not delivered yet (main thread blocked in C code); "
+                            "signalling it every %g s",
+                            self.state.rank,
+                            self.interval,
+                        )
                         blocked_logged = True
                     late = time.monotonic() - started > _SCHEDULE_AFTER * self.interval
                     scheduled = self._deliver(schedule=late and not scheduled) or scheduled
@@ -378,9 +385,13 @@ class MonitorThread(threading.Thread):
                         released_everything = True
                         try:
                             released = self.release(True)
-                            log.warning("rank %s: still blocked; released every connection of the function (%s), "
-                                        "initiated ones too: a peer may be frozen; the main thread is at %s",
-                                        self.state.rank, released, main_thread_stack())  # fmt: skip
+                            log.warning(
+                                "rank %s: still blocked; released every connection of the function (%s), "
+                                "initiated ones too: a peer may be frozen; the main thread is at %s",
+                                self.state.rank,
+                                released,
+                                main_thread_stack(),
+                            )
                         except Exception:
                             log.exception("rank %s: releasing connections failed", self.state.rank)
 

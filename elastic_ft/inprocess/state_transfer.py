@@ -223,7 +223,6 @@ class Header:
         return cls(step, document.get("skeleton"), tuple(tensors), chunk, small)
 
 
-
 def _chunks(size: int, chunk_bytes: int) -> Iterator[slice]:
     for start in range(0, size, chunk_bytes):
         yield slice(start, min(size, start + chunk_bytes))

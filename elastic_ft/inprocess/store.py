@@ -59,9 +59,18 @@ class PrefixStore(dist.PrefixStore, StoreMixin):
 #: The keywords of :class:`TCPStore` that say where it listens and who hosts it. Under ``ftrun`` the round's etcd
 #: store takes the TCPStore's place, so they have nothing left to configure.
 TCPSTORE_PLACEMENT = frozenset(
-    {"host_name", "port", "world_size", "is_master", "host_rank", "wait_for_workers", "multi_tenant",
-     "master_listen_fd", "use_libuv"}
-)  # fmt: skip
+    {
+        "host_name",
+        "port",
+        "world_size",
+        "is_master",
+        "host_rank",
+        "wait_for_workers",
+        "multi_tenant",
+        "master_listen_fd",
+        "use_libuv",
+    }
+)
 
 
 def default_store(**kwargs: Any) -> dist.Store:

@@ -704,8 +704,12 @@ class CallWrapper:
         if board.fence_valid() and board.generation() == self._fence_generation:
             return
         if board.generation() == self._fence_generation:
-            log.warning("rank %s: %s waits: its node cannot prove its lease alive (fenced for %.1f s)",
-                        self.state.rank, what, -board.fence_left())  # fmt: skip
+            log.warning(
+                "rank %s: %s waits: its node cannot prove its lease alive (fenced for %.1f s)",
+                self.state.rank,
+                what,
+                -board.fence_left(),
+            )
             event_sink.emit("fenced", rank=self.state.initial_rank, iteration=self.state.iteration, what=what)
             while not board.fence_valid() and board.generation() == self._fence_generation:
                 time.sleep(0.01)
@@ -742,8 +746,9 @@ class CallWrapper:
             self._mark_progress()
             if self._recovery.open:
                 timed = self._recovery.finish()
-                event_sink.emit("recovery_phases", rank=self.state.initial_rank, iteration=self.state.iteration,
-                                **(timed or {}))  # fmt: skip
+                event_sink.emit(
+                    "recovery_phases", rank=self.state.initial_rank, iteration=self.state.iteration, **(timed or {})
+                )
         finally:
             self._leave_optimizer_steps(1)
 
@@ -940,8 +945,9 @@ class CallWrapper:
             was_reserve = self.joining or self.state.mode is Mode.INACTIVE
             if state.mode is Mode.ACTIVE and was_reserve and state.iteration:
                 self.job_store.record_activation(state.initial_rank or 0, state.iteration)
-                event_sink.emit("spare_activated", rank=state.initial_rank, iteration=state.iteration,
-                                joined=self.joining)  # fmt: skip
+                event_sink.emit(
+                    "spare_activated", rank=state.initial_rank, iteration=state.iteration, joined=self.joining
+                )
             self.joining = False  # a member of the world from now on
             self.state = state
             store = iteration_store(self.base_store, state.iteration)
@@ -950,14 +956,22 @@ class CallWrapper:
                 store.set_initial_rank(state.rank or 0, state.initial_rank or 0)
                 store.set_active_world_size(state.active_world_size or state.world_size)
                 self.job_store.record_position(
-                    state.initial_rank or 0, state.iteration, state.rank or 0, state.world_size,
+                    state.initial_rank or 0,
+                    state.iteration,
+                    state.rank or 0,
+                    state.world_size,
                     state.mode is Mode.ACTIVE,
-                )  # fmt: skip
+                )
             event_sink.emit(
-                "iteration_started", rank=state.initial_rank, iteration=state.iteration, iteration_rank=state.rank,
-                world_size=state.world_size, active=state.mode is Mode.ACTIVE,
-                active_world_size=state.active_world_size or state.world_size, step=self.step,
-            )  # fmt: skip
+                "iteration_started",
+                rank=state.initial_rank,
+                iteration=state.iteration,
+                iteration_rank=state.rank,
+                world_size=state.world_size,
+                active=state.mode is Mode.ACTIVE,
+                active_world_size=state.active_world_size or state.world_size,
+                step=self.step,
+            )
             self._watchdog.reset()
             self.fn_exception = None
             # torch's init_process_group wraps sys.excepthook to prefix "[rank<r>]: " on every call: one
@@ -982,8 +996,10 @@ class CallWrapper:
             if next_state is None:  # counted out while it lived: it joins the running world again
                 next_state = self._rejoin(state)
                 if next_state is None:
-                    log.info("initial rank %s: the job finished before this rank could join it again",
-                             self.state.initial_rank)  # fmt: skip
+                    log.info(
+                        "initial rank %s: the job finished before this rank could join it again",
+                        self.state.initial_rank,
+                    )
                     return None
             state = next_state
 
@@ -1080,9 +1096,16 @@ class CallWrapper:
                 # One line per rank; the text once per restart, by the rank that reports it (_report_restart).
                 kind = fault_kind(error)
                 log.info("rank %s: iteration %d failed with %s (%s)", rank, state.iteration, kind, type(error).__name__)
-                event_sink.emit("fault_detected", rank=state.initial_rank, iteration=state.iteration, kind=kind,
-                                exception=type(error).__name__, message=str(error), step=self.step,
-                                origin=origin)  # fmt: skip
+                event_sink.emit(
+                    "fault_detected",
+                    rank=state.initial_rank,
+                    iteration=state.iteration,
+                    kind=kind,
+                    exception=type(error).__name__,
+                    message=str(error),
+                    step=self.step,
+                    origin=origin,
+                )
                 if not (kind == PEER_LOST and monitor.restart_started.is_set()):
                     # A broken connection once a restart is under way is its consequence, not a fault to record.
                     with self._restart_bound():  # etcd away: waited for, within the restart's barrier timeout
@@ -1140,9 +1163,13 @@ class CallWrapper:
         log.info("rank %s: the function asked for a restart in iteration %d", rank, state.iteration)
         with self._restart_bound():
             store.record_interruption(
-                rank, "RankShouldRestart", "the function raised RankShouldRestart", step=self.step, origin=origin,
+                rank,
+                "RankShouldRestart",
+                "the function raised RankShouldRestart",
+                step=self.step,
+                origin=origin,
                 traceback=text,
-            )  # fmt: skip
+            )
         with suppress(RankShouldRestart):
             self._await_restart(monitor)
 
@@ -1210,8 +1237,15 @@ class CallWrapper:
         except HealingError as error:
             raise _RankLeaves(error, "healing") from error
         if result.role == "received":
-            event_sink.emit("healed", rank=state.initial_rank, iteration=state.iteration, step=result.step,
-                            previous_step=self.step, nbytes=result.nbytes, seconds=round(result.seconds, 4))  # fmt: skip
+            event_sink.emit(
+                "healed",
+                rank=state.initial_rank,
+                iteration=state.iteration,
+                step=result.step,
+                previous_step=self.step,
+                nbytes=result.nbytes,
+                seconds=round(result.seconds, 4),
+            )
         self.step = result.step
 
     def _check_health(self, state: State, *, leave: bool = True) -> None:
@@ -1235,8 +1269,14 @@ class CallWrapper:
         """Record this rank as gone from the iteration, so the others restart without it."""
         rank = state.rank or 0
         log.error("rank %s leaves the job in iteration %d: %r", rank, state.iteration, leaving.error)
-        event_sink.emit("gave_up", rank=state.initial_rank, iteration=state.iteration, kind=leaving.kind,
-                        message=repr(leaving.error), step=self.step)  # fmt: skip
+        event_sink.emit(
+            "gave_up",
+            rank=state.initial_rank,
+            iteration=state.iteration,
+            kind=leaving.kind,
+            message=repr(leaving.error),
+            step=self.step,
+        )
         try:
             with self._restart_bound():
                 report_rank_gone(store, rank, state.world_size, leaving.kind, repr(leaving.error))
@@ -1354,8 +1394,13 @@ class CallWrapper:
         if self._board is not None:
             self._board.set_initial_rank(self._local_rank, new)
         self._monitor_process.take_initial_rank(new)
-        log.warning("initial rank %d was counted out while it lived (iteration %d): it joins the running world again "
-                    "in the same process, as initial rank %d", old, state.iteration, new)  # fmt: skip
+        log.warning(
+            "initial rank %d was counted out while it lived (iteration %d): it joins the running world again "
+            "in the same process, as initial rank %d",
+            old,
+            state.iteration,
+            new,
+        )
         event_sink.emit("rejoined", rank=new, iteration=state.iteration, previous_rank=old)
         set_where(f"rank {new}")
         self.state = State(None, world, initial_rank=new, initial_world_size=world)
@@ -1391,15 +1436,22 @@ class CallWrapper:
             shown = f"\n{cause.kind} on rank {cause.ranks[0]}:\n{cause.traceback}"
         log.warning(
             "iteration %d restarts (%d rank(s), %d left): %s%s",
-            state.iteration, state.world_size, len(result.terminated), summary, shown,
-        )  # fmt: skip
+            state.iteration,
+            state.world_size,
+            len(result.terminated),
+            summary,
+            shown,
+        )
         times = [group.time for group in faults if group.time is not None]
         event_sink.emit(
-            "restart_decided", rank=state.initial_rank, iteration=state.iteration,
-            fault_time=min(times) if times else None, kind=faults[0].kind if faults else "unknown",  # the cause
+            "restart_decided",
+            rank=state.initial_rank,
+            iteration=state.iteration,
+            fault_time=min(times) if times else None,
+            kind=faults[0].kind if faults else "unknown",  # the cause
             faults=[{"kind": g.kind, "ranks": list(g.ranks), "message": g.message} for g in faults],
             terminated=list(result.terminated),
-        )  # fmt: skip
+        )
         return None if cause is None else cause.traceback
 
     def _check_limits(self, state: State, result: TerminationResult, cause_traceback: str | None) -> None:
@@ -1422,8 +1474,15 @@ class CallWrapper:
         message = f"in-process restart gives up after iteration {state.iteration}: {reason}"
         if reports:
             log.error("%s", message)
-            event_sink.emit("gave_up", rank=state.initial_rank, iteration=state.iteration, kind="restart_limit",
-                            message=reason, step=self.step, fatal=fatal)  # fmt: skip
+            event_sink.emit(
+                "gave_up",
+                rank=state.initial_rank,
+                iteration=state.iteration,
+                kind="restart_limit",
+                message=reason,
+                step=self.step,
+                fatal=fatal,
+            )
             if cause_traceback:
                 message += f"\nThe fault, as it was raised:\n{cause_traceback}"
         else:

@@ -153,9 +153,7 @@ class _Death:
     waits_because: str = ""
 
 
-def admission_request(
-    job: JobView, live: list[int], world_size: int, waiting: list[int]
-) -> tuple[int, int, list[int]]:
+def admission_request(job: JobView, live: list[int], world_size: int, waiting: list[int]) -> tuple[int, int, list[int]]:
     """Which iteration to ask to admit this node's ``waiting`` joiners, on which of its ranks' behalf, and
     which of them still wait once it is known (``live``: the node's initial ranks).
 
@@ -238,8 +236,12 @@ class FtAgent(LocalElasticAgent):
         events = EventLog(client, settings.keys, settings.events_kept)
         metrics = JobMetrics(self._handler.node, lambda: (dict(client.requests_by_kind), dict(client.errors_by_kind)))
         self._metrics = MetricsEndpoint(metrics, port, lambda after: events.read(after).events).start()
-        print(f"ftrun: Prometheus metrics of node {self._handler.node} at http://{socket.getfqdn()}:"
-              f"{self._metrics.port}/metrics", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"ftrun: Prometheus metrics of node {self._handler.node} at http://{socket.getfqdn()}:"
+            f"{self._metrics.port}/metrics",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _stop_metrics(self) -> None:
         if self._metrics is not None:
@@ -323,10 +325,14 @@ class FtAgent(LocalElasticAgent):
         self._joiners_accepted = None
         self._publish_node_record(worker_group)
         emit(
-            "workers_started", source="agent", node=self._handler.node, round=member_of.round,
-            ranks=[self._initial_ranks[w.local_rank] for w in worker_group.workers], pids=list(pids.values()),
+            "workers_started",
+            source="agent",
+            node=self._handler.node,
+            round=member_of.round,
+            ranks=[self._initial_ranks[w.local_rank] for w in worker_group.workers],
+            pids=list(pids.values()),
             hot_spare=late,
-        )  # fmt: skip
+        )
         return pids
 
     def _events_handoff(self) -> EventsHandoff:
@@ -422,8 +428,9 @@ class FtAgent(LocalElasticAgent):
                 kinds[rank] = WorkerExit.RUNNING
                 self._note_useful_respawn(job, worker.local_rank, rank)
                 joiner = rank >= worker.world_size
-                if joiner and retire_joiner(joiner, job.is_wrapped(rank), job.admission(rank) is not None,
-                                            job.finished()):  # fmt: skip
+                if joiner and retire_joiner(
+                    joiner, job.is_wrapped(rank), job.admission(rank) is not None, job.finished()
+                ):
                     kinds[rank] = self._retire(store, worker.local_rank, rank)
                 continue
             failure = None
@@ -448,10 +455,16 @@ class FtAgent(LocalElasticAgent):
                 )
             if kind is not WorkerExit.SUCCEEDED:
                 emit(
-                    "fault_detected", source="agent", node=self._handler.node, round=self._round(), rank=rank,
-                    kind="process_died", message=f"pid {process.pid}: {_describe_exit(exitcode)}",
-                    exitcode=exitcode, absorbed=kind is WorkerExit.ABSORBED,
-                )  # fmt: skip
+                    "fault_detected",
+                    source="agent",
+                    node=self._handler.node,
+                    round=self._round(),
+                    rank=rank,
+                    kind="process_died",
+                    message=f"pid {process.pid}: {_describe_exit(exitcode)}",
+                    exitcode=exitcode,
+                    absorbed=kind is WorkerExit.ABSORBED,
+                )
             record = ExitRecord(self._handler.node, process.pid, exitcode, kind.value)
             store.set(f"{FTRUN_EXITS}{rank}", record.to_json())
             self._exits[worker.local_rank] = (kind, failure)
@@ -471,8 +484,12 @@ class FtAgent(LocalElasticAgent):
         for local_rank, rank in list(self._initial_ranks.items()):
             taken = board.initial_rank(local_rank)
             if taken is not None and taken != rank and local_rank not in self._exits:
-                log.info("local rank %d (initial rank %d) joins the running world again as initial rank %d",
-                         local_rank, rank, taken)  # fmt: skip
+                log.info(
+                    "local rank %d (initial rank %d) joins the running world again as initial rank %d",
+                    local_rank,
+                    rank,
+                    taken,
+                )
                 self._initial_ranks[local_rank] = taken
                 changed = True
         if changed:
@@ -482,8 +499,11 @@ class FtAgent(LocalElasticAgent):
         """Stop a respawned process the job completed without (:func:`retire_joiner`): SIGTERM, SIGKILL if it lingers."""
         handler = self._subprocesses().subprocess_handlers[local_rank]
         process = handler.proc
-        log.info("the job completed before respawned rank %d (pid %d) entered elastic_ft.Wrapper: stopping it",
-                 initial_rank, process.pid)  # fmt: skip
+        log.info(
+            "the job completed before respawned rank %d (pid %d) entered elastic_ft.Wrapper: stopping it",
+            initial_rank,
+            process.pid,
+        )
         for death_signal in (signal.SIGTERM, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, death_signal)
@@ -491,8 +511,9 @@ class FtAgent(LocalElasticAgent):
                 process.wait(_RETIRE_GRACE)
                 break
         exitcode = process.poll()
-        record = ExitRecord(self._handler.node, process.pid, -signal.SIGKILL if exitcode is None else exitcode,
-                            WorkerExit.RETIRED.value)  # fmt: skip
+        record = ExitRecord(
+            self._handler.node, process.pid, -signal.SIGKILL if exitcode is None else exitcode, WorkerExit.RETIRED.value
+        )
         store.set(f"{FTRUN_EXITS}{initial_rank}", record.to_json())
         self._exits[local_rank] = (WorkerExit.RETIRED, None)
         return WorkerExit.RETIRED
@@ -567,9 +588,14 @@ class FtAgent(LocalElasticAgent):
         self._initial_ranks[local_rank] = initial_rank
         self._publish_node_record(worker_group)
         emit(
-            "respawned", source="agent", node=self._handler.node, round=self._round(), rank=initial_rank,
-            local_rank=local_rank, pid=handler.proc.pid,
-        )  # fmt: skip
+            "respawned",
+            source="agent",
+            node=self._handler.node,
+            round=self._round(),
+            rank=initial_rank,
+            local_rank=local_rank,
+            pid=handler.proc.pid,
+        )
         log.warning(
             "local rank %d respawned as pid %d (initial rank %d); it joins the running world at its next restart",
             local_rank,
@@ -610,8 +636,12 @@ class FtAgent(LocalElasticAgent):
         self._admission_asked.add(iteration)
         active = iteration_store(store, iteration).active_world_size()
         if self._active_world_size is not None and active is not None and active >= self._active_world_size:
-            log.info("joiner(s) %s ready: they wait as reserve ranks (%d of %d ranks active)",
-                     waiting, active, self._active_world_size)  # fmt: skip
+            log.info(
+                "joiner(s) %s ready: they wait as reserve ranks (%d of %d ranks active)",
+                waiting,
+                active,
+                self._active_world_size,
+            )
             return
         log.info(
             "joiner(s) %s ready: asking iteration %d to restart and admit them (respawn.rejoin=at_once)",
@@ -744,8 +774,14 @@ class FtAgent(LocalElasticAgent):
         # Every surviving agent absorbs the death and one records it; the Wrappers' restart report warns.
         log.info("node %s %s; reported its rank(s) %s terminated", node, what, reported)
         if self._reports_deaths({*self._dead_seen, node}):
-            emit("node_died", source="agent", node=node, round=self._round(), ranks=list(record.global_ranks),
-                 reporter=self._handler.node)  # fmt: skip
+            emit(
+                "node_died",
+                source="agent",
+                node=node,
+                round=self._round(),
+                ranks=list(record.global_ranks),
+                reporter=self._handler.node,
+            )
 
     def _reports_deaths(self, dead: Iterable[str]) -> bool:
         """Whether this node is the round's first member still alive: the one that reports member deaths."""
@@ -866,8 +902,14 @@ class FtAgent(LocalElasticAgent):
             failures = self._failures()
             self._stop_workers(group)
             group.state = WorkerState.FAILED
-            emit("job_finished", source="agent", node=self._handler.node, round=self._round(), state="FAILED",
-                 reason=decision.reason)  # fmt: skip
+            emit(
+                "job_finished",
+                source="agent",
+                node=self._handler.node,
+                round=self._round(),
+                state="FAILED",
+                reason=decision.reason,
+            )
             return RunResult(state=WorkerState.FAILED, failures=failures)
 
     # ---- node loss at network speed ----
@@ -899,8 +941,9 @@ class FtAgent(LocalElasticAgent):
         ):
             return
         self._last_probe = now
-        self._probing = threading.Thread(target=self._probe_members, args=(board,), name="elastic_ft-probes",
-                                         daemon=True)  # fmt: skip
+        self._probing = threading.Thread(
+            target=self._probe_members, args=(board,), name="elastic_ft-probes", daemon=True
+        )
         self._probing.start()
 
     def _probe_members(self, board: LocalBoard) -> None:

@@ -74,8 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     _connection_options(events)
     timeline = commands.add_parser("timeline", help="draw the run's timeline as a PNG picture")
     timeline.add_argument("-o", "--output", type=Path, required=True, help="the PNG file to write")
-    timeline.add_argument("--events", type=Path, help="draw from this events file (ftrun --record DIR writes "
-                          "DIR/events.jsonl) instead of etcd")  # fmt: skip
+    timeline.add_argument(
+        "--events",
+        type=Path,
+        help="draw from this events file (ftrun --record DIR writes DIR/events.jsonl) instead of etcd",
+    )
     timeline.add_argument("--title", help="the picture's title (default: the run id)")
     _connection_options(timeline, required=False)
     return parser
@@ -142,7 +145,9 @@ def _timeline(args: argparse.Namespace) -> int:
             raise MalformedRecord(f"cannot read the events file {str(args.events)!r}: {error.strerror}") from None
     else:
         if not args.rdzv_endpoint or not args.rdzv_id:
-            raise MalformedRecord("give --events FILE, or --rdzv-endpoint and --rdzv-id to read the run's events from etcd")
+            raise MalformedRecord(
+                "give --events FILE, or --rdzv-endpoint and --rdzv-id to read the run's events from etcd"
+            )
         client, keys = _client(args)
         try:
             _check_run_exists(client, keys)
@@ -195,14 +200,19 @@ def run(args: argparse.Namespace) -> int:
             _check_run_exists(client, keys)
         if args.command == "events":
             for event in _read_events(client, keys):
-                print(event.to_json() if args.json else f"{event.seq:>6} {time.strftime('%H:%M:%S', time.localtime(event.time))} "
-                      f"{event.source:<10} {event.describe()}")  # fmt: skip
+                print(
+                    event.to_json()
+                    if args.json
+                    else f"{event.seq:>6} {time.strftime('%H:%M:%S', time.localtime(event.time))} "
+                    f"{event.source:<10} {event.describe()}"
+                )
             return 0
         if args.command == "status" and args.watch:
             from elastic_ft.launcher.status import collect_status
             from elastic_ft.observability.live import watch
 
             with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends the view, not with a traceback
+
                 def read() -> tuple[dict[str, Any], list[Any]]:
                     events = _read_events(client, keys)
                     return collect_status(client, keys, events), events

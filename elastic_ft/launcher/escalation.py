@@ -162,9 +162,10 @@ def decide(
         return Decision(Verdict.FOLLOW, f"node(s) {list(lost)} died before in-process restart could take over")
     if cannot_grow:
         return Decision(
-            Verdict.FOLLOW, "this node joined the running round, but its world cannot grow in-process (its rank "
-            "assignment admits no new ranks)"
-        )  # fmt: skip
+            Verdict.FOLLOW,
+            "this node joined the running round, but its world cannot grow in-process (its rank "
+            "assignment admits no new ranks)",
+        )
     if change.rejoined:
         return Decision(Verdict.FOLLOW, f"node(s) {list(change.rejoined)} re-joined the rendezvous")
     if change.moved_on:

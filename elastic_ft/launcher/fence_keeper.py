@@ -89,8 +89,11 @@ class FenceKeeper:
             self._handler.hold(bound_until)
             if not self._promising:
                 self._promising = True
-                log.warning("node %s cannot reach etcd either: it promises the members that ask to count nobody "
-                            "out while etcd is away", self._handler.node)  # fmt: skip
+                log.warning(
+                    "node %s cannot reach etcd either: it promises the members that ask to count nobody "
+                    "out while etcd is away",
+                    self._handler.node,
+                )
         elif self._promising:
             self._promising = False
             log.info("node %s reaches etcd again: it promises no more", self._handler.node)
@@ -122,8 +125,9 @@ class FenceKeeper:
         if lease and lease != self._lease:
             generation, why = fencing.next_generation(self.generation, True, self._lapsed)
             if self._lease:
-                log.warning("node %s holds a new etcd lease: %s (fence generation %d)", self._handler.node, why,
-                            generation)  # fmt: skip
+                log.warning(
+                    "node %s holds a new etcd lease: %s (fence generation %d)", self._handler.node, why, generation
+                )
             bumped = generation != self.generation and self.generation > 0
             self._lease, self.generation = lease, generation
             if bumped:

@@ -199,8 +199,15 @@ def apply_job_config(args: argparse.Namespace, given: set[str], config: JobConfi
 
 #: The ``--rdzv-conf`` keys that say where the run's keys are and how to reach etcd.
 _CONNECTION_CONF = (
-    "etcd_prefix", "connect_timeout", "request_timeout", "cacert", "cert", "key", "user", "password_file"
-)  # fmt: skip
+    "etcd_prefix",
+    "connect_timeout",
+    "request_timeout",
+    "cacert",
+    "cert",
+    "key",
+    "user",
+    "password_file",
+)
 
 
 def _exchange_job_config(args: argparse.Namespace, file_config: JobConfig | None) -> JobConfig | None:
@@ -237,8 +244,11 @@ def _configure_logging() -> None:
 
 def _connect(args: argparse.Namespace) -> tuple[EtcdClient, EtcdftSettings]:
     """A client for the run's etcd, with the rendezvous's connection settings (``--rdzv-conf``)."""
-    conf = {key: value for key, value in _rdzv_conf_keys(args.rdzv_conf).items()
-            if key in (*_CONNECTION_CONF, "events_kept")}  # fmt: skip
+    conf = {
+        key: value
+        for key, value in _rdzv_conf_keys(args.rdzv_conf).items()
+        if key in (*_CONNECTION_CONF, "events_kept")
+    }
     settings = make_settings(run_id=args.rdzv_id, endpoint=args.rdzv_endpoint, min_nodes=1, max_nodes=1, **conf)
     return connect(settings), settings
 
@@ -289,8 +299,14 @@ def _check_rdzv_conf(args: argparse.Namespace) -> None:
     # An embedded etcd's endpoint, and a run id torchrun left at "none", are chosen later: stand-ins here.
     run_id = args.rdzv_id if args.rdzv_endpoint or args.rdzv_id != "none" else "embedded"
     try:
-        make_settings(run_id=run_id, endpoint=args.rdzv_endpoint or "127.0.0.1:2379", min_nodes=min_nodes,
-                      max_nodes=max_nodes, local_addr=args.local_addr, **_rdzv_conf_keys(args.rdzv_conf))  # fmt: skip
+        make_settings(
+            run_id=run_id,
+            endpoint=args.rdzv_endpoint or "127.0.0.1:2379",
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            local_addr=args.local_addr,
+            **_rdzv_conf_keys(args.rdzv_conf),
+        )
     except RendezvousConfigError as exc:
         _fail(f"--rdzv-conf: {exc}")
 
@@ -361,8 +377,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             if args.metrics_port is None and config_used is not None:
                 args.metrics_port = config_used.observability.metrics_port
                 if args.metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
-                    parser.error("the job config's observability.metrics_port needs prometheus_client: "
-                                 "pip install 'elastic-ft[metrics]'")  # fmt: skip
+                    parser.error(
+                        "the job config's observability.metrics_port needs prometheus_client: "
+                        "pip install 'elastic-ft[metrics]'"
+                    )
         elif args.record is not None or args.metrics_port is not None:
             parser.error(
                 f"--record and --metrics-port need the etcdft rendezvous, not --rdzv-backend={args.rdzv_backend}"

@@ -77,10 +77,11 @@ class WorldRecord:
         document = _document(raw, what)
         record = cls(
             world_size=_count(document, "world_size", what),
-            active_world_size=None if document.get("active_world_size") is None
+            active_world_size=None
+            if document.get("active_world_size") is None
             else _count(document, "active_world_size", what),
             max_nodes=_count(document, "max_nodes", what),
-        )  # fmt: skip
+        )
         for name, value in (("world_size", record.world_size), ("max_nodes", record.max_nodes)):
             if value < 1:
                 raise MalformedRecord(f"{what} has {name}={value}; expected at least 1")

@@ -193,9 +193,15 @@ def _late_members(current: RoundResult | None, state: Any, hosts: dict[str, Any]
         health = "left" if node in record.left else ("alive" if node in held and node in state.alive else "dead")
         info = hosts.get(node, {})
         late.append(
-            {"rank": member.place, "node": node, "host": info.get("host"), "pid": info.get("pid"), "state": health,
-             "late": True}
-        )  # fmt: skip
+            {
+                "rank": member.place,
+                "node": node,
+                "host": info.get("host"),
+                "pid": info.get("pid"),
+                "state": health,
+                "late": True,
+            }
+        )
     return late
 
 

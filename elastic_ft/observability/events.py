@@ -59,7 +59,6 @@ MAX_TEXT = 500
 _MAX_LIST = 4096
 
 
-
 def _scalar(value: Any) -> bool:
     if isinstance(value, float):
         return math.isfinite(value)
@@ -207,9 +206,16 @@ class JobEvent:
 
     def describe(self) -> str:
         """One line for people: ``node n0 rank 3 iteration 1: fault_detected kind=terminated``."""
-        where = [f"{label} {value}" for label, value in
-                 (("round", self.round), ("node", self.node), ("rank", self.rank), ("iteration", self.iteration))
-                 if value is not None]  # fmt: skip
+        where = [
+            f"{label} {value}"
+            for label, value in (
+                ("round", self.round),
+                ("node", self.node),
+                ("rank", self.rank),
+                ("iteration", self.iteration),
+            )
+            if value is not None
+        ]
         details = " ".join(f"{key}={_shown(value)}" for key, value in self.data.items())
         return f"{' '.join(where)}: {self.name}" + (f" {details}" if details else "")
 

@@ -43,14 +43,18 @@ def render_live(status: dict[str, Any], events: list[JobEvent]) -> Any:
 
     parts: list[Any] = []
     state = "[red]closed[/red]" if status["closed"] else "[green]open[/green]"
-    round_text = "no round completed yet" if status["round"] is None else (
-        f"round {status['round']}, {len(status['members'])} member(s), MASTER {status['master']}"
-    )  # fmt: skip
-    parts.append(Text.from_markup(
-        f"[bold]run {status['run']}[/bold]: {state}; {round_text}; "
-        f"in-process restarts {status['in_process_restarts'] or 0}, "
-        f"process-level restarts {status['process_restarts']}"
-    ))  # fmt: skip
+    round_text = (
+        "no round completed yet"
+        if status["round"] is None
+        else (f"round {status['round']}, {len(status['members'])} member(s), MASTER {status['master']}")
+    )
+    parts.append(
+        Text.from_markup(
+            f"[bold]run {status['run']}[/bold]: {state}; {round_text}; "
+            f"in-process restarts {status['in_process_restarts'] or 0}, "
+            f"process-level restarts {status['process_restarts']}"
+        )
+    )
     if status["members"]:
         nodes = Table(title="nodes", title_justify="left", expand=False)
         for column in ("rank", "state", "host", "pid", "node"):
@@ -58,8 +62,13 @@ def render_live(status: dict[str, Any], events: list[JobEvent]) -> Any:
         for m in status["members"]:
             color = {"alive": "green", "dead": "red", "left": "yellow"}.get(m["state"], "white")
             role = " (hot spare, joined late)" if m.get("late") else ""
-            nodes.add_row(str(m["rank"]), f"[{color}]{m['state']}[/{color}]", m["host"] or "-", str(m["pid"] or "-"),
-                          m["node"] + role)  # fmt: skip
+            nodes.add_row(
+                str(m["rank"]),
+                f"[{color}]{m['state']}[/{color}]",
+                m["host"] or "-",
+                str(m["pid"] or "-"),
+                m["node"] + role,
+            )
         parts.append(nodes)
     if status["workers"]:
         steps = last_steps(events)
@@ -69,8 +78,15 @@ def render_live(status: dict[str, Any], events: list[JobEvent]) -> Any:
         for w in status["workers"]:
             iteration = "-" if w["iteration"] is None else f"{w['iteration']} ({w['rank_in_iteration']})"
             color = "green" if w["state"] == "running" else ("white" if w["state"].startswith("succeeded") else "red")
-            workers.add_row(str(w["rank"]), f"[{color}]{w['state']}[/{color}]", w.get("mode") or "-", iteration,
-                            str(steps.get(w["rank"], "-")), str(w["pid"]), w["node"])  # fmt: skip
+            workers.add_row(
+                str(w["rank"]),
+                f"[{color}]{w['state']}[/{color}]",
+                w.get("mode") or "-",
+                iteration,
+                str(steps.get(w["rank"], "-")),
+                str(w["pid"]),
+                w["node"],
+            )
         parts.append(workers)
     restart = status.get("restart_in_progress")
     if restart is not None:
@@ -81,12 +97,14 @@ def render_live(status: dict[str, Any], events: list[JobEvent]) -> Any:
         lines.append(f"  waiting for ranks: {restart['waiting_for'] or 'none'}")
         parts.append(Panel("\n".join(lines), title="restart in progress", border_style="yellow"))
     reserve = [w["rank"] for w in status["workers"] if w.get("mode") == "reserve"]
-    parts.append(Text(
-        f"spare nodes {status['spare_nodes']}; active world size {status['active_world_size'] or '-'}; "
-        f"reserve ranks {reserve or 'none'}; respawned workers {status['respawns']}; "
-        f"terminated ranks {status['terminated_ranks'] or 'none'}; "
-        f"next round {status['next_round']}: {len(status['joined_next_round'])} node(s) joined"
-    ))  # fmt: skip
+    parts.append(
+        Text(
+            f"spare nodes {status['spare_nodes']}; active world size {status['active_world_size'] or '-'}; "
+            f"reserve ranks {reserve or 'none'}; respawned workers {status['respawns']}; "
+            f"terminated ranks {status['terminated_ranks'] or 'none'}; "
+            f"next round {status['next_round']}: {len(status['joined_next_round'])} node(s) joined"
+        )
+    )
     for outage in status.get("etcd_outages", []):
         color = "red" if outage["end"] is None else "yellow"
         parts.append(Text(f"etcd outage: {describe_outage(outage)}", style=color))
@@ -104,8 +122,12 @@ def render_live(status: dict[str, Any], events: list[JobEvent]) -> Any:
     return Group(*parts)
 
 
-def watch(read: Callable[[], tuple[dict[str, Any], list[JobEvent]]], interval: float,
-          refreshes: int | None = None, console: Any = None) -> None:  # fmt: skip
+def watch(
+    read: Callable[[], tuple[dict[str, Any], list[JobEvent]]],
+    interval: float,
+    refreshes: int | None = None,
+    console: Any = None,
+) -> None:
     """Redraw ``render_live(*read())`` every ``interval`` s, until Ctrl-C (or ``refreshes`` draws)."""
     from rich.live import Live
 

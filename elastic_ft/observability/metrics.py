@@ -49,29 +49,49 @@ class JobMetrics:
 
         self.node = node
         self.registry = CollectorRegistry()
-        self.restarts = Counter("elastic_ft_restarts", "in-process restarts reported on this node, by the kind "
-                                "of their first fault", ["kind"], registry=self.registry)  # fmt: skip
-        self.faults = Counter("elastic_ft_faults", "faults detected on this node (a rank's exception, a "
-                              "worker's death, a member node's death), by kind", ["kind"], registry=self.registry)  # fmt: skip
-        self.escalations = Counter("elastic_ft_escalations", "process-level restarts this node recorded",
-                                   registry=self.registry)  # fmt: skip
+        self.restarts = Counter(
+            "elastic_ft_restarts",
+            "in-process restarts reported on this node, by the kind of their first fault",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.faults = Counter(
+            "elastic_ft_faults",
+            "faults detected on this node (a rank's exception, a worker's death, a member node's death), by kind",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.escalations = Counter(
+            "elastic_ft_escalations", "process-level restarts this node recorded", registry=self.registry
+        )
         self.respawns = Counter("elastic_ft_respawns", "dead workers this node replaced", registry=self.registry)
-        self.activations = Counter("elastic_ft_spare_activations", "reserve ranks of this node that became active",
-                                   registry=self.registry)  # fmt: skip
-        self.resume = Histogram("elastic_ft_fault_to_resume_seconds", "from a restart's first fault to this "
-                                "node's first rank starting the next iteration", buckets=LATENCY_BUCKETS,
-                                registry=self.registry)  # fmt: skip
-        self.round_seconds = Histogram("elastic_ft_rendezvous_round_seconds", "how long this node's rendezvous "
-                                       "took, from its join to the round's result", buckets=LATENCY_BUCKETS,
-                                       registry=self.registry)  # fmt: skip
-        self.active_world_size = Gauge("elastic_ft_active_world_size", "active ranks of the current iteration",
-                                       registry=self.registry)  # fmt: skip
-        self.reserve_ranks = Gauge("elastic_ft_reserve_ranks", "reserve (spare) ranks of the current iteration",
-                                   registry=self.registry)  # fmt: skip
-        self.terminated_ranks = Gauge("elastic_ft_terminated_ranks", "ranks that left the job so far",
-                                      registry=self.registry)  # fmt: skip
-        self.iteration = Gauge("elastic_ft_iteration", "the latest in-process iteration started",
-                               registry=self.registry)  # fmt: skip
+        self.activations = Counter(
+            "elastic_ft_spare_activations", "reserve ranks of this node that became active", registry=self.registry
+        )
+        self.resume = Histogram(
+            "elastic_ft_fault_to_resume_seconds",
+            "from a restart's first fault to this node's first rank starting the next iteration",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.round_seconds = Histogram(
+            "elastic_ft_rendezvous_round_seconds",
+            "how long this node's rendezvous took, from its join to the round's result",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.active_world_size = Gauge(
+            "elastic_ft_active_world_size", "active ranks of the current iteration", registry=self.registry
+        )
+        self.reserve_ranks = Gauge(
+            "elastic_ft_reserve_ranks", "reserve (spare) ranks of the current iteration", registry=self.registry
+        )
+        self.terminated_ranks = Gauge(
+            "elastic_ft_terminated_ranks", "ranks that left the job so far", registry=self.registry
+        )
+        self.iteration = Gauge(
+            "elastic_ft_iteration", "the latest in-process iteration started", registry=self.registry
+        )
         self.registry.register(_EtcdCollector(etcd_counts))
         self.registry.register(_OutageCollector())
         self._fault_time: dict[int, float] = {}  # by iteration: its restart's first fault
@@ -158,8 +178,11 @@ class _EtcdCollector:
         )
         for kind, count in sorted(requests.items()):
             sent.add_metric([kind], count)
-        failed = CounterMetricFamily("elastic_ft_etcd_errors", "etcd requests that failed (retried ones too), by "
-                                     "kind and gRPC code", labels=["kind", "code"])  # fmt: skip
+        failed = CounterMetricFamily(
+            "elastic_ft_etcd_errors",
+            "etcd requests that failed (retried ones too), by kind and gRPC code",
+            labels=["kind", "code"],
+        )
         for (kind, code), count in sorted(errors.items()):
             failed.add_metric([kind, code], count)
         yield sent
@@ -176,8 +199,14 @@ class MetricsEndpoint:
         interval: seconds between two reads of the event log.
     """
 
-    def __init__(self, metrics: JobMetrics, port: int, read_events: Callable[[int | None], list[JobEvent]],
-                 interval: float = 1.0, addr: str = "0.0.0.0") -> None:  # fmt: skip
+    def __init__(
+        self,
+        metrics: JobMetrics,
+        port: int,
+        read_events: Callable[[int | None], list[JobEvent]],
+        interval: float = 1.0,
+        addr: str = "0.0.0.0",
+    ) -> None:
         self.metrics = metrics
         self._requested_port = port
         self._addr = addr
@@ -240,8 +269,14 @@ class _OutageCollector:
 
         since = OUTAGES.down_since()
         current = 0.0 if since is None else time.monotonic() - since
-        yield GaugeMetricFamily("elastic_ft_etcd_reachable", "1 while etcd answers this agent, 0 during an outage",
-                                value=0 if since is not None else 1)  # fmt: skip
+        yield GaugeMetricFamily(
+            "elastic_ft_etcd_reachable",
+            "1 while etcd answers this agent, 0 during an outage",
+            value=0 if since is not None else 1,
+        )
         yield CounterMetricFamily("elastic_ft_etcd_outages", "etcd outages this agent has seen", value=OUTAGES.count)
-        yield CounterMetricFamily("elastic_ft_etcd_unreachable_seconds", "seconds etcd did not answer this agent",
-                                  value=OUTAGES.seconds + current)  # fmt: skip
+        yield CounterMetricFamily(
+            "elastic_ft_etcd_unreachable_seconds",
+            "seconds etcd did not answer this agent",
+            value=OUTAGES.seconds + current,
+        )

@@ -219,8 +219,9 @@ class EventSink:
 
             torch_events.record(event.to_torch(), self._destination)
         except KeyError:
-            self._warn_once("destination", "no torch events handler named %r: events go to etcd only",
-                            self._destination)  # fmt: skip
+            self._warn_once(
+                "destination", "no torch events handler named %r: events go to etcd only", self._destination
+            )
         except Exception as error:  # noqa: BLE001 - a user's handler must not stop the sender
             self._warn_once("torch", "torch's events handler %r failed: %r", self._destination, error)
 
@@ -236,8 +237,9 @@ class EventSink:
                 return False
             except Exception as error:  # noqa: BLE001 - a refusal or a bad record: the job goes on, the event is lost
                 self.dropped += 1
-                self._warn_once("etcd", "could not store event %s in etcd (later failures are not logged): %s",
-                                event.name, error)  # fmt: skip
+                self._warn_once(
+                    "etcd", "could not store event %s in etcd (later failures are not logged): %s", event.name, error
+                )
         self._retry, self._retry_pause = None, POLL
         self.sent += 1
         return True

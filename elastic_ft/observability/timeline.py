@@ -98,8 +98,11 @@ def build_timeline(events: list[JobEvent]) -> Timeline:
         _add(timeline, event, started, restarts)
     for iteration, fault_time in sorted(restarts.items()):
         # Until the first rank starts a later iteration (the report itself may come after that).
-        resumed = [e.time for e in ordered if e.name == "iteration_started" and (e.iteration or 0) > iteration
-                   and e.time >= fault_time]  # fmt: skip
+        resumed = [
+            e.time
+            for e in ordered
+            if e.name == "iteration_started" and (e.iteration or 0) > iteration and e.time >= fault_time
+        ]
         timeline.restarts.append(Span(fault_time, min(resumed) if resumed else None, f"iteration {iteration}"))
     for outage in outages(events):
         timeline.etcd_outages.append(Span(outage.start, outage.end, f"etcd away ({len(outage.seen_by)} waited)"))
@@ -161,11 +164,21 @@ def draw(timeline: Timeline, path: str, title: str | None = None) -> dict[str, i
     _draw_progress(bottom, timeline, t0)
     for axis in (top, bottom):
         for span in timeline.restarts:
-            axis.axvspan(span.start - t0, (span.end if span.end is not None else timeline.end) - t0,
-                         color="orange", alpha=0.25, lw=0)  # fmt: skip
+            axis.axvspan(
+                span.start - t0,
+                (span.end if span.end is not None else timeline.end) - t0,
+                color="orange",
+                alpha=0.25,
+                lw=0,
+            )
         for span in timeline.etcd_outages:
-            axis.axvspan(span.start - t0, (span.end if span.end is not None else timeline.end) - t0,
-                         color="tab:blue", alpha=0.12, lw=0)  # fmt: skip
+            axis.axvspan(
+                span.start - t0,
+                (span.end if span.end is not None else timeline.end) - t0,
+                color="tab:blue",
+                alpha=0.12,
+                lw=0,
+            )
         for mark in timeline.escalations:
             axis.axvline(mark.time - t0, color="purple", lw=1.5)
         for mark in timeline.rounds:
@@ -188,20 +201,33 @@ def _draw_world(axis: Any, timeline: Timeline, t0: float, end: float) -> None:
     axis.set_ylabel("active ranks")
     for row, mark in enumerate(timeline.faults):
         axis.plot(mark.time - t0, top + 0.6, "x", color="red", ms=9, mew=2)
-        axis.annotate(mark.label, (mark.time - t0, top + 0.6), xytext=(4, 4 + 9 * (row % 3)),
-                      textcoords="offset points", fontsize=7, color="red")  # fmt: skip
+        axis.annotate(
+            mark.label,
+            (mark.time - t0, top + 0.6),
+            xytext=(4, 4 + 9 * (row % 3)),
+            textcoords="offset points",
+            fontsize=7,
+            color="red",
+        )
     for mark in timeline.broken:
         axis.plot(mark.time - t0, top + 0.25, "x", color="grey", ms=5, mew=1)
     for row, mark in enumerate(timeline.activations):
         axis.plot(mark.time - t0, 0.4, "^", color="green", ms=8)
-        axis.annotate(mark.label, (mark.time - t0, 0.4), xytext=(5, 9 * (row % 2)), textcoords="offset points",
-                      fontsize=7, color="green")  # fmt: skip
+        axis.annotate(
+            mark.label,
+            (mark.time - t0, 0.4),
+            xytext=(5, 9 * (row % 2)),
+            textcoords="offset points",
+            fontsize=7,
+            color="green",
+        )
     for mark in timeline.respawns:
         axis.plot(mark.time - t0, 0.9, "D", color="tab:blue", ms=6)
         axis.annotate(mark.label, (mark.time - t0, 0.9), xytext=(4, 2), textcoords="offset points", fontsize=7)
     for mark in timeline.rounds:
-        axis.annotate(mark.label, (mark.time - t0, 0.1), xytext=(2, 0), textcoords="offset points", fontsize=7,
-                      color="grey")  # fmt: skip
+        axis.annotate(
+            mark.label, (mark.time - t0, 0.1), xytext=(2, 0), textcoords="offset points", fontsize=7, color="grey"
+        )
     handles = [
         axis.plot([], [], color="black", lw=2, label="active world size")[0],
         axis.plot([], [], "x", color="red", mew=2, label="fault")[0],
@@ -239,8 +265,9 @@ def _world_segments(timeline: Timeline, t0: float, end: float) -> list[tuple[lis
 def _draw_progress(axis: Any, timeline: Timeline, t0: float) -> None:
     for rank in sorted(timeline.progress):
         points = sorted(timeline.progress[rank])
-        axis.plot([t - t0 for t, _ in points], [step for _, step in points], marker=".", ms=3, lw=1.2,
-                  label=f"rank {rank}")  # fmt: skip
+        axis.plot(
+            [t - t0 for t, _ in points], [step for _, step in points], marker=".", ms=3, lw=1.2, label=f"rank {rank}"
+        )
     for mark in timeline.faults:
         axis.axvline(mark.time - t0, color="red", lw=0.8, alpha=0.6)
     axis.set_ylabel("optimizer steps")

@@ -113,9 +113,13 @@ class RendezvousConf(BaseModel):
     etcd_prefix: Annotated[str, BeforeValidator(_etcd_prefix_check)] = Field(
         "/elastic_ft", description="key prefix; every key lives under <etcd_prefix>/<run_id>/"
     )
-    connect_timeout: fields.Seconds = Field(10.0, description="seconds to keep trying unreachable endpoints before failing")
+    connect_timeout: fields.Seconds = Field(
+        10.0, description="seconds to keep trying unreachable endpoints before failing"
+    )
     request_timeout: fields.Seconds = Field(5.0, description="seconds one etcd request may take")
-    store_timeout: fields.Seconds = Field(300.0, description="default timeout of the round's store (get, wait, multi_get)")
+    store_timeout: fields.Seconds = Field(
+        300.0, description="default timeout of the round's store (get, wait, multi_get)"
+    )
     events_kept: fields.EventsKept = Field(fields.EVENTS_KEPT_DEFAULT, description=fields.EVENTS_KEPT_HELP)
     cacert: str | None = Field(None, description="CA bundle (PEM) to verify https endpoints")
     cert: str | None = Field(None, description="client certificate (PEM) for https endpoints")
@@ -232,7 +236,8 @@ def make_settings(
     conf, protocol = _translate_torch_keys(conf, problems)
     if protocol == "https":
         endpoint = ",".join(
-            item if "://" in item or not item.strip() else f"https://{item.strip()}" for item in str(endpoint).split(",")
+            item if "://" in item or not item.strip() else f"https://{item.strip()}"
+            for item in str(endpoint).split(",")
         )
     if not isinstance(run_id, str) or not _NAME_RE.fullmatch(run_id) or run_id in _RESERVED:
         problems.add(

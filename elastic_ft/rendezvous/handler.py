@@ -458,9 +458,15 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             view = self._view.follow()
             view.wait_for_revision(outcome.revision, self.settings.request_timeout)
             self._monitor = Monitor(
-                self._client, self._keys, self._limits, self.node, session.id, outcome.revision, view,
+                self._client,
+                self._keys,
+                self._limits,
+                self.node,
+                session.id,
+                outcome.revision,
+                view,
                 self.hold_until,
-            ).start()  # fmt: skip
+            ).start()
             monitor = self._monitor
         log.info("node %s is the rendezvous monitor of '%s'", self.node, self.settings.run_id)
         monitor.wait_published(lambda _board: True, self.settings.request_timeout)
@@ -704,8 +710,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
         change, reason = node_state.membership(self._state, look, time.monotonic(), self._held_until)
         if reason != self._logged_membership and (change.dead or look.vanished or self._logged_membership):
             self._logged_membership = reason
-            log.info("node %s, round %s of '%s': %s", self.node, self._state.member_round, self.settings.run_id,
-                     reason)  # fmt: skip
+            log.info("node %s, round %s of '%s': %s", self.node, self._state.member_round, self.settings.run_id, reason)
         return change
 
     def _announce_again(self, why: str) -> None:

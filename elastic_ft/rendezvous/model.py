@@ -243,9 +243,13 @@ def parse_key(key: str, raw: KeyRecord) -> Fact | None:
             if not isinstance(late_joins, bool):
                 raise MalformedRecord(f"late_joins must be a boolean, got {str(late_joins)[:40]!r}")
             join = Join(
-                shape.node, raw.lease, raw.create_revision, _text(data, "addr"), _int(data, "port", 1, 65535),
+                shape.node,
+                raw.lease,
+                raw.create_revision,
+                _text(data, "addr"),
+                _int(data, "port", 1, 65535),
                 late_joins,
-            )  # fmt: skip
+            )
             return Fact("join", round=shape.round, node=shape.node, join=join)
         if shape.kind == "late":
             data = _document(raw.value)

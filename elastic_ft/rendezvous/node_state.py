@@ -140,9 +140,8 @@ def look_at_board(
     if last_seen is None:
         return state, BoardLook(None, reason="no board yet")
     take_over = state.board_gone_seen and may_take_over
-    reason = (
-        f"the board of monitor {last_seen.monitor} is gone"
-        + ("; taking over as monitor" if take_over else "" if state.board_gone_seen else ": its monitor's lease ended")
+    reason = f"the board of monitor {last_seen.monitor} is gone" + (
+        "; taking over as monitor" if take_over else "" if state.board_gone_seen else ": its monitor's lease ended"
     )
     return dataclasses.replace(state, board_gone_seen=True), BoardLook(last_seen, True, take_over, reason)
 

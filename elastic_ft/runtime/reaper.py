@@ -208,8 +208,14 @@ def _run_command(encoded: str) -> None:
     if not isinstance(argv, list) or not argv or not all(isinstance(part, str) for part in argv):
         return
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                       timeout=_COMMAND_SECONDS, check=False)  # fmt: skip
+        subprocess.run(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=_COMMAND_SECONDS,
+            check=False,
+        )
 
 
 def main(argv: list[str]) -> None:

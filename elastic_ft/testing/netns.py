@@ -172,8 +172,9 @@ class TestBed:
 
     def processes(self, host: int) -> list[int]:
         """The PIDs of every process running in host ``host``."""
-        listed = subprocess.run(["ip", "netns", "pids", self.namespace(host)], capture_output=True, text=True,
-                                check=False)  # fmt: skip
+        listed = subprocess.run(
+            ["ip", "netns", "pids", self.namespace(host)], capture_output=True, text=True, check=False
+        )
         return [int(pid) for pid in listed.stdout.split() if pid.isdigit()]
 
     def popen(self, host: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
@@ -199,8 +200,19 @@ class TestBed:
         if not 0 < fraction < 1:
             raise ValueError(f"a loss fraction is in (0, 1), got {fraction}")
         for chain in ("INPUT", "OUTPUT"):
-            self._iptables(host, "-A", chain, "-m", "statistic", "--mode", "random",
-                           "--probability", f"{fraction:.4f}", "-j", "DROP")  # fmt: skip
+            self._iptables(
+                host,
+                "-A",
+                chain,
+                "-m",
+                "statistic",
+                "--mode",
+                "random",
+                "--probability",
+                f"{fraction:.4f}",
+                "-j",
+                "DROP",
+            )
 
     def _isolate(self, host: int, addresses: list[str]) -> None:
         for address in addresses:
@@ -222,8 +234,21 @@ class TestBed:
 
     def delay(self, host: int, milliseconds: float) -> None:
         """Delay every packet ``host`` sends (``tc netem``)."""
-        _run("ip", "netns", "exec", self.namespace(host), "tc", "qdisc", "add", "dev", HOST_INTERFACE, "root",
-             "netem", "delay", f"{milliseconds:g}ms")  # fmt: skip
+        _run(
+            "ip",
+            "netns",
+            "exec",
+            self.namespace(host),
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            HOST_INTERFACE,
+            "root",
+            "netem",
+            "delay",
+            f"{milliseconds:g}ms",
+        )
 
     def undelay(self, host: int) -> None:
         """Lift :meth:`delay`."""

@@ -65,9 +65,17 @@ def test_a_heartbeat_round_trips() -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["", "{}", '{"t": 1}', '{"t": 1, "active": "1"}', '{"t": 1, "active": Infinity}', '{"t": NaN, "active": 1}',
-     '{"t": true, "active": 1}', "[1, 2]"],
-)  # fmt: skip
+    [
+        "",
+        "{}",
+        '{"t": 1}',
+        '{"t": 1, "active": "1"}',
+        '{"t": 1, "active": Infinity}',
+        '{"t": NaN, "active": 1}',
+        '{"t": true, "active": 1}',
+        "[1, 2]",
+    ],
+)
 def test_a_malformed_or_forged_heartbeat_is_none(text: str) -> None:
     # An infinite "last active" would make every peer look busy forever and disable hang detection.
     assert parse_heartbeat(text) is None
@@ -82,8 +90,11 @@ def test_a_heartbeat_says_whether_the_rank_waits_for_others_and_whether_it_is_a_
 
 def test_a_heartbeat_says_when_the_next_is_due_and_a_forged_promise_is_refused() -> None:
     assert parse_heartbeat_record(encode_heartbeat(10.0, 9.5, due_at=10.25)) == Heartbeat(10.0, 9.5, due_at=10.25)
-    for forged in ('{"t": 1, "active": 1, "due": "soon"}', '{"t": 1, "active": 1, "due": Infinity}',
-                   '{"t": 1, "active": 1, "due": true}'):  # fmt: skip
+    for forged in (
+        '{"t": 1, "active": 1, "due": "soon"}',
+        '{"t": 1, "active": 1, "due": Infinity}',
+        '{"t": 1, "active": 1, "due": true}',
+    ):
         assert parse_heartbeat_record(forged) is None
 
 
@@ -147,9 +158,15 @@ def test_restarts_without_progress_give_up_without_being_fatal() -> None:
 
 @pytest.mark.parametrize(
     "record",
-    [None, [], {"repeats": 1}, {"signature": 3, "repeats": 1, "stalled": 0}, {"signature": None, "repeats": -1,
-     "stalled": 0}, {"signature": None, "repeats": True, "stalled": 0}, {"signature": "x" * 5000, "repeats": 0,
-     "stalled": 0}],
-)  # fmt: skip
+    [
+        None,
+        [],
+        {"repeats": 1},
+        {"signature": 3, "repeats": 1, "stalled": 0},
+        {"signature": None, "repeats": -1, "stalled": 0},
+        {"signature": None, "repeats": True, "stalled": 0},
+        {"signature": "x" * 5000, "repeats": 0, "stalled": 0},
+    ],
+)
 def test_a_forged_fault_history_is_refused(record: object) -> None:
     assert FaultHistory.from_dict(record) is None

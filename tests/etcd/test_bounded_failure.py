@@ -46,8 +46,9 @@ def black_hole(single: EtcdCluster) -> Iterator[FaultProxy]:
 
 def _settings(endpoint: str, **conf: object) -> EtcdftSettings:
     values = {"connect_timeout": CONNECT, "request_timeout": REQUEST, "lease_ttl": 10, "join_timeout": 120, **conf}
-    return make_settings(run_id=f"r{uuid.uuid4().hex[:8]}", endpoint=endpoint, min_nodes=2, max_nodes=2,
-                         local_addr="127.0.0.1", **values)  # fmt: skip
+    return make_settings(
+        run_id=f"r{uuid.uuid4().hex[:8]}", endpoint=endpoint, min_nodes=2, max_nodes=2, local_addr="127.0.0.1", **values
+    )
 
 
 def test_next_rendezvous_waits_out_a_frozen_etcd_until_join_timeout(single: EtcdCluster) -> None:
@@ -119,9 +120,20 @@ def test_a_black_hole_fails_a_store_at_its_timeout(black_hole: FaultProxy) -> No
 def test_status_fails_within_its_connect_timeout(black_hole: FaultProxy) -> None:
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "elastic_ft.launcher.cli", "status", f"--rdzv-endpoint={black_hole.endpoint}",
-         "--rdzv-id=job", "--connect-timeout=2"], capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "elastic_ft.launcher.cli",
+            "status",
+            f"--rdzv-endpoint={black_hole.endpoint}",
+            "--rdzv-id=job",
+            "--connect-timeout=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     elapsed = time.monotonic() - started
     assert done.returncode != 0 and "no answer from etcd" in done.stderr and "Traceback" not in done.stderr
     assert elapsed < 2 + 3.0  # the bound, plus the interpreter's start

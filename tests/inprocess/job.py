@@ -23,8 +23,13 @@ from tests.inprocess.forkserver import ForkServer
 WORKER = Path(__file__).with_name("worker.py")
 #: What the fork server imports once, for every rank it forks: what ``worker.py`` imports, and torch._dynamo,
 #: which a process imports at its first optimizer (about 1 s of CPU; the server starts no thread with it).
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "elastic_ft.inprocess.wrapper",
-           "elastic_ft.coordination.iteration"]  # fmt: skip
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "elastic_ft.inprocess.wrapper",
+    "elastic_ft.coordination.iteration",
+]
 _server: ForkServer | None = None
 
 

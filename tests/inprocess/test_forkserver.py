@@ -55,8 +55,16 @@ def test_a_forked_script_sees_its_own_argv_environment_directory_and_main(server
     assert code == 0, output
     seen = json.loads(output)
     script = str(tmp_path / "script.py")
-    assert seen == {"argv": [script, "report", "x"], "cwd": str(tmp_path), "env": "42", "main": "__main__",
-                    "file": script, "path0": str(tmp_path), "torch": True, "threads": 1}  # fmt: skip
+    assert seen == {
+        "argv": [script, "report", "x"],
+        "cwd": str(tmp_path),
+        "env": "42",
+        "main": "__main__",
+        "file": script,
+        "path0": str(tmp_path),
+        "torch": True,
+        "threads": 1,
+    }
 
 
 def test_an_uncaught_exception_prints_its_traceback_and_exits_1(server: ForkServer, tmp_path: Path) -> None:

@@ -222,8 +222,9 @@ def test_a_rank_waiting_on_a_busy_peer_waits() -> None:
 def test_a_peer_whose_heartbeat_is_overdue_is_not_taken_for_inactive() -> None:
     """No news is not news of inactivity: a peer whose heartbeat is late (a busy peer on a saturated host) holds
     the verdict, until the configured soft timeout; with every heartbeat on time an idle job restarts."""
-    verdict = judge_stall(activity(5), TIMEOUTS, 1.0, peers_inactive_for=3.0, restart_requested_for=None,
-                          peer_overdue_for=0.4)  # fmt: skip
+    verdict = judge_stall(
+        activity(5), TIMEOUTS, 1.0, peers_inactive_for=3.0, restart_requested_for=None, peer_overdue_for=0.4
+    )
     assert verdict.action is StallAction.NONE and verdict.waits_because == "peer overdue"
     assert "0.4 s overdue" in verdict.reason
     on_time = judge_stall(activity(5), TIMEOUTS, 1.0, peers_inactive_for=3.0, restart_requested_for=None)
@@ -274,12 +275,22 @@ def test_while_an_iteration_warms_up_a_stopped_or_frozen_rank_is_killed_at_the_d
     """Seen in the soak: a GIL-held hang in the first steps after a restart, when the configured 60 s apply,
     cost a minute. A stopped process, or one with the GIL held and no CPU used, is no warm-up."""
     warming = Timeouts(soft=60, hard=90, soft_limit=60, hard_limit=90, delivery=3.0)
-    for rank, state in [(RankActivity(3.1, 3.1, True, 3.1), "the process is stopped"),
-                        (RankActivity(3.1, 3.1, False, 3.1), "the GIL is held without CPU use")]:  # fmt: skip
+    for rank, state in [
+        (RankActivity(3.1, 3.1, True, 3.1), "the process is stopped"),
+        (RankActivity(3.1, 3.1, False, 3.1), "the GIL is held without CPU use"),
+    ]:
         verdict = judge_stall(rank, warming, 1.0, peers_inactive_for=0.1, restart_requested_for=None)
         assert verdict.action is StallAction.KILL and state in verdict.reason, verdict
-        assert judge_stall(dataclasses.replace(rank, progress_age=2.9, cpu_idle_for=2.9, threads_silent_for=2.9),
-                           warming, 1.0, 0.1, None).action is StallAction.NONE  # fmt: skip
+        assert (
+            judge_stall(
+                dataclasses.replace(rank, progress_age=2.9, cpu_idle_for=2.9, threads_silent_for=2.9),
+                warming,
+                1.0,
+                0.1,
+                None,
+            ).action
+            is StallAction.NONE
+        )
     # Warm-up work is left to the ceilings: GIL held but busy (compiling, unpickling), or threads running.
     busy = RankActivity(10.0, 0.0, False, 10.0)
     assert judge_stall(busy, warming, 1.0, 0.1, None).action is StallAction.NONE

@@ -167,7 +167,10 @@ def test_a_hang_in_the_first_steps_after_a_restart_costs_seconds_not_the_soft_ti
     # iteration 1, while the iteration warms up. The configured 60 s applied there; the warm-ups of the
     # earlier iterations bound this one instead.
     outcomes, elapsed, report = hang_after_a_restart(
-        "sleep_gil_released", tmp_path, hang_seconds=1000, gloo_timeout=120  # not gloo's own timeout either
+        "sleep_gil_released",
+        tmp_path,
+        hang_seconds=1000,
+        gloo_timeout=120,  # not gloo's own timeout either
     )
     for outcome in outcomes:
         assert outcome.returncode == 0 and outcome.result is not None, report

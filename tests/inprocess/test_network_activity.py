@@ -82,8 +82,7 @@ def test_only_data_the_network_lost_and_the_rank_resends_counts_as_activity() ->
 
 
 def test_network_activity_counts_as_activity_of_the_rank() -> None:
-    busy = RankActivity(progress_age=9.0, cpu_idle_for=9.0, stopped=False, threads_silent_for=0.0,
-                        network_idle_for=0.2)  # fmt: skip
+    busy = RankActivity(progress_age=9.0, cpu_idle_for=9.0, stopped=False, threads_silent_for=0.0, network_idle_for=0.2)
     assert busy.inactive_for == 0.2
     idle = RankActivity(progress_age=9.0, cpu_idle_for=8.0, stopped=False, threads_silent_for=0.0)
     assert idle.inactive_for == 8.0

@@ -18,9 +18,19 @@ def test_package_reexports_state_mode_and_compose() -> None:
 
 def test_rank_assignment_module_exports_the_public_names() -> None:
     expected = {
-        "RankAssignment", "RankAssignmentCtx", "RankDiscarded", "Tree", "Layer", "LayerFlag", "FillGaps",
-        "ShiftRanks", "FilterCountGroupedByKey", "RankFilter", "ActivateAllRanks", "ActiveWorldSizeDivisibleBy",
+        "RankAssignment",
+        "RankAssignmentCtx",
+        "RankDiscarded",
+        "Tree",
+        "Layer",
+        "LayerFlag",
+        "FillGaps",
+        "ShiftRanks",
+        "FilterCountGroupedByKey",
+        "RankFilter",
+        "ActivateAllRanks",
+        "ActiveWorldSizeDivisibleBy",
         "MaxActiveWorldSize",
-    }  # fmt: skip
+    }
     assert expected <= set(elastic_ft.rank_assignment.__all__)
     assert all(hasattr(elastic_ft.rank_assignment, name) for name in elastic_ft.rank_assignment.__all__)

@@ -49,10 +49,19 @@ def test_initial_activation_is_depth_first_and_bounded_by_every_ancestor() -> No
         states = states_of(world.step(set()))
     assert_consistent(states)
     assert active_ranks(states) == {
-        0: 0, 1: 1, 2: 2, 3: None,
-        4: 3, 5: 4, 6: 5, 7: None,
-        8: 6, 9: None, 10: None, 11: None,
-    }  # fmt: skip
+        0: 0,
+        1: 1,
+        2: 2,
+        3: None,
+        4: 3,
+        5: 4,
+        6: 5,
+        7: None,
+        8: 6,
+        9: None,
+        10: None,
+        11: None,
+    }
     assert {state.mode for rank, state in states.items() if rank in (3, 7, 9)} == {Mode.INACTIVE}
     assert all(state.world_size == 12 and state.active_world_size == 7 for state in states.values())
 

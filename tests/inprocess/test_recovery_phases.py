@@ -16,9 +16,16 @@ def test_each_phase_is_the_time_between_two_consecutive_moments() -> None:
     timed = clock.finish()
     assert timed is not None and not clock.open
     assert {p["phase"]: p["seconds"] for p in timed["phases"]} == {  # type: ignore[attr-defined]
-        "unwound": 0.05, "released": 0.05, "finalized": 0.2, "terminated": 0.01, "assigned": 0.19,
-        "started": 0.02, "checked": 0.08, "healed": 0.01, "first_step": 0.29,
-    }  # fmt: skip
+        "unwound": 0.05,
+        "released": 0.05,
+        "finalized": 0.2,
+        "terminated": 0.01,
+        "assigned": 0.19,
+        "started": 0.02,
+        "checked": 0.08,
+        "healed": 0.01,
+        "first_step": 0.29,
+    }
     assert [p["phase"] for p in timed["phases"]] == list(MOMENTS[1:])  # type: ignore[attr-defined]
     assert timed["began"] == 10.0 and timed["total"] == pytest.approx(0.9)
 

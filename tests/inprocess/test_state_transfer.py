@@ -208,9 +208,16 @@ def test_a_malformed_header_is_refused_before_any_allocation(header: bytes, mess
 
 
 def test_a_skeleton_that_misplaces_tensors_is_refused() -> None:
-    header = json.dumps({"format": 1, "step": 1, "chunk_bytes": 64, "small_bytes": 0,
-                         "skeleton": {"list": [{"tensor": 0}, {"tensor": 0}]},
-                         "tensors": [{"dtype": "float32", "shape": [2]}]}).encode()  # fmt: skip
+    header = json.dumps(
+        {
+            "format": 1,
+            "step": 1,
+            "chunk_bytes": 64,
+            "small_bytes": 0,
+            "skeleton": {"list": [{"tensor": 0}, {"tensor": 0}]},
+            "tensors": [{"dtype": "float32", "shape": [2]}],
+        }
+    ).encode()
 
     def body(rank: int, group: Any) -> Any:
         if rank == 0:

@@ -327,9 +327,9 @@ def test_no_active_rank_left_stops_every_rank_with_restart_abort(tmp_path: Path)
     outcomes = job(scenario, 3, tmp_path, timeout=60)
     assert outcomes[1].returncode == 17 and outcomes[2].returncode == 17, details()
     assert outcomes[0].error == "RestartAbort", details()
-    assert "the rank assignment left no active rank in iteration 2 (world size 1)" in outcomes[0].report[
-        "error_message"
-    ], details()
+    assert (
+        "the rank assignment left no active rank in iteration 2 (world size 1)" in outcomes[0].report["error_message"]
+    ), details()
 
 
 def test_two_faults_at_once_cause_one_restart(tmp_path: Path) -> None:

@@ -213,7 +213,13 @@ def test_one_outcome_per_iteration(tcp_store: dist.Store) -> None:
     assert interrupted.arrive_and_wait(COMPLETION_BARRIER, [0], 1, seconds(1)) == INTERRUPTED
     (record,) = interrupted.interruptions()
     assert abs(record.time - time.time()) < 60  # when it was recorded: what elastic-ft status shows
-    assert (record.rank, record.kind, record.message, record.step, record.origin) == (1, "RuntimeError", "boom", None, None)
+    assert (record.rank, record.kind, record.message, record.step, record.origin) == (
+        1,
+        "RuntimeError",
+        "boom",
+        None,
+        None,
+    )
 
     # A corrupt line (another writer, a forged value) is skipped: the monitor thread reads
     # these records on its way to a restart, so one bad line must not stop it.

@@ -212,8 +212,13 @@ def train(pg_store: dist.Store, call_wrapper: CallWrapper | None = None) -> dict
     assert call_wrapper is not None
     iteration = call_wrapper.iteration
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    call = {"iteration": iteration, "rank": rank, "world_size": world_size, "optimizer_steps": call_wrapper.step,
-            "entered": time.time()}  # fmt: skip
+    call = {
+        "iteration": iteration,
+        "rank": rank,
+        "world_size": world_size,
+        "optimizer_steps": call_wrapper.step,
+        "entered": time.time(),
+    }
     if SCENARIO.get("record_resources"):
         call["resources"] = resources()
     CALLS.append(call)

@@ -222,8 +222,11 @@ def test_a_respawned_worker_the_job_completed_without_is_stopped(
     assert finish([a, b], 90) == [0, 0], logs(nodes)
     assert time.monotonic() - started < 60, "the blocked respawned process held the job"
     both = a.log() + b.log()
-    assert re.search(r"the job completed before respawned rank 4 \(pid \d+\) entered elastic_ft\.Wrapper: "
-                     r"stopping it", both), both  # fmt: skip
+    assert re.search(
+        r"the job completed before respawned rank 4 \(pid \d+\) entered elastic_ft\.Wrapper: "
+        r"stopping it",
+        both,
+    ), both
     assert "failures absorbed by in-process restart: {3: 'pid " in both
     done = read(tmp_path, "done-*.json")
     assert sorted(done) == ["done-0-0", "done-1-0", "done-2-0"]
@@ -250,8 +253,9 @@ def test_node_lost_before_its_workers_entered_the_wrapper_is_followed(
     survivor = a if slow is b else b
     assert survivor.wait(120) == 0, logs(nodes)
     # Killed before its workers entered the Wrapper, or (on a loaded machine) before its agent published them.
-    assert re.search(r"died before (all its workers entered elastic_ft\.Wrapper|publishing its ranks)",
-                     survivor.log()), survivor.log()  # fmt: skip
+    assert re.search(
+        r"died before (all its workers entered elastic_ft\.Wrapper|publishing its ranks)", survivor.log()
+    ), survivor.log()
     done = read(tmp_path, "done-*.json")
     assert len(done) == 2 and {r["result"]["world_size"] for r in done.values()} == {2}
     assert {r["node"] for r in done.values()} == {survivor.tag}
@@ -275,9 +279,18 @@ def test_every_worker_of_a_node_failing_escalates(
     recorded = escalations(etcd, run_id)
     assert len(recorded) == 1 and "every local worker exited" in recorded[0]["reason"]
     table = subprocess.run(
-        [sys.executable, "-m", "elastic_ft.launcher.cli", "status", f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}"],
-        check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "elastic_ft.launcher.cli",
+            "status",
+            f"--rdzv-endpoint={etcd.endpoint}",
+            f"--rdzv-id={run_id}",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     assert "process-level restarts: 1" in table and "every local worker exited with an error" in table
     assert "escalating to a process-level restart (2 of 2 left)" in a.log() + b.log()
 

@@ -181,20 +181,41 @@ def test_status_shows_a_restart_in_progress(etcd: EtcdServer, etcd_client: EtcdC
 
 
 EMPTY_STATUS = {
-    "run": "r", "closed": False, "round": None, "workers": [], "terminated_ranks": [], "in_process_restarts": None,
-    "process_restarts": 0, "escalations": [], "joined_next_round": [], "next_round": 0, "config": None,
-    "malformed": [], "spare_nodes": 0, "active_world_size": None, "respawns": 0, "joined": [], "activations": [],
-}  # fmt: skip
+    "run": "r",
+    "closed": False,
+    "round": None,
+    "workers": [],
+    "terminated_ranks": [],
+    "in_process_restarts": None,
+    "process_restarts": 0,
+    "escalations": [],
+    "joined_next_round": [],
+    "next_round": 0,
+    "config": None,
+    "malformed": [],
+    "spare_nodes": 0,
+    "active_world_size": None,
+    "respawns": 0,
+    "joined": [],
+    "activations": [],
+}
 
 
 def test_status_shows_hot_spares_reserve_ranks_respawns_and_activations() -> None:
     from elastic_ft.launcher.status import render_status
 
     workers = [
-        {"rank": r, "node": "n", "pid": 10 + r, "state": "running", "iteration": 1, "rank_in_iteration": r,
-         "mode": "active" if r < 2 else "reserve"}
+        {
+            "rank": r,
+            "node": "n",
+            "pid": 10 + r,
+            "state": "running",
+            "iteration": 1,
+            "rank_in_iteration": r,
+            "mode": "active" if r < 2 else "reserve",
+        }
         for r in range(3)
-    ]  # fmt: skip
+    ]
     shown = render_status(
         {
             **EMPTY_STATUS,
@@ -242,8 +263,9 @@ def test_status_events_and_timeline_name_an_unknown_run(etcd: EtcdServer, run_id
     assert not (tmp_path / "t.png").exists()
 
 
-def test_events_and_timeline_from_etcd_and_files(etcd: EtcdServer, etcd_client: EtcdClient, run_id: str,
-                                                  tmp_path: Path) -> None:  # fmt: skip
+def test_events_and_timeline_from_etcd_and_files(
+    etcd: EtcdServer, etcd_client: EtcdClient, run_id: str, tmp_path: Path
+) -> None:
     from elastic_ft.etcd.event_log import EventLog
     from elastic_ft.keys import RunKeys
     from elastic_ft.observability.events import JobEvent
@@ -253,10 +275,29 @@ def test_events_and_timeline_from_etcd_and_files(etcd: EtcdServer, etcd_client: 
     empty = cli("timeline", "-o", str(tmp_path / "none.png"), *connection)
     assert empty.returncode == 2 and "has recorded no events yet" in empty.stderr
     log = EventLog(etcd_client, RunKeys("/elastic_ft", run_id))
-    log.append(JobEvent("round_closed", 1700000000.0, run_id, "rendezvous", node="a", round=0,
-                        data={"members": ["a"], "reason": "1 node(s) joined"}))  # fmt: skip
-    log.append(JobEvent("fault_detected", 1700000001.0, run_id, "worker", node="a", rank=1, iteration=0,
-                        data={"kind": "RuntimeError", "message": "boom", "step": 3}))  # fmt: skip
+    log.append(
+        JobEvent(
+            "round_closed",
+            1700000000.0,
+            run_id,
+            "rendezvous",
+            node="a",
+            round=0,
+            data={"members": ["a"], "reason": "1 node(s) joined"},
+        )
+    )
+    log.append(
+        JobEvent(
+            "fault_detected",
+            1700000001.0,
+            run_id,
+            "worker",
+            node="a",
+            rank=1,
+            iteration=0,
+            data={"kind": "RuntimeError", "message": "boom", "step": 3},
+        )
+    )
     shown = cli("events", *connection)
     assert shown.returncode == 0 and "rank 1 iteration 0: fault_detected kind=RuntimeError message=boom" in shown.stdout
     saved = tmp_path / "events.jsonl"

@@ -26,10 +26,27 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 def run(tmp_path: Path, kinds: str, durations: str) -> list[dict]:
     out = tmp_path / "etcd_outages.json"
     done = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--systems", "ftrun", "--kinds", kinds, "--durations", durations,
-         "--repeats", "1", "--after", "10", "--out", str(out)],
-        capture_output=True, text=True, timeout=1500, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(BENCHMARK),
+            "--systems",
+            "ftrun",
+            "--kinds",
+            kinds,
+            "--durations",
+            durations,
+            "--repeats",
+            "1",
+            "--after",
+            "10",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        check=False,
+    )
     assert out.exists(), done.stdout[-5000:] + done.stderr[-5000:]
     rows = json.loads(out.read_text())["runs"]
     for row in rows:

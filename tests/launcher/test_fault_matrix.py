@@ -16,8 +16,9 @@ MATRIX = Path(__file__).resolve().parents[2] / "benchmarks" / "fault_matrix.py"
 @pytest.mark.timeout(1800)  # 12 jobs of 2 nodes x 2 workers, each on its own 3-member etcd
 def test_every_fault_of_the_matrix_passes_its_checks(tmp_path: Path) -> None:
     out = tmp_path / "fault_matrix.json"
-    done = subprocess.run([sys.executable, str(MATRIX), "--out", str(out)], capture_output=True, text=True,
-                          timeout=1800, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(MATRIX), "--out", str(out)], capture_output=True, text=True, timeout=1800, check=False
+    )
     assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
     failed = {run["scenario"]: run["problems"] for run in runs if run["problems"]}

@@ -101,8 +101,13 @@ def test_bad_job_config_file_fails_before_anything_starts(tmp_path: Path) -> Non
     ],
 )
 def test_a_bad_rdzv_conf_is_one_line_and_exit_2_before_anything_starts(tmp_path: Path, conf: str, message: str) -> None:
-    done = subprocess.run([*FTRUN, "--nproc-per-node=1", f"--rdzv-conf={conf}", str(TRAIN)], check=False,
-                          capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
+    done = subprocess.run(
+        [*FTRUN, "--nproc-per-node=1", f"--rdzv-conf={conf}", str(TRAIN)],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()] and done.stderr.startswith(message), done.stderr
     assert "embedded etcd" not in done.stderr
@@ -111,8 +116,14 @@ def test_a_bad_rdzv_conf_is_one_line_and_exit_2_before_anything_starts(tmp_path:
 @pytest.mark.integration
 def test_an_unreachable_etcd_names_the_endpoint_and_what_ftrun_was_doing(tmp_path: Path) -> None:
     closed = free_port()
-    command = [*FTRUN, "--nnodes=2", "--rdzv-id=job1", f"--rdzv-endpoint=127.0.0.1:{closed}",
-               "--rdzv-conf=connect_timeout=1,request_timeout=1", str(TRAIN)]  # fmt: skip
+    command = [
+        *FTRUN,
+        "--nnodes=2",
+        "--rdzv-id=job1",
+        f"--rdzv-endpoint=127.0.0.1:{closed}",
+        "--rdzv-conf=connect_timeout=1,request_timeout=1",
+        str(TRAIN),
+    ]
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 1, done.stderr
     assert done.stderr.startswith(
@@ -128,13 +139,13 @@ def test_an_unreachable_etcd_names_the_endpoint_and_what_ftrun_was_doing(tmp_pat
     [
         (["--metrics-port=70000"], "'70000' is not a TCP port; expected a whole number from 0 to 65535"),
         (["--metrics-port=http"], "'http' is not a TCP port"),
-        (["--record=x", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:1"],
-         "--record and --metrics-port need the etcdft rendezvous, not --rdzv-backend=c10d"),
+        (
+            ["--record=x", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:1"],
+            "--record and --metrics-port need the etcdft rendezvous, not --rdzv-backend=c10d",
+        ),
     ],
-)  # fmt: skip
-def test_bad_observability_flags_fail_before_anything_starts(
-    tmp_path: Path, flags: list[str], message: str
-) -> None:
+)
+def test_bad_observability_flags_fail_before_anything_starts(tmp_path: Path, flags: list[str], message: str) -> None:
     done = subprocess.run([*FTRUN, *flags, str(TRAIN)], check=False, capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert "embedded etcd" not in done.stderr and not (tmp_path / "x").exists()
@@ -148,16 +159,37 @@ def test_stored_job_config_sets_the_worker_count(
     config = tmp_path / "job.yaml"
     config.write_text("nodes: {min: 1, max: 1}\nnproc_per_node: 2\nrendezvous: {last_call_timeout: 0}\n")
     put = subprocess.run(
-        [sys.executable, "-m", "elastic_ft.launcher.cli", "config", "put", str(config),
-         f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}", *([f"--etcd-prefix={prefix}"] if prefix else [])],
-        check=False, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "elastic_ft.launcher.cli",
+            "config",
+            "put",
+            str(config),
+            f"--rdzv-endpoint={etcd.endpoint}",
+            f"--rdzv-id={run_id}",
+            *([f"--etcd-prefix={prefix}"] if prefix else []),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     assert put.returncode == 0, put.stderr
     work = tmp_path / "work"
     # The stored config is read from the run's own prefix (etcd_prefix in --rdzv-conf).
     conf = [f"--rdzv-conf=etcd_prefix={prefix},request_timeout=3"] if prefix else []
-    command = [*FTRUN, f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}", "--monitor-interval=0.1", *conf,
-               str(TRAIN), "--workdir", str(work), "--steps", "3"]  # fmt: skip
+    command = [
+        *FTRUN,
+        f"--rdzv-endpoint={etcd.endpoint}",
+        f"--rdzv-id={run_id}",
+        "--monitor-interval=0.1",
+        *conf,
+        str(TRAIN),
+        "--workdir",
+        str(work),
+        "--steps",
+        "3",
+    ]
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(p.read_text()) for p in sorted(work.glob("done-*.json"))]
@@ -166,8 +198,14 @@ def test_stored_job_config_sets_the_worker_count(
 
 def test_a_malformed_stored_job_config_is_a_clear_error(etcd: EtcdServer, run_id: str, tmp_path: Path) -> None:
     EtcdClient(etcd.endpoints).put(f"/elastic_ft/{run_id}/config", b'{"nodes": {"min": 1e400}}')
-    command = [*FTRUN, f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}", str(TRAIN), "--workdir",
-               str(tmp_path)]  # fmt: skip
+    command = [
+        *FTRUN,
+        f"--rdzv-endpoint={etcd.endpoint}",
+        f"--rdzv-id={run_id}",
+        str(TRAIN),
+        "--workdir",
+        str(tmp_path),
+    ]
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"the job config stored at /elastic_ft/{run_id}/config is not valid" in done.stderr
@@ -199,8 +237,15 @@ def test_workers_get_wrapper_defaults_from_the_job_config(etcd: EtcdServer, run_
     )
     script = tmp_path / "worker.py"
     script.write_text(WRAPPER_DEFAULTS_SCRIPT)
-    command = [*FTRUN, f"--job-config={config}", f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}",
-               "--monitor-interval=0.1", str(script), str(tmp_path)]  # fmt: skip
+    command = [
+        *FTRUN,
+        f"--job-config={config}",
+        f"--rdzv-endpoint={etcd.endpoint}",
+        f"--rdzv-id={run_id}",
+        "--monitor-interval=0.1",
+        str(script),
+        str(tmp_path),
+    ]
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]

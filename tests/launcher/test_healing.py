@@ -173,7 +173,9 @@ def test_a_respawned_worker_is_healed_when_it_joins(
     nodes: list[TorchrunNode], tmp_path: Path, etcd: EtcdServer, run_id: str
 ) -> None:
     fault = ("--fault", "sigkill", "--fault-rank", "3", "--fault-step", "30", *until_stopped(tmp_path))
-    a, b = (start(nodes, tmp_path, etcd, run_id, tag, *fault, job_config="respawn: {rejoin: at_once}\n") for tag in "AB")
+    a, b = (
+        start(nodes, tmp_path, etcd, run_id, tag, *fault, job_config="respawn: {rejoin: at_once}\n") for tag in "AB"
+    )
     stop_once_started(nodes, tmp_path, lambda event: event["rank"] == 4, 1)  # the respawned process trains
     assert [a.wait(240), b.wait(240)] == [0, 0], logs(nodes, tmp_path)
     done = results(tmp_path)

@@ -31,8 +31,24 @@ def run(tmp_path: Path, scenarios: str, downtime: float = 3.0) -> dict[str, dict
     done = subprocess.run(
         # Each step leaves the CPUs idle for 50 ms, as a step on GPUs does: three simulated hosts of two
         # workers share two cores with the other pytest process, and spinning they took a third of its time.
-        [sys.executable, str(BENCHMARK), "--systems", "ftrun", "--scenarios", scenarios, "--repeats", "1",
-         "--window", "10", "--step-wait", "0.05", "--downtime", str(downtime), "--out", str(out)],
+        [
+            sys.executable,
+            str(BENCHMARK),
+            "--systems",
+            "ftrun",
+            "--scenarios",
+            scenarios,
+            "--repeats",
+            "1",
+            "--window",
+            "10",
+            "--step-wait",
+            "0.05",
+            "--downtime",
+            str(downtime),
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=1500,

@@ -36,8 +36,13 @@ TRAIN = ROOT / "examples" / "train_ftrun.py"
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "elastic_ft.launcher.cli", *args], capture_output=True, text=True,
-                          timeout=120, check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "elastic_ft.launcher.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -56,11 +61,26 @@ def test_a_faulted_job_is_watched_scraped_recorded_and_drawn(tmp_path: Path) -> 
     record = tmp_path / "record"
     log_path = tmp_path / "ftrun.log"
     command = [
-        sys.executable, "-m", "elastic_ft.launcher.ftrun", "--nproc-per-node=3", "--rdzv-id=observed",
-        f"--metrics-port={port}", "--event-log-handler=console", f"--record={record}",
-        str(TRAIN), "--workdir", str(tmp_path / "work"), "--steps", "300",
-        "--fault", "sigkill", "--fault-rank", "1", "--fault-step", "40",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "elastic_ft.launcher.ftrun",
+        "--nproc-per-node=3",
+        "--rdzv-id=observed",
+        f"--metrics-port={port}",
+        "--event-log-handler=console",
+        f"--record={record}",
+        str(TRAIN),
+        "--workdir",
+        str(tmp_path / "work"),
+        "--steps",
+        "300",
+        "--fault",
+        "sigkill",
+        "--fault-rank",
+        "1",
+        "--fault-step",
+        "40",
+    ]
     with log_path.open("w") as out:
         ftrun = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -95,8 +115,12 @@ def test_a_faulted_job_is_watched_scraped_recorded_and_drawn(tmp_path: Path) -> 
         keys = RunKeys("/elastic_ft", "observed")
         console = Console(record=True, width=200, force_terminal=False)
         try:
-            watch(lambda: (collect_status(client, keys), EventLog(client, keys).read().events), 0.1, refreshes=1,
-                  console=console)  # fmt: skip
+            watch(
+                lambda: (collect_status(client, keys), EventLog(client, keys).read().events),
+                0.1,
+                refreshes=1,
+                console=console,
+            )
         finally:
             client.close()
         view = console.export_text()
@@ -135,8 +159,10 @@ def test_a_faulted_job_is_watched_scraped_recorded_and_drawn(tmp_path: Path) -> 
     # One log format; the fault reported once (its text once), not per rank; torch's handler got the events.
     restarts_logged = [line for line in log.splitlines() if "iteration 0 restarts" in line]
     assert len(restarts_logged) == 1 and restarts_logged[0].startswith("W"), restarts_logged
-    assert re.search(r"\): terminated on rank 1: (pid \d+: signal SIGKILL|process \d+ died)(; peer_lost on (rank [02]|ranks \[0, 2\]): [^;]*)?$",
-                     restarts_logged[0]), restarts_logged[0]  # the cause first, the broken connections once  # fmt: skip
+    assert re.search(
+        r"\): terminated on rank 1: (pid \d+: signal SIGKILL|process \d+ died)(; peer_lost on (rank [02]|ranks \[0, 2\]): [^;]*)?$",
+        restarts_logged[0],
+    ), restarts_logged[0]  # the cause first, the broken connections once
     assert not re.search(r"^W.*ended with signal SIGKILL", log, re.MULTILINE)  # the agent does not warn a second time
     torch_events = [json.loads(line) for line in log.splitlines() if line.startswith('{"name": "elastic_ft.')]
     reported = [(e["source"], e["metadata"]["kind"]) for e in torch_events if e["name"] == "elastic_ft.fault_detected"]

@@ -98,8 +98,15 @@ def test_a_sigkilled_ftrun_leaves_nothing_behind(tmp_path: Path) -> None:
 def test_a_sigkilled_torchrun_agent_on_etcdft_takes_its_workers_along(
     etcd: EtcdServer, run_id: str, tmp_path: Path
 ) -> None:
-    launcher = [*torchrun_command(), "--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=etcdft",
-                f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}", "--monitor-interval=0.1"]  # fmt: skip
+    launcher = [
+        *torchrun_command(),
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--rdzv-backend=etcdft",
+        f"--rdzv-endpoint={etcd.endpoint}",
+        f"--rdzv-id={run_id}",
+        "--monitor-interval=0.1",
+    ]
     process, started = _train(launcher, tmp_path)
     assert _names(started).count("eft-monitor") == 2, _names(started)
     seconds, left = _sigkill_and_watch(process, started)
@@ -164,10 +171,10 @@ def test_a_sigkilled_test_driver_leaves_no_etcd_data_or_test_bed_behind(tmp_path
     if bed and (reason := unavailable()) is not None:
         pytest.skip(reason)
     ran, forgotten = tmp_path / "ran", tmp_path / "forgotten"
-    code = DRIVER.format(benchmarks=str(TRAIN.parents[1] / "benchmarks"), ran=str(ran), forgotten=str(forgotten),
-                         bed=bed)  # fmt: skip
-    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)  # fmt: skip
+    code = DRIVER.format(
+        benchmarks=str(TRAIN.parents[1] / "benchmarks"), ran=str(ran), forgotten=str(forgotten), bed=bed
+    )
+    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert driver.stdout is not None
     started = json.loads(driver.stdout.readline())
     members = [pid for pid in descendants(driver.pid) if _names([pid]) == ["etcd"]]
@@ -204,4 +211,4 @@ def test_a_path_holding_a_newline_is_refused_before_anything_is_sent_to_the_reap
 
     reaper = Reaper(NoPipe(), "1:token")  # type: ignore[arg-type]  # a stand-in with no pipe at all
     with pytest.raises(ValueError, match="holds a newline"):
-        reaper.remove_on_exit("/tmp/a\nrun [\"rm\"]")
+        reaper.remove_on_exit('/tmp/a\nrun ["rm"]')

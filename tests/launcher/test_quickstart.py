@@ -37,8 +37,17 @@ def _workers(agent: int) -> list[int]:
 @pytest.mark.solo
 def test_quickstart_survives_a_killed_worker(tmp_path: Path) -> None:
     checkpoint = tmp_path / "quickstart.pt"
-    command = [sys.executable, "-m", "elastic_ft.launcher.ftrun", "--nproc-per-node=3", str(SCRIPT),
-               "--checkpoint", str(checkpoint), "--epochs", "60"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "elastic_ft.launcher.ftrun",
+        "--nproc-per-node=3",
+        str(SCRIPT),
+        "--checkpoint",
+        str(checkpoint),
+        "--epochs",
+        "60",
+    ]
     log = tmp_path / "ftrun.log"
     with log.open("w") as out:
         ftrun = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

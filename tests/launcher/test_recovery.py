@@ -183,9 +183,20 @@ def test_a_joiners_admission_stalls_the_survivors_for_one_planned_restart(
     train on at world size 3 while the new process starts, never waiting for it, and its admission costs them
     one planned restart: one short gap in their steps, and no other restart."""
     codes = run_job(
-        nodes, tmp_path, etcd, run_id,
-        "--fault", "sigkill", "--fault-rank", "1", "--steps", "400", "--step-wait", "0.02", "--record-steps",
-    )  # fmt: skip
+        nodes,
+        tmp_path,
+        etcd,
+        run_id,
+        "--fault",
+        "sigkill",
+        "--fault-rank",
+        "1",
+        "--steps",
+        "400",
+        "--step-wait",
+        "0.02",
+        "--record-steps",
+    )
     assert codes == [0, 0], logs(nodes, tmp_path / "work")
     recorded = sorted(events(tmp_path), key=lambda e: e["t"])
     (fault,) = [e for e in recorded if e["event"] == "fault"]

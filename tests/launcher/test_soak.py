@@ -30,8 +30,20 @@ def test_two_minutes_of_random_faults_are_absorbed(tmp_path: Path) -> None:
     # Every kind of fault at least once in two minutes: evenly weighted.
     done = subprocess.run(
         # Each step leaves the CPUs idle for 50 ms, as a step on GPUs does (see test_network_faults.py).
-        [sys.executable, str(SOAK), "--minutes", "2", "--weights", "1,1,1,1,1,1,1", "--seed", "7", "--step-wait", "0.05",
-         "--out", str(out)],
+        [
+            sys.executable,
+            str(SOAK),
+            "--minutes",
+            "2",
+            "--weights",
+            "1,1,1,1,1,1,1",
+            "--seed",
+            "7",
+            "--step-wait",
+            "0.05",
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=840,

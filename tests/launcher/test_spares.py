@@ -273,9 +273,16 @@ def test_bad_spare_configuration_fails_before_anything_starts(etcd: EtcdServer, 
     ]
     for flags, message in cases:
         command = [
-            *ftrun_command(), "--nnodes=1:2", "--nproc-per-node=1", f"--rdzv-endpoint={etcd.endpoint}",
-            f"--rdzv-id={run_id}", *flags, sys.executable, "-c", "raise SystemExit(3)",
-        ]  # fmt: skip
+            *ftrun_command(),
+            "--nnodes=1:2",
+            "--nproc-per-node=1",
+            f"--rdzv-endpoint={etcd.endpoint}",
+            f"--rdzv-id={run_id}",
+            *flags,
+            sys.executable,
+            "-c",
+            "raise SystemExit(3)",
+        ]
         done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
         assert done.returncode != 0 and done.returncode != 3, done.stderr[-2000:]
         assert message in done.stderr, done.stderr[-3000:]

@@ -44,8 +44,12 @@ PUBLIC_MODULES = (
 
 def _parameters(obj: Any) -> list[str]:
     function = obj.__init__ if inspect.isclass(obj) else obj
-    if inspect.isclass(obj) and "__init__" not in vars(obj) and not any(
-        "__init__" in vars(base) for base in obj.__mro__[1:] if base.__module__.startswith("nvidia_resiliency_ext")
+    if (
+        inspect.isclass(obj)
+        and "__init__" not in vars(obj)
+        and not any(
+            "__init__" in vars(base) for base in obj.__mro__[1:] if base.__module__.startswith("nvidia_resiliency_ext")
+        )
     ):
         return []
     try:

@@ -89,7 +89,9 @@ def test_threaded_finalize_runs_fn_and_bounds_it() -> None:
         ThreadedFinalize(datetime.timedelta(seconds=0.2), release.wait)(FAILED)
     assert time.monotonic() - start < 2
     release.set()
-    assert issubclass(exception.TimeoutError, TimeoutError) and issubclass(exception.TimeoutError, exception.RestartError)
+    assert issubclass(exception.TimeoutError, TimeoutError) and issubclass(
+        exception.TimeoutError, exception.RestartError
+    )
     with pytest.raises(ValueError, match="timeout must be a positive datetime.timedelta, got 5"):
         ThreadedFinalize(5, print)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="fn must be callable"):

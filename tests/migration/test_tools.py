@@ -22,8 +22,20 @@ from elastic_ft.inprocess.tools.inject_fault import (
     register_fault,
 )
 
-NVIDIA_FAULTS = {"GPU_ERROR", "GPU_SLEEP", "WORKLOAD_EXC", "ASYNC_EXC", "SIGNAL_EXC", "OS_ABORT", "LOCK_GIL",
-                 "SEGFAULT", "SIGINT", "SIGKILL", "SIGTERM", "SIGSTOP"}  # fmt: skip
+NVIDIA_FAULTS = {
+    "GPU_ERROR",
+    "GPU_SLEEP",
+    "WORKLOAD_EXC",
+    "ASYNC_EXC",
+    "SIGNAL_EXC",
+    "OS_ABORT",
+    "LOCK_GIL",
+    "SEGFAULT",
+    "SIGINT",
+    "SIGKILL",
+    "SIGTERM",
+    "SIGSTOP",
+}
 
 
 def test_the_fault_names_are_nvidias() -> None:
@@ -75,8 +87,10 @@ def test_an_asynchronous_exception_lands_in_the_main_thread() -> None:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize(("fault", "code"), [("SIGKILL", -signal.SIGKILL), ("SEGFAULT", -signal.SIGSEGV),
-                                             ("OS_ABORT", -signal.SIGABRT), ("SIGNAL_EXC", 3)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("fault", "code"),
+    [("SIGKILL", -signal.SIGKILL), ("SEGFAULT", -signal.SIGSEGV), ("OS_ABORT", -signal.SIGABRT), ("SIGNAL_EXC", 3)],
+)
 def test_process_faults_end_the_process_as_named(fault: str, code: int) -> None:
     script = (
         "import sys, time\n"
@@ -84,8 +98,13 @@ def test_process_faults_end_the_process_as_named(fault: str, code: int) -> None:
         f"inject_fault(faults=(Fault.{fault},), num_faults=1, keep_alive=0, delay=0.05, seed=0)\n"
         "try:\n    time.sleep(10)\nexcept InjectedException:\n    sys.exit(3)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "RANK": "0", "WORLD_SIZE": "1"},
-                          capture_output=True, timeout=60, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "RANK": "0", "WORLD_SIZE": "1"},
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == code, done.stderr[-2000:]
 
 
@@ -101,8 +120,13 @@ def test_lock_gil_holds_the_gil_for_good() -> None:
         "print('alive')\n"
     )
     with pytest.raises(subprocess.TimeoutExpired):
-        subprocess.run([sys.executable, "-c", script], env={**os.environ, "RANK": "0", "WORLD_SIZE": "1"},
-                       capture_output=True, timeout=5, check=False)  # fmt: skip
+        subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "RANK": "0", "WORLD_SIZE": "1"},
+            capture_output=True,
+            timeout=5,
+            check=False,
+        )
 
 
 def test_bad_arguments_name_the_value() -> None:

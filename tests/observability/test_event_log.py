@@ -21,8 +21,9 @@ def progress(run_id: str, rank: int, step: int) -> JobEvent:
 
 
 def fault(run_id: str, rank: int, step: int) -> JobEvent:
-    return JobEvent("fault_detected", 1700000000.0 + step, run_id, "worker", rank=rank,
-                    data={"kind": "RuntimeError", "step": step})  # fmt: skip
+    return JobEvent(
+        "fault_detected", 1700000000.0 + step, run_id, "worker", rank=rank, data={"kind": "RuntimeError", "step": step}
+    )
 
 
 @pytest.fixture
@@ -85,8 +86,9 @@ def proxy(etcd: EtcdServer) -> Iterator[FaultProxy]:
         yield running
 
 
-def test_an_append_whose_answer_is_lost_is_logged_once(etcd_client: EtcdClient, keys: RunKeys,
-                                                       proxy: FaultProxy) -> None:  # fmt: skip
+def test_an_append_whose_answer_is_lost_is_logged_once(
+    etcd_client: EtcdClient, keys: RunKeys, proxy: FaultProxy
+) -> None:
     client = EtcdClient(parse_endpoints(proxy.endpoint), request_timeout=1.0, connect_timeout=5.0)
     try:
         log = EventLog(client, keys)
@@ -105,7 +107,9 @@ def test_forged_slots_are_skipped_and_listed(etcd_client: EtcdClient, keys: RunK
     log.append(fault(keys.run_id, 0, 0))
     etcd_client.put(keys.event_slot(7), b"{not json")
     etcd_client.put(keys.event_slot(8), b'{"name": "rm -rf", "time": 1, "run_id": "x", "source": "worker", "seq": 8}')
-    etcd_client.put(keys.event_slot(9), progress(keys.run_id, 0, 1).to_json().replace('"rank"', '"seq": 9, "rank"').encode())
+    etcd_client.put(
+        keys.event_slot(9), progress(keys.run_id, 0, 1).to_json().replace('"rank"', '"seq": 9, "rank"').encode()
+    )
     etcd_client.put(keys.events_ring() + "x/y", b"{}")
     found = log.read()
     assert [e.data["step"] for e in found.events] == [0]

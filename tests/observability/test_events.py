@@ -22,8 +22,17 @@ def event(name: str, t: float, **fields: object) -> JobEvent:
 
 
 def test_an_event_round_trips_through_json_and_torch() -> None:
-    original = event("fault_detected", 1700000000.5, node="n0", round=2, iteration=1, rank=3, kind="RuntimeError",
-                     message="boom", step=30)  # fmt: skip
+    original = event(
+        "fault_detected",
+        1700000000.5,
+        node="n0",
+        round=2,
+        iteration=1,
+        rank=3,
+        kind="RuntimeError",
+        message="boom",
+        step=30,
+    )
     back = JobEvent.from_json(original.to_json())
     assert back == original
     torch_event = original.to_torch()
@@ -93,22 +102,36 @@ def test_one_fault_seen_by_every_rank_is_reported_once_with_its_ranks() -> None:
 def test_the_timeline_model_holds_what_the_picture_draws() -> None:
     events = [
         event("round_closed", 0.0, round=0, members=["a", "b"], reason="2 joined"),
-        *[event("iteration_started", 1.0 + r / 10, rank=r, iteration=0, active_world_size=4, world_size=6, step=0)
-          for r in range(6)],
+        *[
+            event("iteration_started", 1.0 + r / 10, rank=r, iteration=0, active_world_size=4, world_size=6, step=0)
+            for r in range(6)
+        ],
         event("progress", 2.0, rank=0, iteration=0, step=20),
         event("fault_detected", 3.0, rank=3, source="agent", kind="process_died", message="pid 1: SIGKILL"),
         event("node_died", 3.1, node="b", ranks=[2, 3], reporter="a"),
         event("fault_detected", 3.05, rank=0, iteration=0, kind="peer_lost", message="Connection reset by peer"),
         event("restart_decided", 3.6, rank=0, iteration=0, fault_time=3.0, kind="terminated", faults=[]),
         event("spare_activated", 3.8, rank=4, iteration=1),
-        *[event("iteration_started", 3.9, rank=r, iteration=1, active_world_size=4, world_size=4, step=20)
-          for r in (0, 1, 4, 5)],
+        *[
+            event("iteration_started", 3.9, rank=r, iteration=1, active_world_size=4, world_size=4, step=20)
+            for r in (0, 1, 4, 5)
+        ],
         event("escalated", 9.0, round=0, reason="x"),
         event("progress", 10.0, rank=4, iteration=1, step=60),
     ]
     timeline = build_timeline(events)
-    assert timeline.counts() == {"faults": 2, "broken_connections": 1, "restarts": 1, "escalations": 1, "rounds": 1,
-                                 "activations": 1, "respawns": 0, "ranks": 6, "world_changes": 1, "etcd_outages": 0}  # fmt: skip
+    assert timeline.counts() == {
+        "faults": 2,
+        "broken_connections": 1,
+        "restarts": 1,
+        "escalations": 1,
+        "rounds": 1,
+        "activations": 1,
+        "respawns": 0,
+        "ranks": 6,
+        "world_changes": 1,
+        "etcd_outages": 0,
+    }
     (restart,) = timeline.restarts
     assert (restart.start, restart.end) == (3.0, 3.9)
     assert timeline.progress[4] == [(1.4, 0), (3.9, 20), (10.0, 60)]

@@ -80,8 +80,13 @@ def test_the_latency_is_observed_whichever_end_reaches_the_log_first() -> None:
 def test_the_endpoint_serves_the_metrics_over_http_as_events_arrive() -> None:
     arrived: list[JobEvent] = []
     metrics = JobMetrics("a", lambda: ({"put": 1}, {}))
-    endpoint = MetricsEndpoint(metrics, free_port("127.0.0.1"), lambda after: [e for e in arrived
-                               if after is None or (e.seq or 0) > after], interval=0.05, addr="127.0.0.1")  # fmt: skip
+    endpoint = MetricsEndpoint(
+        metrics,
+        free_port("127.0.0.1"),
+        lambda after: [e for e in arrived if after is None or (e.seq or 0) > after],
+        interval=0.05,
+        addr="127.0.0.1",
+    )
     endpoint.start()
     try:
         arrived.extend(JOB[:5])
@@ -99,20 +104,49 @@ def test_the_endpoint_serves_the_metrics_over_http_as_events_arrive() -> None:
 
 
 STATUS = {
-    "run": "job42", "closed": False, "round": 0, "rounds_completed": 1, "master": "h:1", "next_round": 1,
-    "members": [{"rank": 0, "node": "a", "host": "h1", "pid": 10, "state": "alive"},
-                {"rank": 1, "node": "b", "host": "h2", "pid": 11, "state": "dead"}],
-    "joined_next_round": [], "config": None, "terminated_ranks": [2, 3], "in_process_restarts": 1,
-    "workers": [{"rank": 0, "node": "a", "pid": 20, "state": "running", "iteration": 1, "rank_in_iteration": 0,
-                 "mode": "active"},
-                {"rank": 2, "node": "b", "pid": 22, "state": "node dead", "iteration": 0, "rank_in_iteration": 2,
-                 "mode": None}],
-    "restart_in_progress": {"iteration": 1, "interrupted_at": 1700000000.0, "waiting_for": [5],
-                            "interruptions": [{"rank": 1, "initial_rank": 1, "kind": "RuntimeError",
-                                               "message": "boom", "time": 1700000000.0}]},
-    "spare_nodes": 1, "active_world_size": 4, "respawns": 0, "joined": [], "activations": [],
-    "process_restarts": 0, "escalations": [], "malformed": [],
-}  # fmt: skip
+    "run": "job42",
+    "closed": False,
+    "round": 0,
+    "rounds_completed": 1,
+    "master": "h:1",
+    "next_round": 1,
+    "members": [
+        {"rank": 0, "node": "a", "host": "h1", "pid": 10, "state": "alive"},
+        {"rank": 1, "node": "b", "host": "h2", "pid": 11, "state": "dead"},
+    ],
+    "joined_next_round": [],
+    "config": None,
+    "terminated_ranks": [2, 3],
+    "in_process_restarts": 1,
+    "workers": [
+        {
+            "rank": 0,
+            "node": "a",
+            "pid": 20,
+            "state": "running",
+            "iteration": 1,
+            "rank_in_iteration": 0,
+            "mode": "active",
+        },
+        {"rank": 2, "node": "b", "pid": 22, "state": "node dead", "iteration": 0, "rank_in_iteration": 2, "mode": None},
+    ],
+    "restart_in_progress": {
+        "iteration": 1,
+        "interrupted_at": 1700000000.0,
+        "waiting_for": [5],
+        "interruptions": [
+            {"rank": 1, "initial_rank": 1, "kind": "RuntimeError", "message": "boom", "time": 1700000000.0}
+        ],
+    },
+    "spare_nodes": 1,
+    "active_world_size": 4,
+    "respawns": 0,
+    "joined": [],
+    "activations": [],
+    "process_restarts": 0,
+    "escalations": [],
+    "malformed": [],
+}
 
 
 def test_the_live_view_shows_nodes_ranks_the_restart_and_recent_events() -> None:
@@ -123,7 +157,9 @@ def test_the_live_view_shows_nodes_ranks_the_restart_and_recent_events() -> None
     text = console.export_text()
     assert "run job42" in text and "in-process restarts 1" in text
     assert "dead" in text and "node dead" in text
-    assert "restart in progress" in text and "by rank 1 (RuntimeError): boom" in text and "waiting for ranks: [5]" in text
+    assert (
+        "restart in progress" in text and "by rank 1 (RuntimeError): boom" in text and "waiting for ranks: [5]" in text
+    )
     assert "terminated ranks [2, 3]" in text and "spare nodes 1" in text
     assert "rank 3: fault_detected kind=process_died" in text and "respawned" in text
     assert re.search(r"^│ \d\d:\d\d:\d\d\.250 │ worker", text, re.MULTILINE)  # wall-clock times, to the millisecond

@@ -14,8 +14,9 @@ from elastic_ft.observability.outages import describe_outage, outages
 from elastic_ft.observability.timeline import build_timeline
 
 
-def event(name: str, t: float, *, node: str = "n0", rank: int | None = None, source: str = "agent",
-          **data: object) -> JobEvent:  # fmt: skip
+def event(
+    name: str, t: float, *, node: str = "n0", rank: int | None = None, source: str = "agent", **data: object
+) -> JobEvent:
     return JobEvent(name=name, time=t, run_id="run", source=source, node=node, rank=rank, data=data)
 
 

@@ -50,8 +50,9 @@ def test_events_reach_torchs_handler_and_the_run_log_in_order(
     assert sink.close(timeout=10)
     stored = EventLog(etcd_client, keys).read().events
     assert [(e.name, e.source, e.node) for e in stored] == [
-        ("workers_started", "agent", "n0"), ("fault_detected", "worker", "n0")
-    ]  # fmt: skip
+        ("workers_started", "agent", "n0"),
+        ("fault_detected", "worker", "n0"),
+    ]
     assert [r["name"] for r in torch_handler.records] == ["elastic_ft.workers_started", "elastic_ft.fault_detected"]
     assert torch_handler.records[1]["metadata"]["rank"] == 1 and torch_handler.records[1]["source"] == "WORKER"
 
@@ -136,8 +137,12 @@ def test_the_workers_hand_off_is_checked() -> None:
     handoff = EventsHandoff("/elastic_ft", "run", "node0", 4096, "console", 0.5)
     assert EventsHandoff.from_env(handoff.to_env()) == handoff
     assert EventsHandoff.from_env({}) is None
-    for bad in ('{"etcd_prefix": 1}', "not json", json.dumps({**handoff.__dict__, "capacity": 0}),
-                json.dumps({**handoff.__dict__, "progress_interval": -1})):  # fmt: skip
+    for bad in (
+        '{"etcd_prefix": 1}',
+        "not json",
+        json.dumps({**handoff.__dict__, "capacity": 0}),
+        json.dumps({**handoff.__dict__, "progress_interval": -1}),
+    ):
         with pytest.raises(ValueError, match="ELASTIC_FT_EVENTS"):
             EventsHandoff.from_env({"ELASTIC_FT_EVENTS": bad})
 

@@ -165,8 +165,13 @@ def test_every_problem_is_named_at_once_not_the_first_only() -> None:
         settings(run_id="round", lease_ttl="2.5", events_kept="0", protocol="ftp", bogus="1")
     message = str(raised.value)
     assert message.startswith("5 rendezvous settings are invalid: (1) "), message
-    for part in ("protocol='ftp'", "unknown etcdft rdzv conf key(s) 'bogus'", "rdzv id 'round'",
-                 "lease_ttl='2.5' is not whole", "events_kept='0'"):  # fmt: skip
+    for part in (
+        "protocol='ftp'",
+        "unknown etcdft rdzv conf key(s) 'bogus'",
+        "rdzv id 'round'",
+        "lease_ttl='2.5' is not whole",
+        "events_kept='0'",
+    ):
         assert part in message, (part, message)
     # Dependent checks are not piled on a value already reported: a bad max_nodes is one problem.
     with pytest.raises(RendezvousConfigError) as raised:

@@ -464,9 +464,18 @@ def test_etcd_away_during_a_join_is_waited_out_until_join_timeout(run_id: str) -
 @pytest.mark.integration
 def test_a_join_completes_across_an_etcd_restart(run_id: str) -> None:
     with EtcdCluster(members=1) as own_etcd:
-        settings = {"run_id": run_id, "endpoint": own_etcd.endpoint, "min_nodes": 2, "max_nodes": 2,
-                    "local_addr": "127.0.0.1", "connect_timeout": 2, "request_timeout": 1, "lease_ttl": 5,
-                    "last_call_timeout": 0.2, "join_timeout": 60}  # fmt: skip
+        settings = {
+            "run_id": run_id,
+            "endpoint": own_etcd.endpoint,
+            "min_nodes": 2,
+            "max_nodes": 2,
+            "local_addr": "127.0.0.1",
+            "connect_timeout": 2,
+            "request_timeout": 1,
+            "lease_ttl": 5,
+            "last_call_timeout": 0.2,
+            "join_timeout": 60,
+        }
         first = EtcdftRendezvousHandler(make_settings(**settings))
         thread, box = in_background(first)
         time.sleep(0.5)  # joined, waiting for a second node

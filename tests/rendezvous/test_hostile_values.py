@@ -62,8 +62,16 @@ def test_a_malformed_result_is_left_out_and_named(value: bytes) -> None:
 
 
 def _settings(etcd: EtcdServer, run_id: str) -> dict:
-    return {"run_id": run_id, "endpoint": etcd.endpoint, "local_addr": "127.0.0.1", "min_nodes": 2, "max_nodes": 2,
-            "last_call_timeout": 0.3, "lease_ttl": 2, "join_timeout": 30}  # fmt: skip
+    return {
+        "run_id": run_id,
+        "endpoint": etcd.endpoint,
+        "local_addr": "127.0.0.1",
+        "min_nodes": 2,
+        "max_nodes": 2,
+        "last_call_timeout": 0.3,
+        "lease_ttl": 2,
+        "join_timeout": 30,
+    }
 
 
 def test_running_and_new_nodes_survive_malformed_keys(etcd: EtcdServer, etcd_client: EtcdClient, run_id: str) -> None:
@@ -116,18 +124,39 @@ def test_status_lists_malformed_records_instead_of_failing(
         for key, value in forged.items():
             etcd_client.put(key, value)
         done = subprocess.run(
-            [sys.executable, "-m", "elastic_ft.launcher.cli", "status", "--json", f"--rdzv-endpoint={etcd.endpoint}",
-             f"--rdzv-id={run_id}"], capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "elastic_ft.launcher.cli",
+                "status",
+                "--json",
+                f"--rdzv-endpoint={etcd.endpoint}",
+                f"--rdzv-id={run_id}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr
         assert "Traceback" not in done.stderr
         status = json.loads(done.stdout)
         assert {entry["key"] for entry in status["malformed"]} == set(forged)
         assert status["round"] == 0 and len(status["members"]) == 2 and status["config"] is None
         table = subprocess.run(
-            [sys.executable, "-m", "elastic_ft.launcher.cli", "status", f"--rdzv-endpoint={etcd.endpoint}",
-             f"--rdzv-id={run_id}"], capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "elastic_ft.launcher.cli",
+                "status",
+                f"--rdzv-endpoint={etcd.endpoint}",
+                f"--rdzv-id={run_id}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert table.returncode == 0 and "Traceback" not in table.stderr
         assert table.stdout.count("malformed, ignored:") == len(forged)
     finally:

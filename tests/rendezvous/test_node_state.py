@@ -15,8 +15,9 @@ ME = "me"
 
 
 def _board(monitor: str = "m", *, round_: int = 3, dead: tuple[str, ...] = (), left: tuple[str, ...] = ()) -> Board:
-    return Board(monitor, round_ + 1, None, ClosedRound(round_, 4, "h", 1, 1), dead=dead, left=left,
-                 monitor_member=True)  # fmt: skip
+    return Board(
+        monitor, round_ + 1, None, ClosedRound(round_, 4, "h", 1, 1), dead=dead, left=left, monitor_member=True
+    )
 
 
 def _member(number: int = 3) -> node_state.NodeState:
@@ -107,8 +108,12 @@ def test_joins_places_and_withdrawals() -> None:
     assert node_state.new_session(node_state.joined(state, 1, 5, 13.0)).joined_round is None
     late = node_state.joined_late(node_state.joined(state, 1, 5, 13.0), 0, place=3, lease=6)
     assert (late.member_round, late.member_of, late.late_place, late.joined_round, late.announced_with) == (
-        0, None, 3, None, 6,
-    )  # fmt: skip
+        0,
+        None,
+        3,
+        None,
+        6,
+    )
     # A later round's close makes it a member by rank again, not a late one.
     assert node_state.ranked(late, 1).late_place is None
 

@@ -36,9 +36,20 @@ def auth_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EtcdSe
 
 
 def _handler(server: EtcdServer, run_id: str, password_file: Path, **conf: object) -> EtcdftRendezvousHandler:
-    settings = make_settings(run_id=run_id, endpoint=server.endpoint, min_nodes=2, max_nodes=2,
-                             local_addr="127.0.0.1", user="alice", password_file=str(password_file),
-                             last_call_timeout=0.3, lease_ttl=2, connect_timeout=2, request_timeout=1, **conf)  # fmt: skip
+    settings = make_settings(
+        run_id=run_id,
+        endpoint=server.endpoint,
+        min_nodes=2,
+        max_nodes=2,
+        local_addr="127.0.0.1",
+        user="alice",
+        password_file=str(password_file),
+        last_call_timeout=0.3,
+        lease_ttl=2,
+        connect_timeout=2,
+        request_timeout=1,
+        **conf,
+    )
     return EtcdftRendezvousHandler(settings)
 
 
@@ -59,16 +70,35 @@ def test_a_user_limited_to_its_run_completes_the_rendezvous_and_uses_the_store(
         time.sleep(3)  # beyond --auth-token-ttl: the next requests must authenticate again, unseen
         assert infos[1].store.add("n", 1) == 3
         # The worker hand-off carries the password file's path, never the password.
-        handoff = StoreHandoff(tuple(server.endpoints), handlers[0].round_store_prefix(0), handlers[0].settings.tls,
-                               2.0, 1.0, 10.0, handlers[0].settings.credentials)  # fmt: skip
+        handoff = StoreHandoff(
+            tuple(server.endpoints),
+            handlers[0].round_store_prefix(0),
+            handlers[0].settings.tls,
+            2.0,
+            1.0,
+            10.0,
+            handlers[0].settings.credentials,
+        )
         environment = handoff.to_env()
         assert PASSWORD not in environment[STORE_ENV] and str(password_file) in environment[STORE_ENV]
         assert StoreHandoff.from_env(environment) == handoff
         status = subprocess.run(
-            [sys.executable, "-m", "elastic_ft.launcher.cli", "status", "--json", f"--rdzv-endpoint={server.endpoint}",
-             "--rdzv-id=alice-run", "--user=alice", f"--password-file={password_file}"],
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "elastic_ft.launcher.cli",
+                "status",
+                "--json",
+                f"--rdzv-endpoint={server.endpoint}",
+                "--rdzv-id=alice-run",
+                "--user=alice",
+                f"--password-file={password_file}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout)["round"] == 0
         assert PASSWORD not in status.stdout + status.stderr
@@ -96,8 +126,9 @@ def test_a_wrong_password_is_refused_clearly(auth_etcd: tuple[EtcdServer, Path],
 
 def test_a_client_without_credentials_is_refused(auth_etcd: tuple[EtcdServer, Path]) -> None:
     server, _ = auth_etcd
-    settings = make_settings(run_id="alice-run", endpoint=server.endpoint, min_nodes=1, max_nodes=1,
-                             connect_timeout=1, request_timeout=1)  # fmt: skip
+    settings = make_settings(
+        run_id="alice-run", endpoint=server.endpoint, min_nodes=1, max_nodes=1, connect_timeout=1, request_timeout=1
+    )
     with pytest.raises(RendezvousConnectionError, match="user name is empty|permission denied for a client without"):
         EtcdftRendezvousHandler(settings)
 

@@ -132,8 +132,15 @@ def test_ftrun_exchanges_the_job_config_over_client_certificate_tls(
     config = load_job_config("nodes: {min: 2, max: 3}\nnproc_per_node: 4\n")
     assert _exchange_job_config(args, config) == config  # stored
     assert _exchange_job_config(args, None) == config  # read back by another node
-    settings = make_settings(run_id=run_id, endpoint=tls_etcd.endpoint, min_nodes=1, max_nodes=1, cacert=tls.cacert,
-                             cert=tls.cert, key=tls.key)  # fmt: skip
+    settings = make_settings(
+        run_id=run_id,
+        endpoint=tls_etcd.endpoint,
+        min_nodes=1,
+        max_nodes=1,
+        cacert=tls.cacert,
+        cert=tls.cert,
+        key=tls.key,
+    )
     client = EtcdClient(settings.endpoints, tls=settings.tls)
     assert client.get(f"/tls_jobs/{run_id}/config")[0] is not None  # under the run's own prefix
     client.close()

@@ -40,9 +40,17 @@ def test_torch_registry_creates_etcdft_handler(etcd: EtcdServer, run_id: str) ->
 
 
 def start(
-    nodes: list[TorchrunNode], tmp_path: Path, etcd: EtcdServer, run_id: str, tag: str, *, steps: int,
-    nnodes: str = "1:2", nproc: int = 1, step_time: float = 0.05,
-) -> TorchrunNode:  # fmt: skip
+    nodes: list[TorchrunNode],
+    tmp_path: Path,
+    etcd: EtcdServer,
+    run_id: str,
+    tag: str,
+    *,
+    steps: int,
+    nnodes: str = "1:2",
+    nproc: int = 1,
+    step_time: float = 0.05,
+) -> TorchrunNode:
     node = TorchrunNode(
         tag,
         endpoint=etcd.endpoint,

@@ -14,8 +14,10 @@ from elastic_ft.runtime.torch_compat import TESTED, UnsupportedTorchError, check
 
 PACKAGE = Path(torch_compat.__file__).resolve().parents[1]  # the whole elastic_ft package
 #: torch internals (private members) only torch_compat may name.
-INTERNALS = re.compile(r"distributed_c10d\._world|\._remaining_restarts|\._pcontext\b|\._exit_barrier_timeout|"
-                       r"subprocess_handlers\[[^]]*\]\s*=|\._get_backend\(|setattr\([^,]+, .LocalElasticAgent.")  # fmt: skip
+INTERNALS = re.compile(
+    r"distributed_c10d\._world|\._remaining_restarts|\._pcontext\b|\._exit_barrier_timeout|"
+    r"subprocess_handlers\[[^]]*\]\s*=|\._get_backend\(|setattr\([^,]+, .LocalElasticAgent."
+)
 
 
 @pytest.mark.parametrize(
@@ -51,7 +53,9 @@ def test_the_installed_torch_is_a_tested_one() -> None:
 
 def test_an_internal_torch_removed_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(SimpleElasticAgent, "_exit_barrier")
-    with pytest.raises(UnsupportedTorchError, match=r"lacks what elastic-ft relies on: SimpleElasticAgent\._exit_barrier"):
+    with pytest.raises(
+        UnsupportedTorchError, match=r"lacks what elastic-ft relies on: SimpleElasticAgent\._exit_barrier"
+    ):
         check_torch.__wrapped__()
 
 

@@ -157,7 +157,6 @@ def _decode_table(raw: bytes, ranks: int, width: int, what: str, table_key: str)
         ) from None
 
 
-
 @runtime_checkable
 class KeyExchangeStore(Protocol):
     """A store with NVIDIA's ``StoreMixin`` key methods: it keeps every rank's grouping keys, the failed

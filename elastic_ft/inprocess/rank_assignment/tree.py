@@ -117,9 +117,7 @@ class Tree(RankAssignment):
             if any(other in self._topology.ranks for other in terminated):
                 # A store that holds the failed ranks' keys too (NVIDIA's protocol) built them into
                 # the tree: they fail now, with replacements, as in a later call.
-                self._assignment = reassign_tree(
-                    self._topology, self._assignment, terminated, self.world_size_filter
-                )
+                self._assignment = reassign_tree(self._topology, self._assignment, terminated, self.world_size_filter)
         else:
             previous = self._assignment
             expected_rank = previous.rank_of(self._position)

@@ -179,8 +179,12 @@ _register(Fault.SEGFAULT, lambda: ctypes.string_at(1))
 _register(Fault.OS_ABORT, os.abort)
 _register(Fault.GPU_ERROR, _gpu_error)
 _register(Fault.GPU_SLEEP, _gpu_sleep)
-for _fault, _signum in ((Fault.SIGINT, signal.SIGINT), (Fault.SIGTERM, signal.SIGTERM),
-                        (Fault.SIGKILL, signal.SIGKILL), (Fault.SIGSTOP, signal.SIGSTOP)):  # fmt: skip
+for _fault, _signum in (
+    (Fault.SIGINT, signal.SIGINT),
+    (Fault.SIGTERM, signal.SIGTERM),
+    (Fault.SIGKILL, signal.SIGKILL),
+    (Fault.SIGSTOP, signal.SIGSTOP),
+):
     _register(_fault, functools.partial(_signal_self, _signum))
 register_fault(Fault.SIGNAL_EXC, _signal_exception)
 
@@ -188,8 +192,9 @@ register_fault(Fault.SIGNAL_EXC, _signal_exception)
 def _range(value: Any, name: str, kind: type) -> tuple[Any, Any]:
     low, high = (value, value) if isinstance(value, kind) and not isinstance(value, bool) else tuple(value)
     if low > high or low < 0:
-        raise ValueError(f"inject_fault {name}={value!r} is invalid; expected a {kind.__name__} or (low, high), "
-                         "0 <= low <= high")  # fmt: skip
+        raise ValueError(
+            f"inject_fault {name}={value!r} is invalid; expected a {kind.__name__} or (low, high), 0 <= low <= high"
+        )
     return low, high
 
 
