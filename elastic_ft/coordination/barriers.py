@@ -34,28 +34,15 @@ from elastic_ft import keys
 from elastic_ft.coordination.errors import BarrierOverflow, BarrierTimeout
 from elastic_ft.etcd.outage import bounded, grace
 from elastic_ft.etcd.shield import shield
+from elastic_ft.runtime.waits import pause, poll
 
 #: How long a barrier that timed out may still take to read how many ranks arrived, for its error.
 _COUNT_GRACE = 2.0
 #: A barrier timeout meaning "arrive, do not wait".
 NO_WAIT = datetime.timedelta(0)
-_POLL_FIRST = 0.0005
-_POLL_MAX = 0.02
 
 #: The Wrapper's logger covers its records (``elastic_ft.inprocess``); the node side logs them there too.
 log = logging.getLogger("elastic_ft.inprocess.store")
-
-
-def poll(predicate: Callable[[], bool], timeout: float | None, interval_max: float = _POLL_MAX) -> bool:
-    """Call ``predicate`` with a growing pause until it is true; False on timeout (``None``: never)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    pause = _POLL_FIRST
-    while not predicate():
-        if deadline is not None and time.monotonic() >= deadline:
-            return False
-        time.sleep(pause)
-        pause = min(pause * 2, interval_max)
-    return True
 
 
 class KeyWatch(Protocol):
@@ -182,7 +169,7 @@ def _await_watch(watch: KeyWatch, look: Callable[[], bool], limit: float | None)
         if left <= 0:
             return False, None
         if watch.broken:  # no watch left: the look reads, at most once a slice
-            time.sleep(left)
+            pause(left)
             continue
         with shield():  # a restart raised inside the event's wait could leave its lock held (elastic_ft.etcd.shield)
             watch.appeared.wait(left)

@@ -28,6 +28,7 @@ from elastic_ft.coordination.fault_records import (
 )
 from elastic_ft.coordination.job import JOINED_MAX, admit_joiners, admitted_joiners, job_store
 from elastic_ft.keys import COMPLETION_BARRIER, HEAL_BARRIER, ITERATION_BARRIER, TERMINATION_BARRIER
+from elastic_ft.runtime.waits import poll
 from elastic_ft.untrusted import MalformedRecord, SkipLog, is_count, json_object
 
 _SKIPPED = SkipLog(log)
@@ -118,13 +119,8 @@ class IterationRecords(Barriers):
             except dist.DistStoreError:
                 return None
             return self.outcome()
-        deadline = time.monotonic() + timeout
-        while (outcome := self.outcome()) is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            time.sleep(min(poll_interval, remaining))
-        return outcome
+        poll(lambda: self.outcome() is not None, timeout, interval_max=poll_interval, interval_first=poll_interval)
+        return self.outcome()
 
     def record_interruption(
         self,

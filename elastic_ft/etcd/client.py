@@ -55,6 +55,7 @@ from elastic_ft.etcd.kv import (
 from elastic_ft.etcd.outage import OUTAGES, current_bound, time_left
 from elastic_ft.etcd.shield import shield, shielded
 from elastic_ft.etcd.watch import EtcdWatch, KeepAliveStream, Stream, WatchStream
+from elastic_ft.runtime.waits import pause
 
 __all__ = [
     "EtcdClient",
@@ -91,6 +92,8 @@ _CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 _RETRYABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+#: The longest pause between two tries of a request while its time lasts.
+_RETRY_PAUSE = 0.2
 
 
 def _token_rejected(error: grpc.RpcError) -> bool:
@@ -391,7 +394,7 @@ class EtcdClient:
                 if last_error is not None and self.answered_once:
                     OUTAGES.failed(self.describe_endpoints(), detail)
                 raise error from last_error
-            time.sleep(min(0.2, left))
+            pause(min(_RETRY_PAUSE, left))
 
     # ---- requests ----
 

@@ -6,7 +6,7 @@ quorum, as Kubernetes' kubelets keep their pods running while the API server
 is away. So a caller that needs etcd and finds it unreachable does not fail:
 
 * it waits, retrying with capped exponential backoff and jitter
-  (:class:`Backoff`), for as long as its own bound allows, and no longer:
+  (:class:`~elastic_ft.runtime.waits.Backoff`), for as long as its own bound allows, and no longer:
   a bound the user set (a join's ``join_timeout``, a restart's
   ``barrier_timeout``, a store's timeout) is set around the wait with
   :func:`bounded`, and every etcd request inside it is capped by what is left
@@ -27,49 +27,17 @@ import contextlib
 import contextvars
 import dataclasses
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from elastic_ft.etcd.kv import EtcdUnavailableError
+from elastic_ft.runtime.waits import Backoff
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-#: The first pause of a backoff, and the longest: a caller is back within about a second of etcd's return.
-BACKOFF_FIRST = 0.05
-BACKOFF_CAP = 1.0
-
-
-class Backoff:
-    """Pauses that double from ``first`` up to ``cap``, each drawn from its upper half ("equal jitter").
-
-    The jitter spreads the retries of many processes that lost etcd at the
-    same moment, so that its return is not met by all of them at once; the
-    fixed half keeps a retry from coming at once after a failure.
-    """
-
-    def __init__(
-        self, first: float = BACKOFF_FIRST, cap: float = BACKOFF_CAP, rng: random.Random | None = None
-    ) -> None:
-        if not 0 < first <= cap:
-            raise ValueError(f"Backoff needs 0 < first <= cap, got first={first}, cap={cap}")
-        self.first, self.cap = first, cap
-        self._ceiling = first
-        self._rng = rng or random.Random()
-
-    def next(self) -> float:
-        """The next pause, in seconds."""
-        ceiling = self._ceiling
-        self._ceiling = min(self.cap, ceiling * 2)
-        return ceiling / 2 + self._rng.uniform(0, ceiling / 2)
-
-    def reset(self) -> None:
-        self._ceiling = self.first
-
 
 # ---- bounds -------------------------------------------------------------------------------------------------
 
@@ -143,7 +111,7 @@ def patiently(call: Callable[[], T], what: str, *, seconds: float | None = None)
                 return call()
             except EtcdUnavailableError as error:
                 if bound is None:
-                    time.sleep(backoff.next())
+                    backoff.pause()
                     continue
                 left = bound.deadline - time.monotonic()
                 if left <= 0:
@@ -151,7 +119,7 @@ def patiently(call: Callable[[], T], what: str, *, seconds: float | None = None)
                         f"{what}: etcd was unreachable for the last {time.monotonic() - started:.1f} s, and "
                         f"{bound.what} ended: {error}"
                     ) from error
-                time.sleep(min(backoff.next(), left))
+                backoff.pause(left)
 
 
 # ---- one record of each outage, per process ---------------------------------------------------------------

@@ -27,6 +27,7 @@ from elastic_ft.etcd.endpoints import EtcdEndpoint, TlsFiles
 from elastic_ft.etcd.kv import EtcdUnavailableError
 from elastic_ft.runtime.net import free_port
 from elastic_ft.runtime.reaper import current_reaper
+from elastic_ft.runtime.waits import pause
 
 
 class EtcdBinaryNotFoundError(FileNotFoundError):
@@ -69,6 +70,8 @@ def etcd_version(binary: str) -> tuple[int, int, int]:
 #: How many times :meth:`EtcdServer.start` picks new ports when another process took one first.
 PORT_ATTEMPTS = 3
 _PORT_TAKEN = "bind: address already in use"
+#: How often a starting member is asked whether it answers.
+_READY_POLL = 0.05
 
 
 class EtcdPortTaken(RuntimeError):
@@ -235,7 +238,7 @@ class EtcdServer:
                             raise RuntimeError(
                                 f"etcd member {member.name} not ready after {timeout:g} s:\n{self._log_tail(member)}"
                             ) from None
-                        time.sleep(0.05)
+                        pause(_READY_POLL)
             finally:
                 client.close()
 

@@ -32,6 +32,7 @@ from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.kv import EtcdRequestError, EtcdUnavailableError
 from elastic_ft.etcd.outage import OUTAGES
 from elastic_ft.etcd.watch import KeepAliveStream
+from elastic_ft.runtime.waits import pause
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +228,7 @@ class _Lessor:
                     stream.close()
                     self._client.avoid(stream.endpoint)
                     stream = None
-                    time.sleep(_RETRY_PAUSE)  # a member that refuses at once is not retried in a busy loop
+                    pause(_RETRY_PAUSE)  # a member that refuses at once is not retried in a busy loop
                     now = time.monotonic()
                 if stream is None:
                     try:

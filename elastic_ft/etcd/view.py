@@ -18,8 +18,8 @@ from typing import Generic, TypeVar
 
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.kv import EtcdRequestError, EtcdUnavailableError, KeyValue, WatchEvent
-from elastic_ft.etcd.outage import Backoff
 from elastic_ft.etcd.watch import EtcdWatch
+from elastic_ft.runtime.waits import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -113,12 +113,12 @@ class PrefixView(Generic[FactT, StateT]):
                 if self._stopped:
                     return
                 log.debug("re-listing %s failed: %s", self._prefix, exc)
-                time.sleep(backoff.next())
+                backoff.pause()
             except EtcdRequestError as exc:
                 if self._stopped:
                     return
                 log.warning("re-listing %s failed: %s", self._prefix, exc)
-                time.sleep(backoff.next())
+                backoff.pause()
 
     def disconnected_for(self) -> float:
         """Seconds since the watch broke without being restored (0 when live)."""

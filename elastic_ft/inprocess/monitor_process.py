@@ -39,11 +39,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from elastic_ft.coordination.barriers import NO_WAIT, poll
+from elastic_ft.coordination.barriers import NO_WAIT
 from elastic_ft.coordination.iteration import COMPLETED, IterationView, iteration_store, report_rank_gone
 from elastic_ft.coordination.job import JobView, job_store, joined_ranks
 from elastic_ft.coordination.reports import report_process_gone
-from elastic_ft.etcd.outage import OUTAGES, Backoff, bounded, patiently
+from elastic_ft.etcd.outage import OUTAGES, bounded, patiently
 from elastic_ft.inprocess.hang_detection import (
     RankActivity,
     StallAction,
@@ -63,6 +63,7 @@ from elastic_ft.inprocess.store import forbid_hosting
 from elastic_ft.inprocess.worker_events import close_events, install_store_events
 from elastic_ft.keys import EXIT_BARRIER
 from elastic_ft.observability.sink import EventSink, emit
+from elastic_ft.runtime.waits import Backoff, pause, poll
 
 log = get_logger("monitor_process")
 
@@ -239,16 +240,16 @@ class MonitorProcess:
         self._send({"type": "stop"})
         with contextlib.suppress(OSError):  # the monitor is gone: the buffered message cannot be flushed
             self._pipe.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                pid, _ = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid:
-                return
-            time.sleep(0.005)
-        log.warning("monitor process %d did not exit in %g s", self.pid, timeout)
+        if not poll(self._reaped, timeout, interval_max=0.005):
+            log.warning("monitor process %d did not exit in %g s", self.pid, timeout)
+
+    def _reaped(self) -> bool:
+        """Whether the monitor process has exited (and is reaped now)."""
+        try:
+            pid, _ = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            return True
+        return pid != 0
 
 
 MONITOR_PROCESS_NAME = "eft-monitor"
@@ -544,7 +545,7 @@ class _Monitor:
             if activity.stopped:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.target_pid, signal.SIGCONT)  # the dump runs now; SIGTERM comes after it
-            time.sleep(_STACK_DUMP_PAUSE)
+            pause(_STACK_DUMP_PAUSE)
             terminate_process(self.target_pid, config.termination_grace_time)
             log.info("target %d terminated", self.target_pid)
             return True
@@ -631,7 +632,7 @@ class _Monitor:
         """Messages from the main process, waiting up to ``timeout``; returns early when the target exits."""
         watched = ([self.pipe] if self.pipe_open else []) + ([self.pidfd] if self.pidfd is not None else [])
         if not watched:
-            time.sleep(timeout)
+            pause(timeout)
             return []
         readable, _, _ = select.select(watched, [], [], timeout)
         if self.pipe not in readable or not self.pipe_open:

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from elastic_ft.coordination.barriers import NO_WAIT, poll
+from elastic_ft.coordination.barriers import NO_WAIT
 from elastic_ft.coordination.fault_records import (
     PEER_LOST,
     fault_kind,
@@ -124,6 +124,7 @@ from elastic_ft.observability import sink as event_sink
 from elastic_ft.observability.log_format import set_where
 from elastic_ft.runtime.local_board import LocalBoard
 from elastic_ft.runtime.torch_compat import check_torch
+from elastic_ft.runtime.waits import poll
 from elastic_ft.untrusted import MalformedRecord
 
 if TYPE_CHECKING:
@@ -139,6 +140,10 @@ _PLANNED_LEAD = 0.1
 _PLANNED_GRACE = 1.0
 #: How long a rank at the boundary waits for its monitor thread to deliver the restart (far beyond need).
 _PLANNED_DELIVERY = 30.0
+#: The slices a rank waits in for a restart to be delivered: an asynchronous exception lands at a slice's end.
+_DELIVERY_SLICE = 0.002
+#: How often a fenced rank looks at its node's board.
+_FENCE_POLL = 0.01
 #: How long an optimizer step may wait for the iteration's progress record: longer, and the step would wait
 #: on etcd (the record is tried again at the next step).
 _PROGRESS_WRITE_BOUND = 1.0
@@ -683,9 +688,9 @@ class CallWrapper:
             return
         log.debug("rank %s: the planned restart's step boundary (%d steps)", self.state.rank, done)
         store.decide_outcome(INTERRUPTED)
-        deadline = time.monotonic() + _PLANNED_DELIVERY
-        while time.monotonic() < deadline:  # the monitor thread delivers the restart into this sleep
-            time.sleep(0.002)
+        # The monitor thread delivers the restart into this wait: short slices, so an asynchronous exception lands
+        # within one.
+        poll(lambda: False, _PLANNED_DELIVERY, interval_max=_DELIVERY_SLICE)
         raise InternalError(f"a planned restart did not reach rank {self.state.rank} within {_PLANNED_DELIVERY:g} s")
 
     def _await_fence(self, what: str) -> None:
@@ -711,8 +716,9 @@ class CallWrapper:
                 -board.fence_left(),
             )
             event_sink.emit("fenced", rank=self.state.initial_rank, iteration=self.state.iteration, what=what)
-            while not board.fence_valid() and board.generation() == self._fence_generation:
-                time.sleep(0.01)
+            # No deadline: the agent's fence keeper ends a lapse (the lease proven again, or a new generation), and
+            # a restart under way ends the wait.
+            poll(lambda: board.fence_valid() or board.generation() != self._fence_generation, None, _FENCE_POLL)
             if board.generation() == self._fence_generation:
                 log.warning("rank %s: its node proved its lease again; %s goes on", self.state.rank, what)
                 return

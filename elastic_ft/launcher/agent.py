@@ -64,7 +64,6 @@ from elastic_ft.coordination.job import JobView, job_store, joiner_ready
 from elastic_ft.coordination.reports import report_node_gone, report_process_gone
 from elastic_ft.etcd.client import EtcdRequestError, EtcdUnavailableError, key_missing, put_op
 from elastic_ft.etcd.event_log import EventLog
-from elastic_ft.etcd.outage import Backoff
 from elastic_ft.etcd.store import EtcdStore
 from elastic_ft.handoff import StoreHandoff, WorkerHandoff, job_config_from_env
 from elastic_ft.job_config import JobConfig
@@ -114,6 +113,7 @@ from elastic_ft.runtime.torch_compat import (
     set_remaining_restarts,
     worker_processes,
 )
+from elastic_ft.runtime.waits import Backoff, pause
 from elastic_ft.untrusted import MalformedRecord, decode
 
 log = logging.getLogger(__name__)
@@ -827,8 +827,8 @@ class FtAgent(LocalElasticAgent):
         log.info("[%s] starting workers for entrypoint: %s", spec.role, spec.get_entrypoint_name())
         self._initialize_workers(group)
         backoff = Backoff()
-        while True:
-            time.sleep(spec.monitor_interval)
+        while True:  # until the run ends: the loop returns its result
+            pause(spec.monitor_interval)
             self._watch_the_network()
             try:
                 workers = self._observe_workers(group)
@@ -838,11 +838,11 @@ class FtAgent(LocalElasticAgent):
             except EtcdUnavailableError as error:
                 # etcd away: the workers train on; the process's outage record says so once.
                 log.debug("etcd unavailable while watching the workers; retrying: %s", error)
-                time.sleep(backoff.next())
+                backoff.pause()
                 continue
             except EtcdRequestError as error:
                 log.warning("etcd refused a request while watching the workers; retrying: %s", error)
-                time.sleep(backoff.next())
+                backoff.pause()
                 continue
             backoff.reset()
             decision = decide(workers, change, lost, self._cannot_grow(group))
@@ -997,4 +997,4 @@ class FtAgent(LocalElasticAgent):
                     exit_barrier_timeout(self),
                 )
                 return
-            time.sleep(_EXIT_BARRIER_POLL)
+            pause(_EXIT_BARRIER_POLL)

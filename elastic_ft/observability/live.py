@@ -14,6 +14,7 @@ from typing import Any
 
 from elastic_ft.observability.events import JobEvent
 from elastic_ft.observability.outages import describe_outage
+from elastic_ft.runtime.waits import pause
 
 RECENT_EVENTS = 12
 
@@ -135,6 +136,6 @@ def watch(
     with Live(render_live(*read()), console=console, refresh_per_second=4, screen=False) as live:
         drawn += 1
         while refreshes is None or drawn < refreshes:
-            time.sleep(interval)
+            pause(interval)
             live.update(render_live(*read()))
             drawn += 1

@@ -62,7 +62,7 @@ from elastic_ft.etcd.client import (
     put_op,
 )
 from elastic_ft.etcd.kv import KeyValue
-from elastic_ft.etcd.outage import Backoff, bounded, grace
+from elastic_ft.etcd.outage import bounded, grace
 from elastic_ft.etcd.session import Session
 from elastic_ft.etcd.store import EtcdStore
 from elastic_ft.etcd.view import PrefixView
@@ -73,6 +73,7 @@ from elastic_ft.rendezvous.fencing import Vouch
 from elastic_ft.rendezvous.monitor import Monitor
 from elastic_ft.rendezvous.probe import ProbeServer, parse_address
 from elastic_ft.runtime.net import free_port
+from elastic_ft.runtime.waits import Backoff
 from elastic_ft.untrusted import MalformedRecord, SkipLog
 
 log = logging.getLogger(__name__)
@@ -263,7 +264,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
                 except EtcdUnavailableError:
                     # Waited out within join_timeout; the process's outage record logs the outage once.
                     unreachable_since = unreachable_since or time.monotonic()
-                    time.sleep(min(backoff.next(), max(0.0, attempt.deadline - time.monotonic())))
+                    backoff.pause(max(0.0, attempt.deadline - time.monotonic()))
                     continue
                 unreachable_since = None
                 backoff.reset()

@@ -18,10 +18,10 @@ import time
 from collections.abc import Callable
 
 from elastic_ft.etcd.client import EtcdClient, EtcdRequestError, EtcdUnavailableError, key_created_at, put_op
-from elastic_ft.etcd.outage import Backoff
 from elastic_ft.etcd.view import PrefixView
 from elastic_ft.keys import RunKeys
 from elastic_ft.rendezvous import model, rules
+from elastic_ft.runtime.waits import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ class Monitor:
         #: Set when the term ended: the election key is gone (lease lost) or the node stopped.
         self.ended = threading.Event()
         self.published: model.Board | None = None
+        #: Notified when a board is published or the term ends (wait_published waits on it).
+        self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="etcdft-monitor", daemon=True)
 
     def start(self) -> Monitor:
@@ -76,7 +78,9 @@ class Monitor:
                 self._view.wait_for_change(version, 1.0)
                 self._stop.wait(_SETTLE)
         finally:
-            self.ended.set()
+            with self._changed:
+                self.ended.set()
+                self._changed.notify_all()
 
     def _publish(self, board: model.Board) -> bool:
         """Write the board; False when this term is over."""
@@ -100,19 +104,20 @@ class Monitor:
                 return False
             if self.published is None or self.published.open_round != board.open_round or board.dead:
                 log.info("rendezvous board: round %d open, %s", board.open_round, _describe(board))
-            self.published = board
+            with self._changed:
+                self.published = board
+                self._changed.notify_all()
             return True
         return False
 
     def wait_published(self, check: Callable[[model.Board], bool], timeout: float) -> bool:
-        """Block until a published board passes ``check`` (or the term ends, or ``timeout`` passes)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not self.ended.is_set():
-            board = self.published
-            if board is not None and check(board):
-                return True
-            time.sleep(0.01)
-        return False
+        """Block until a published board passes ``check``, the term ends or ``timeout`` passes; whether the last
+        published board passes it."""
+        with self._changed:
+            self._changed.wait_for(
+                lambda: self.ended.is_set() or (self.published is not None and check(self.published)), timeout
+            )
+            return self.published is not None and check(self.published)
 
     def stop(self) -> None:
         self._stop.set()

@@ -45,10 +45,14 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from elastic_ft.runtime.waits import pause
+
 #: The environment variable that marks the processes a launcher started: ``<launcher pid>:<random>``.
 REAPER_ENV = "ELASTIC_FT_REAPER"
 #: How long the reaper keeps sweeping for processes forked while it killed the others.
 _SWEEP_SECONDS = 2.0
+#: The pause between two sweeps.
+_SWEEP_PAUSE = 0.05
 #: How long the reaper lets each command of :meth:`Reaper.run_on_exit` run.
 _COMMAND_SECONDS = 10.0
 
@@ -158,7 +162,7 @@ def kill_marked(token: str, sweep: float = _SWEEP_SECONDS) -> list[int]:
         killed += found
         if not found or time.monotonic() >= deadline:
             return killed
-        time.sleep(0.05)
+        pause(_SWEEP_PAUSE)
 
 
 def _watch(launcher: int, token: str) -> None:

@@ -8,10 +8,11 @@ import time
 import pytest
 
 from elastic_ft.etcd.kv import EtcdUnavailableError
-from elastic_ft.etcd.outage import Backoff, Outages, bounded, grace, patiently, time_left
+from elastic_ft.etcd.outage import Outages, bounded, grace, patiently, time_left
 from elastic_ft.observability.events import JobEvent
 from elastic_ft.observability.outages import describe_outage, outages
 from elastic_ft.observability.timeline import build_timeline
+from elastic_ft.runtime.waits import Backoff
 
 
 def event(
