@@ -242,8 +242,8 @@ class EtcdClient:
         self.errors_by_kind: Counter[tuple[str, str]] = Counter()
         #: When etcd last answered a request of this client (``time.monotonic()``).
         self.last_answer = time.monotonic()
-        #: etcd has answered this client once: from then on, not answering is an outage (before, a first contact
-        #: that fails, which its caller reports).
+        #: etcd has answered this client once: from then on, not answering is an outage (until then, a first
+        #: contact that fails, which its caller reports).
         self.answered_once = False
 
     # ---- connection management ----

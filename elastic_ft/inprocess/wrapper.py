@@ -132,6 +132,11 @@ if TYPE_CHECKING:
 
 log = get_logger("wrapper")
 
+# Reference cycles. An exception's traceback holds the frames it passed through, some of them this module's
+# methods with ``self``: anything of those frames that names the exception again (a local, an attribute, a
+# ``__context__``) makes a cycle that keeps the CallWrapper, and its store with its listening socket, alive
+# until a garbage collection. So the code below drops such names as soon as it is done with them ("a cycle").
+
 #: How often a joiner looks for its admission (a restart admits it; it then has a barrier timeout to arrive).
 _JOIN_POLL = 0.05
 #: A planned restart's lead: the time, beyond two monitor-thread intervals, every rank gets to learn of it
@@ -411,9 +416,8 @@ class _RankLeaves(BaseException):
         """The error to raise, no longer held here.
 
         Raised while this is being handled, the error takes this as its
-        ``__context__``; were it still held here, the two would make a cycle
-        through their tracebacks' frames that keeps the CallWrapper, and its
-        store's listening socket, alive until a collection.
+        ``__context__``; still held here, it would make a cycle (see the
+        note at the top of the module).
         """
         error, self.error = self.error, _Released()
         return error
@@ -920,9 +924,8 @@ class CallWrapper:
             self._monitor_process.stop()
             self._close_events()
             release_logging(self._logging)
-            # The last monitor thread holds this object's bound method, and the last fault's
-            # traceback chain (its causes) holds frames of this object: cycles that would keep the
-            # CallWrapper, and the store with its listening socket, alive until a collection.
+            # The last monitor thread holds this object's bound method, and the last fault's traceback chain
+            # frames of this object: a cycle.
             self._monitor = None
             self.fn_exception = None
 
@@ -1139,8 +1142,7 @@ class CallWrapper:
             try:
                 raise reason from None
             finally:
-                # The raised exception's traceback holds this frame: a local naming it would make a cycle
-                # that keeps the CallWrapper, and its store's listening socket, alive until a collection.
+                # The raised exception's traceback holds this frame: a local naming it would make a cycle.
                 del reason, leaving
         raise InternalError("unreachable")
 
@@ -1267,8 +1269,7 @@ class CallWrapper:
                     raise health_error from error
                 raise _RankLeaves(health_error, "health_check") from error
             finally:
-                # ``error``'s traceback holds this frame: naming its wrapper here would make a cycle
-                # that keeps the CallWrapper and its store alive until a collection.
+                # ``error``'s traceback holds this frame: naming its wrapper here would make a cycle.
                 del health_error
 
     def _leave(self, store: IterationView, state: State, leaving: _RankLeaves) -> None:

@@ -106,7 +106,7 @@ def escalations(etcd: EtcdServer, run_id: str) -> list[dict[str, Any]]:
 
 
 def events_of(etcd: EtcdServer, run_id: str) -> list[JobEvent]:
-    """The run's event log (issue 15), in log order."""
+    """The run's event log, in log order."""
     client = EtcdClient(etcd.endpoints)
     try:
         return EventLog(client, RunKeys("/elastic_ft", run_id)).read().events

@@ -1,4 +1,4 @@
-"""Issue 15 end to end: a real ``ftrun`` job with a SIGKILLed worker, watched, scraped, recorded and drawn.
+"""Observability end to end: a real ``ftrun`` job with a SIGKILLed worker, watched, scraped, recorded and drawn.
 
 One job (an embedded etcd, three workers of ``examples/train_ftrun.py``:
 DDP, AdamW, a DataLoader, default Wrapper settings) gives every check:

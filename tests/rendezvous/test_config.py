@@ -77,7 +77,7 @@ def test_from_torchrun_parameters() -> None:
         ({"etcd_prefix": "relative"}, "etcd_prefix='relative' is invalid"),
         ({"endpoint": "a:b"}, "port 'b'"),
         ({"cacert": "/ca.pem"}, "no endpoint uses https"),
-        # Values that used to pass, then crash later (some after writing to etcd).
+        # Values that would pass a looser check, then crash later (some after writing to etcd).
         ({"store_timeout": 1e300}, "store_timeout=1e[+]?300 is out of range; expected .* <= 2592000"),
         ({"lease_ttl": 1e300}, "lease_ttl=1e[+]?300 is out of range"),
         ({"request_timeout": 1e12}, "request_timeout=1000000000000.0 is out of range"),
