@@ -17,7 +17,7 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from elastic_ft.untrusted import is_count
@@ -254,19 +254,37 @@ def next_history(previous: FaultHistory, records: Iterable[Interruption], progre
     return FaultHistory(signature, repeats, 0 if progressed else previous.stalled + 1)
 
 
-def give_up_reason(history: FaultHistory, max_identical_faults: int | None, max_stalled: int | None) -> str | None:
-    """Why in-process restart stops here, or None to go on (pure; a limit of None is no limit)."""
+@dataclass(frozen=True)
+class GiveUp:
+    """In-process restart stops: why, and whether the job ends with it (``fatal``: the same fault repeats, so a
+    process restart would meet it again) or a process-level restart may still help (no progress)."""
+
+    reason: str
+    fatal: bool
+
+
+def give_up(history: FaultHistory, max_identical_faults: int | None, max_stalled: int | None) -> GiveUp | None:
+    """Whether in-process restart stops here, and why; None to go on (pure; a limit of None is no limit)."""
     if max_identical_faults is not None and history.signature is not None and history.repeats >= max_identical_faults:
-        return (
+        return GiveUp(
             f"the same fault ended {history.repeats} iterations in a row with no progress in between "
-            f"(max_identical_faults={max_identical_faults}): {history.signature}"
+            f"(max_identical_faults={max_identical_faults}): {history.signature}",
+            fatal=True,
         )
     if max_stalled is not None and history.stalled >= max_stalled:
-        return (
+        return GiveUp(
             f"{history.stalled} iterations in a row ended on a fault before any step "
-            f"(max_restarts_without_progress={max_stalled})"
+            f"(max_restarts_without_progress={max_stalled})",
+            fatal=False,
         )
     return None
+
+
+def restart_cause(faults: Sequence[FaultGroup]) -> FaultGroup | None:
+    """The fault a restart's report shows the traceback of: the first exception that is not a broken
+    connection (a ``peer_lost`` is the consequence of another rank's fault); None when no exception caused it
+    (a hang, a dead process)."""
+    return next((group for group in faults if group.traceback and group.kind != PEER_LOST), None)
 
 
 def restart_reporter(world_size: int, terminated: Iterable[int]) -> int | None:

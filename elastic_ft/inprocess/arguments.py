@@ -29,7 +29,7 @@ class _DefaultCount(int):
     given in code, so the job config replaces only the default."""
 
 
-#: The defaults of the restart limits (see :func:`elastic_ft.coordination.fault_records.give_up_reason`).
+#: The defaults of the restart limits (see :func:`elastic_ft.coordination.fault_records.give_up`).
 DEFAULT_LIMITS: dict[str, int] = {
     "max_identical_faults": _DefaultCount(3),
     "max_restarts_without_progress": _DefaultCount(10),

@@ -33,7 +33,6 @@ import functools
 import gc
 import inspect
 import logging
-import math
 import os
 import re
 import signal
@@ -54,8 +53,9 @@ from elastic_ft.coordination.barriers import NO_WAIT
 from elastic_ft.coordination.fault_records import (
     PEER_LOST,
     fault_kind,
-    give_up_reason,
+    give_up,
     group_faults,
+    restart_cause,
     restart_reporter,
 )
 from elastic_ft.coordination.iteration import (
@@ -109,6 +109,7 @@ from elastic_ft.inprocess.sockets import (
     unblock_listeners,
 )
 from elastic_ft.inprocess.state import Mode, State
+from elastic_ft.inprocess.step_gate import Fence, fence_verdict, planned_restart_step
 from elastic_ft.inprocess.store import default_store
 from elastic_ft.inprocess.worker_events import close_events, install_store_events, progress_interval
 from elastic_ft.keys import (
@@ -685,9 +686,8 @@ class CallWrapper:
             return
         done = self._steps.steps_in_iteration
         if self._restart_step is None:
-            typical = self._steps.typical_step()
-            lead = 5 if typical is None else math.ceil(self._planned_lead() / max(typical, 1e-3))
-            self._restart_step = store.restart_step(done + max(2, lead))
+            proposal = planned_restart_step(done, self._steps.typical_step(), self._planned_lead())
+            self._restart_step = store.restart_step(proposal)
         if done < self._restart_step:
             return
         log.debug("rank %s: the planned restart's step boundary (%d steps)", self.state.rank, done)
@@ -710,27 +710,24 @@ class CallWrapper:
         board = self._board
         if board is None:
             return
-        if board.fence_valid() and board.generation() == self._fence_generation:
-            return
-        if board.generation() == self._fence_generation:
-            log.warning(
-                "rank %s: %s waits: its node cannot prove its lease alive (fenced for %.1f s)",
-                self.state.rank,
-                what,
-                -board.fence_left(),
-            )
+        verdict, why = fence_verdict(board.fence_valid(), board.generation(), self._fence_generation)
+        if verdict is Fence.WAIT:
+            log.warning("rank %s: %s waits: %s (fenced for %.1f s)", self.state.rank, what, why, -board.fence_left())
             event_sink.emit("fenced", rank=self.state.initial_rank, iteration=self.state.iteration, what=what)
             # No deadline: the agent's fence keeper ends a lapse (the lease proven again, or a new generation), and
             # a restart under way ends the wait.
-            poll(lambda: board.fence_valid() or board.generation() != self._fence_generation, None, _FENCE_POLL)
-            if board.generation() == self._fence_generation:
+            poll(
+                lambda: (
+                    fence_verdict(board.fence_valid(), board.generation(), self._fence_generation)[0] is not Fence.WAIT
+                ),
+                None,
+                _FENCE_POLL,
+            )
+            verdict, why = fence_verdict(board.fence_valid(), board.generation(), self._fence_generation)
+            if verdict is Fence.GO:
                 log.warning("rank %s: its node proved its lease again; %s goes on", self.state.rank, what)
-                return
-        raise Fenced(
-            f"rank {self.state.rank}: its node announced itself on a new etcd lease (generation "
-            f"{board.generation()}, the iteration began under {self._fence_generation}) before {what}: the others "
-            "may have counted it out"
-        )
+        if verdict is Fence.FENCED:
+            raise Fenced(f"rank {self.state.rank}: {why}, before {what}")
 
     def _note_collective_wait(self, waiting: bool) -> None:
         """The progress watchdog saw the main thread start (or stop) waiting for other ranks in C code."""
@@ -1434,7 +1431,7 @@ class CallWrapper:
         if not reports:
             log.debug("rank %s: iteration %d restarts: %s", state.rank, state.iteration, summary)
             return None
-        cause = next((group for group in faults if group.traceback and group.kind != PEER_LOST), None)
+        cause = restart_cause(faults)
         if cause is None:
             shown = ""
         elif result.history.repeats > 1:  # its traceback was shown at its first restart
@@ -1468,15 +1465,11 @@ class CallWrapper:
             RestartLimitError: on every rank; its message carries the cause's
                 traceback on the reporting rank, which also logs it.
         """
-        wrapper, history = self.wrapper, result.history
-        reason = give_up_reason(history, wrapper.max_identical_faults, wrapper.max_restarts_without_progress)
-        if reason is None:
+        wrapper = self.wrapper
+        verdict = give_up(result.history, wrapper.max_identical_faults, wrapper.max_restarts_without_progress)
+        if verdict is None:
             return
-        fatal = (
-            wrapper.max_identical_faults is not None
-            and history.signature is not None
-            and history.repeats >= wrapper.max_identical_faults
-        )
+        reason, fatal = verdict.reason, verdict.fatal
         reports = state.rank == restart_reporter(state.world_size, result.terminated)
         message = f"in-process restart gives up after iteration {state.iteration}: {reason}"
         if reports:

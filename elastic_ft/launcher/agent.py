@@ -81,11 +81,13 @@ from elastic_ft.launcher.escalation import (
     WorkerExit,
     classify_exit,
     decide,
+    escalation,
     exit_barrier_done,
     restarts_left,
     retire_joiner,
 )
 from elastic_ft.launcher.fence_keeper import FenceKeeper
+from elastic_ft.launcher.joiners import ADMISSION_BATCH_WAIT, admission_due, reserve_only, respawn_refusal
 from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, WorldRecord
 from elastic_ft.observability.log_format import set_where
 from elastic_ft.observability.metrics import JobMetrics, MetricsEndpoint
@@ -119,8 +121,6 @@ from elastic_ft.untrusted import MalformedRecord, decode
 log = logging.getLogger(__name__)
 
 _EXIT_BARRIER_POLL = 0.1
-#: How long a ready joiner waits for its node's other joiners before a restart admits it alone.
-_ADMISSION_BATCH_WAIT = 2.0
 #: How long a retired joiner gets to exit on SIGTERM before SIGKILL.
 _RETIRE_GRACE = 5.0
 
@@ -546,17 +546,9 @@ class FtAgent(LocalElasticAgent):
         config, store = self._job_config, group_store(worker_group)
         used = self._respawns.get(local_rank, 0)
         job = job_store(store)
-        if used >= config.respawn.per_rank:
-            log.info(
-                "local rank %d is not respawned: its last %d new process(es) died before they trained "
-                "(respawn.per_rank=%d)",
-                local_rank,
-                used,
-                config.respawn.per_rank,
-            )
-            return False
-        if job.finished() or not job.accepts_joiners():
-            log.info("local rank %d is not respawned: the job finished, or its rank assignment cannot grow", local_rank)
+        refusal = respawn_refusal(local_rank, used, config.respawn.per_rank, job.finished(), job.accepts_joiners())
+        if refusal is not None:
+            log.info("%s", refusal)
             return False
         settings = self._handler.settings
         job_wide = EtcdStore(self._handler.client, settings.keys.ftrun_store, timedelta(seconds=settings.store_timeout))
@@ -628,14 +620,15 @@ class FtAgent(LocalElasticAgent):
         now = time.monotonic()
         if self._joiners_ready_since is None:
             self._joiners_ready_since = now
-        if len(waiting) < len(joiners) and now - self._joiners_ready_since < _ADMISSION_BATCH_WAIT:
-            return  # the node's other joiners are nearly ready: one restart admits them all
+        due, _ = admission_due(waiting, joiners, self._joiners_ready_since, now, ADMISSION_BATCH_WAIT)
+        if not due:
+            return
         iteration, rank, waiting = admission_request(job, live, world_size, waiting)
         if not waiting or iteration in self._admission_asked:
             return
         self._admission_asked.add(iteration)
         active = iteration_store(store, iteration).active_world_size()
-        if self._active_world_size is not None and active is not None and active >= self._active_world_size:
+        if reserve_only(active, self._active_world_size):
             log.info(
                 "joiner(s) %s ready: they wait as reserve ranks (%d of %d ranks active)",
                 waiting,
@@ -875,30 +868,14 @@ class FtAgent(LocalElasticAgent):
             member_of = self._handler.member_of
             if member_of is None:
                 raise RuntimeError("FtAgent watched workers outside any rendezvous round")
-            left = restarts_left(spec.max_restarts, self._escalated_rounds(), member_of.round)
-            if decision.verdict is Verdict.FAIL:
-                left = 0  # the fault would repeat in new processes: the job ends
-            if left > 0:
-                log.warning(
-                    "[%s] %s: escalating to a process-level restart (%d of %d left)",
-                    spec.role,
-                    decision.reason,
-                    left,
-                    spec.max_restarts,
-                )
+            ending = escalation(decision, spec.max_restarts, self._escalated_rounds(), member_of.round)
+            if ending.restart:
+                log.warning("[%s] %s", spec.role, ending.message)
                 self._record_escalation(member_of.round, decision.reason)
                 group.state = WorkerState.FAILED
                 self._restart_workers(group)
                 continue
-            if decision.verdict is Verdict.FAIL:
-                log.error("[%s] %s; ending the job", spec.role, decision.reason)
-            else:
-                log.error(
-                    "[%s] %s, and no restarts are left (--max-restarts=%d)",
-                    spec.role,
-                    decision.reason,
-                    spec.max_restarts,
-                )
+            log.error("[%s] %s", spec.role, ending.message)
             failures = self._failures()
             self._stop_workers(group)
             group.state = WorkerState.FAILED

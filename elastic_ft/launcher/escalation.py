@@ -188,3 +188,27 @@ def restarts_left(max_restarts: int, escalated_rounds: set[int], current_round: 
     """
     used = sum(1 for number in escalated_rounds if current_round is None or number < current_round)
     return max_restarts - used
+
+
+@dataclass(frozen=True)
+class Escalation:
+    """What the agent does once in-process restart cannot absorb a fault: restart the processes (``restart``;
+    ``left``: the process-level restarts left, this one included) or end the job, and the line it logs."""
+
+    restart: bool
+    left: int
+    message: str
+
+
+def escalation(decision: Decision, max_restarts: int, escalated_rounds: set[int], current_round: int) -> Escalation:
+    """The tail of an ``ESCALATE`` or ``FAIL`` decision (pure): a process-level restart while ``--max-restarts``
+    leaves one (never for ``FAIL``: the fault would repeat in new processes), else the end of the job."""
+    if decision.verdict not in (Verdict.ESCALATE, Verdict.FAIL):
+        raise ValueError(f"escalation() takes an ESCALATE or FAIL decision, got {decision.verdict.name}")
+    left = 0 if decision.verdict is Verdict.FAIL else restarts_left(max_restarts, escalated_rounds, current_round)
+    if left > 0:
+        message = f"{decision.reason}: escalating to a process-level restart ({left} of {max_restarts} left)"
+        return Escalation(True, left, message)
+    if decision.verdict is Verdict.FAIL:
+        return Escalation(False, 0, f"{decision.reason}; ending the job")
+    return Escalation(False, 0, f"{decision.reason}, and no restarts are left (--max-restarts={max_restarts})")

@@ -8,19 +8,21 @@ from elastic_ft.coordination.fault_records import (
     MESSAGE_LIMIT,
     PEER_LOST,
     TRACEBACK_LIMIT,
+    FaultGroup,
     FaultHistory,
     Heartbeat,
     Interruption,
     encode_heartbeat,
     encode_interruption,
     fault_signature,
-    give_up_reason,
+    give_up,
     group_faults,
     next_history,
     parse_heartbeat,
     parse_heartbeat_record,
     parse_interruption,
     parse_interruptions,
+    restart_cause,
 )
 
 
@@ -126,8 +128,9 @@ def test_the_same_exception_at_the_same_step_without_progress_counts_up() -> Non
     history = next_history(history, [exception(1, 5)], progressed=False)
     history = next_history(history, [exception(1, 5)], progressed=False)
     assert (history.repeats, history.stalled) == (3, 2)
-    assert "the same fault ended 3 iterations in a row" in (give_up_reason(history, 3, None) or "")
-    assert give_up_reason(history, 4, None) is None and give_up_reason(history, None, None) is None
+    verdict = give_up(history, 3, None)
+    assert verdict is not None and verdict.fatal and "the same fault ended 3 iterations in a row" in verdict.reason
+    assert give_up(history, 4, None) is None and give_up(history, None, None) is None
 
 
 def test_progress_or_another_fault_starts_the_count_again() -> None:
@@ -152,8 +155,10 @@ def test_the_cause_is_the_earliest_exception_and_consequences_do_not_count() -> 
 
 def test_restarts_without_progress_give_up_without_being_fatal() -> None:
     history = FaultHistory(None, 0, 10)
-    assert "10 iterations in a row ended on a fault before any step" in (give_up_reason(history, 3, 10) or "")
-    assert give_up_reason(history, 3, None) is None
+    verdict = give_up(history, 3, 10)
+    assert verdict is not None and not verdict.fatal  # no progress: a process restart may still help
+    assert "10 iterations in a row ended on a fault before any step" in verdict.reason
+    assert give_up(history, 3, None) is None
 
 
 @pytest.mark.parametrize(
@@ -170,3 +175,12 @@ def test_restarts_without_progress_give_up_without_being_fatal() -> None:
 )
 def test_a_forged_fault_history_is_refused(record: object) -> None:
     assert FaultHistory.from_dict(record) is None
+
+
+def test_the_restart_cause_is_the_first_exception_that_is_not_a_broken_connection() -> None:
+    lost = FaultGroup("peer_lost", "Connection closed by peer", (0, 2), 1.0, "Traceback: gloo")
+    raised = FaultGroup("ValueError", "bad batch", (1,), 1.1, "Traceback: ValueError")
+    hang = FaultGroup("hang", "rank 3 made no progress", (3,), 0.9)
+    assert restart_cause([lost, raised, hang]) == raised
+    assert restart_cause([hang, lost]) is None  # a hang and its consequences: no exception to show
+    assert restart_cause([]) is None

@@ -8,10 +8,12 @@ import pytest
 
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.launcher.escalation import (
+    Decision,
     Verdict,
     WorkerExit,
     classify_exit,
     decide,
+    escalation,
     exit_barrier_done,
     restarts_left,
     retire_joiner,
@@ -145,3 +147,16 @@ def test_ft_agent_needs_the_etcdft_rendezvous_and_a_script(etcd: EtcdServer, run
         assert not state.rounds and not state.alive  # nothing joined, nothing written
     finally:
         handler.shutdown()
+
+
+def test_an_escalation_restarts_the_processes_while_restarts_are_left_and_a_fatal_fault_ends_the_job() -> None:
+    gave_up = Decision(Verdict.ESCALATE, "the in-process restart layer gave up on rank(s) [1]")
+    first = escalation(gave_up, 2, set(), current_round=0)
+    assert first.restart and first.left == 2
+    assert first.message == f"{gave_up.reason}: escalating to a process-level restart (2 of 2 left)"
+    spent = escalation(gave_up, 2, {0, 1}, current_round=2)
+    assert not spent.restart and spent.message.endswith("and no restarts are left (--max-restarts=2)")
+    fatal = escalation(Decision(Verdict.FAIL, "a fault repeats"), 2, set(), current_round=0)
+    assert not fatal.restart and fatal.message == "a fault repeats; ending the job"
+    with pytest.raises(ValueError, match="ESCALATE or FAIL"):
+        escalation(Decision(Verdict.CONTINUE), 2, set(), current_round=0)
