@@ -47,7 +47,6 @@ from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from elastic_ft.coordination.barriers import NO_WAIT
 from elastic_ft.coordination.fault_records import (
@@ -60,14 +59,13 @@ from elastic_ft.coordination.fault_records import (
 )
 from elastic_ft.coordination.iteration import (
     COMPLETED,
-    INTERRUPTED,
     IterationView,
     TerminationResult,
     iteration_store,
     report_rank_gone,
 )
 from elastic_ft.coordination.job import JOINER_ACTIVITY_LIMIT, WITHDRAWN, JobView, job_store
-from elastic_ft.etcd.outage import OUTAGES, bounded
+from elastic_ft.etcd.outage import bounded
 from elastic_ft.handoff import WorkerHandoff
 from elastic_ft.inprocess.abort import AbortTorchDistributed
 from elastic_ft.inprocess.arguments import (
@@ -80,7 +78,6 @@ from elastic_ft.inprocess.compose import Compose
 from elastic_ft.inprocess.exception import (
     BarrierOverflow,
     BarrierTimeout,
-    Fenced,
     HealingError,
     HealthCheckError,
     InternalError,
@@ -109,7 +106,7 @@ from elastic_ft.inprocess.sockets import (
     unblock_listeners,
 )
 from elastic_ft.inprocess.state import Mode, State
-from elastic_ft.inprocess.step_gate import Fence, fence_verdict, planned_restart_step
+from elastic_ft.inprocess.steps import StepGate, note_collective_wait
 from elastic_ft.inprocess.store import default_store
 from elastic_ft.inprocess.worker_events import close_events, install_store_events, progress_interval
 from elastic_ft.keys import (
@@ -144,15 +141,6 @@ _JOIN_POLL = 0.05
 #: before the step boundary; and how much longer the monitor thread waits for that boundary.
 _PLANNED_LEAD = 0.1
 _PLANNED_GRACE = 1.0
-#: How long a rank at the boundary waits for its monitor thread to deliver the restart (far beyond need).
-_PLANNED_DELIVERY = 30.0
-#: The slices a rank waits in for a restart to be delivered: an asynchronous exception lands at a slice's end.
-_DELIVERY_SLICE = 0.002
-#: How often a fenced rank looks at its node's board.
-_FENCE_POLL = 0.01
-#: How long an optimizer step may wait for the iteration's progress record: longer, and the step would wait
-#: on etcd (the record is tried again at the next step).
-_PROGRESS_WRITE_BOUND = 1.0
 
 F = TypeVar("F", bound=Callable[..., Any])
 StateHook = Callable[[State], Any]
@@ -493,9 +481,6 @@ class CallWrapper:
         #: The exception that interrupted the last iteration on this rank, if it was local.
         self.fn_exception: BaseException | None = None
         self._excepthook = sys.excepthook
-        self.atomic_lock = threading.RLock()
-        #: Optimizer steps this rank's state has taken (set to the sender's when it is healed).
-        self.step = 0
         #: The rank holds no state of the world yet: it has not run the function as an active rank, nor been healed.
         self._fresh = True
         self._timestamps = ProgressTimestamps(_secs(wrapper.soft_timeout), _secs(wrapper.hard_timeout))
@@ -528,27 +513,27 @@ class CallWrapper:
         self._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if self._board is not None and not 0 <= self._local_rank < self._board.ranks:
             self._board = None  # a process its agent did not start (a test, a hand-made launch)
-        #: The generation of the node's lease the current iteration began under (see _await_fence).
-        self._fence_generation = 0
-        #: The current iteration's monitor thread, and its planned restart's step boundary once agreed.
+        #: The current iteration's monitor thread.
         self._monitor: MonitorThread | None = None
-        self._restart_step: int | None = None
         self._watchdog = ProgressWatchdog(
             self._timestamps,
             _secs(wrapper.progress_watchdog_interval),
             self._groups.observe,
-            self._note_collective_wait if self._board is not None else None,
+            note_collective_wait(self._board, self._local_rank),
         )
         self._job_store: JobView | None = None
         self._interrupt: InterruptSignal | None = None
-        self._step_hooks: list[Any] = []
-        #: Levels of ``atomic_lock`` the main thread holds for optimizer steps under way.
-        self._step_lock_depth = 0
-        #: The current iteration's store view, and whether its progress is recorded (see _mark_progress).
-        self._iteration_store: IterationView | None = None
-        self._progress_marked = False
         #: The moments of the restart under way on this rank, until its first step (``recovery_phases``).
         self._recovery = RecoveryClock()
+        #: Optimizer steps, atomic sections, the fence and the planned restart's step boundary.
+        self._gate = StepGate(
+            self.state,
+            self._steps,
+            self._watchdog.ping,
+            self._recovery,
+            self._board,
+            _PLANNED_LEAD + 2 * _secs(wrapper.monitor_thread_interval),
+        )
         #: The stores this call handed out for process groups (``process_group_store``), by iteration.
         self._group_stores: dict[int, GroupStore] = {}
         self.base_store = wrapper.store_factory(**wrapper.store_kwargs)
@@ -576,10 +561,7 @@ class CallWrapper:
         # The monitor process sends this before it terminates the rank: every thread's stack goes to
         # stderr, from a C handler that runs even when the GIL is held.
         faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
-        self._step_hooks = [
-            register_optimizer_step_pre_hook(self._enter_optimizer_step),
-            register_optimizer_step_post_hook(self._on_optimizer_step),
-        ]
+        self._gate.install()
         self._watchdog.start()
         # Everything that exists now (imports, the store's client, the caller's
         # set-up) outlives every iteration: move it out of the collector's way, so
@@ -643,96 +625,10 @@ class CallWrapper:
     def _release_hooks(self) -> None:
         close_inherited_in_child(None)
         faulthandler.unregister(STACK_DUMP_SIGNAL)
-        for hook in self._step_hooks:
-            hook.remove()
-        self._step_hooks = []
+        self._gate.remove()
         if self._interrupt is not None:
             self._interrupt.uninstall()
             self._interrupt = None
-
-    def _enter_optimizer_step(self, *_: object) -> None:
-        """An optimizer step is atomic: no restart interrupts it, so no rank's state is ever half stepped.
-
-        The optimizer's own pre and post hooks run inside too (a position
-        counter kept in a post hook moves with the parameters). A restart
-        under way first interrupts this wait, as in :meth:`atomic`. No step
-        commits while the node's fence is down (:meth:`_await_fence`). A
-        planned restart lands here (:meth:`_reach_step_boundary`).
-        """
-        self._reach_step_boundary()
-        self._await_fence("an optimizer step")
-        while not self.atomic_lock.acquire(timeout=0.001):
-            pass
-        self._step_lock_depth += 1
-
-    def _planned_lead(self) -> float:
-        """How long every rank's monitor thread may take to learn of a planned restart."""
-        return _PLANNED_LEAD + 2 * _secs(self.wrapper.monitor_thread_interval)
-
-    def _reach_step_boundary(self) -> None:
-        """A planned restart (admitting joiners) lands between two optimizer steps, with no collective in flight.
-
-        Interrupting a rank inside a collective (DDP's all-reduce in
-        ``backward``) can strand its work in gloo: the rank then waits for
-        its restart to be delivered until the monitor process kills it. So
-        the first active rank to see the plan proposes a step boundary far
-        enough ahead for every rank to learn of it (``restart_step`` keeps
-        the first proposal), and each rank, reaching it, turns the plan into
-        an interruption and waits here for its restart. A rank that never
-        reaches it is interrupted as usual after the monitor thread's bound.
-        """
-        monitor, store = self._monitor, self._iteration_store
-        if monitor is None or store is None or not monitor.restart_planned.is_set():
-            return
-        done = self._steps.steps_in_iteration
-        if self._restart_step is None:
-            proposal = planned_restart_step(done, self._steps.typical_step(), self._planned_lead())
-            self._restart_step = store.restart_step(proposal)
-        if done < self._restart_step:
-            return
-        log.debug("rank %s: the planned restart's step boundary (%d steps)", self.state.rank, done)
-        store.decide_outcome(INTERRUPTED)
-        # The monitor thread delivers the restart into this wait: short slices, so an asynchronous exception lands
-        # within one.
-        poll(lambda: False, _PLANNED_DELIVERY, interval_max=_DELIVERY_SLICE)
-        raise InternalError(f"a planned restart did not reach rank {self.state.rank} within {_PLANNED_DELIVERY:g} s")
-
-    def _await_fence(self, what: str) -> None:
-        """Let ``what`` begin only under the lease this iteration began under, proven alive (``local_board``).
-
-        While the node cannot prove its lease alive, the others may be
-        counting it out: the rank waits (a restart under way ends the wait).
-        Once the node holds a new lease, they may have done so: the rank
-        raises :class:`Fenced`, and the restart that follows takes it into
-        the membership the job has now, or discards it. An etcd outage
-        shorter than a whole TTL never gets here.
-        """
-        board = self._board
-        if board is None:
-            return
-        verdict, why = fence_verdict(board.fence_valid(), board.generation(), self._fence_generation)
-        if verdict is Fence.WAIT:
-            log.warning("rank %s: %s waits: %s (fenced for %.1f s)", self.state.rank, what, why, -board.fence_left())
-            event_sink.emit("fenced", rank=self.state.initial_rank, iteration=self.state.iteration, what=what)
-            # No deadline: the agent's fence keeper ends a lapse (the lease proven again, or a new generation), and
-            # a restart under way ends the wait.
-            poll(
-                lambda: (
-                    fence_verdict(board.fence_valid(), board.generation(), self._fence_generation)[0] is not Fence.WAIT
-                ),
-                None,
-                _FENCE_POLL,
-            )
-            verdict, why = fence_verdict(board.fence_valid(), board.generation(), self._fence_generation)
-            if verdict is Fence.GO:
-                log.warning("rank %s: its node proved its lease again; %s goes on", self.state.rank, what)
-        if verdict is Fence.FENCED:
-            raise Fenced(f"rank {self.state.rank}: {why}, before {what}")
-
-    def _note_collective_wait(self, waiting: bool) -> None:
-        """The progress watchdog saw the main thread start (or stop) waiting for other ranks in C code."""
-        if self._board is not None:
-            self._board.set_in_collective(self._local_rank, time.monotonic() if waiting else None)
 
     @contextmanager
     def _at_barrier(self) -> Iterator[None]:
@@ -745,45 +641,6 @@ class CallWrapper:
         finally:
             if board is not None:
                 board.set_at_barrier(self._local_rank, None)
-
-    def _on_optimizer_step(self, *_: object) -> None:
-        self.step += 1
-        self._steps.step()
-        try:
-            self._mark_progress()
-            if self._recovery.open:
-                timed = self._recovery.finish()
-                event_sink.emit(
-                    "recovery_phases", rank=self.state.initial_rank, iteration=self.state.iteration, **(timed or {})
-                )
-        finally:
-            self._leave_optimizer_steps(1)
-
-    def _mark_progress(self) -> None:
-        """Active rank 0's first step of an iteration: record that the iteration progressed (once).
-
-        The give-up rule counts iterations that end on a fault before any
-        step. Called with ``atomic_lock`` held, so no restart lands inside
-        the store write; a failed write only delays a give-up.
-        """
-        store = self._iteration_store
-        if store is None or self._progress_marked or self.state.active_rank != 0 or OUTAGES.down_since() is not None:
-            return  # etcd away: the next step tries again once it answers, and no step waits for it
-        try:
-            with bounded(_PROGRESS_WRITE_BOUND, "the progress record's bound"):
-                store.mark_progressed()
-        except ConnectionError:
-            return  # the next step tries again
-        except Exception as error:  # noqa: BLE001 - training goes on; the rule then counts one restart too many
-            log.warning("rank %s: could not record the iteration's progress: %s", self.state.rank, error)
-        self._progress_marked = True
-
-    def _leave_optimizer_steps(self, levels: int | None = None) -> None:
-        """Release ``levels`` optimizer-step holds of ``atomic_lock`` (all: a step that raised left them)."""
-        count = self._step_lock_depth if levels is None else min(levels, self._step_lock_depth)
-        for _ in range(count):
-            self._step_lock_depth -= 1
-            self.atomic_lock.release()
 
     @property
     def job_store(self) -> JobView:
@@ -836,31 +693,18 @@ class CallWrapper:
         main thread that is busy in one long C call alive. Pings, like
         optimizer steps, time the steps the adaptive timeouts follow.
         """
-        self._watchdog.ping()
-        self._steps.step()
-        if not self._progress_marked and self.state.active_rank == 0:
-            if threading.current_thread() is threading.main_thread():
-                with self._atomic_lock_held():  # no restart lands inside the store write
-                    self._mark_progress()
-            else:
-                self._mark_progress()
+        self._gate.ping()
 
-    @contextmanager
-    def long_section(self) -> Iterator[None]:
+    def long_section(self) -> contextlib.AbstractContextManager[None]:
         """A stretch that may take much longer than a step (a checkpoint, an evaluation).
 
         Inside it the configured ``soft_timeout`` and ``hard_timeout`` apply
         instead of the adaptive ones, and its duration is not taken for a
         step time. ``atomic()`` is a long section too.
         """
-        self._steps.enter_long_section()
-        try:
-            yield
-        finally:
-            self._steps.exit_long_section()
+        return self._gate.long_section()
 
-    @contextmanager
-    def atomic(self) -> Iterator[None]:
+    def atomic(self) -> contextlib.AbstractContextManager[None]:
         """A block the restart never interrupts, and that never starts while a restart is under way.
 
         The lock is shared with the monitor thread's termination procedure.
@@ -868,19 +712,21 @@ class CallWrapper:
         under way can still interrupt the waiting thread. The block is a
         :meth:`long_section`: typically a checkpoint.
         """
-        self._await_fence("an atomic section")
-        with self._atomic_lock_held(), self.long_section():
-            yield
+        return self._gate.atomic()
 
-    @contextmanager
-    def _atomic_lock_held(self) -> Iterator[None]:
-        """Hold ``atomic_lock``, waiting in short steps that a restart under way can interrupt."""
-        while not self.atomic_lock.acquire(timeout=0.001):
-            pass
-        try:
-            yield
-        finally:
-            self.atomic_lock.release()
+    @property
+    def step(self) -> int:
+        """Optimizer steps this rank's state has taken (set to the sender's when it is healed)."""
+        return self._gate.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._gate.step = value
+
+    @property
+    def atomic_lock(self) -> threading.RLock:
+        """Held for optimizer steps and atomic sections; the monitor thread's restart takes it too."""
+        return self._gate.atomic_lock
 
     def __enter__(self) -> CallWrapper:
         return self
@@ -957,7 +803,7 @@ class CallWrapper:
             self.joining = False  # a member of the world from now on
             self.state = state
             store = iteration_store(self.base_store, state.iteration)
-            self._iteration_store, self._progress_marked = store, False
+            self._gate.begin_iteration(state, store)
             with self._restart_bound():
                 store.set_initial_rank(state.rank or 0, state.initial_rank or 0)
                 store.set_active_world_size(state.active_world_size or state.world_size)
@@ -988,7 +834,6 @@ class CallWrapper:
                 state.iteration, state.rank or 0, state.world_size, state.mode is Mode.ACTIVE
             )
             state.set_distributed_vars()
-            self._fence_generation = self._board.generation() if self._board is not None else 0
             with self._at_barrier():
                 store.arrive_and_wait(ITERATION_BARRIER, [state.rank or 0], state.world_size, wrapper.barrier_timeout)
             self._recovery.mark("started")
@@ -1041,9 +886,10 @@ class CallWrapper:
             self.atomic_lock,
             self._interrupt,
             self._timestamps.set_restart_pending,
-            planned_bound=self._planned_lead() + _PLANNED_GRACE,
+            planned_bound=self._gate.planned_lead + _PLANNED_GRACE,
         )
-        self._monitor, self._restart_step = monitor, None
+        self._monitor = monitor
+        self._gate.watched_by(monitor)
         try:
             try:
                 monitor.start()
@@ -1087,7 +933,7 @@ class CallWrapper:
                 self._abort(state)
                 self._await_restart(monitor)
             except Exception as error:  # noqa: BLE001 - any failure of the iteration restarts it
-                self._leave_optimizer_steps()  # an optimizer step that raised holds the monitor thread's lock
+                self._gate.leave_steps()  # an optimizer step that raised holds the monitor thread's lock
                 # From here the main thread runs the Wrapper's own code (store writes over gRPC):
                 # no asynchronous restart exception may land in it.
                 monitor.hold()
@@ -1122,7 +968,7 @@ class CallWrapper:
                 self._await_restart(monitor)
         except RankShouldRestart as restart:
             self._left_function()
-            self._leave_optimizer_steps()
+            self._gate.leave_steps()
             if not monitor.restart_started.is_set():
                 self._restart_asked_by_function(restart, monitor, store, state)
             monitor.acknowledge()
@@ -1131,7 +977,7 @@ class CallWrapper:
             log.debug("rank %s: iteration %d interrupted, restarting", rank, state.iteration)
             return False, None
         except BaseException as error:  # noqa: BLE001 - any other exit makes this rank leave, then re-raises
-            self._leave_optimizer_steps()
+            self._gate.leave_steps()
             monitor.stop()
             leaving = error if isinstance(error, _RankLeaves) else _RankLeaves(error, type(error).__name__)
             self._leave(store, state, leaving)
