@@ -32,7 +32,6 @@ import faulthandler
 import functools
 import gc
 import inspect
-import logging
 import os
 import re
 import signal
@@ -52,10 +51,6 @@ from elastic_ft.coordination.barriers import NO_WAIT
 from elastic_ft.coordination.fault_records import (
     PEER_LOST,
     fault_kind,
-    give_up,
-    group_faults,
-    restart_cause,
-    restart_reporter,
 )
 from elastic_ft.coordination.iteration import (
     COMPLETED,
@@ -64,8 +59,7 @@ from elastic_ft.coordination.iteration import (
     iteration_store,
     report_rank_gone,
 )
-from elastic_ft.coordination.job import JOINER_ACTIVITY_LIMIT, WITHDRAWN, JobView, job_store
-from elastic_ft.etcd.outage import bounded
+from elastic_ft.coordination.job import JobView, job_store
 from elastic_ft.handoff import WorkerHandoff
 from elastic_ft.inprocess.abort import AbortTorchDistributed
 from elastic_ft.inprocess.arguments import (
@@ -74,6 +68,7 @@ from elastic_ft.inprocess.arguments import (
     apply_job_config_defaults,
     validate_arguments,
 )
+from elastic_ft.inprocess.bounds import leaving_bound, restart_bound
 from elastic_ft.inprocess.compose import Compose
 from elastic_ft.inprocess.exception import (
     BarrierOverflow,
@@ -86,9 +81,10 @@ from elastic_ft.inprocess.exception import (
     RestartAbort,
     RestartLimitError,
 )
-from elastic_ft.inprocess.growth import joiner_state, next_iteration_state
+from elastic_ft.inprocess.growth import next_iteration_state
 from elastic_ft.inprocess.hang_detection import AdaptiveTimeouts
 from elastic_ft.inprocess.healing import heal
+from elastic_ft.inprocess.joining import Joining
 from elastic_ft.inprocess.logs import configure_logging, get_logger, release_logging
 from elastic_ft.inprocess.monitor_process import STACK_DUMP_SIGNAL, MonitorConfig, MonitorProcess
 from elastic_ft.inprocess.monitor_thread import InterruptSignal, MonitorThread
@@ -97,6 +93,7 @@ from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps, ProgressW
 from elastic_ft.inprocess.rank_assignment.base import RankAssignmentCtx, admits_new_ranks
 from elastic_ft.inprocess.rank_assignment.policies import ActivateAllRanks, MaxActiveWorldSize, ShiftRanks
 from elastic_ft.inprocess.recovery_phases import RecoveryClock
+from elastic_ft.inprocess.restart_report import RestartReporter
 from elastic_ft.inprocess.sockets import (
     close_inherited_in_child,
     gloo_listeners,
@@ -112,11 +109,9 @@ from elastic_ft.inprocess.worker_events import close_events, install_store_event
 from elastic_ft.keys import (
     COMPLETION_BARRIER,
     EXIT_BARRIER,
-    FTRUN_NEXT_RANK,
     INITIAL_BARRIER,
     ITERATION_BARRIER,
     TERMINATION_BARRIER,
-    parse_count,
 )
 from elastic_ft.observability import sink as event_sink
 from elastic_ft.observability.log_format import set_where
@@ -135,8 +130,6 @@ log = get_logger("wrapper")
 # ``__context__``) makes a cycle that keeps the CallWrapper, and its store with its listening socket, alive
 # until a garbage collection. So the code below drops such names as soon as it is done with them ("a cycle").
 
-#: How often a joiner looks for its admission (a restart admits it; it then has a barrier timeout to arrive).
-_JOIN_POLL = 0.05
 #: A planned restart's lead: the time, beyond two monitor-thread intervals, every rank gets to learn of it
 #: before the step boundary; and how much longer the monitor thread waits for that boundary.
 _PLANNED_LEAD = 0.1
@@ -370,18 +363,6 @@ def _secs(value: datetime.timedelta) -> float:
     return value.total_seconds()
 
 
-def _unless_unreachable(predicate: Callable[[], bool]) -> Callable[[], bool]:
-    """``predicate``, false while the store does not answer (etcd away): the poll waits on, within its own bound."""
-
-    def look() -> bool:
-        try:
-            return predicate()
-        except ConnectionError:
-            return False
-
-    return look
-
-
 def exception_origin(error: BaseException) -> tuple[str | None, str]:
     """Where ``error`` was raised (``file:line in function``, its innermost frame) and its formatted traceback.
 
@@ -507,6 +488,7 @@ class CallWrapper:
             wrapper.store_kwargs,
         )
         undo.callback(self._monitor_process.stop)
+        self._reporter = RestartReporter(wrapper.max_identical_faults, wrapper.max_restarts_without_progress)
         self._groups = ProcessGroupKeeper()
         #: Shared with this node's agent (under ftrun): the node's fence, and this rank's stalls.
         self._board = LocalBoard.from_env()
@@ -541,11 +523,20 @@ class CallWrapper:
         undo.callback(self._close_events)
         self._job_store = job_store(self.base_store)
         self._job_store.record_wrapped(self.state.initial_rank or 0, os.getpid())
+        self._joining = Joining(
+            self._job_store,
+            self.base_store,
+            self._board,
+            self._local_rank,
+            self._monitor_process,
+            self._recovery,
+            wrapper.barrier_timeout,
+        )
         if self.joining:
             if getattr(self.base_store, "critical_ranks", ()):
                 raise RuntimeError("a process can join a running world only through a store no rank hosts")
             self._monitor_process.store_ready()
-            self._register_when_reported_active(self.state.initial_rank or 0)
+            self._joining.register_when_reported_active(self.state.initial_rank or 0)
         else:
             self._job_store.set_accepts_joiners(admits_new_ranks(wrapper.rank_assignment))
             self._job_store.arrive_and_wait(
@@ -586,30 +577,6 @@ class CallWrapper:
 
     def _close_events(self) -> None:
         close_events(getattr(self, "_events", None))
-
-    def _register_when_reported_active(self, initial_rank: int) -> None:
-        """Register as a joiner once the monitor process's first heartbeat is in the store.
-
-        A restart admits only joiners their monitor process reports active
-        (:func:`~elastic_ft.coordination.job.admit_joiners`), so a registered
-        joiner is a ready one. A monitor that does not report within the
-        activity limit does not hold the process back: it registers anyway,
-        and waits to be reported active before a restart takes it.
-        """
-        job = self.job_store
-        if not poll(_unless_unreachable(lambda: job.last_activity(initial_rank) is not None), JOINER_ACTIVITY_LIMIT):
-            log.warning("initial rank %d: no heartbeat from the monitor process yet; registering anyway", initial_rank)
-        board = self._board
-        if board is not None and not board.may_join():
-            # Its node was cut off and counted out: a joiner that cannot reach the others would stall them again.
-            log.info("initial rank %d waits until its node reaches the other members again", initial_rank)
-            poll(_unless_unreachable(lambda: board.may_join() or job.finished()), None, interval_max=_JOIN_POLL)
-
-        def register() -> bool:
-            job.register_joiner(initial_rank)  # a line written twice counts once (JobRecords.joiners)
-            return True
-
-        poll(_unless_unreachable(register), None, interval_max=_JOIN_POLL)  # etcd away included
 
     def _install_interrupt(self, signum: signal.Signals | None) -> None:
         if signum is None:
@@ -737,7 +704,7 @@ class CallWrapper:
                 gave_up = isinstance(error, GIVE_UP_ERRORS)
                 kind = "completed" if error is None else type(error).__name__
                 fatal = isinstance(error, RestartLimitError) and error.fatal
-                with self._leaving_bound("its exit record"):
+                with leaving_bound(self.wrapper.barrier_timeout, self.state.rank, "its exit record"):
                     self._job_store.record_left(
                         self.state.initial_rank or 0, kind, gave_up, "" if error is None else repr(error), fatal=fatal
                     )
@@ -751,7 +718,7 @@ class CallWrapper:
             # Joiners are not counted by the exit barrier: it is the initial world's.
             if self._job_store is not None and initial_rank < (self.state.initial_world_size or 1):
                 hosts_store = initial_rank in getattr(self.base_store, "critical_ranks", ())
-                with self._leaving_bound("its arrival at the exit barrier"):
+                with leaving_bound(self.wrapper.barrier_timeout, self.state.rank, "its arrival at the exit barrier"):
                     self._job_store.arrive_and_wait(
                         EXIT_BARRIER,
                         [initial_rank],
@@ -804,7 +771,7 @@ class CallWrapper:
             self.state = state
             store = iteration_store(self.base_store, state.iteration)
             self._gate.begin_iteration(state, store)
-            with self._restart_bound():
+            with restart_bound(self.wrapper.barrier_timeout):
                 store.set_initial_rank(state.rank or 0, state.initial_rank or 0)
                 store.set_active_world_size(state.active_world_size or state.world_size)
                 self.job_store.record_position(
@@ -945,7 +912,7 @@ class CallWrapper:
                 # Without its traceback: the frames it holds would keep the failed
                 # iteration's process group, and so its connections, alive.
                 self.fn_exception = error.with_traceback(None)
-                # One line per rank; the text once per restart, by the rank that reports it (_report_restart).
+                # One line per rank; the text once per restart, by the rank that reports it (RestartReporter.report).
                 kind = fault_kind(error)
                 log.info("rank %s: iteration %d failed with %s (%s)", rank, state.iteration, kind, type(error).__name__)
                 event_sink.emit(
@@ -960,7 +927,9 @@ class CallWrapper:
                 )
                 if not (kind == PEER_LOST and monitor.restart_started.is_set()):
                     # A broken connection once a restart is under way is its consequence, not a fault to record.
-                    with self._restart_bound():  # etcd away: waited for, within the restart's barrier timeout
+                    with restart_bound(
+                        self.wrapper.barrier_timeout
+                    ):  # etcd away: waited for, within the restart's barrier timeout
                         store.record_interruption(
                             rank, kind, repr(error), step=self.step, origin=origin, traceback=text
                         )
@@ -1012,7 +981,7 @@ class CallWrapper:
         origin, text = exception_origin(restart)
         self.fn_exception = restart.with_traceback(None)
         log.info("rank %s: the function asked for a restart in iteration %d", rank, state.iteration)
-        with self._restart_bound():
+        with restart_bound(self.wrapper.barrier_timeout):
             store.record_interruption(
                 rank,
                 "RankShouldRestart",
@@ -1031,28 +1000,6 @@ class CallWrapper:
             self.wrapper.completion(state)
         except Exception:
             log.exception("rank %s: completion failed", state.rank)
-
-    @contextmanager
-    def _restart_bound(self) -> Iterator[None]:
-        """A restart's store writes wait for an unreachable store (etcd away) within the barrier timeout, the
-        user's bound on a restart, and then raise ``BarrierTimeout`` saying the store did not answer."""
-        seconds = _secs(self.wrapper.barrier_timeout)
-        try:
-            with bounded(seconds, f"barrier_timeout ({seconds:g} s)"):
-                yield
-        except ConnectionError as error:
-            raise BarrierTimeout(f"the store did not answer within barrier_timeout: {error}") from error
-
-    @contextmanager
-    def _leaving_bound(self, what: str) -> Iterator[None]:
-        """The rank leaves: ``what`` waits for an unreachable store within the barrier timeout, then the rank
-        leaves without it (what it returns or raises is the caller's, not the store's)."""
-        seconds = _secs(self.wrapper.barrier_timeout)
-        try:
-            with bounded(seconds, f"barrier_timeout ({seconds:g} s)"):
-                yield
-        except ConnectionError as error:
-            log.warning("rank %s leaves without %s: the store did not answer: %s", self.state.rank, what, error)
 
     def _await_restart(self, monitor: MonitorThread) -> NoReturn:
         """Wait for the monitor thread to start the restart (the fault recorded here reaches it), then restart.
@@ -1128,7 +1075,7 @@ class CallWrapper:
             step=self.step,
         )
         try:
-            with self._restart_bound():
+            with restart_bound(self.wrapper.barrier_timeout):
                 report_rank_gone(store, rank, state.world_size, leaving.kind, repr(leaving.error))
         finally:
             self._abort(state)
@@ -1200,190 +1147,36 @@ class CallWrapper:
             payload = store.arrive_and_wait(TERMINATION_BARRIER, [rank], state.world_size, wrapper.barrier_timeout)
         self._recovery.mark("terminated")
         result = _termination_result(payload, state.world_size)
-        cause_traceback = self._report_restart(store, state, result)
-        self._check_limits(state, result, cause_traceback)
+        cause_traceback = self._reporter.report(store, state, result)
+        self._reporter.check_limits(state, result, cause_traceback, self.step)
         if result.terminated:
             log.info("rank %s: ranks %s left the job in iteration %d", rank, list(result.terminated), state.iteration)
         if result.joined:
             log.info("rank %s: initial ranks %s join in iteration %d", rank, list(result.joined), state.iteration + 1)
-        if rank in result.terminated and self._may_rejoin():
+        if rank in result.terminated and self._joining.may_rejoin():
             return None
         next_state = next_iteration_state(state, result)
         assigned = self._assign(RankAssignmentCtx(next_state, store, set(result.terminated)))
         self._recovery.mark("assigned")
         return assigned
 
-    def _may_rejoin(self) -> bool:
-        """Whether this rank, counted out while it lived, can join the running world again in its own process:
-        its agent admits it (under ``ftrun``), through a store no rank hosts, into a world that grows."""
-        hosted: tuple[int, ...] = getattr(self.base_store, "critical_ranks", ())
-        if self._board is None or hosted:
-            return False
-        with self._restart_bound():
-            return self.job_store.accepts_joiners()
-
     def _rejoin(self, state: State) -> State | None:
-        """The others counted this rank out while it lived (its node was cut off, or its heartbeats went
-        unheard): it joins the running world again in this process, as a respawned process would, and is healed
-        from a peer.
-
-        It takes a new initial rank above the world's from the round's counter
-        (the agent's for respawned processes), leaves under its old one (the
-        exit barrier, a ``rejoined`` exit record), and tells its agent (the
-        node's board) and its monitor process. Returns the state it joins
-        with, or None when the job finished first.
-        """
-        old, world = state.initial_rank or 0, state.initial_world_size or state.world_size
-        job = self.job_store
-        with self._restart_bound():
-            new = world + self.base_store.add(FTRUN_NEXT_RANK, 1) - 1
-            job.record_wrapped(new, os.getpid())
-            job.record_left(old, "rejoined", False, f"counted out while it lived; joins again as initial rank {new}")
-            if old < world:
-                job.arrive_and_wait(EXIT_BARRIER, [old], world, NO_WAIT)
-        if self._board is not None:
-            self._board.set_initial_rank(self._local_rank, new)
-        self._monitor_process.take_initial_rank(new)
-        log.warning(
-            "initial rank %d was counted out while it lived (iteration %d): it joins the running world again "
-            "in the same process, as initial rank %d",
-            old,
-            state.iteration,
-            new,
-        )
-        event_sink.emit("rejoined", rank=new, iteration=state.iteration, previous_rank=old)
+        """The others counted this rank out while it lived: it joins the running world again in this process,
+        under a new initial rank, as a respawned process would, and is healed from a peer
+        (:meth:`Joining.take_new_initial_rank`). None when the job finished first."""
+        new = self._joining.take_new_initial_rank(state)
+        world = state.initial_world_size or state.world_size
         set_where(f"rank {new}")
         self.state = State(None, world, initial_rank=new, initial_world_size=world)
         self.joining, self._fresh = True, True
-        self._register_when_reported_active(new)
+        self._joining.register_when_reported_active(new)
         return self._await_admission()
 
-    def _report_restart(self, store: IterationView, state: State, result: TerminationResult) -> str | None:
-        """Log and record the restart once for the job, with every fault grouped and each text once.
-
-        After the termination barrier, so every fault of the iteration is
-        recorded (a dead node's ranks are reported only once its lease
-        expires), and every rank knows the same ranks left: the lowest rank
-        still in the job (:func:`restart_reporter`) reports, with the
-        traceback of the exception that caused the restart, if one did; the
-        others log one line at DEBUG. Returns that traceback on the
-        reporting rank.
-        """
-        reports = state.rank == restart_reporter(state.world_size, result.terminated)
-        if not reports and not log.isEnabledFor(logging.DEBUG):
-            return None  # one store read per restart for the job, not one per rank
-        faults = group_faults(store.interruptions())
-        summary = "; ".join(group.describe() for group in faults) or "no fault recorded"
-        if not reports:
-            log.debug("rank %s: iteration %d restarts: %s", state.rank, state.iteration, summary)
-            return None
-        cause = restart_cause(faults)
-        if cause is None:
-            shown = ""
-        elif result.history.repeats > 1:  # its traceback was shown at its first restart
-            shown = f" (the same fault as in the last {result.history.repeats - 1} iteration(s))"
-        else:
-            shown = f"\n{cause.kind} on rank {cause.ranks[0]}:\n{cause.traceback}"
-        log.warning(
-            "iteration %d restarts (%d rank(s), %d left): %s%s",
-            state.iteration,
-            state.world_size,
-            len(result.terminated),
-            summary,
-            shown,
-        )
-        times = [group.time for group in faults if group.time is not None]
-        event_sink.emit(
-            "restart_decided",
-            rank=state.initial_rank,
-            iteration=state.iteration,
-            fault_time=min(times) if times else None,
-            kind=faults[0].kind if faults else "unknown",  # the cause
-            faults=[{"kind": g.kind, "ranks": list(g.ranks), "message": g.message} for g in faults],
-            terminated=list(result.terminated),
-        )
-        return None if cause is None else cause.traceback
-
-    def _check_limits(self, state: State, result: TerminationResult, cause_traceback: str | None) -> None:
-        """Stop restarting when the restart limits are reached (every rank decides alike, from the same result).
-
-        Raises:
-            RestartLimitError: on every rank; its message carries the cause's
-                traceback on the reporting rank, which also logs it.
-        """
-        wrapper = self.wrapper
-        verdict = give_up(result.history, wrapper.max_identical_faults, wrapper.max_restarts_without_progress)
-        if verdict is None:
-            return
-        reason, fatal = verdict.reason, verdict.fatal
-        reports = state.rank == restart_reporter(state.world_size, result.terminated)
-        message = f"in-process restart gives up after iteration {state.iteration}: {reason}"
-        if reports:
-            log.error("%s", message)
-            event_sink.emit(
-                "gave_up",
-                rank=state.initial_rank,
-                iteration=state.iteration,
-                kind="restart_limit",
-                message=reason,
-                step=self.step,
-                fatal=fatal,
-            )
-            if cause_traceback:
-                message += f"\nThe fault, as it was raised:\n{cause_traceback}"
-        else:
-            reporter = restart_reporter(state.world_size, result.terminated)
-            message += f" (rank {reporter}'s log shows its traceback)"
-        raise RestartLimitError(message, fatal)
-
     def _await_admission(self) -> State | None:
-        """A joiner: wait until a restart admits this process, then take its place; None if the job finished.
-
-        The restart's termination barrier admitted it (:func:`~elastic_ft.coordination.job.admit_joiners`)
-        and published the world it grows; this process takes the rank after
-        the others admitted with it and runs the same rank assignment they do.
-        """
-        job, initial_rank = self.job_store, self.state.initial_rank or 0
-        log.info("initial rank %d waits for a restart to join the running world", initial_rank)
-        admitted: list[str] = []
-
-        def admitted_or_finished() -> bool:
-            admission = job.admission(initial_rank)
-            if admission is not None:
-                admitted.append(admission)
-            return admission is not None or job.finished()
-
-        # For as long as the job runs, etcd away included.
-        poll(_unless_unreachable(admitted_or_finished), None, interval_max=_JOIN_POLL)
-        if not admitted:
+        """A joiner: wait until a restart admits this process, then take its place; None if the job finished."""
+        admission = self._joining.await_admission(self.state.initial_rank or 0, self.state.initial_world_size or 1)
+        if admission is None:
             return None
-        admission = admitted[0]
-        self._recovery.start()  # its admission is this process's recovery: timed from here to its first step
-        iteration = parse_count(admission)
-        if admission == WITHDRAWN or not iteration:
-            raise InternalError(f"initial rank {initial_rank} was not admitted: its admission record is {admission!r}")
-        previous = iteration_store(self.base_store, iteration - 1)
-        barrier_timeout = _secs(self.wrapper.barrier_timeout)
-        with self._restart_bound():
-            if not poll(_unless_unreachable(lambda: previous.termination_result() is not None), barrier_timeout):
-                raise BarrierTimeout(f"the restart admitting initial rank {initial_rank} did not publish its result")
-        try:
-            result = TerminationResult.from_json(previous.termination_result(), None)
-        except MalformedRecord as error:
-            raise InternalError(f"initial rank {initial_rank} cannot join: {error}") from None
-        try:
-            state = joiner_state(
-                result,
-                initial_rank,
-                initial_world_size=self.state.initial_world_size or 1,
-                active_world_size=previous.active_world_size(),
-                iteration=iteration,
-            )
-        except ValueError as error:
-            raise InternalError(f"admitted into iteration {iteration}, but {error}") from None
-        log.info(
-            "initial rank %d joins iteration %d as rank %s of %d", initial_rank, iteration, state.rank, state.world_size
-        )
-        assigned = self._assign(RankAssignmentCtx(state, previous, set(result.terminated)))
+        assigned = self._assign(RankAssignmentCtx(admission.state, admission.previous, set(admission.terminated)))
         self._recovery.mark("assigned")
         return assigned
