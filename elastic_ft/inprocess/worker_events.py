@@ -10,6 +10,8 @@ would be taken for the wrapped function's and cut at every restart
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -30,6 +32,18 @@ def install_store_events(store: dist.Store) -> event_sink.EventSink | None:
     log = EventLog(store.client, RunKeys(handoff.etcd_prefix, handoff.run_id), handoff.capacity)
     sink = event_sink.EventSink(handoff.run_id, "worker", log.append, handoff.destination, handoff.node)
     event_sink.install(sink)
+    return sink
+
+
+def install_rank_events(
+    store: dist.Store, progress: Callable[[], dict[str, Any] | None]
+) -> event_sink.EventSink | None:
+    """A rank's events into the run's log (:func:`install_store_events`), with its ``progress`` event sampled from
+    ``progress()`` at the hand-off's interval; returns the sink installed (the caller closes it), or None."""
+    sink = install_store_events(store)
+    interval = progress_interval()
+    if sink is not None and interval is not None:
+        sink.sample_progress(progress, interval)
     return sink
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import faulthandler
 import functools
 import gc
 import inspect
@@ -37,13 +36,12 @@ import re
 import signal
 import sys
 import threading
-import time
 import traceback
 import typing
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any, NoReturn, TypeVar
 
 import torch.distributed as dist
 
@@ -74,38 +72,34 @@ from elastic_ft.inprocess.exception import (
     BarrierOverflow,
     BarrierTimeout,
     HealingError,
-    HealthCheckError,
     InternalError,
     RankAssignmentTimeout,
     RankShouldRestart,
     RestartAbort,
     RestartLimitError,
 )
+from elastic_ft.inprocess.group_stores import GroupStores
 from elastic_ft.inprocess.growth import next_iteration_state
 from elastic_ft.inprocess.hang_detection import AdaptiveTimeouts
 from elastic_ft.inprocess.healing import heal
 from elastic_ft.inprocess.joining import Joining
 from elastic_ft.inprocess.logs import configure_logging, get_logger, release_logging
-from elastic_ft.inprocess.monitor_process import STACK_DUMP_SIGNAL, MonitorConfig, MonitorProcess
-from elastic_ft.inprocess.monitor_thread import InterruptSignal, MonitorThread
+from elastic_ft.inprocess.monitor_process import MonitorConfig, MonitorProcess
+from elastic_ft.inprocess.monitor_thread import MonitorThread
 from elastic_ft.inprocess.process_groups import ProcessGroupKeeper
 from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps, ProgressWatchdog, StepClock
 from elastic_ft.inprocess.rank_assignment.base import RankAssignmentCtx, admits_new_ranks
 from elastic_ft.inprocess.rank_assignment.policies import ActivateAllRanks, MaxActiveWorldSize, ShiftRanks
+from elastic_ft.inprocess.rank_hooks import ProcessHooks, RankHooks, RankLeaves
 from elastic_ft.inprocess.recovery_phases import RecoveryClock
 from elastic_ft.inprocess.restart_report import RestartReporter
 from elastic_ft.inprocess.sockets import (
-    close_inherited_in_child,
-    gloo_listeners,
-    release_connections,
     socket_inodes,
-    tcp_sockets,
-    unblock_listeners,
 )
 from elastic_ft.inprocess.state import Mode, State
 from elastic_ft.inprocess.steps import StepGate, note_collective_wait
 from elastic_ft.inprocess.store import default_store
-from elastic_ft.inprocess.worker_events import close_events, install_store_events, progress_interval
+from elastic_ft.inprocess.worker_events import close_events, install_rank_events
 from elastic_ft.keys import (
     COMPLETION_BARRIER,
     EXIT_BARRIER,
@@ -115,13 +109,10 @@ from elastic_ft.keys import (
 )
 from elastic_ft.observability import sink as event_sink
 from elastic_ft.observability.log_format import set_where
-from elastic_ft.runtime.local_board import LocalBoard
+from elastic_ft.runtime.local_board import LocalBoard, at_barrier
 from elastic_ft.runtime.torch_compat import check_torch
 from elastic_ft.runtime.waits import poll
 from elastic_ft.untrusted import MalformedRecord
-
-if TYPE_CHECKING:
-    from elastic_ft.etcd.group_store import GroupStore
 
 log = get_logger("wrapper")
 
@@ -363,6 +354,19 @@ def _secs(value: datetime.timedelta) -> float:
     return value.total_seconds()
 
 
+def await_restart(monitor: MonitorThread, wrapper: Wrapper) -> NoReturn:
+    """Wait for the monitor thread to start the restart (the fault recorded here reaches it), then restart.
+
+    The monitor thread delivers nothing to a held main thread (see
+    :meth:`MonitorThread.hold`): once the restart started (connections
+    released, ``abort`` called), the main thread raises it itself.
+    """
+    patience = _secs(wrapper.last_call_wait) + 3 * _secs(wrapper.monitor_thread_interval) + 30.0
+    if poll(monitor.restart_started.is_set, patience, interval_max=0.001):
+        raise RankShouldRestart()
+    raise InternalError(f"the monitor thread did not start a restart within {patience:g} s")
+
+
 def exception_origin(error: BaseException) -> tuple[str | None, str]:
     """Where ``error`` was raised (``file:line in function``, its innermost frame) and its formatted traceback.
 
@@ -372,29 +376,6 @@ def exception_origin(error: BaseException) -> tuple[str | None, str]:
     frames = traceback.extract_tb(error.__traceback__)
     origin = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else None
     return origin, "".join(traceback.format_exception(error)).rstrip()
-
-
-class _RankLeaves(BaseException):
-    """Internal: this rank leaves the job; ``error`` is what the Wrapper raises to the caller."""
-
-    def __init__(self, error: BaseException, kind: str) -> None:
-        super().__init__(kind)
-        self.error = error
-        self.kind = kind
-
-    def release(self) -> BaseException:
-        """The error to raise, no longer held here.
-
-        Raised while this is being handled, the error takes this as its
-        ``__context__``; still held here, it would make a cycle (see the
-        note at the top of the module).
-        """
-        error, self.error = self.error, _Released()
-        return error
-
-
-class _Released(BaseException):
-    """What a released ``_RankLeaves`` holds instead of its error (see ``_RankLeaves.release``)."""
 
 
 def _is_call_wrapper_annotation(annotation: Any) -> bool:
@@ -490,6 +471,10 @@ class CallWrapper:
         undo.callback(self._monitor_process.stop)
         self._reporter = RestartReporter(wrapper.max_identical_faults, wrapper.max_restarts_without_progress)
         self._groups = ProcessGroupKeeper()
+        #: The rank's side of a restart: its connections released, the user's hooks.
+        self._hooks = RankHooks(
+            self._groups, wrapper.abort, wrapper.health_check, wrapper.completion, wrapper.terminate
+        )
         #: Shared with this node's agent (under ftrun): the node's fence, and this rank's stalls.
         self._board = LocalBoard.from_env()
         self._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -504,7 +489,6 @@ class CallWrapper:
             note_collective_wait(self._board, self._local_rank),
         )
         self._job_store: JobView | None = None
-        self._interrupt: InterruptSignal | None = None
         #: The moments of the restart under way on this rank, until its first step (``recovery_phases``).
         self._recovery = RecoveryClock()
         #: Optimizer steps, atomic sections, the fence and the planned restart's step boundary.
@@ -516,11 +500,13 @@ class CallWrapper:
             self._board,
             _PLANNED_LEAD + 2 * _secs(wrapper.monitor_thread_interval),
         )
-        #: The stores this call handed out for process groups (``process_group_store``), by iteration.
-        self._group_stores: dict[int, GroupStore] = {}
+        self._process_hooks = ProcessHooks(self._gate)
         self.base_store = wrapper.store_factory(**wrapper.store_kwargs)
-        self._events = self._install_events()
-        undo.callback(self._close_events)
+        #: The stores this call hands out for process groups (``process_group_store``), by iteration.
+        self._group_stores = GroupStores(self.base_store)
+        #: The sink of this rank's events this call installed (None: none, or one was there already).
+        self._events = install_rank_events(self.base_store, self._progress_sample)
+        undo.callback(close_events, self._events)
         self._job_store = job_store(self.base_store)
         self._job_store.record_wrapped(self.state.initial_rank or 0, os.getpid())
         self._joining = Joining(
@@ -543,30 +529,16 @@ class CallWrapper:
                 INITIAL_BARRIER, [self.state.rank or 0], self.state.world_size, wrapper.barrier_timeout
             )
             self._monitor_process.store_ready()
-        undo.callback(self._release_hooks)  # each of the hooks below, as far as it got
+        undo.callback(self._process_hooks.remove)  # each of the hooks, as far as it got
         # What exists now (the store's connections above all) is the process's own; what the
         # wrapped function connects later is released at a restart (elastic_ft.inprocess.sockets).
-        self._socket_baseline = socket_inodes()
-        close_inherited_in_child(self._socket_baseline)
-        self._install_interrupt(wrapper.interrupt_signal)
-        # The monitor process sends this before it terminates the rank: every thread's stack goes to
-        # stderr, from a C handler that runs even when the GIL is held.
-        faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
-        self._gate.install()
+        self._hooks.socket_baseline = socket_inodes()
+        self._process_hooks.install(wrapper.interrupt_signal, self._hooks.socket_baseline)
         self._watchdog.start()
         # Everything that exists now (imports, the store's client, the caller's
         # set-up) outlives every iteration: move it out of the collector's way, so
         # the full collection after a fault scans only what iterations created.
         gc.freeze()
-
-    def _install_events(self) -> event_sink.EventSink | None:
-        """Record this rank's events in the run's event log, under ``ftrun``; returns the sink this call installed
-        (closed when it ends), or None (:mod:`elastic_ft.inprocess.worker_events`)."""
-        sink = install_store_events(self.base_store)
-        interval = progress_interval()
-        if sink is not None and interval is not None:
-            sink.sample_progress(self._progress_sample, interval)
-        return sink
 
     def _progress_sample(self) -> dict[str, Any] | None:
         """The ``progress`` event's fields: this rank's optimizer steps, while it is an active rank."""
@@ -574,40 +546,6 @@ class CallWrapper:
         if state.mode is not Mode.ACTIVE:
             return None
         return {"rank": state.initial_rank, "iteration": state.iteration, "step": self.step}
-
-    def _close_events(self) -> None:
-        close_events(getattr(self, "_events", None))
-
-    def _install_interrupt(self, signum: signal.Signals | None) -> None:
-        if signum is None:
-            return
-        if threading.current_thread() is not threading.main_thread():
-            log.warning(
-                "the Wrapper runs outside the main thread: no interrupt signal, blocking calls end a restart late"
-            )
-            return
-        self._interrupt = InterruptSignal(signum)
-        self._interrupt.install()
-
-    def _release_hooks(self) -> None:
-        close_inherited_in_child(None)
-        faulthandler.unregister(STACK_DUMP_SIGNAL)
-        self._gate.remove()
-        if self._interrupt is not None:
-            self._interrupt.uninstall()
-            self._interrupt = None
-
-    @contextmanager
-    def _at_barrier(self) -> Iterator[None]:
-        """This rank waits at one of the Wrapper's barriers: its agent may suspect the other members."""
-        board = self._board
-        if board is not None:
-            board.set_at_barrier(self._local_rank, time.monotonic())
-        try:
-            yield
-        finally:
-            if board is not None:
-                board.set_at_barrier(self._local_rank, None)
 
     @property
     def job_store(self) -> JobView:
@@ -633,23 +571,7 @@ class CallWrapper:
         requests instead of 2N. It stays open for the iteration (NCCL may
         read it after the group is built) and is closed at the next restart.
         """
-        from elastic_ft.etcd.group_store import group_store  # the etcd client only where an etcd store is used
-        from elastic_ft.etcd.store import EtcdStore
-
-        base = self.base_store
-        iteration = self.state.iteration
-        if not isinstance(base, EtcdStore):
-            return dist.PrefixStore(f"{name}/{iteration}", base)
-        store = self._group_stores.get(iteration)
-        if store is None or not store.prefix.endswith(f"/{name}/{iteration}/"):
-            store = group_store(base, f"{name}/{iteration}/")
-            self._group_stores[iteration] = store
-        return store
-
-    def _close_group_stores(self, before: int | None = None) -> None:
-        """Close the process-group stores of the iterations before ``before`` (None: all)."""
-        for iteration in [i for i in self._group_stores if before is None or i < before]:
-            self._group_stores.pop(iteration).close()
+        return self._group_stores.for_iteration(self.state.iteration, name)
 
     def ping(self) -> None:
         """Report progress by hand: a step, for loops without a ``torch.optim`` optimizer.
@@ -727,12 +649,12 @@ class CallWrapper:
                     )
         finally:
             gc.unfreeze()
-            self._close_group_stores()
+            self._group_stores.close()
             self._groups.keep_until_exit()
-            self._release_hooks()
+            self._process_hooks.remove()
             self._watchdog.shutdown()
             self._monitor_process.stop()
-            self._close_events()
+            close_events(self._events)
             release_logging(self._logging)
             # The last monitor thread holds this object's bound method, and the last fault's traceback chain
             # frames of this object: a cycle.
@@ -801,14 +723,14 @@ class CallWrapper:
                 state.iteration, state.rank or 0, state.world_size, state.mode is Mode.ACTIVE
             )
             state.set_distributed_vars()
-            with self._at_barrier():
+            with at_barrier(self._board, self._local_rank):
                 store.arrive_and_wait(ITERATION_BARRIER, [state.rank or 0], state.world_size, wrapper.barrier_timeout)
             self._recovery.mark("started")
             log.debug("rank %s: iteration %d starts as %s", state.rank, state.iteration, state.mode.name)
             completed, result = self._run_iteration(fn, args, kwargs, store, state)
             if completed:
                 log.debug("rank %s: iteration %d completed", state.rank, state.iteration)
-                self._run_completion(state)
+                self._hooks.run_completion(state)
                 return result
             next_state = self._prepare_restart(store, state)
             if next_state is None:  # counted out while it lived: it joins the running world again
@@ -847,11 +769,11 @@ class CallWrapper:
             store,
             state,
             wrapper.abort,
-            self._release_connections,
+            functools.partial(self._hooks.release_connections, state),
             _secs(wrapper.monitor_thread_interval),
             _secs(wrapper.last_call_wait),
             self.atomic_lock,
-            self._interrupt,
+            self._process_hooks.interrupt,
             self._timestamps.set_restart_pending,
             planned_bound=self._gate.planned_lead + _PLANNED_GRACE,
         )
@@ -864,7 +786,7 @@ class CallWrapper:
                     wrapper.initialize(state)
                 # A rank unhealthy before the function is a fault of this iteration, as in NVIDIA's Wrapper: the
                 # ranks restart, and the check after finalize decides whether it leaves (_prepare_restart).
-                self._check_health(state, leave=False)
+                self._hooks.check_health(state, leave=False)
                 self._recovery.mark("checked")
                 result = None
                 if state.mode is Mode.ACTIVE:
@@ -897,8 +819,8 @@ class CallWrapper:
                 # reported on every rank as an InternalError); the restart under way takes it as the others.
                 log.info("rank %s: iteration %d was interrupted as it completed", rank, state.iteration)
                 monitor.hold()
-                self._abort(state)
-                self._await_restart(monitor)
+                self._hooks.abort(state)
+                await_restart(monitor, self.wrapper)
             except Exception as error:  # noqa: BLE001 - any failure of the iteration restarts it
                 self._gate.leave_steps()  # an optimizer step that raised holds the monitor thread's lock
                 # From here the main thread runs the Wrapper's own code (store writes over gRPC):
@@ -907,7 +829,7 @@ class CallWrapper:
                 self._left_function()
                 # The iteration is lost: cut its connections first, here, before the frames the
                 # traceback holds (and their process groups) can be freed.
-                self._abort(state)
+                self._hooks.abort(state)
                 origin, text = exception_origin(error)
                 # Without its traceback: the frames it holds would keep the failed
                 # iteration's process group, and so its connections, alive.
@@ -934,7 +856,7 @@ class CallWrapper:
                             rank, kind, repr(error), step=self.step, origin=origin, traceback=text
                         )
                 del error, text
-                self._await_restart(monitor)
+                await_restart(monitor, self.wrapper)
         except RankShouldRestart as restart:
             self._left_function()
             self._gate.leave_steps()
@@ -948,7 +870,7 @@ class CallWrapper:
         except BaseException as error:  # noqa: BLE001 - any other exit makes this rank leave, then re-raises
             self._gate.leave_steps()
             monitor.stop()
-            leaving = error if isinstance(error, _RankLeaves) else _RankLeaves(error, type(error).__name__)
+            leaving = error if isinstance(error, RankLeaves) else RankLeaves(error, type(error).__name__)
             self._leave(store, state, leaving)
             reason = leaving.release()
             try:
@@ -977,7 +899,7 @@ class CallWrapper:
         """
         rank = state.rank or 0
         monitor.hold()
-        self._abort(state)
+        self._hooks.abort(state)
         origin, text = exception_origin(restart)
         self.fn_exception = restart.with_traceback(None)
         log.info("rank %s: the function asked for a restart in iteration %d", rank, state.iteration)
@@ -991,28 +913,7 @@ class CallWrapper:
                 traceback=text,
             )
         with suppress(RankShouldRestart):
-            self._await_restart(monitor)
-
-    def _run_completion(self, state: State) -> None:
-        if self.wrapper.completion is None:
-            return
-        try:
-            self.wrapper.completion(state)
-        except Exception:
-            log.exception("rank %s: completion failed", state.rank)
-
-    def _await_restart(self, monitor: MonitorThread) -> NoReturn:
-        """Wait for the monitor thread to start the restart (the fault recorded here reaches it), then restart.
-
-        The monitor thread delivers nothing to a held main thread (see
-        :meth:`MonitorThread.hold`): once the restart started (connections
-        released, ``abort`` called), the main thread raises it itself.
-        """
-        wrapper = self.wrapper
-        patience = _secs(wrapper.last_call_wait) + 3 * _secs(wrapper.monitor_thread_interval) + 30.0
-        if poll(monitor.restart_started.is_set, patience, interval_max=0.001):
-            raise RankShouldRestart()
-        raise InternalError(f"the monitor thread did not start a restart within {patience:g} s")
+            await_restart(monitor, self.wrapper)
 
     def _heal(self, store: IterationView, state: State) -> None:
         """Peer state healing, on an active rank after a restart; see :mod:`elastic_ft.inprocess.healing`."""
@@ -1033,7 +934,7 @@ class CallWrapper:
                 self._groups,
             )
         except HealingError as error:
-            raise _RankLeaves(error, "healing") from error
+            raise RankLeaves(error, "healing") from error
         if result.role == "received":
             event_sink.emit(
                 "healed",
@@ -1046,23 +947,7 @@ class CallWrapper:
             )
         self.step = result.step
 
-    def _check_health(self, state: State, *, leave: bool = True) -> None:
-        """Run the health check; a failure raises ``HealthCheckError``, as the rank leaving when ``leave``."""
-        if self.wrapper.health_check is None:
-            return
-        try:
-            self.wrapper.health_check(state)
-        except Exception as error:  # noqa: BLE001 - any failure of the check is ill health, raised below
-            health_error = HealthCheckError(f"rank {state.rank} failed its health check: {error!r}")
-            try:
-                if not leave:
-                    raise health_error from error
-                raise _RankLeaves(health_error, "health_check") from error
-            finally:
-                # ``error``'s traceback holds this frame: naming its wrapper here would make a cycle.
-                del health_error
-
-    def _leave(self, store: IterationView, state: State, leaving: _RankLeaves) -> None:
+    def _leave(self, store: IterationView, state: State, leaving: RankLeaves) -> None:
         """Record this rank as gone from the iteration, so the others restart without it."""
         rank = state.rank or 0
         log.error("rank %s leaves the job in iteration %d: %r", rank, state.iteration, leaving.error)
@@ -1078,43 +963,8 @@ class CallWrapper:
             with restart_bound(self.wrapper.barrier_timeout):
                 report_rank_gone(store, rank, state.world_size, leaving.kind, repr(leaving.error))
         finally:
-            self._abort(state)
-            if self.wrapper.terminate is not None:
-                # Its own failure is raised from the reason, as NVIDIA's Wrapper does.
-                try:
-                    self.wrapper.terminate(dataclasses.replace(state, mode=Mode.TERMINATED))
-                except Exception as error:
-                    log.exception("rank %s: terminate failed", rank)
-                    raise error from leaving.error
-
-    def _release_connections(self, everything: bool = False) -> int:
-        """The iteration is lost: keep its gloo groups from being destroyed, then cut their connections.
-
-        With ``everything`` (the main thread ignored the first release), also
-        end gloo's waits for peers that never connect (:func:`unblock_listeners`):
-        a peer that died while the ranks built a process group.
-        """
-        self._groups.retire()
-        released = release_connections(self._socket_baseline, everything=everything)
-        if everything:
-            listeners = gloo_listeners(tcp_sockets(), self._socket_baseline)
-            unblocked = unblock_listeners(listeners, range(self.state.world_size))
-            if unblocked:
-                log.info("rank %s: ended gloo's waits on %d listener(s)", self.state.rank, len(listeners))
-        return released
-
-    def _abort(self, state: State) -> None:
-        """Release the function's connections, then the ``abort`` hook (idempotent; the monitor thread ran both)."""
-        try:
-            self._release_connections()
-        except Exception:
-            log.exception("rank %s: releasing connections failed", state.rank)
-        if self.wrapper.abort is None:
-            return
-        try:
-            self.wrapper.abort(state)
-        except Exception:
-            log.exception("rank %s: abort failed", state.rank)
+            self._hooks.abort(state)
+            self._hooks.terminate(state, leaving.error)
 
     def _prepare_restart(self, store: IterationView, state: State) -> State | None:
         """After an interruption: abort, finalize, health check, termination barrier, rank assignment.
@@ -1125,25 +975,25 @@ class CallWrapper:
         wrapper = self.wrapper
         rank = state.rank or 0
         state = dataclasses.replace(state, fn_exception=self.fn_exception)
-        self._abort(state)
+        self._hooks.abort(state)
         # Free what the unwound function left in reference cycles (its frames, DDP's reducer), then
         # the process groups retired one restart ago, which nothing else can hold by now.
         gc.collect()
         self._groups.release()
-        self._close_group_stores(before=state.iteration + 1)
+        self._group_stores.close(before=state.iteration + 1)
         self._recovery.mark("released")
         try:
             try:
                 if wrapper.finalize is not None:
                     wrapper.finalize(state)
             except Exception as error:
-                raise _RankLeaves(error, "finalize") from error
-            self._check_health(state)
-        except _RankLeaves as leaving:
+                raise RankLeaves(error, "finalize") from error
+            self._hooks.check_health(state)
+        except RankLeaves as leaving:
             self._leave(store, state, leaving)
             raise leaving.release() from None
         self._recovery.mark("finalized")
-        with self._at_barrier():
+        with at_barrier(self._board, self._local_rank):
             payload = store.arrive_and_wait(TERMINATION_BARRIER, [rank], state.world_size, wrapper.barrier_timeout)
         self._recovery.mark("terminated")
         result = _termination_result(payload, state.world_size)

@@ -44,7 +44,7 @@ import mmap
 import os
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 LOCAL_BOARD_ENV = "ELASTIC_FT_LOCAL_BOARD"
 _HEADER = 4  # the fence's time, the number of rank slots, the fence's generation, may join
@@ -187,3 +187,16 @@ class LocalBoard:
         if remove:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
+
+
+@contextlib.contextmanager
+def at_barrier(board: LocalBoard | None, local_rank: int) -> Iterator[None]:
+    """A rank waits at one of the Wrapper's barriers: its node's agent may suspect the other members (nothing
+    without a board)."""
+    if board is not None:
+        board.set_at_barrier(local_rank, time.monotonic())
+    try:
+        yield
+    finally:
+        if board is not None:
+            board.set_at_barrier(local_rank, None)
