@@ -6,7 +6,7 @@ connections (:mod:`elastic_ft.inprocess.sockets`), which is what unblocks
 a collective waiting for a lost peer, and the user's ``abort``,
 ``health_check``, ``completion`` and ``terminate`` hooks, each with the
 consequence NVIDIA's Wrapper gives its failure. A rank that must leave the
-job is told by :class:`RankLeaves`. :class:`ProcessHooks` is what makes a
+job is told by :class:`_RankLeaves`. :class:`ProcessHooks` is what makes a
 restart reach the rank at all: the process-wide hooks the call installs
 while it runs.
 """
@@ -40,7 +40,7 @@ log = get_logger("wrapper")
 StateHook = Callable[[State], Any]
 
 
-class RankLeaves(BaseException):
+class _RankLeaves(BaseException):
     """Internal: this rank leaves the job; ``error`` is what the Wrapper raises to the caller."""
 
     def __init__(self, error: BaseException, kind: str) -> None:
@@ -61,7 +61,7 @@ class RankLeaves(BaseException):
 
 
 class _Released(BaseException):
-    """What a released ``RankLeaves`` holds instead of its error (see ``RankLeaves.release``)."""
+    """What a released ``_RankLeaves`` holds instead of its error (see ``_RankLeaves.release``)."""
 
 
 @dataclasses.dataclass
@@ -116,7 +116,7 @@ class RankHooks:
             try:
                 if not leave:
                     raise health_error from error
-                raise RankLeaves(health_error, "health_check") from error
+                raise _RankLeaves(health_error, "health_check") from error
             finally:
                 # ``error``'s traceback holds this frame: naming its wrapper here would make a reference cycle.
                 del health_error

@@ -90,7 +90,7 @@ from elastic_ft.inprocess.process_groups import ProcessGroupKeeper
 from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps, ProgressWatchdog, StepClock
 from elastic_ft.inprocess.rank_assignment.base import RankAssignmentCtx, admits_new_ranks
 from elastic_ft.inprocess.rank_assignment.policies import ActivateAllRanks, MaxActiveWorldSize, ShiftRanks
-from elastic_ft.inprocess.rank_hooks import ProcessHooks, RankHooks, RankLeaves
+from elastic_ft.inprocess.rank_hooks import ProcessHooks, RankHooks, _RankLeaves
 from elastic_ft.inprocess.recovery_phases import RecoveryClock
 from elastic_ft.inprocess.restart_report import RestartReporter
 from elastic_ft.inprocess.sockets import (
@@ -870,7 +870,7 @@ class CallWrapper:
         except BaseException as error:  # noqa: BLE001 - any other exit makes this rank leave, then re-raises
             self._gate.leave_steps()
             monitor.stop()
-            leaving = error if isinstance(error, RankLeaves) else RankLeaves(error, type(error).__name__)
+            leaving = error if isinstance(error, _RankLeaves) else _RankLeaves(error, type(error).__name__)
             self._leave(store, state, leaving)
             reason = leaving.release()
             try:
@@ -934,7 +934,7 @@ class CallWrapper:
                 self._groups,
             )
         except HealingError as error:
-            raise RankLeaves(error, "healing") from error
+            raise _RankLeaves(error, "healing") from error
         if result.role == "received":
             event_sink.emit(
                 "healed",
@@ -947,7 +947,7 @@ class CallWrapper:
             )
         self.step = result.step
 
-    def _leave(self, store: IterationView, state: State, leaving: RankLeaves) -> None:
+    def _leave(self, store: IterationView, state: State, leaving: _RankLeaves) -> None:
         """Record this rank as gone from the iteration, so the others restart without it."""
         rank = state.rank or 0
         log.error("rank %s leaves the job in iteration %d: %r", rank, state.iteration, leaving.error)
@@ -987,9 +987,9 @@ class CallWrapper:
                 if wrapper.finalize is not None:
                     wrapper.finalize(state)
             except Exception as error:
-                raise RankLeaves(error, "finalize") from error
+                raise _RankLeaves(error, "finalize") from error
             self._hooks.check_health(state)
-        except RankLeaves as leaving:
+        except _RankLeaves as leaving:
             self._leave(store, state, leaving)
             raise leaving.release() from None
         self._recovery.mark("finalized")
