@@ -202,7 +202,7 @@ class Soak:
                         name, argv = comm.read().strip(), cmdline.read()
                 except OSError:
                     continue
-                if name == "python" and SCRIPT.name.encode() in argv:
+                if name.startswith("python") and SCRIPT.name.encode() in argv:
                     workers.append(pid)
         return workers
 
@@ -500,6 +500,8 @@ class Soak:
         unresolved = [f"{f.kind} ({f.target})" for f in self.faults if f.resumed is None]
         if unresolved:
             problems.append(f"faults not absorbed within {RESUME_CAP:g} s: {unresolved}")
+        if not resources:
+            problems.append("no worker process was sampled past its first iteration: threads, fds and memory unchecked")
         grown = {pid: g for pid, g in growth.items() if g["threads"] > 8 or g["fds"] > 8}
         if grown:
             problems.append(f"workers whose threads or fds grew by more than 8: {grown}")

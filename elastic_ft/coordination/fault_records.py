@@ -234,12 +234,14 @@ def next_history(previous: FaultHistory, records: Iterable[Interruption], progre
     ``progressed``: a rank made a step (an optimizer step, or a ping) in the
     iteration before the fault. Interruptions that are not faults
     (:data:`NOT_FAULTS`) and broken connections alone (the consequence of a
-    fault recorded elsewhere) leave the history as it was. The cause is the
-    earliest exception among the iteration's faults, if any.
+    fault recorded elsewhere) leave the history as it was, but for progress:
+    an iteration that stepped (a joiner's admission, planned at a step
+    boundary) ends every run of faults "in a row". The cause is the earliest
+    exception among the iteration's faults, if any.
     """
     faults = [r for r in records if r.kind not in NOT_FAULTS and r.kind != PEER_LOST]
     if not faults:
-        return previous
+        return FaultHistory(previous.signature, 0, 0) if progressed else previous
     exceptions = sorted(
         (r for r in faults if fault_signature(r) is not None),
         key=lambda r: (r.time is None, r.time or 0.0, r.rank),

@@ -66,7 +66,8 @@ Only ranks in a slow step pay for this. Each heartbeat says when the next
 is due; a peer whose heartbeat is later than that by more than
 :func:`overdue_slack` (a busy peer on a saturated host, its monitor
 process starved of CPU) is *unknown*, not inactive, and holds the restart
-until it reports or the configured soft timeout passes.
+until it reports or is late by the adaptive hard timeout (then its silence
+is its own: it is dead or frozen, and its last activity stands).
 """
 
 from __future__ import annotations
@@ -257,8 +258,9 @@ def judge_stall(
         gil_held_limit: silence of every Python thread beyond which the GIL is held for good.
         peers_inactive_for: seconds since any other rank was last active; ``None`` if not known.
         restart_requested_for: seconds since this rank asked for a restart in this iteration (None: it did not).
-        peer_overdue_for: how late the latest heartbeat of the most overdue peer is, past its promise and
-            :func:`overdue_slack` (None: every peer's is on time): that peer's activity is not known.
+        peer_overdue_for: how late the latest heartbeat of the most overdue peer is, past its promise, when
+            by more than :func:`overdue_slack` (None: every peer's is on time): that peer's activity is not
+            known, until it is late by the adaptive hard timeout.
     """
     if rank.restart_pending_for >= timeouts.delivery and rank.progress_age >= timeouts.delivery:
         # Released connections and the interrupt signal did not bring the main thread back to Python: it is
@@ -330,9 +332,9 @@ def judge_stall(
             f"{peers_inactive_for:.1f} s ago: it waits for a slow peer",
             "peer active",
         )
-    if peer_overdue_for is not None:
-        # No news is not news of inactivity: a busy peer on a saturated host may heartbeat late. The
-        # configured soft timeout still bounds the wait (above).
+    if peer_overdue_for is not None and peer_overdue_for < timeouts.hard:
+        # No news is not news of inactivity: a busy peer on a saturated host may heartbeat late. Later than
+        # the adaptive hard timeout, the silence is the peer's (dead or frozen) and its last activity stands.
         return StallVerdict(
             StallAction.NONE,
             f"inactive for {rank.inactive_for:.1f} s ({timeouts.describe_soft()}), but a peer's heartbeat is "

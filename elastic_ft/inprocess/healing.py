@@ -110,12 +110,22 @@ def _transfer_group(
     connects every pair of members, receivers too, and a receiver that
     finished and freed its group would otherwise close its connections
     under another receiver still connecting (which then fails with
-    "Connection closed by peer").
+    "Connection closed by peer"). The group connects in a helper thread
+    (:func:`~elastic_ft.inprocess.state_transfer.run_interruptibly`), so a
+    restart reaches this thread while a connect to an unreachable peer
+    waits.
     """
     member = members.index(active_rank)
-    try:
+
+    def connect() -> Any:
         group = dist.ProcessGroupGloo(dist.PrefixStore(keys.heal_group(sender), store), member, len(members), timeout)
         keeper.track(group)
+        return group
+
+    try:
+        # gloo connects to every member in C code: to a peer cut off without a FIN or RST, a connect waits
+        # out the group's timeout, where no restart reaches the thread and no released socket wakes it.
+        group = run_interruptibly(connect, "elastic_ft-heal-connect")
         if len(members) > 2:  # two members share one connection: nothing else to close under them
             store.arrive_and_wait(keys.heal_group_ready(sender), [member], len(members), timeout)
         yield group

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import time
 
 import torch.distributed as dist
 
@@ -30,13 +31,17 @@ from elastic_ft.inprocess.state import State
 from elastic_ft.keys import EXIT_BARRIER, FTRUN_NEXT_RANK, parse_count
 from elastic_ft.observability import sink as event_sink
 from elastic_ft.runtime.local_board import LocalBoard
-from elastic_ft.runtime.waits import poll
+from elastic_ft.runtime.waits import Backoff, pause, poll
 from elastic_ft.untrusted import MalformedRecord
 
 log = get_logger("wrapper")
 
 #: How often a joiner looks for its admission (a restart admits it; it then has a barrier timeout to arrive).
 JOIN_POLL = 0.05
+#: A rank counted out again soon after it rejoined pauses before it registers: its link to its peers may still
+#: be down (a host cut off from them, not from etcd), and each admission that fails costs the others a restart.
+#: The pauses double from the first up to the cap (with jitter), and start over after a quiet spell this long.
+REJOIN_BACKOFF_FIRST, REJOIN_BACKOFF_CAP, REJOIN_QUIET = 0.5, 4.0, 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +74,8 @@ class Joining:
         self._monitor_process = monitor_process
         self._recovery = recovery
         self._barrier_timeout = barrier_timeout
+        self._rejoin_backoff = Backoff(REJOIN_BACKOFF_FIRST, REJOIN_BACKOFF_CAP)
+        self._last_rejoin: float | None = None
 
     def register_when_reported_active(self, initial_rank: int) -> None:
         """Register as a joiner once the monitor process's first heartbeat is in the store.
@@ -183,4 +190,22 @@ class Joining:
             new,
         )
         event_sink.emit("rejoined", rank=new, iteration=state.iteration, previous_rank=old)
+        self._pause_if_rejoined_lately(new)
         return new
+
+    def _pause_if_rejoined_lately(self, initial_rank: int) -> None:
+        """Back off before registering when the last rejoin was less than :data:`REJOIN_QUIET` ago."""
+        now = time.monotonic()
+        if self._last_rejoin is None or now - self._last_rejoin >= REJOIN_QUIET:
+            self._rejoin_backoff.reset()
+            self._last_rejoin = now
+            return
+        seconds = self._rejoin_backoff.next()
+        log.info(
+            "initial rank %d was counted out again %.1f s after it rejoined: it registers in %.1f s",
+            initial_rank,
+            now - self._last_rejoin,
+            seconds,
+        )
+        pause(seconds)
+        self._last_rejoin = time.monotonic()

@@ -181,6 +181,12 @@ def after_store_ready(messages: list[dict[str, Any]]) -> tuple[bool, list[dict[s
     return False, None
 
 
+def _in_iteration(position: dict[str, int] | None, iteration: int) -> bool:
+    """Whether a peer whose last published position is ``position`` may be in ``iteration``: not when it last
+    started an earlier one (None: it has published none yet, so it cannot be ruled out)."""
+    return position is None or position["iteration"] >= iteration
+
+
 class MonitorProcess:
     """Handle, in the main process, on the forked monitor process.
 
@@ -611,12 +617,17 @@ class _Monitor:
         stalled = []
         overdue: tuple[int, float] | None = None
         slack = overdue_slack(self._timeouts().soft)
+        number = self.iteration.number if self.iteration is not None else None
         for rank in self._candidate_peers(job):
             if rank == config.initial_rank or rank in self.reported_silent or job.has_arrived(EXIT_BARRIER, rank):
                 continue
             heartbeat = job.heartbeat(rank)
             if heartbeat is None or heartbeat.reserve:
                 continue  # a reserve rank waits by design: its activity says nothing of the iteration's
+            if number is not None and not _in_iteration(job.position(rank), number):
+                # Gone before this iteration began (a joiner that died: the exit barrier does not count joiners);
+                # its last heartbeat, ever more overdue, says nothing of this iteration.
+                continue
             stalled.append(StalledRank(rank, heartbeat.active_at, heartbeat.waiting))
             if latest is None or heartbeat.active_at > latest:
                 latest, latest_rank = heartbeat.active_at, rank

@@ -151,6 +151,9 @@ def test_the_cause_is_the_earliest_exception_and_consequences_do_not_count() -> 
     lost = Interruption(0, PEER_LOST, "Connection reset by peer", 1.0, 5, "f.py:1 in g")
     admit = Interruption(0, "admit_joiners", "initial rank(s) [6] ready", 1.0)
     assert next_history(previous, [lost, admit], progressed=False) == previous
+    # A joiner's admission after steps ends the run: a rank that fails to join again and again (its link to
+    # the peers still down) does not make the others give up while they train in between.
+    assert next_history(previous, [admit], progressed=True) == FaultHistory("x", 0, 0)
 
 
 def test_restarts_without_progress_give_up_without_being_fatal() -> None:

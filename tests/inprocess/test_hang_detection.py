@@ -17,7 +17,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
+from elastic_ft import keys
+from elastic_ft.coordination.fault_records import encode_heartbeat
+from elastic_ft.coordination.iteration import iteration_store
+from elastic_ft.coordination.job import job_store
 from elastic_ft.inprocess.hang_detection import (
     AdaptiveTimeouts,
     RankActivity,
@@ -34,7 +39,7 @@ from elastic_ft.inprocess.hang_detection import (
     percentile,
     warmup_timeouts,
 )
-from elastic_ft.inprocess.monitor_process import cpu_seconds
+from elastic_ft.inprocess.monitor_process import MonitorConfig, _Iteration, _Monitor, cpu_seconds
 from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps, StepClock
 from elastic_ft.inprocess.sockets import (
     TcpSocket,
@@ -221,7 +226,8 @@ def test_a_rank_waiting_on_a_busy_peer_waits() -> None:
 
 def test_a_peer_whose_heartbeat_is_overdue_is_not_taken_for_inactive() -> None:
     """No news is not news of inactivity: a peer whose heartbeat is late (a busy peer on a saturated host) holds
-    the verdict, until the configured soft timeout; with every heartbeat on time an idle job restarts."""
+    the verdict, until it is late by the adaptive hard timeout (a dead or frozen peer: its silence is its own);
+    with every heartbeat on time an idle job restarts."""
     verdict = judge_stall(
         activity(5), TIMEOUTS, 1.0, peers_inactive_for=3.0, restart_requested_for=None, peer_overdue_for=0.4
     )
@@ -229,7 +235,11 @@ def test_a_peer_whose_heartbeat_is_overdue_is_not_taken_for_inactive() -> None:
     assert "0.4 s overdue" in verdict.reason
     on_time = judge_stall(activity(5), TIMEOUTS, 1.0, peers_inactive_for=3.0, restart_requested_for=None)
     assert on_time.action is StallAction.RESTART
-    configured = judge_stall(activity(61), TIMEOUTS, 1.0, 3.0, None, peer_overdue_for=10.0)
+    silent = judge_stall(
+        activity(5), TIMEOUTS, 1.0, peers_inactive_for=3.0, restart_requested_for=None, peer_overdue_for=TIMEOUTS.hard
+    )
+    assert silent.action is StallAction.RESTART and "inactive for" in silent.reason
+    configured = judge_stall(activity(61), TIMEOUTS, 1.0, 3.0, None, peer_overdue_for=1.0)
     assert configured.action is StallAction.RESTART and "soft_timeout" in configured.reason
     assert overdue_slack(0.5) == 0.125
 
@@ -560,3 +570,37 @@ def test_a_rank_without_stderr_still_gets_a_monitor_process() -> None:
     returned, open_fds, _ = _detach_in_a_child(None)
     assert returned == -1
     assert len(open_fds) == 5 and {0, 1, 2} <= set(open_fds), open_fds
+
+
+def test_a_joiner_gone_before_this_iteration_neither_holds_nor_takes_the_blame() -> None:
+    """A joiner that died is not counted by the exit barrier, so its last heartbeat stays, ever more overdue:
+    read as a peer of a later iteration, it would hold every hang's restart (peer overdue) until the
+    configured soft timeout. Only the peers that started this iteration count."""
+    base = dist.HashStore()
+    job = job_store(base)
+    now = time.time()
+    for rank in range(3):  # the initial world, in iteration 2, waiting in a collective for a second now
+        job.record_position(rank, 2, rank, 3, True)
+        job.send_heartbeat(rank, active_at=now - 1.0, waiting=True, next_in=0.5)
+    job.set_accepts_joiners()
+    job.register_joiner(3)  # admitted into iteration 1, dead since: its heartbeat is 30 s overdue
+    job.claim_admission(3, "1")
+    job.record_position(3, 1, 3, 4, True)
+    job.set(f"{keys.HEARTBEAT}3", encode_heartbeat(now - 31, now - 31, None, False, now - 30))
+    config = MonitorConfig(0, 3, 0.05, 0.5, 20.0, 60.0, 90.0, 1.0, 5.0, None, 20)
+    read_end, write_end = os.pipe()
+    monitor = _Monitor(config, ProgressTimestamps(1.5, 3.0), dict, {}, os.getpid(), read_end, 2)
+    try:
+        monitor.iteration = _Iteration(2, 0, 3, iteration_store(base, 2))
+        inactive_for = monitor._peers_inactive_for(job, read_period=0.0)
+        assert inactive_for is not None and 0.9 < inactive_for < 5.0
+        assert monitor._overdue_peer is None
+        assert sorted(peer.rank for peer in monitor._stalled_peers) == [1, 2]
+        monitor.iteration = _Iteration(1, 0, 4, iteration_store(base, 1))  # in its iteration, it counts
+        monitor._peers_inactive_for(job, read_period=0.0)
+        assert monitor._overdue_peer is not None and monitor._overdue_peer[0] == 3
+    finally:
+        for fd in (read_end, write_end):
+            os.close(fd)
+        if monitor.pidfd is not None:
+            os.close(monitor.pidfd)

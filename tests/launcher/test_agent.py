@@ -348,7 +348,7 @@ def test_spare_replaces_a_killed_node(etcd: EtcdServer, run_id: str, tmp_path: P
     assert a.wait(150) == 0, logs(nodes)
     assert spare.wait(150) == 0, logs(nodes)
     done = read(tmp_path, "done-*.json")
-    assert sorted(r["node"] for r in done.values()) == ["A", "A", "C", "C"]
+    assert sorted(r["node"] for r in done.values()) == ["A", "A", "C", "C"], (done, logs(nodes))
     assert {r["result"]["world_size"] for r in done.values()} == {4}
     # The waiting node takes the dead one's place in the running round: its workers join the running
     # world in-process, and A's workers are not restarted (no rule-4 restart into a new round).
