@@ -9,6 +9,9 @@ carries the numbers).
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +21,10 @@ import pytest
 from elastic_ft.testing.netns import unavailable
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "network_faults.py"
+#: The benchmark keeps its work directories with this set (benchmarks/scratch.py): the test reads the logs.
+KEEP_WORKDIRS = "EFT_KEEP_WORKDIRS"
+#: The host every fault hits (the benchmark's FAULTY).
+FAULTY_HOST = 2
 REASON = unavailable()
 
 pytestmark = [
@@ -51,6 +58,7 @@ def run(tmp_path: Path, scenarios: str, downtime: float = 3.0) -> dict[str, dict
         ],
         capture_output=True,
         text=True,
+        env={**os.environ, KEEP_WORKDIRS: "1"},
         timeout=1500,
         check=False,
     )
@@ -58,7 +66,28 @@ def run(tmp_path: Path, scenarios: str, downtime: float = 3.0) -> dict[str, dict
     rows = {row["scenario"]: row for row in json.loads(out.read_text())["runs"]}
     for row in rows.values():
         assert "error" not in row, (row, done.stdout[-5000:])
+        row["faulty_host_log"] = _warnings_of_the_faulty_host(Path(row["workdir"]))
+    kept = re.search(r"work directories kept in (\S+)", done.stderr)
+    if kept:  # its logs are read: a failed check below shows the faulty host's side
+        shutil.rmtree(kept.group(1), ignore_errors=True)
     return rows
+
+
+def _why(scenario: str, row: dict) -> str:
+    """A failed check's message: the scenario's row, then what the faulty host logged (pytest shortens a repr)."""
+    fields = {key: value for key, value in row.items() if key != "faulty_host_log"}
+    return f"{scenario}: {fields}\nhost {FAULTY_HOST} logged:\n{row.get('faulty_host_log', '')}"
+
+
+def _warnings_of_the_faulty_host(workdir: Path) -> str:
+    """The warnings and errors host 2's launcher and workers logged (the last 4,000 characters)."""
+    lines = [
+        line
+        for log in sorted(workdir.glob(f"host{FAULTY_HOST}-*.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if line[:1] in ("W", "E")
+    ]
+    return "\n".join(lines)[-4000:]
 
 
 @pytest.mark.timeout(1600)
@@ -70,16 +99,16 @@ def test_lost_hosts_are_fenced_and_counted_out_fast_and_come_back_without_restar
         # The survivors train again in the shrunken world well before a 10 s lease would expire (a host
         # that reaches its peers but not etcd is left to its lease: it still trains with them meanwhile) ...
         bound = 20.0 if scenario == "etcd_only" else 6.0
-        assert row["resume"] is not None and row["resume"] < bound, (scenario, row)
+        assert row["resume"] is not None and row["resume"] < bound, _why(scenario, row)
         # ... at once after the first agent confirmed the loss, even when the host announces itself again
         # (peers_only: it still reaches etcd) before the survivors' loops read the board ...
         if scenario != "etcd_only":
-            assert row["absorb"] is not None and row["absorb"] < 1.0, (scenario, row)
+            assert row["absorb"] is not None and row["absorb"] < 1.0, _why(scenario, row)
         # ... nothing the lost host computes in the old membership counts after they did ...
-        assert row["stale"] == 0, (scenario, row)
+        assert row["stale"] == 0, _why(scenario, row)
         # ... and it trains again in the running world, with no survivor's process restarted.
-        assert row["rejoin"] is not None, (scenario, row)
-        assert row["restarted"] == 0, (scenario, row)
+        assert row["rejoin"] is not None, _why(scenario, row)
+        assert row["restarted"] == 0, _why(scenario, row)
 
 
 @pytest.mark.timeout(1600)
@@ -89,24 +118,27 @@ def test_a_host_cut_off_for_long_fences_itself_and_rejoins_in_its_own_processes(
 ) -> None:
     """20 s and 60 s: every lease the host held ends, its etcd calls fail for that long, and it comes back."""
     for scenario, row in run(tmp_path, scenarios, downtime).items():
-        assert row["resume"] is not None and row["resume"] < (20.0 if scenario == "etcd_only" else 6.0), row
-        assert row["stale"] == 0, (scenario, row)  # fenced during the cut
+        assert row["resume"] is not None and row["resume"] < (20.0 if scenario == "etcd_only" else 6.0), _why(
+            scenario, row
+        )
+        assert row["stale"] == 0, _why(scenario, row)  # fenced during the cut
         # It trains again in the running world, in the processes it had (the goal: 5 s after the heal) ...
-        assert row["rejoin"] is not None and row["rejoin"] < 15.0, (scenario, row)
-        assert row["replaced"] == 0, (scenario, row)
+        assert row["rejoin"] is not None and row["rejoin"] < 15.0, _why(scenario, row)
+        assert row["replaced"] == 0, _why(scenario, row)
         # ... no survivor restarted, and its ftrun never gave up on the job.
-        assert row["restarted"] == 0 and not row["launcher_exited"], (scenario, row)
+        assert row["restarted"] == 0 and not row["launcher_exited"], _why(scenario, row)
 
 
 @pytest.mark.timeout(600)
 def test_a_host_cut_off_again_and_again_is_counted_out_and_back_each_time(tmp_path: Path) -> None:
     row = run(tmp_path, "repeated")["repeated"]
+    why = _why("repeated", row)
     # The same agent, so the same node, lost three times: the survivors go on without it each time (the
     # second loss once took the Wrapper's 60 s hang timeout: its node was absorbed already) and it rejoins.
-    assert len(row["resumes"]) == len(row["rejoins"]) == 3, row
-    assert all(r is not None and r < 6.0 for r in row["resumes"]), row
-    assert all(r is not None for r in row["rejoins"]), row
-    assert row["restarted"] == 0, row
+    assert len(row["resumes"]) == len(row["rejoins"]) == 3, why
+    assert all(r is not None and r < 6.0 for r in row["resumes"]), why
+    assert all(r is not None for r in row["rejoins"]), why
+    assert row["restarted"] == 0, why
 
 
 @pytest.mark.timeout(1200)
