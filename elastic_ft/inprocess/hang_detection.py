@@ -262,6 +262,17 @@ def judge_stall(
             by more than :func:`overdue_slack` (None: every peer's is on time): that peer's activity is not
             known, until it is late by the adaptive hard timeout.
     """
+    return (
+        _wedged(rank, timeouts)
+        or _past_a_configured_limit(rank, timeouts, restart_requested_for)
+        or _adaptive_verdict(
+            rank, timeouts, gil_held_limit, peers_inactive_for, restart_requested_for, peer_overdue_for
+        )
+    )
+
+
+def _wedged(rank: RankActivity, timeouts: Timeouts) -> StallVerdict | None:
+    """A kill that no timeout waits for: a restart that cannot reach the main thread, or a frozen process."""
     if rank.restart_pending_for >= timeouts.delivery and rank.progress_age >= timeouts.delivery:
         # Released connections and the interrupt signal did not bring the main thread back to Python: it is
         # wedged in C code (a gloo operation that missed its peer's closed connection, a connect to a dead
@@ -282,10 +293,30 @@ def judge_stall(
             f"no Python thread ran for {rank.threads_silent_for:.1f} s and no progress for "
             f"{rank.progress_age:.1f} s ({state}; the job's steps give {timeouts.delivery:.1f} s)",
         )
+    return None
+
+
+def _past_a_configured_limit(
+    rank: RankActivity, timeouts: Timeouts, restart_requested_for: float | None
+) -> StallVerdict | None:
+    """The configured soft and hard timeouts, with their plain meaning whatever the rank does."""
     if rank.progress_age >= timeouts.hard_limit:
         return StallVerdict(StallAction.KILL, f"no progress for {rank.progress_age:.1f} s (hard_timeout)")
     if rank.progress_age >= timeouts.soft_limit and restart_requested_for is None:
         return StallVerdict(StallAction.RESTART, f"no progress for {rank.progress_age:.1f} s (soft_timeout)")
+    return None
+
+
+def _adaptive_verdict(
+    rank: RankActivity,
+    timeouts: Timeouts,
+    gil_held_limit: float,
+    peers_inactive_for: float | None,
+    restart_requested_for: float | None,
+    peer_overdue_for: float | None,
+) -> StallVerdict:
+    """The adaptive timeouts, for a rank without progress: act on it only if it is inactive and every peer's
+    activity says it does not wait for a slow peer."""
     if rank.progress_age >= timeouts.soft and rank.threads_silent_for >= timeouts.soft:
         # Not even the rank's own threads ran: whatever its CPU use, nothing can
         # restart it (a gloo destructor spinning under the GIL was seen here).

@@ -44,7 +44,7 @@ from elastic_ft.inprocess.exception import HealingError, StateTransferError
 from elastic_ft.inprocess.logs import get_logger
 from elastic_ft.inprocess.process_groups import ProcessGroupKeeper
 from elastic_ft.inprocess.recovery_plan import RankProgress, RecoveryPlan, plan_recovery
-from elastic_ft.inprocess.state_transfer import receive_state, run_interruptibly, send_state
+from elastic_ft.inprocess.state_transfer import Received, receive_state, run_interruptibly, send_state
 from elastic_ft.keys import HEAL_BARRIER
 
 log = get_logger("healing")
@@ -184,6 +184,19 @@ def heal(
         return HealResult(plan, "sent", step, nbytes, elapsed)
     with _transfer_group(store, sender, members, active_rank, timeout, keeper) as group:
         received = run_interruptibly(lambda: receive_state(group, 0), "elastic_ft-heal-receive")
+    return _load(received, plan, source, active_rank, iteration, load_state_dict, started)
+
+
+def _load(
+    received: Received,
+    plan: RecoveryPlan,
+    source: int | None,
+    active_rank: int,
+    iteration: int,
+    load_state_dict: Callable[[Any], Any],
+    started: float,
+) -> HealResult:
+    """A receiver's last part: the state received checked against the plan, then loaded."""
     sent_step = received.step
     if sent_step != plan.max_step:
         raise StateTransferError(f"rank {source} sent its state at step {sent_step}, the plan says {plan.max_step}")

@@ -28,7 +28,7 @@ from elastic_ft.inprocess.logs import get_logger
 from elastic_ft.inprocess.monitor_process import MonitorProcess
 from elastic_ft.inprocess.recovery_phases import RecoveryClock
 from elastic_ft.inprocess.state import State
-from elastic_ft.keys import EXIT_BARRIER, FTRUN_NEXT_RANK, parse_count
+from elastic_ft.keys import EXIT_BARRIER, FTRUN_NEXT_RANK, INITIAL_BARRIER, parse_count
 from elastic_ft.observability import sink as event_sink
 from elastic_ft.runtime.local_board import LocalBoard
 from elastic_ft.runtime.waits import Backoff, pause, poll
@@ -76,6 +76,21 @@ class Joining:
         self._barrier_timeout = barrier_timeout
         self._rejoin_backoff = Backoff(REJOIN_BACKOFF_FIRST, REJOIN_BACKOFF_CAP)
         self._last_rejoin: float | None = None
+
+    def enter_world(
+        self, state: State, joining: bool, accepts_joiners: bool, barrier_timeout: datetime.timedelta
+    ) -> None:
+        """Join the running world (register, to be admitted by a restart), or meet the initial world at its
+        first barrier; the monitor process starts using the store either way."""
+        if joining:
+            if getattr(self._base_store, "critical_ranks", ()):
+                raise RuntimeError("a process can join a running world only through a store no rank hosts")
+            self._monitor_process.store_ready()
+            self.register_when_reported_active(state.initial_rank or 0)
+            return
+        self._job.set_accepts_joiners(accepts_joiners)
+        self._job.arrive_and_wait(INITIAL_BARRIER, [state.rank or 0], state.world_size, barrier_timeout)
+        self._monitor_process.store_ready()
 
     def register_when_reported_active(self, initial_rank: int) -> None:
         """Register as a joiner once the monitor process's first heartbeat is in the store.

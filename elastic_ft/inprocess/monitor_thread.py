@@ -331,69 +331,76 @@ class MonitorThread(threading.Thread):
         with self.atomic_lock:
             if self._stop_requested.is_set():
                 return
-            self.restart_started_at = time.time()
-            self.restart_started.set()
+            self._deliver_until_taken(self._begin_restart())
+
+    def _begin_restart(self) -> RestartDelivery:
+        """Start the restart (under the atomic lock): release the connections, call ``abort``, and arm the
+        exception for a main thread still in the function."""
+        self.restart_started_at = time.time()
+        self.restart_started.set()
+        try:
+            released = self.release(False)
+            log.debug("rank %s: released %s connection(s)", self.state.rank, released)
+        except Exception:
+            log.exception("rank %s: releasing connections failed", self.state.rank)
+        if self.abort is not None:
             try:
-                released = self.release(False)
-                log.debug("rank %s: released %s connection(s)", self.state.rank, released)
+                self.abort(self.state)
             except Exception:
-                log.exception("rank %s: releasing connections failed", self.state.rank)
-            if self.abort is not None:
-                try:
-                    self.abort(self.state)
-                except Exception:
-                    log.exception("rank %s: abort failed", self.state.rank)
-            delivery = RestartDelivery()
-            with self._raise_lock:
-                # Nothing is armed for a main thread that left the function already (it raises the restart
-                # itself) or took it: a signal or a shielded section's end would raise it again later.
-                if not (self._held or self._acknowledged.is_set() or self._stop_requested.is_set()):
-                    RankShouldRestart.delivery = delivery
-                    self._pending(True)
-                    if self.interrupt is not None:
-                        self.interrupt.pending.set()
-            started = time.monotonic()
-            scheduled = self._deliver(schedule=self.interrupt is None)
-            blocked_logged = released_everything = False
-            while not self._acknowledged.wait(self.interval):
-                if self._stop_requested.is_set():
-                    return
-                if delivery.swallowed.is_set():
+                log.exception("rank %s: abort failed", self.state.rank)
+        delivery = RestartDelivery()
+        with self._raise_lock:
+            # Nothing is armed for a main thread that left the function already (it raises the restart
+            # itself) or took it: a signal or a shielded section's end would raise it again later.
+            if not (self._held or self._acknowledged.is_set() or self._stop_requested.is_set()):
+                RankShouldRestart.delivery = delivery
+                self._pending(True)
+                if self.interrupt is not None:
+                    self.interrupt.pending.set()
+        return delivery
+
+    def _deliver_until_taken(self, delivery: RestartDelivery) -> None:
+        """Deliver the restart to the main thread until it takes it: by signal, then scheduled as well, then
+        with every connection of the function released (a peer may be frozen)."""
+        started = time.monotonic()
+        scheduled = self._deliver(schedule=self.interrupt is None)
+        blocked_logged = released_everything = False
+        while not self._acknowledged.wait(self.interval):
+            if self._stop_requested.is_set():
+                return
+            if delivery.swallowed.is_set():
+                log.warning(
+                    "rank %s: the wrapped function swallowed RankShouldRestart; raising it again", self.state.rank
+                )
+                delivery.delivered.clear()
+                delivery.swallowed.clear()
+                started = time.monotonic()
+                scheduled = self._deliver(schedule=self.interrupt is None)
+            elif not delivery.delivered.is_set() and not self._held:
+                # Inside a blocking call or a finalizer: signal again; after a few tries schedule the
+                # exception too (a handler replaced by the application, a call deaf to signals).
+                if not blocked_logged:
                     log.warning(
-                        "rank %s: the wrapped function swallowed RankShouldRestart; raising it again", self.state.rank
+                        "rank %s: restart not delivered yet (main thread blocked in C code); signalling it every %g s",
+                        self.state.rank,
+                        self.interval,
                     )
-                    delivery.delivered.clear()
-                    delivery.swallowed.clear()
-                    started = time.monotonic()
-                    scheduled = self._deliver(schedule=self.interrupt is None)
-                elif not delivery.delivered.is_set() and not self._held:
-                    # Inside a blocking call or a finalizer: signal again; after a few tries schedule the
-                    # exception too (a handler replaced by the application, a call deaf to signals).
-                    if not blocked_logged:
+                    blocked_logged = True
+                late = time.monotonic() - started > _SCHEDULE_AFTER * self.interval
+                scheduled = self._deliver(schedule=late and not scheduled) or scheduled
+                if not released_everything and time.monotonic() - started > (_RELEASE_EVERYTHING_AFTER * self.interval):
+                    released_everything = True
+                    try:
+                        released = self.release(True)
                         log.warning(
-                            "rank %s: restart not delivered yet (main thread blocked in C code); "
-                            "signalling it every %g s",
+                            "rank %s: still blocked; released every connection of the function (%s), "
+                            "initiated ones too: a peer may be frozen; the main thread is at %s",
                             self.state.rank,
-                            self.interval,
+                            released,
+                            main_thread_stack(),
                         )
-                        blocked_logged = True
-                    late = time.monotonic() - started > _SCHEDULE_AFTER * self.interval
-                    scheduled = self._deliver(schedule=late and not scheduled) or scheduled
-                    if not released_everything and time.monotonic() - started > (
-                        _RELEASE_EVERYTHING_AFTER * self.interval
-                    ):
-                        released_everything = True
-                        try:
-                            released = self.release(True)
-                            log.warning(
-                                "rank %s: still blocked; released every connection of the function (%s), "
-                                "initiated ones too: a peer may be frozen; the main thread is at %s",
-                                self.state.rank,
-                                released,
-                                main_thread_stack(),
-                            )
-                        except Exception:
-                            log.exception("rank %s: releasing connections failed", self.state.rank)
+                    except Exception:
+                        log.exception("rank %s: releasing connections failed", self.state.rank)
 
     def _deliver(self, schedule: bool) -> bool:
         """Signal the main thread; with ``schedule``, schedule the exception too. True if it was scheduled."""

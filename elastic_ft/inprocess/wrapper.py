@@ -103,7 +103,6 @@ from elastic_ft.inprocess.worker_events import close_events, install_rank_events
 from elastic_ft.keys import (
     COMPLETION_BARRIER,
     EXIT_BARRIER,
-    INITIAL_BARRIER,
     ITERATION_BARRIER,
     TERMINATION_BARRIER,
 )
@@ -367,6 +366,175 @@ def await_restart(monitor: MonitorThread, wrapper: Wrapper) -> NoReturn:
     raise InternalError(f"the monitor thread did not start a restart within {patience:g} s")
 
 
+def _bind_call_wrapper(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], call_wrapper: CallWrapper
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's arguments, with ``call_wrapper`` passed for each parameter annotated ``CallWrapper``."""
+    bound = inspect.signature(fn).bind_partial(*args, **dict(kwargs))
+    for name in _call_wrapper_parameters(fn):
+        if bound.arguments.get(name) is None:
+            bound.arguments[name] = call_wrapper
+    return bound.args, bound.kwargs
+
+
+def _assigned(wrapper: Wrapper, ctx: RankAssignmentCtx) -> State:
+    """The rank assignment, then the deprecated ``rank_filter`` when one was given."""
+    state = wrapper.rank_assignment(ctx).state
+    if wrapper.rank_filter is not None:
+        state = wrapper.rank_filter(state)
+        if not isinstance(state, State):
+            raise TypeError(f"Wrapper rank_filter must return a State, got {state!r}")
+    if state.active_world_size == 0:
+        # Every rank computes the same assignment, so every rank stops here alike;
+        # otherwise all of them would wait as spares for a completion that never comes.
+        raise RestartAbort(
+            f"the rank assignment left no active rank in iteration {state.iteration} "
+            f"(world size {state.world_size}): nothing can run the function"
+        )
+    return state
+
+
+def _record_failure(
+    error: Exception, store: IterationView, state: State, step: int, bound: datetime.timedelta, restarting: bool
+) -> None:
+    """The function's exception: logged on this rank, emitted, and recorded as the iteration's fault, but for a
+    broken connection once a restart is under way (``restarting``), which is that restart's consequence."""
+    rank = state.rank or 0
+    origin, text = exception_origin(error)
+    # One line per rank; the text once per restart, by the rank that reports it (RestartReporter.report).
+    kind = fault_kind(error)
+    log.info("rank %s: iteration %d failed with %s (%s)", rank, state.iteration, kind, type(error).__name__)
+    event_sink.emit(
+        "fault_detected",
+        rank=state.initial_rank,
+        iteration=state.iteration,
+        kind=kind,
+        exception=type(error).__name__,
+        message=str(error),
+        step=step,
+        origin=origin,
+    )
+    if kind == PEER_LOST and restarting:
+        return
+    with restart_bound(bound):  # etcd away: waited for, within the restart's barrier timeout
+        store.record_interruption(rank, kind, repr(error), step=step, origin=origin, traceback=text)
+
+
+def _record_asked_restart(
+    restart: RankShouldRestart, store: IterationView, state: State, step: int, bound: datetime.timedelta
+) -> None:
+    """The function raised ``RankShouldRestart`` itself (NVIDIA's explicit restart): a fault of this rank.
+    No restart was under way, so none would come: it is recorded, as an exception is, to start one."""
+    origin, text = exception_origin(restart)
+    log.info("rank %s: the function asked for a restart in iteration %d", state.rank, state.iteration)
+    with restart_bound(bound):
+        store.record_interruption(
+            state.rank or 0,
+            "RankShouldRestart",
+            "the function raised RankShouldRestart",
+            step=step,
+            origin=origin,
+            traceback=text,
+        )
+
+
+def _heal(
+    wrapper: Wrapper, store: IterationView, state: State, step: int, fresh: bool, groups: ProcessGroupKeeper
+) -> int:
+    """Peer state healing, on an active rank after a restart (:mod:`elastic_ft.inprocess.healing`); returns the
+    rank's step after it."""
+    if wrapper.state_dict is None or wrapper.load_state_dict is None or not state.iteration:
+        return step
+    try:
+        result = heal(
+            store,
+            state.active_rank or 0,
+            state.active_world_size or state.world_size,
+            state.iteration,
+            step,
+            fresh,
+            wrapper.state_dict,
+            wrapper.load_state_dict,
+            wrapper.barrier_timeout,
+            groups,
+        )
+    except HealingError as error:
+        raise _RankLeaves(error, "healing") from error
+    if result.role == "received":
+        event_sink.emit(
+            "healed",
+            rank=state.initial_rank,
+            iteration=state.iteration,
+            step=result.step,
+            previous_step=step,
+            nbytes=result.nbytes,
+            seconds=round(result.seconds, 4),
+        )
+    return result.step
+
+
+def _leave(
+    store: IterationView, state: State, leaving: _RankLeaves, step: int, hooks: RankHooks, bound: datetime.timedelta
+) -> None:
+    """Record this rank as gone from the iteration, so the others restart without it."""
+    rank = state.rank or 0
+    log.error("rank %s leaves the job in iteration %d: %r", rank, state.iteration, leaving.error)
+    event_sink.emit(
+        "gave_up",
+        rank=state.initial_rank,
+        iteration=state.iteration,
+        kind=leaving.kind,
+        message=repr(leaving.error),
+        step=step,
+    )
+    try:
+        with restart_bound(bound):
+            report_rank_gone(store, rank, state.world_size, leaving.kind, repr(leaving.error))
+    finally:
+        hooks.abort(state)
+        hooks.terminate(state, leaving.error)
+
+
+def _state_from_env() -> tuple[State, bool]:
+    """The process's state before its first iteration, from torchrun's variables, and whether it joins a world
+    that is already running (``ftrun`` respawned it)."""
+    worker = WorkerHandoff.from_env(os.environ)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    joining = worker is not None and worker.joining
+    if joining and rank < world_size:
+        raise ValueError(
+            f"a joining process needs an initial RANK outside the running world, got RANK={rank} "
+            f"with WORLD_SIZE={world_size}"
+        )
+    return (State(None, world_size, initial_rank=rank) if joining else State(rank, world_size)), joining
+
+
+def _monitor_config(wrapper: Wrapper, state: State) -> MonitorConfig:
+    """What the rank's monitor process needs of the Wrapper's settings, in seconds."""
+    return MonitorConfig(
+        initial_rank=state.initial_rank or 0,
+        initial_world_size=state.world_size,
+        interval=_secs(wrapper.monitor_process_interval),
+        heartbeat_interval=_secs(wrapper.heartbeat_interval),
+        heartbeat_timeout=_secs(wrapper.heartbeat_timeout),
+        soft_timeout=_secs(wrapper.soft_timeout),
+        hard_timeout=_secs(wrapper.hard_timeout),
+        termination_grace_time=_secs(wrapper.termination_grace_time),
+        gil_held_limit=max(1.0, 10 * _secs(wrapper.progress_watchdog_interval)),
+        logfile=wrapper.monitor_process_logfile,
+        log_level=log.getEffectiveLevel(),
+    )
+
+
+def _agents_board(local_rank: int) -> LocalBoard | None:
+    """The board this node's agent shares with its workers (under ftrun); None for a process it did not start
+    (a test, a hand-made launch)."""
+    board = LocalBoard.from_env()
+    if board is not None and not 0 <= local_rank < board.ranks:
+        return None
+    return board
+
+
 def exception_origin(error: BaseException) -> tuple[str | None, str]:
     """Where ``error`` was raised (``file:line in function``, its innermost frame) and its formatted traceback.
 
@@ -429,17 +597,9 @@ class CallWrapper:
         """Everything the call sets up: its state, monitors, store and hooks (undone by :meth:`shutdown`; by
         ``undo`` if the set-up fails)."""
         self.wrapper = wrapper
-        worker = WorkerHandoff.from_env(os.environ)
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         #: The process joins a world that is already running (``ftrun`` respawned it).
-        self.joining = worker is not None and worker.joining
-        if self.joining and rank < world_size:
-            raise ValueError(
-                f"a joining process needs an initial RANK outside the running world, got RANK={rank} "
-                f"with WORLD_SIZE={world_size}"
-            )
-        self.state = State(None, world_size, initial_rank=rank) if self.joining else State(rank, world_size)
-        set_where(f"rank {rank}")
+        self.state, self.joining = _state_from_env()
+        set_where(f"rank {self.state.initial_rank}")
         #: The exception that interrupted the last iteration on this rank, if it was local.
         self.fn_exception: BaseException | None = None
         self._excepthook = sys.excepthook
@@ -451,22 +611,7 @@ class CallWrapper:
         )
         # Forked first, while this process has no other thread.
         self._monitor_process = MonitorProcess(
-            MonitorConfig(
-                initial_rank=self.state.initial_rank or 0,
-                initial_world_size=self.state.world_size,
-                interval=_secs(wrapper.monitor_process_interval),
-                heartbeat_interval=_secs(wrapper.heartbeat_interval),
-                heartbeat_timeout=_secs(wrapper.heartbeat_timeout),
-                soft_timeout=_secs(wrapper.soft_timeout),
-                hard_timeout=_secs(wrapper.hard_timeout),
-                termination_grace_time=_secs(wrapper.termination_grace_time),
-                gil_held_limit=max(1.0, 10 * _secs(wrapper.progress_watchdog_interval)),
-                logfile=wrapper.monitor_process_logfile,
-                log_level=log.getEffectiveLevel(),
-            ),
-            self._timestamps,
-            wrapper.store_factory,
-            wrapper.store_kwargs,
+            _monitor_config(wrapper, self.state), self._timestamps, wrapper.store_factory, wrapper.store_kwargs
         )
         undo.callback(self._monitor_process.stop)
         self._reporter = RestartReporter(wrapper.max_identical_faults, wrapper.max_restarts_without_progress)
@@ -475,11 +620,9 @@ class CallWrapper:
         self._hooks = RankHooks(
             self._groups, wrapper.abort, wrapper.health_check, wrapper.completion, wrapper.terminate
         )
-        #: Shared with this node's agent (under ftrun): the node's fence, and this rank's stalls.
-        self._board = LocalBoard.from_env()
         self._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if self._board is not None and not 0 <= self._local_rank < self._board.ranks:
-            self._board = None  # a process its agent did not start (a test, a hand-made launch)
+        #: Shared with this node's agent (under ftrun): the node's fence, and this rank's stalls.
+        self._board = _agents_board(self._local_rank)
         #: The current iteration's monitor thread.
         self._monitor: MonitorThread | None = None
         self._watchdog = ProgressWatchdog(
@@ -501,6 +644,20 @@ class CallWrapper:
             _PLANNED_LEAD + 2 * _secs(wrapper.monitor_thread_interval),
         )
         self._process_hooks = ProcessHooks(self._gate)
+        self._connect(wrapper, undo)
+        undo.callback(self._process_hooks.remove)  # each of the hooks, as far as it got
+        # What exists now (the store's connections above all) is the process's own; what the
+        # wrapped function connects later is released at a restart (elastic_ft.inprocess.sockets).
+        self._hooks.socket_baseline = socket_inodes()
+        self._process_hooks.install(wrapper.interrupt_signal, self._hooks.socket_baseline)
+        self._watchdog.start()
+        # Everything that exists now (imports, the store's client, the caller's
+        # set-up) outlives every iteration: move it out of the collector's way, so
+        # the full collection after a fault scans only what iterations created.
+        gc.freeze()
+
+    def _connect(self, wrapper: Wrapper, undo: contextlib.ExitStack) -> None:
+        """The call's store and what hangs off it (its events, the job's records), then the world entered."""
         self.base_store = wrapper.store_factory(**wrapper.store_kwargs)
         #: The stores this call hands out for process groups (``process_group_store``), by iteration.
         self._group_stores = GroupStores(self.base_store)
@@ -518,27 +675,9 @@ class CallWrapper:
             self._recovery,
             wrapper.barrier_timeout,
         )
-        if self.joining:
-            if getattr(self.base_store, "critical_ranks", ()):
-                raise RuntimeError("a process can join a running world only through a store no rank hosts")
-            self._monitor_process.store_ready()
-            self._joining.register_when_reported_active(self.state.initial_rank or 0)
-        else:
-            self._job_store.set_accepts_joiners(admits_new_ranks(wrapper.rank_assignment))
-            self._job_store.arrive_and_wait(
-                INITIAL_BARRIER, [self.state.rank or 0], self.state.world_size, wrapper.barrier_timeout
-            )
-            self._monitor_process.store_ready()
-        undo.callback(self._process_hooks.remove)  # each of the hooks, as far as it got
-        # What exists now (the store's connections above all) is the process's own; what the
-        # wrapped function connects later is released at a restart (elastic_ft.inprocess.sockets).
-        self._hooks.socket_baseline = socket_inodes()
-        self._process_hooks.install(wrapper.interrupt_signal, self._hooks.socket_baseline)
-        self._watchdog.start()
-        # Everything that exists now (imports, the store's client, the caller's
-        # set-up) outlives every iteration: move it out of the collector's way, so
-        # the full collection after a fault scans only what iterations created.
-        gc.freeze()
+        self._joining.enter_world(
+            self.state, self.joining, admits_new_ranks(wrapper.rank_assignment), wrapper.barrier_timeout
+        )
 
     def _progress_sample(self) -> dict[str, Any] | None:
         """The ``progress`` event's fields: this rank's optimizer steps, while it is an active rank."""
@@ -664,107 +803,126 @@ class CallWrapper:
     # ---- the restart loop ----
 
     def __call__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        wrapper = self.wrapper
-        kwargs = dict(kwargs)
-        bound = inspect.signature(fn).bind_partial(*args, **kwargs)
-        for name in _call_wrapper_parameters(fn):
-            if bound.arguments.get(name) is None:
-                bound.arguments[name] = self
-        args, kwargs = bound.args, bound.kwargs
+        args, kwargs = _bind_call_wrapper(fn, args, kwargs, self)
         if self.joining:
-            joined = self._await_admission()
-            if joined is None:
-                log.info(
-                    "initial rank %s: the job finished before a restart admitted this process", self.state.initial_rank
-                )
-                return None
-            state = joined
+            state = self._await_admission()
         else:
-            store = iteration_store(self.base_store, 0)
-            state = self._assign(RankAssignmentCtx(self.state, store, set()))
-        while True:
-            was_reserve = self.joining or self.state.mode is Mode.INACTIVE
-            if state.mode is Mode.ACTIVE and was_reserve and state.iteration:
-                self.job_store.record_activation(state.initial_rank or 0, state.iteration)
-                event_sink.emit(
-                    "spare_activated", rank=state.initial_rank, iteration=state.iteration, joined=self.joining
-                )
-            self.joining = False  # a member of the world from now on
-            self.state = state
-            store = iteration_store(self.base_store, state.iteration)
-            self._gate.begin_iteration(state, store)
-            with restart_bound(self.wrapper.barrier_timeout):
-                store.set_initial_rank(state.rank or 0, state.initial_rank or 0)
-                store.set_active_world_size(state.active_world_size or state.world_size)
-                self.job_store.record_position(
-                    state.initial_rank or 0,
-                    state.iteration,
-                    state.rank or 0,
-                    state.world_size,
-                    state.mode is Mode.ACTIVE,
-                )
-            event_sink.emit(
-                "iteration_started",
-                rank=state.initial_rank,
-                iteration=state.iteration,
-                iteration_rank=state.rank,
-                world_size=state.world_size,
-                active=state.mode is Mode.ACTIVE,
-                active_world_size=state.active_world_size or state.world_size,
-                step=self.step,
-            )
-            self._watchdog.reset()
-            self.fn_exception = None
-            # torch's init_process_group wraps sys.excepthook to prefix "[rank<r>]: " on every call: one
-            # prefix per iteration, not one more per restart.
-            sys.excepthook = self._excepthook
-            self._steps.start_iteration(state.mode is Mode.ACTIVE)
-            self._monitor_process.start_iteration(
-                state.iteration, state.rank or 0, state.world_size, state.mode is Mode.ACTIVE
-            )
-            state.set_distributed_vars()
-            with at_barrier(self._board, self._local_rank):
-                store.arrive_and_wait(ITERATION_BARRIER, [state.rank or 0], state.world_size, wrapper.barrier_timeout)
-            self._recovery.mark("started")
-            log.debug("rank %s: iteration %d starts as %s", state.rank, state.iteration, state.mode.name)
+            state = _assigned(self.wrapper, RankAssignmentCtx(self.state, iteration_store(self.base_store, 0), set()))
+        while state is not None:
+            store = self._begin_iteration(state)
             completed, result = self._run_iteration(fn, args, kwargs, store, state)
             if completed:
                 log.debug("rank %s: iteration %d completed", state.rank, state.iteration)
                 self._hooks.run_completion(state)
                 return result
-            next_state = self._prepare_restart(store, state)
-            if next_state is None:  # counted out while it lived: it joins the running world again
-                next_state = self._rejoin(state)
-                if next_state is None:
-                    log.info(
-                        "initial rank %s: the job finished before this rank could join it again",
-                        self.state.initial_rank,
-                    )
-                    return None
-            state = next_state
+            state = self._next_state(store, state)
+        return None
 
-    def _assign(self, ctx: RankAssignmentCtx) -> State:
-        """The rank assignment, then the deprecated ``rank_filter`` when one was given."""
-        state = self.wrapper.rank_assignment(ctx).state
-        if self.wrapper.rank_filter is not None:
-            state = self.wrapper.rank_filter(state)
-            if not isinstance(state, State):
-                raise TypeError(f"Wrapper rank_filter must return a State, got {state!r}")
-        if state.active_world_size == 0:
-            # Every rank computes the same assignment, so every rank stops here alike;
-            # otherwise all of them would wait as spares for a completion that never comes.
-            raise RestartAbort(
-                f"the rank assignment left no active rank in iteration {state.iteration} "
-                f"(world size {state.world_size}): nothing can run the function"
+    def _next_state(self, store: IterationView, state: State) -> State | None:
+        """After an iteration that did not complete: the next one's state (None: the job finished before this
+        rank, counted out while it lived, could join it again)."""
+        next_state = self._prepare_restart(store, state)
+        if next_state is not None:
+            return next_state
+        return self._rejoin(state)  # counted out while it lived: it joins the running world again
+
+    def _begin_iteration(self, state: State) -> IterationView:
+        """Take ``state``'s place: publish it, reset the monitors, and meet the others at the iteration barrier."""
+        was_reserve = self.joining or self.state.mode is Mode.INACTIVE
+        active = state.mode is Mode.ACTIVE
+        if active and was_reserve and state.iteration:
+            self.job_store.record_activation(state.initial_rank or 0, state.iteration)
+            event_sink.emit("spare_activated", rank=state.initial_rank, iteration=state.iteration, joined=self.joining)
+        self.joining = False  # a member of the world from now on
+        self.state = state
+        store = iteration_store(self.base_store, state.iteration)
+        self._gate.begin_iteration(state, store)
+        with restart_bound(self.wrapper.barrier_timeout):
+            store.set_initial_rank(state.rank or 0, state.initial_rank or 0)
+            store.set_active_world_size(state.active_world_size or state.world_size)
+            self.job_store.record_position(
+                state.initial_rank or 0, state.iteration, state.rank or 0, state.world_size, active
             )
-        return state
+        event_sink.emit(
+            "iteration_started",
+            rank=state.initial_rank,
+            iteration=state.iteration,
+            iteration_rank=state.rank,
+            world_size=state.world_size,
+            active=active,
+            active_world_size=state.active_world_size or state.world_size,
+            step=self.step,
+        )
+        self._watchdog.reset()
+        self.fn_exception = None
+        # torch's init_process_group wraps sys.excepthook to prefix "[rank<r>]: " on every call: one
+        # prefix per iteration, not one more per restart.
+        sys.excepthook = self._excepthook
+        self._steps.start_iteration(active)
+        self._monitor_process.start_iteration(state.iteration, state.rank or 0, state.world_size, active)
+        state.set_distributed_vars()
+        with at_barrier(self._board, self._local_rank):
+            store.arrive_and_wait(ITERATION_BARRIER, [state.rank or 0], state.world_size, self.wrapper.barrier_timeout)
+        self._recovery.mark("started")
+        log.debug("rank %s: iteration %d starts as %s", state.rank, state.iteration, state.mode.name)
+        return store
 
     def _run_iteration(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], store: IterationView, state: State
     ) -> tuple[bool, Any]:
         """One iteration; returns ``(True, result)`` on completion, ``(False, None)`` to restart."""
+        monitor = self._watch_iteration(store, state)
+        try:
+            try:
+                monitor.start()
+                return self._complete(fn, args, kwargs, store, state, monitor)
+            except Exception as error:  # noqa: BLE001 - any failure of the iteration restarts it
+                self._gate.leave_steps()  # an optimizer step that raised holds the monitor thread's lock
+                # From here the main thread runs the Wrapper's own code (store writes over gRPC):
+                # no asynchronous restart exception may land in it.
+                monitor.hold()
+                self._watchdog.reset()  # the Wrapper's code runs now: pings stop by design (RankHooks)
+                # The iteration is lost: cut its connections first, here, before the frames the
+                # traceback holds (and their process groups) can be freed.
+                self._hooks.abort(state)
+                # Without its traceback: the frames it holds would keep the failed
+                # iteration's process group, and so its connections, alive.
+                self.fn_exception = error.with_traceback(None)
+                restarting = monitor.restart_started.is_set()
+                _record_failure(error, store, state, self.step, self.wrapper.barrier_timeout, restarting)
+                del error
+                await_restart(monitor, self.wrapper)
+        except RankShouldRestart as restart:
+            self._watchdog.reset()  # the Wrapper's code runs now: pings stop by design (RankHooks)
+            self._gate.leave_steps()
+            if not monitor.restart_started.is_set():
+                monitor.hold()
+                self._hooks.abort(state)
+                self.fn_exception = restart.with_traceback(None)
+                _record_asked_restart(restart, store, state, self.step, self.wrapper.barrier_timeout)
+                with suppress(RankShouldRestart):
+                    await_restart(monitor, self.wrapper)
+            monitor.acknowledge()
+            self._recovery.start(monitor.restart_started_at)
+            self._recovery.mark("unwound")
+            log.debug("rank %s: iteration %d interrupted, restarting", state.rank, state.iteration)
+            return False, None
+        except BaseException as error:  # noqa: BLE001 - any other exit makes this rank leave, then re-raises
+            self._gate.leave_steps()
+            monitor.stop()
+            leaving = error if isinstance(error, _RankLeaves) else _RankLeaves(error, type(error).__name__)
+            _leave(store, state, leaving, self.step, self._hooks, self.wrapper.barrier_timeout)
+            reason = leaving.release()
+            try:
+                raise reason from None
+            finally:
+                # The raised exception's traceback holds this frame: a local naming it would make a cycle.
+                del reason, leaving
+        raise InternalError("unreachable")
+
+    def _watch_iteration(self, store: IterationView, state: State) -> MonitorThread:
+        """The iteration's monitor thread (not started), known to the step gate."""
         wrapper = self.wrapper
-        rank = state.rank or 0
         monitor = MonitorThread(
             store,
             state,
@@ -779,192 +937,55 @@ class CallWrapper:
         )
         self._monitor = monitor
         self._gate.watched_by(monitor)
-        try:
-            try:
-                monitor.start()
-                if wrapper.initialize is not None:
-                    wrapper.initialize(state)
-                # A rank unhealthy before the function is a fault of this iteration, as in NVIDIA's Wrapper: the
-                # ranks restart, and the check after finalize decides whether it leaves (_prepare_restart).
-                self._hooks.check_health(state, leave=False)
-                self._recovery.mark("checked")
-                result = None
-                if state.mode is Mode.ACTIVE:
-                    self._heal(store, state)
-                    self._recovery.mark("healed")
-                    self._fresh = False
-                    result = fn(*args, **kwargs)
-                    self._left_function()
-                    store.mark_any_completed()
-                elif state.mode is Mode.INACTIVE:
-                    poll(store.any_completed, None, interval_max=_secs(wrapper.progress_watchdog_interval) / 4)
-                else:
-                    raise InternalError(
-                        f"the rank assignment left rank {rank} in mode {state.mode.name}; expected ACTIVE or "
-                        "INACTIVE (compose an activation such as ActivateAllRanks() into it)"
-                    )
-                outcome = store.arrive_and_wait(
-                    COMPLETION_BARRIER,
-                    [rank],
-                    state.world_size,
-                    wrapper.completion_timeout,
-                )
-                if outcome == COMPLETED:
-                    monitor.stop()
-                    self._groups.forget()
-                    self.job_store.mark_finished()  # joiners still waiting leave
-                    return True, result
-                # Interrupted while this rank waited to complete (a hung rank came back, and the job ran to
-                # its end before the restart landed): no fault of this rank's, so none is recorded (it was
-                # reported on every rank as an InternalError); the restart under way takes it as the others.
-                log.info("rank %s: iteration %d was interrupted as it completed", rank, state.iteration)
-                monitor.hold()
-                self._hooks.abort(state)
-                await_restart(monitor, self.wrapper)
-            except Exception as error:  # noqa: BLE001 - any failure of the iteration restarts it
-                self._gate.leave_steps()  # an optimizer step that raised holds the monitor thread's lock
-                # From here the main thread runs the Wrapper's own code (store writes over gRPC):
-                # no asynchronous restart exception may land in it.
-                monitor.hold()
-                self._left_function()
-                # The iteration is lost: cut its connections first, here, before the frames the
-                # traceback holds (and their process groups) can be freed.
-                self._hooks.abort(state)
-                origin, text = exception_origin(error)
-                # Without its traceback: the frames it holds would keep the failed
-                # iteration's process group, and so its connections, alive.
-                self.fn_exception = error.with_traceback(None)
-                # One line per rank; the text once per restart, by the rank that reports it (RestartReporter.report).
-                kind = fault_kind(error)
-                log.info("rank %s: iteration %d failed with %s (%s)", rank, state.iteration, kind, type(error).__name__)
-                event_sink.emit(
-                    "fault_detected",
-                    rank=state.initial_rank,
-                    iteration=state.iteration,
-                    kind=kind,
-                    exception=type(error).__name__,
-                    message=str(error),
-                    step=self.step,
-                    origin=origin,
-                )
-                if not (kind == PEER_LOST and monitor.restart_started.is_set()):
-                    # A broken connection once a restart is under way is its consequence, not a fault to record.
-                    with restart_bound(
-                        self.wrapper.barrier_timeout
-                    ):  # etcd away: waited for, within the restart's barrier timeout
-                        store.record_interruption(
-                            rank, kind, repr(error), step=self.step, origin=origin, traceback=text
-                        )
-                del error, text
-                await_restart(monitor, self.wrapper)
-        except RankShouldRestart as restart:
-            self._left_function()
-            self._gate.leave_steps()
-            if not monitor.restart_started.is_set():
-                self._restart_asked_by_function(restart, monitor, store, state)
-            monitor.acknowledge()
-            self._recovery.start(monitor.restart_started_at)
-            self._recovery.mark("unwound")
-            log.debug("rank %s: iteration %d interrupted, restarting", rank, state.iteration)
-            return False, None
-        except BaseException as error:  # noqa: BLE001 - any other exit makes this rank leave, then re-raises
-            self._gate.leave_steps()
-            monitor.stop()
-            leaving = error if isinstance(error, _RankLeaves) else _RankLeaves(error, type(error).__name__)
-            self._leave(store, state, leaving)
-            reason = leaving.release()
-            try:
-                raise reason from None
-            finally:
-                # The raised exception's traceback holds this frame: a local naming it would make a cycle.
-                del reason, leaving
-        raise InternalError("unreachable")
+        return monitor
 
-    def _left_function(self) -> None:
-        """The main thread runs the Wrapper's code now, not the function's: its pings stop by design.
-
-        A function that pinged would otherwise look hung to its monitor
-        process while the rank waits at a barrier (and be blamed for a hang,
-        then terminated at the hard timeout); the automatic heartbeat goes on.
-        """
-        self._watchdog.reset()
-
-    def _restart_asked_by_function(
-        self, restart: RankShouldRestart, monitor: MonitorThread, store: IterationView, state: State
-    ) -> None:
-        """The function raised ``RankShouldRestart`` itself (NVIDIA's explicit restart): a fault of this rank.
-
-        No restart was under way, so none would come: record the
-        interruption, as for an exception, and wait for the restart it starts.
-        """
+    def _complete(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        store: IterationView,
+        state: State,
+        monitor: MonitorThread,
+    ) -> tuple[bool, Any]:
+        """Run the iteration to its completion barrier: ``(True, result)`` when every rank completed; a restart
+        (``RankShouldRestart``) or the function's exception otherwise."""
+        wrapper = self.wrapper
         rank = state.rank or 0
+        if wrapper.initialize is not None:
+            wrapper.initialize(state)
+        # A rank unhealthy before the function is a fault of this iteration, as in NVIDIA's Wrapper: the
+        # ranks restart, and the check after finalize decides whether it leaves (_prepare_restart).
+        self._hooks.check_health(state, leave=False)
+        self._recovery.mark("checked")
+        result = None
+        if state.mode is Mode.ACTIVE:
+            self.step = _heal(self.wrapper, store, state, self.step, self._fresh, self._groups)
+            self._recovery.mark("healed")
+            self._fresh = False
+            result = fn(*args, **kwargs)
+            self._watchdog.reset()  # the Wrapper's code runs now: pings stop by design (RankHooks)
+            store.mark_any_completed()
+        elif state.mode is Mode.INACTIVE:
+            poll(store.any_completed, None, interval_max=_secs(wrapper.progress_watchdog_interval) / 4)
+        else:
+            raise InternalError(
+                f"the rank assignment left rank {rank} in mode {state.mode.name}; expected ACTIVE or "
+                "INACTIVE (compose an activation such as ActivateAllRanks() into it)"
+            )
+        outcome = store.arrive_and_wait(COMPLETION_BARRIER, [rank], state.world_size, wrapper.completion_timeout)
+        if outcome == COMPLETED:
+            monitor.stop()
+            self._groups.forget()
+            self.job_store.mark_finished()  # joiners still waiting leave
+            return True, result
+        # Interrupted while this rank waited to complete (a hung rank came back, and the job ran to
+        # its end before the restart landed): no fault of this rank's, so none is recorded (it was
+        # reported on every rank as an InternalError); the restart under way takes it as the others.
+        log.info("rank %s: iteration %d was interrupted as it completed", rank, state.iteration)
         monitor.hold()
         self._hooks.abort(state)
-        origin, text = exception_origin(restart)
-        self.fn_exception = restart.with_traceback(None)
-        log.info("rank %s: the function asked for a restart in iteration %d", rank, state.iteration)
-        with restart_bound(self.wrapper.barrier_timeout):
-            store.record_interruption(
-                rank,
-                "RankShouldRestart",
-                "the function raised RankShouldRestart",
-                step=self.step,
-                origin=origin,
-                traceback=text,
-            )
-        with suppress(RankShouldRestart):
-            await_restart(monitor, self.wrapper)
-
-    def _heal(self, store: IterationView, state: State) -> None:
-        """Peer state healing, on an active rank after a restart; see :mod:`elastic_ft.inprocess.healing`."""
-        wrapper = self.wrapper
-        if wrapper.state_dict is None or wrapper.load_state_dict is None or not state.iteration:
-            return
-        try:
-            result = heal(
-                store,
-                state.active_rank or 0,
-                state.active_world_size or state.world_size,
-                state.iteration,
-                self.step,
-                self._fresh,
-                wrapper.state_dict,
-                wrapper.load_state_dict,
-                wrapper.barrier_timeout,
-                self._groups,
-            )
-        except HealingError as error:
-            raise _RankLeaves(error, "healing") from error
-        if result.role == "received":
-            event_sink.emit(
-                "healed",
-                rank=state.initial_rank,
-                iteration=state.iteration,
-                step=result.step,
-                previous_step=self.step,
-                nbytes=result.nbytes,
-                seconds=round(result.seconds, 4),
-            )
-        self.step = result.step
-
-    def _leave(self, store: IterationView, state: State, leaving: _RankLeaves) -> None:
-        """Record this rank as gone from the iteration, so the others restart without it."""
-        rank = state.rank or 0
-        log.error("rank %s leaves the job in iteration %d: %r", rank, state.iteration, leaving.error)
-        event_sink.emit(
-            "gave_up",
-            rank=state.initial_rank,
-            iteration=state.iteration,
-            kind=leaving.kind,
-            message=repr(leaving.error),
-            step=self.step,
-        )
-        try:
-            with restart_bound(self.wrapper.barrier_timeout):
-                report_rank_gone(store, rank, state.world_size, leaving.kind, repr(leaving.error))
-        finally:
-            self._hooks.abort(state)
-            self._hooks.terminate(state, leaving.error)
+        await_restart(monitor, wrapper)
 
     def _prepare_restart(self, store: IterationView, state: State) -> State | None:
         """After an interruption: abort, finalize, health check, termination barrier, rank assignment.
@@ -990,7 +1011,7 @@ class CallWrapper:
                 raise _RankLeaves(error, "finalize") from error
             self._hooks.check_health(state)
         except _RankLeaves as leaving:
-            self._leave(store, state, leaving)
+            _leave(store, state, leaving, self.step, self._hooks, self.wrapper.barrier_timeout)
             raise leaving.release() from None
         self._recovery.mark("finalized")
         with at_barrier(self._board, self._local_rank):
@@ -1006,7 +1027,7 @@ class CallWrapper:
         if rank in result.terminated and self._joining.may_rejoin():
             return None
         next_state = next_iteration_state(state, result)
-        assigned = self._assign(RankAssignmentCtx(next_state, store, set(result.terminated)))
+        assigned = _assigned(self.wrapper, RankAssignmentCtx(next_state, store, set(result.terminated)))
         self._recovery.mark("assigned")
         return assigned
 
@@ -1026,7 +1047,12 @@ class CallWrapper:
         """A joiner: wait until a restart admits this process, then take its place; None if the job finished."""
         admission = self._joining.await_admission(self.state.initial_rank or 0, self.state.initial_world_size or 1)
         if admission is None:
+            log.info(
+                "initial rank %s: the job finished before a restart admitted this process", self.state.initial_rank
+            )
             return None
-        assigned = self._assign(RankAssignmentCtx(admission.state, admission.previous, set(admission.terminated)))
+        assigned = _assigned(
+            self.wrapper, RankAssignmentCtx(admission.state, admission.previous, set(admission.terminated))
+        )
         self._recovery.mark("assigned")
         return assigned

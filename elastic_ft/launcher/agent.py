@@ -843,22 +843,7 @@ class FtAgent(LocalElasticAgent):
                 group.state = WorkerState.HEALTHY
                 continue
             if decision.verdict is Verdict.SUCCEEDED:
-                group.state = WorkerState.SUCCEEDED
-                absorbed = self._failures()
-                if absorbed:
-                    log.warning(
-                        "[%s] worker group finished; failures absorbed by in-process restart: %s",
-                        spec.role,
-                        {rank: f"pid {f.pid}, {_describe_exit(f.exitcode)}" for rank, f in absorbed.items()},
-                    )
-                self._exit_barrier()
-                # The job is done: spares still waiting exit instead of starting a new one.
-                log.info("[%s] worker group finished; closing the rendezvous", spec.role)
-                emit("job_finished", source="agent", node=self._handler.node, round=self._round(), state="SUCCEEDED")
-                self._handler.set_closed()
-                return RunResult(
-                    state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in group.workers}
-                )
+                return self._finish(group, None)
             if decision.verdict is Verdict.FOLLOW:
                 log.info("[%s] %s: restarting the workers into the next round", spec.role, decision.reason)
                 if self._handler.late_place is not None:
@@ -876,6 +861,13 @@ class FtAgent(LocalElasticAgent):
                 self._restart_workers(group)
                 continue
             log.error("[%s] %s", spec.role, ending.message)
+            return self._finish(group, decision.reason)
+
+    def _finish(self, group: WorkerGroup, failed_because: str | None) -> RunResult:
+        """The run's end: succeeded (``failed_because`` None: the rendezvous closes, so waiting spares exit
+        instead of starting a new job) or failed (the workers stopped)."""
+        role = group.spec.role
+        if failed_because is not None:
             failures = self._failures()
             self._stop_workers(group)
             group.state = WorkerState.FAILED
@@ -885,9 +877,22 @@ class FtAgent(LocalElasticAgent):
                 node=self._handler.node,
                 round=self._round(),
                 state="FAILED",
-                reason=decision.reason,
+                reason=failed_because,
             )
             return RunResult(state=WorkerState.FAILED, failures=failures)
+        group.state = WorkerState.SUCCEEDED
+        absorbed = self._failures()
+        if absorbed:
+            log.warning(
+                "[%s] worker group finished; failures absorbed by in-process restart: %s",
+                role,
+                {rank: f"pid {f.pid}, {_describe_exit(f.exitcode)}" for rank, f in absorbed.items()},
+            )
+        self._exit_barrier()
+        log.info("[%s] worker group finished; closing the rendezvous", role)
+        emit("job_finished", source="agent", node=self._handler.node, round=self._round(), state="SUCCEEDED")
+        self._handler.set_closed()
+        return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in group.workers})
 
     # ---- node loss at network speed ----
 

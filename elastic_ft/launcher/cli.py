@@ -170,6 +170,26 @@ def _read_config_file(path: Path) -> JobConfig:
     return load_job_config(text, source=str(path))
 
 
+def _show_config(args: argparse.Namespace, client: EtcdClient, keys: RunKeys) -> int:
+    """``elastic-ft config``: the run's stored job config, as YAML (or JSON)."""
+    kv, _ = client.get(keys.config)
+    if kv is None:
+        print(f"no job config stored for run {args.rdzv_id!r}", file=sys.stderr)
+        return 1
+    try:
+        document = parse_job_config(json.loads(kv.value)).to_document()
+    except (ValueError, RecursionError) as error:  # bad JSON or a JobConfigError: untrusted etcd value
+        print(f"elastic-ft: the job config stored at {kv.key} is not valid: {str(error)[:300]}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(document, indent=2))
+    else:
+        import yaml
+
+        print(yaml.safe_dump(document, sort_keys=False), end="")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.command == "config" and args.action == "schema":
         text = json.dumps(json_schema(), indent=2) + "\n"
@@ -220,24 +240,7 @@ def run(args: argparse.Namespace) -> int:
                 watch(read, args.interval)
             return 0
         if args.command == "config":
-            kv, _ = client.get(keys.config)
-            if kv is None:
-                print(f"no job config stored for run {args.rdzv_id!r}", file=sys.stderr)
-                return 1
-            try:
-                document = parse_job_config(json.loads(kv.value)).to_document()
-            except (ValueError, RecursionError) as error:  # bad JSON or a JobConfigError: untrusted etcd value
-                print(
-                    f"elastic-ft: the job config stored at {kv.key} is not valid: {str(error)[:300]}", file=sys.stderr
-                )
-                return 2
-            if args.json:
-                print(json.dumps(document, indent=2))
-            else:
-                import yaml
-
-                print(yaml.safe_dump(document, sort_keys=False), end="")
-            return 0
+            return _show_config(args, client, keys)
         from elastic_ft.launcher.status import collect_status, render_status
 
         status = collect_status(client, keys)

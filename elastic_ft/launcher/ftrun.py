@@ -317,6 +317,51 @@ def _single_host(args: argparse.Namespace) -> bool:
 
 
 @record
+def _start_embedded_etcd(parser: argparse.ArgumentParser, args: argparse.Namespace, stack: ExitStack) -> None:
+    """A single-host job without --rdzv-endpoint: an etcd of its own, for the launcher's lifetime."""
+    if not _single_host(args):
+        parser.error(
+            f"--rdzv-endpoint is required for a multi-node job (--nnodes={args.nnodes}); "
+            "give the etcd endpoints host:port[,host:port...], or use --nnodes=1 for an embedded etcd"
+        )
+    binary = args.etcd_binary or find_etcd_binary()
+    etcd = stack.enter_context(EtcdServer(binary=binary))  # its data goes with the reaper too
+    args.rdzv_endpoint = etcd.endpoint
+    if args.rdzv_id == "none":
+        args.rdzv_id = str(uuid.uuid4())
+    args.standalone = False
+    print(f"ftrun: embedded etcd at {args.rdzv_endpoint} for rdzv id {args.rdzv_id}", file=sys.stderr)
+
+
+def _settle_job_config(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, given: set[str], file_config: JobConfig | None
+) -> None:
+    """The run's job config: stored in etcd from --job-config by the first launcher, read by the others, then
+    applied to the flags not given and handed to the workers."""
+    doing = "store the job config" if file_config is not None else "read the run's job config"
+    try:
+        stored = _exchange_job_config(args, file_config)
+    except (EtcdUnavailableError, EtcdRequestError) as exc:
+        _fail(f"cannot {doing} for run '{args.rdzv_id}' at --rdzv-endpoint={args.rdzv_endpoint}: {exc}", 1)
+    except (RendezvousConfigError, JobConfigError) as exc:
+        _fail(str(exc))
+    if stored is not None and file_config is None:
+        apply_job_config(args, given, stored)
+        _check_rdzv_conf(args)
+    if stored is not None:
+        # Workers inherit it: the Wrapper takes its timeouts and rank assignment from it.
+        os.environ.update(job_config_to_env(stored))
+    if "spare_nodes" not in given:
+        apply_spare_nodes(args, given, stored if stored is not None else file_config)
+    config_used = stored if stored is not None else file_config
+    if args.metrics_port is None and config_used is not None:
+        args.metrics_port = config_used.observability.metrics_port
+        if args.metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
+            parser.error(
+                "the job config's observability.metrics_port needs prometheus_client: pip install 'elastic-ft[metrics]'"
+            )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     _configure_logging()
     parser = build_parser()
@@ -343,44 +388,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.rdzv_backend == "etcdft":
             _check_rdzv_conf(args)
         if args.rdzv_backend == "etcdft" and not args.rdzv_endpoint:
-            if not _single_host(args):
-                parser.error(
-                    f"--rdzv-endpoint is required for a multi-node job (--nnodes={args.nnodes}); "
-                    "give the etcd endpoints host:port[,host:port...], or use --nnodes=1 for an embedded etcd"
-                )
-            binary = args.etcd_binary or find_etcd_binary()
-            etcd = stack.enter_context(EtcdServer(binary=binary))  # its data goes with the reaper too
-            args.rdzv_endpoint = etcd.endpoint
-            if args.rdzv_id == "none":
-                args.rdzv_id = str(uuid.uuid4())
-            args.standalone = False
-            print(f"ftrun: embedded etcd at {args.rdzv_endpoint} for rdzv id {args.rdzv_id}", file=sys.stderr)
+            _start_embedded_etcd(parser, args, stack)
         elif args.standalone:
             parser.error("--standalone starts its own etcd; do not combine it with --rdzv-endpoint")
         if args.rdzv_backend == "etcdft":
-            doing = "store the job config" if file_config is not None else "read the run's job config"
-            try:
-                stored = _exchange_job_config(args, file_config)
-            except (EtcdUnavailableError, EtcdRequestError) as exc:
-                _fail(f"cannot {doing} for run '{args.rdzv_id}' at --rdzv-endpoint={args.rdzv_endpoint}: {exc}", 1)
-            except (RendezvousConfigError, JobConfigError) as exc:
-                _fail(str(exc))
-            if stored is not None and file_config is None:
-                apply_job_config(args, given, stored)
-                _check_rdzv_conf(args)
-            if stored is not None:
-                # Workers inherit it: the Wrapper takes its timeouts and rank assignment from it.
-                os.environ.update(job_config_to_env(stored))
-            if "spare_nodes" not in given:
-                apply_spare_nodes(args, given, stored if stored is not None else file_config)
-            config_used = stored if stored is not None else file_config
-            if args.metrics_port is None and config_used is not None:
-                args.metrics_port = config_used.observability.metrics_port
-                if args.metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
-                    parser.error(
-                        "the job config's observability.metrics_port needs prometheus_client: "
-                        "pip install 'elastic-ft[metrics]'"
-                    )
+            _settle_job_config(parser, args, given, file_config)
         elif args.record is not None or args.metrics_port is not None:
             parser.error(
                 f"--record and --metrics-port need the etcdft rendezvous, not --rdzv-backend={args.rdzv_backend}"

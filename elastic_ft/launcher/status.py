@@ -74,13 +74,8 @@ def _stored_config(raw: bytes) -> tuple[JobConfig | None, str | None]:
         return None, str(error)[:300]
 
 
-def collect_status(client: EtcdClient, keys: RunKeys, events: list[JobEvent] | None = None) -> dict[str, Any]:
-    """Everything ``elastic-ft status`` shows (``events``: the run's, when the caller read them already)."""
-    kvs, revision = client.get_prefix(keys.rdzv)
-    config_kv, _ = client.get(keys.config)
-    raw = {kv.key[len(keys.rdzv) :]: kv for kv in kvs}
-    state = parse_state(raw)
-    malformed = [{"key": keys.rdzv + key, "reason": reason} for key, reason in sorted(state.malformed.items())]
+def _hosts(raw: dict[str, Any], malformed: list[dict[str, str]]) -> dict[str, dict[str, Any]]:
+    """Each live node's host and pid, from its ``alive/`` record (a malformed one is listed, not used)."""
     hosts = {}
     for key, kv in raw.items():
         node = suffix(key, "alive/")
@@ -90,6 +85,17 @@ def collect_status(client: EtcdClient, keys: RunKeys, events: list[JobEvent] | N
                 malformed.append({"key": kv.key, "reason": 'expected {"host": <text>, "pid": <integer>}'})
             else:
                 hosts[node] = info
+    return hosts
+
+
+def collect_status(client: EtcdClient, keys: RunKeys, events: list[JobEvent] | None = None) -> dict[str, Any]:
+    """Everything ``elastic-ft status`` shows (``events``: the run's, when the caller read them already)."""
+    kvs, revision = client.get_prefix(keys.rdzv)
+    config_kv, _ = client.get(keys.config)
+    raw = {kv.key[len(keys.rdzv) :]: kv for kv in kvs}
+    state = parse_state(raw)
+    malformed = [{"key": keys.rdzv + key, "reason": reason} for key, reason in sorted(state.malformed.items())]
+    hosts = _hosts(raw, malformed)
     config: JobConfig | None = None
     if config_kv is not None:
         config, problem = _stored_config(config_kv.value)

@@ -39,56 +39,25 @@ def render_live(status: dict[str, Any], events: list[JobEvent]) -> Any:
     """The view as one ``rich`` renderable."""
     from rich.console import Group
     from rich.panel import Panel
-    from rich.table import Table
     from rich.text import Text
 
-    parts: list[Any] = []
     state = "[red]closed[/red]" if status["closed"] else "[green]open[/green]"
     round_text = (
         "no round completed yet"
         if status["round"] is None
         else (f"round {status['round']}, {len(status['members'])} member(s), MASTER {status['master']}")
     )
-    parts.append(
+    parts: list[Any] = [
         Text.from_markup(
             f"[bold]run {status['run']}[/bold]: {state}; {round_text}; "
             f"in-process restarts {status['in_process_restarts'] or 0}, "
             f"process-level restarts {status['process_restarts']}"
         )
-    )
+    ]
     if status["members"]:
-        nodes = Table(title="nodes", title_justify="left", expand=False)
-        for column in ("rank", "state", "host", "pid", "node"):
-            nodes.add_column(column)
-        for m in status["members"]:
-            color = {"alive": "green", "dead": "red", "left": "yellow"}.get(m["state"], "white")
-            role = " (hot spare, joined late)" if m.get("late") else ""
-            nodes.add_row(
-                str(m["rank"]),
-                f"[{color}]{m['state']}[/{color}]",
-                m["host"] or "-",
-                str(m["pid"] or "-"),
-                m["node"] + role,
-            )
-        parts.append(nodes)
+        parts.append(_nodes_table(status["members"]))
     if status["workers"]:
-        steps = last_steps(events)
-        workers = Table(title="ranks", title_justify="left")
-        for column in ("rank", "state", "mode", "iteration (rank)", "step", "pid", "node"):
-            workers.add_column(column)
-        for w in status["workers"]:
-            iteration = "-" if w["iteration"] is None else f"{w['iteration']} ({w['rank_in_iteration']})"
-            color = "green" if w["state"] == "running" else ("white" if w["state"].startswith("succeeded") else "red")
-            workers.add_row(
-                str(w["rank"]),
-                f"[{color}]{w['state']}[/{color}]",
-                w.get("mode") or "-",
-                iteration,
-                str(steps.get(w["rank"], "-")),
-                str(w["pid"]),
-                w["node"],
-            )
-        parts.append(workers)
+        parts.append(_ranks_table(status["workers"], last_steps(events)))
     restart = status.get("restart_in_progress")
     if restart is not None:
         lines = [f"iteration {restart['iteration']} interrupted at {_clock(restart['interrupted_at'])}"]
@@ -109,18 +78,59 @@ def render_live(status: dict[str, Any], events: list[JobEvent]) -> Any:
     for outage in status.get("etcd_outages", []):
         color = "red" if outage["end"] is None else "yellow"
         parts.append(Text(f"etcd outage: {describe_outage(outage)}", style=color))
-    recent = Table(title="recent events", title_justify="left")
-    recent.add_column("time")
-    recent.add_column("source")
-    recent.add_column("event")
-    for event in [e for e in events if e.name != "progress"][-RECENT_EVENTS:]:
-        alarming = ("fault_detected", "node_died", "gave_up", "escalated", "etcd_unavailable")
-        color = "red" if event.name in alarming else "white"
-        recent.add_row(_clock(event.time), event.source, f"[{color}]{event.describe()[:150]}[/{color}]")
-    parts.append(recent)
+    parts.append(_events_table(events))
     for entry in status["malformed"][:5]:
         parts.append(Text(f"malformed, ignored: {entry['key']}: {entry['reason']}", style="yellow"))
     return Group(*parts)
+
+
+def _nodes_table(members: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    nodes = Table(title="nodes", title_justify="left", expand=False)
+    for column in ("rank", "state", "host", "pid", "node"):
+        nodes.add_column(column)
+    for m in members:
+        color = {"alive": "green", "dead": "red", "left": "yellow"}.get(m["state"], "white")
+        role = " (hot spare, joined late)" if m.get("late") else ""
+        nodes.add_row(
+            str(m["rank"]), f"[{color}]{m['state']}[/{color}]", m["host"] or "-", str(m["pid"] or "-"), m["node"] + role
+        )
+    return nodes
+
+
+def _ranks_table(workers: list[dict[str, Any]], steps: dict[int, int]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="ranks", title_justify="left")
+    for column in ("rank", "state", "mode", "iteration (rank)", "step", "pid", "node"):
+        table.add_column(column)
+    for w in workers:
+        iteration = "-" if w["iteration"] is None else f"{w['iteration']} ({w['rank_in_iteration']})"
+        color = "green" if w["state"] == "running" else ("white" if w["state"].startswith("succeeded") else "red")
+        table.add_row(
+            str(w["rank"]),
+            f"[{color}]{w['state']}[/{color}]",
+            w.get("mode") or "-",
+            iteration,
+            str(steps.get(w["rank"], "-")),
+            str(w["pid"]),
+            w["node"],
+        )
+    return table
+
+
+def _events_table(events: list[JobEvent]) -> Any:
+    from rich.table import Table
+
+    recent = Table(title="recent events", title_justify="left")
+    for column in ("time", "source", "event"):
+        recent.add_column(column)
+    alarming = ("fault_detected", "node_died", "gave_up", "escalated", "etcd_unavailable")
+    for event in [e for e in events if e.name != "progress"][-RECENT_EVENTS:]:
+        color = "red" if event.name in alarming else "white"
+        recent.add_row(_clock(event.time), event.source, f"[{color}]{event.describe()[:150]}[/{color}]")
+    return recent
 
 
 def watch(

@@ -260,6 +260,27 @@ def make_settings(
         endpoints = parse_endpoints(endpoint)
     except EndpointError as error:
         problems.add(str(error))
+    tls, credentials = _secrets(conf, endpoints, problems)
+    problems.raise_any()  # before any side effect: nothing is built from a configuration with a problem
+    join_timeout = checked.join_timeout
+    if "join_timeout" not in checked.model_fields_set and checked.timeout is not None:
+        join_timeout = checked.timeout
+    return EtcdftSettings.model_construct(
+        **{**dict(checked), "join_timeout": join_timeout},
+        run_id=run_id,
+        endpoints=endpoints,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        local_addr=local_addr or None,
+        tls=tls,
+        credentials=credentials,
+    )
+
+
+def _secrets(
+    conf: dict[str, Any], endpoints: tuple[EtcdEndpoint, ...], problems: _Problems
+) -> tuple[TlsFiles, EtcdCredentials | None]:
+    """The TLS files and the credentials the conf names, checked (their problems added to ``problems``)."""
     tls = TlsFiles(conf.get("cacert"), conf.get("cert"), conf.get("key"))
     if endpoints and (tls.cacert or tls.cert or tls.key) and not any(e.secure for e in endpoints):
         problems.add("rdzv conf cacert/cert/key given but no endpoint uses https://")
@@ -275,20 +296,7 @@ def make_settings(
                 files.check()
         except EndpointError as error:
             problems.add(f"rdzv conf: {error}")
-    problems.raise_any()  # before any side effect: nothing is built from a configuration with a problem
-    join_timeout = checked.join_timeout
-    if "join_timeout" not in checked.model_fields_set and checked.timeout is not None:
-        join_timeout = checked.timeout
-    return EtcdftSettings.model_construct(
-        **{**dict(checked), "join_timeout": join_timeout},
-        run_id=run_id,
-        endpoints=endpoints,
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        local_addr=local_addr or None,
-        tls=tls,
-        credentials=credentials,
-    )
+    return tls, credentials
 
 
 def _validated_conf(given: dict[str, Any], max_nodes: int | None, problems: _Problems) -> RendezvousConf:

@@ -332,6 +332,13 @@ class EtcdftRendezvousHandler(RendezvousHandler):
                 message = self._timeout_message(action.number)
                 self._withdraw()
             raise RendezvousTimeoutError(message)
+        return self._take(action, attempt, session, version, wake, now)
+
+    def _take(
+        self, action: rules.Action, attempt: _JoinAttempt, session: Session, version: int, wake: Any, now: float
+    ) -> RendezvousInfo | None:
+        """Take a join, a close or a wait that :meth:`_look` decided on: the round's info when a late join
+        ranked this node at once, else None."""
         if isinstance(action, rules.JoinLate | rules.JoinRound):
             try:
                 if isinstance(action, rules.JoinLate):
