@@ -885,11 +885,11 @@ class CallWrapper:
                 # The iteration is lost: cut its connections first, here, before the frames the
                 # traceback holds (and their process groups) can be freed.
                 self._hooks.abort(state)
-                # Without its traceback: the frames it holds would keep the failed
-                # iteration's process group, and so its connections, alive.
-                self.fn_exception = error.with_traceback(None)
                 restarting = monitor.restart_started.is_set()
                 _record_failure(error, store, state, self.step, self.wrapper.barrier_timeout, restarting)
+                # Without its traceback (once its origin is recorded: the give-up rule compares them): the
+                # frames it holds would keep the failed iteration's process group, and its connections, alive.
+                self.fn_exception = error.with_traceback(None)
                 del error
                 await_restart(monitor, self.wrapper)
         except RankShouldRestart as restart:
@@ -898,8 +898,8 @@ class CallWrapper:
             if not monitor.restart_started.is_set():
                 monitor.hold()
                 self._hooks.abort(state)
-                self.fn_exception = restart.with_traceback(None)
                 _record_asked_restart(restart, store, state, self.step, self.wrapper.barrier_timeout)
+                self.fn_exception = restart.with_traceback(None)  # recorded with its origin first
                 with suppress(RankShouldRestart):
                     await_restart(monitor, self.wrapper)
             monitor.acknowledge()

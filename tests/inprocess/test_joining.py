@@ -50,7 +50,7 @@ def test_rejoins_in_quick_succession_back_off_up_to_the_cap_and_start_over_after
     ceilings = [min(REJOIN_BACKOFF_CAP, REJOIN_BACKOFF_FIRST * 2**n) for n in range(6)]
     assert all(ceiling / 2 <= pause <= ceiling for pause, ceiling in zip(clock.pauses, ceilings, strict=True))
     assert max(clock.pauses) <= REJOIN_BACKOFF_CAP
-    clock.now += REJOIN_QUIET  # trained a while in between: the next rejoin is a new story
+    clock.now += REJOIN_QUIET + 1.0  # trained a while in between: the next rejoin is a new story
     joining._pause_if_rejoined_lately(8)
     assert len(clock.pauses) == 6
     clock.now += 1.0
