@@ -84,7 +84,7 @@ def worker_main(endpoint: str, run_id: str, count: int, conf_json: str) -> None:
     )
     nodes = [EtcdftRendezvousHandler(settings, client) for _ in range(count)]
     for handler in nodes:
-        handler._ensure_session()  # a node's lease exists before the timed round, as from its second round on
+        handler._parts.ensure_session()  # a node's lease exists before the timed round, as from its second round on
     alive = list(range(count))
     reply({"ready": True})
     for line in sys.stdin:
@@ -124,13 +124,14 @@ def pick_victim(nodes: list, alive: list[int], *, monitor: bool) -> int | None:
 
 def crash(handler: Any) -> None:
     """End a node as a host crash would: nothing said, its lease left to expire."""
-    monitor = handler._monitor
+    parts = handler._parts
+    monitor = parts.seat.monitor
     if monitor is not None:
         monitor.stop()
-    handler._view.stop()
-    handler._board_view.stop()
-    if handler._session is not None:
-        handler._session.close(revoke=False)
+    parts.whole.stop()
+    parts.board.view.stop()
+    if parts.presence.session is not None:
+        parts.presence.session.close(revoke=False)
 
 
 def counters(handlers: list, client: Any) -> dict:
@@ -138,7 +139,7 @@ def counters(handlers: list, client: Any) -> dict:
     return {
         "requests": sum(v for k, v in kinds.items() if k != "keep_alive"),
         "events": [h.watch_events for h in handlers],
-        "live": [h._view.events_received for h in handlers],  # while it followed every key
+        "live": [h._parts.whole.events_received for h in handlers],  # while it followed every key
     }
 
 
@@ -186,14 +187,14 @@ def run_round(handlers: list, client: Any, start: float) -> dict:
 
 def what_it_sees(handler: Any) -> str:
     """A node's view of the board, for a node that saw no change when it should have."""
-    board, version = handler._board_view.snapshot()
+    board, version = handler._parts.board.snapshot()
     if board is None:
-        return f"member of round {handler._state.member_round}, no board (version {version})"
+        return f"member of round {handler._parts.state.value.member_round}, no board (version {version})"
     last = board.last.round if board.last is not None else None
     return (
-        f"member of round {handler._state.member_round}; board version {version}: monitor {board.monitor}, open round "
+        f"member of round {handler._parts.state.value.member_round}; board version {version}: monitor {board.monitor}, open round "
         f"{board.open_round}, last closed {last}, rejoined {len(board.rejoined)}, dead {list(board.dead)}; its "
-        f"watch down for {handler._board_view.disconnected_for():.1f} s"
+        f"watch down for {handler._parts.board.view.disconnected_for():.1f} s"
     )
 
 
@@ -230,10 +231,10 @@ def follow(handlers: list, client: Any, timeout: float, settle: float = 3.0) -> 
                 quiet_since = time.monotonic()
         except Exception as exc:  # noqa: BLE001 - reported
             errors.append(f"{exc!r} [{what_it_sees(handlers[i])}]")
-            board = handlers[i]._board_view.snapshot()[0]
+            board = handlers[i]._parts.board.snapshot()[0]
             kinds.append(
                 f"{type(exc).__name__} after seeing {'a change' if seen[i] else 'no change'}; member of round "
-                f"{handlers[i]._member_round}, board: open {board.open_round if board else None}, last "
+                f"{handlers[i]._parts.state.value.member_round}, board: open {board.open_round if board else None}, last "
                 f"{board.last.round if board and board.last else None}"
             )
 

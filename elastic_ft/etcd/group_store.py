@@ -35,7 +35,8 @@ import torch.distributed as dist
 from elastic_ft.etcd.client import EtcdClient, EtcdWatch
 from elastic_ft.etcd.kv import EtcdUnavailableError, KeyValue, WatchEvent
 from elastic_ft.etcd.shield import shield
-from elastic_ft.etcd.store import EtcdStore, _bounded_op, _TokenLease
+from elastic_ft.etcd.store import EtcdStore, _bounded_op
+from elastic_ft.etcd.store_ops import TokenLease
 
 
 class _Copy:
@@ -96,7 +97,7 @@ class GroupStore(EtcdStore):
         prefix: str,
         timeout: timedelta = timedelta(seconds=300),
         *,
-        tokens: _TokenLease | None = None,
+        tokens: TokenLease | None = None,
     ) -> None:
         super().__init__(client, prefix, timeout, tokens=tokens)
         self._view: _Copy | None = None
@@ -111,7 +112,7 @@ class GroupStore(EtcdStore):
                 if self._view is not None:
                     self._view.close()
                 bound = self.client.request_timeout
-                self._view = self._ask(lambda: _Copy(self.client, self.prefix, bound))
+                self._view = self._keys.ask(lambda: _Copy(self.client, self.prefix, bound))
             return self._view
 
     def _written_once(self, keys: list[str], timeout: timedelta | None = None) -> dict[str, bytes] | None:
@@ -177,7 +178,7 @@ class GroupStore(EtcdStore):
         super().queue_push(key, value)
 
     def clone(self) -> GroupStore:
-        copy = GroupStore(self.client, self.prefix, self.timeout, tokens=self._tokens)
+        copy = GroupStore(self.client, self.prefix, self.timeout, tokens=self._writes.tokens)
         copy._changed = self._changed
         with self._clones_lock:
             self._clones.append(copy)
@@ -195,4 +196,4 @@ def group_store(base: EtcdStore, name: str) -> GroupStore:
     """A :class:`GroupStore` under ``name`` in ``base``'s prefix, on its client, sharing its write tokens' lease."""
     if not name or name.startswith("/") or not name.endswith("/"):
         raise ValueError(f"a group store's name must be a relative prefix ending with '/', got {name!r}")
-    return GroupStore(base.client, base.prefix + name, base.timeout, tokens=base._tokens)
+    return GroupStore(base.client, base.prefix + name, base.timeout, tokens=base._writes.tokens)

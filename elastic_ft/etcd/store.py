@@ -45,72 +45,39 @@ Values are opaque bytes; etcd limits one value to 1.5 MiB by default.
 from __future__ import annotations
 
 import functools
-import math
-import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from elastic_ft.etcd.client import (
-    Compare,
     EtcdClient,
     EtcdUnavailableError,
-    EtcdWatch,
-    KeyValue,
-    Op,
     WatchEvent,
     delete_op,
-    first_key_op,
     get_op,
     key_missing,
     key_modified_at,
     put_op,
 )
-from elastic_ft.etcd.outage import OUTAGES, bounded, patiently
-from elastic_ft.etcd.shield import shield, shielded
-from elastic_ft.keys import parse_store_queue_key, store_queue_prefix, store_queues_prefix, store_write_token
+from elastic_ft.etcd.outage import bounded
+from elastic_ft.etcd.shield import shielded
+from elastic_ft.etcd.store_ops import (
+    TXN_OPS,
+    EtcdStoreUnavailable,
+    OnceWriter,
+    StoreKeys,
+    StoreReader,
+    StoreWriteOutcomeUnknown,
+    TokenLease,
+)
+from elastic_ft.keys import store_queue_prefix
 
-# etcd's default --max-txn-ops.
-_TXN_OPS = 128
-_T = TypeVar("_T")
-
-
-#: The longest a blocking wait of the store waits in one shielded slice (see :func:`_next_item`).
-_WAIT_SLICE = 0.1
-
-
-def _next_item(events: queue.Queue[_T], remaining: float) -> _T:
-    """The next item of a watch's queue within ``remaining`` seconds, waited for in one shielded slice.
-
-    ``queue.Queue.get`` takes a Python-level lock, which a restart raised
-    inside it could leave held (:mod:`elastic_ft.etcd.shield`); the slice is
-    short so that a restart raised when it ends still ends a long wait at once.
-
-    Raises:
-        queue.Empty: nothing came within the slice.
-    """
-    with shield():
-        return events.get(timeout=min(remaining, _WAIT_SLICE))
-
-
-class EtcdStoreUnavailable(dist.DistStoreError, EtcdUnavailableError):
-    """etcd did not answer within an operation's bound (the store's timeout, or a shorter enclosing one)."""
-
-
-class StoreWriteOutcomeUnknown(EtcdStoreUnavailable):
-    """etcd did not answer a write within its bound: it may or may not have committed (once)."""
-
-
-#: How long etcd may stay silent during a wait before the store reads the keys again: a watch stream that
-#: died without a word (a black-holed connection gRPC has not noticed yet) must not hide a key for long.
-_RECHECK_AFTER = 10.0
-
+__all__ = ["EtcdStore", "EtcdStoreUnavailable", "KeyWatch", "StoreWriteOutcomeUnknown"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -133,27 +100,10 @@ def _bounded_op(method: _F) -> _F:
     return run  # type: ignore[return-value]  # the same signature as method
 
 
-def _unreachable_note() -> str:
-    """``"; etcd ... unreachable for the last N s"`` while this process sees an outage, else empty."""
-    since = OUTAGES.down_since()
-    return "" if since is None else f"; etcd has been unreachable for the last {time.monotonic() - since:.1f} s"
-
-
 def _as_bytes(value: str | bytes | bytearray | Sequence[int]) -> bytes:
     if isinstance(value, str):
         return value.encode()
     return bytes(value)
-
-
-@dataclass(frozen=True)
-class _Created:
-    """A wait's watch exists: it delivers every change after ``revision``."""
-
-    revision: int
-
-
-#: What a wait's watches hand its loop: a batch of events, the end of a watch, or a watch's creation.
-_WatchItem = list[WatchEvent] | Exception | _Created
 
 
 class KeyWatch:
@@ -201,15 +151,6 @@ class KeyWatch:
         return True
 
 
-class _TokenLease:
-    """The lease a store's write tokens go on: its id, when to replace it (``time.monotonic()``), and the TTL it
-    was asked for; None until the first write."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.held: tuple[int, float, int] | None = None
-
-
 class EtcdStore(dist.Store):
     """Keys live under ``prefix`` in etcd; see the module docstring."""
 
@@ -224,206 +165,47 @@ class EtcdStore(dist.Store):
         prefix: str,
         timeout: timedelta = timedelta(seconds=300),
         *,
-        tokens: _TokenLease | None = None,
+        tokens: TokenLease | None = None,
     ) -> None:
         super().__init__()
         if not prefix.endswith("/"):
             raise ValueError(f"EtcdStore prefix {prefix!r} must end with '/'")
-        self._client = client
+        #: The etcd connection (shared with clones; the Wrapper's event log uses it too).
+        self.client = client
         self.prefix = prefix
         self.set_timeout(timeout)
-        #: Writes whose commit was learnt from their token: a resend after an earlier send had committed.
-        self.writes_recovered = 0
-        #: The lease write tokens go on: shared with the stores made from this one (``group_store``).
-        self._tokens = tokens or _TokenLease()
+        self._keys = StoreKeys(client, prefix)
+        self._reads = StoreReader(self._keys, lambda: self.timeout)
+        #: ``tokens``: the lease write tokens go on, shared with the stores made from this one (``group_store``).
+        self._writes = OnceWriter(self._keys, lambda: self.timeout, tokens or TokenLease())
         self._clones_lock = threading.Lock()
         self._clones: list[EtcdStore] = []
 
-    def _key(self, key: str) -> str:
-        return self.prefix + key
-
-    def _timeout_seconds(self, timeout: timedelta | None) -> float:
-        return (timeout if timeout is not None else self.timeout).total_seconds()
-
-    def _ask(self, call: Callable[[], _T]) -> _T:
-        """One etcd request, resent with backoff while etcd is unreachable, within the operation's bound."""
-        return patiently(call, f"EtcdStore at {self.prefix}")
-
-    # ---- reads ----
-
-    def _fetch(self, keys: Sequence[str]) -> tuple[dict[str, KeyValue], int]:
-        """Read many keys consistently: one range request for one key, one transaction per 128 keys."""
-        found: dict[str, KeyValue] = {}
-        if len(keys) == 1:
-            kv, revision = self._ask(functools.partial(self._client.get, self._key(keys[0])))
-            if kv is not None:
-                found[keys[0]] = kv
-            return found, revision
-        revision = 0
-        for start in range(0, len(keys), _TXN_OPS):
-            chunk = keys[start : start + _TXN_OPS]
-            result = self._ask(functools.partial(self._client.txn, [], [get_op(self._key(k)) for k in chunk]))
-            revision = max(revision, result.revision)
-            for key, kvs in zip(chunk, result.ranges, strict=True):
-                if kvs:
-                    found[key] = kvs[0]
-        return found, revision
-
-    def _missing(self, keys: Sequence[str], queues: bool) -> tuple[set[str], int]:
-        """The keys that do not exist (with ``queues``: whose queue is empty too), and the revision read at."""
-        if not queues:
-            found, revision = self._fetch(keys)
-            return {k for k in keys if k not in found}, revision
-        missing: set[str] = set()
-        revision = 0
-        per_txn = _TXN_OPS // 2  # the key, and the first item of its queue
-        for start in range(0, len(keys), per_txn):
-            chunk = keys[start : start + per_txn]
-            ops = [op for k in chunk for op in (get_op(self._key(k)), first_key_op(store_queue_prefix(self.prefix, k)))]
-            result = self._ask(functools.partial(self._client.txn, [], ops))
-            revision = max(revision, result.revision)
-            for index, key in enumerate(chunk):
-                if not result.ranges[2 * index] and not result.ranges[2 * index + 1]:
-                    missing.add(key)
-        return missing, revision
-
-    def _await(
-        self, keys: Sequence[str], timeout: timedelta | None, *, queues: bool, read: tuple[set[str], int] | None = None
-    ) -> None:
-        """Block until every key exists (with ``queues``: or its queue holds an item, as TCPStore's ``wait`` and
-        ``check`` count it), on watches; ``DistStoreError`` at the timeout, etcd reachable or not.
-
-        ``read``: the keys missing at a revision the caller read already.
-
-        The watches start from now on, not after the read (a watch that
-        starts in the past gets its first events up to 100 ms late, see
-        :meth:`EtcdClient.watch_prefix`); once etcd created them, what
-        changed between the read and their start is read again.
-        """
-        seconds = self._timeout_seconds(timeout)
-        deadline = time.monotonic() + seconds
-        with bounded(seconds, f"the wait's timeout ({seconds:g} s)"):
-            try:
-                missing, revision = read if read is not None else self._missing(keys, queues)
-                while missing:
-                    events: queue.Queue[_WatchItem] = queue.Queue()
-                    watches = self._ask(functools.partial(self._watch, sorted(missing), events, queues))
-                    try:
-                        self._await_events(missing, revision, events, deadline, seconds, queues)
-                    finally:
-                        for watch in watches:
-                            watch.close()
-                    # Confirm with a read: a key deleted again meanwhile, or a broken stream, means waiting on.
-                    missing, revision = self._missing(keys, queues)
-            except EtcdStoreUnavailable:
-                raise
-            except EtcdUnavailableError as error:
-                names = ", ".join(sorted(keys))
-                raise EtcdStoreUnavailable(
-                    f"wait timeout after {seconds * 1000:.0f}ms, keys: {names}: {error}"
-                ) from error
-
-    def _await_events(
-        self,
-        missing: set[str],
-        read_at: int,
-        events: queue.Queue[_WatchItem],
-        deadline: float,
-        seconds: float,
-        queues: bool,
-    ) -> None:
-        """Take keys out of ``missing`` as the watches see them put (and, once a watch exists, as a read of what
-        changed since ``read_at`` finds them); return when none is left, a watch broke, or nothing came for
-        :data:`_RECHECK_AFTER` (the caller reads again)."""
-        quiet_until = time.monotonic() + _RECHECK_AFTER
-        while missing:
-            now = time.monotonic()
-            remaining = deadline - now
-            if remaining <= 0:
-                names = ", ".join(sorted(missing))
-                raise dist.DistStoreError(
-                    f"wait timeout after {seconds * 1000:.0f}ms, keys: {names}{_unreachable_note()}"
-                )
-            if now >= quiet_until:
-                return
-            try:
-                item = _next_item(events, remaining)
-            except queue.Empty:
-                continue
-            if isinstance(item, Exception):
-                return  # the stream broke: read again, then watch again
-            if isinstance(item, _Created):
-                if item.revision > read_at:  # something changed between the read and the watch: read again
-                    still, read_at = self._missing(sorted(missing), queues)
-                    missing.intersection_update(still)
-                continue
-            quiet_until = time.monotonic() + _RECHECK_AFTER
-            for event in item:
-                if not event.deleted:
-                    missing.discard(self._name_of(event.kv.key))
-
-    def _name_of(self, key: str) -> str | None:
-        """The store key a watched etcd key stands for: the key itself, or the queue an item belongs to."""
-        if key.startswith(self.prefix):
-            return key[len(self.prefix) :]
-        return parse_store_queue_key(self.prefix, key)
-
-    def _watch(self, keys: Sequence[str], events: queue.Queue[_WatchItem], queues: bool) -> list[EtcdWatch]:
-        """Watch only what the wait needs, from now on: the one key (and its queue), or the store's prefix (and its
-        queues). Their batches, their ends and their creations go to ``events``."""
-
-        def put(batch: list[WatchEvent], _revision: int) -> None:
-            events.put(batch)
-
-        def created(revision: int) -> None:
-            events.put(_Created(revision))
-
-        client = self._client
-        if len(keys) == 1:
-            watches = [client.watch_key(self._key(keys[0]), 0, put, events.put, created)]
-            queues_prefix = store_queue_prefix(self.prefix, keys[0])
-        else:
-            watches = [client.watch_prefix(self.prefix, 0, put, events.put, created)]
-            queues_prefix = store_queues_prefix(self.prefix)
-        if queues:
-            watches.append(client.watch_prefix(queues_prefix, 0, put, events.put, created))
-        return watches
-
-    def _values(self, keys: Sequence[str]) -> dict[str, KeyValue]:
-        """The keys' values once they all exist (``get``: a queue of the same name does not count).
-
-        Read first: a key already there (a process group's peers' addresses,
-        mostly) costs one request; a missing one is watched from the read's
-        revision on, then read.
-        """
-        found, revision = self._fetch(keys)
-        while len(found) < len(set(keys)):
-            missing = sorted(set(keys) - set(found))
-            self._await(missing, None, queues=False, read=(set(missing), revision))
-            more, revision = self._fetch(missing)
-            found.update(more)
-        return found
+    @property
+    def writes_recovered(self) -> int:
+        """Writes whose commit was learnt from their token: a resend after an earlier send had committed."""
+        return self._writes.recovered
 
     @_bounded_op
     def get(self, key: str) -> bytes:
-        return self._values([key])[key].value
+        return self._reads.values([key])[key].value
 
     @_bounded_op
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        found = self._values(keys)
+        found = self._reads.values(keys)
         return [found[k].value for k in keys]
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self._await(keys, timeout, queues=True)
+        self._reads.await_keys(keys, timeout, queues=True)
 
     @_bounded_op
     def check(self, keys: list[str]) -> bool:
-        missing, _ = self._missing(keys, queues=True)
+        missing, _ = self._reads.missing(keys, queues=True)
         return not missing
 
     @_bounded_op
     def num_keys(self) -> int:
-        return self._ask(lambda: self._client.count_prefix(self.prefix))
+        return self._keys.ask(lambda: self.client.count_prefix(self.prefix))
 
     # torch's Python-store trampoline (torch 2.13) looks these two methods up by their C++ names, every
     # other by its Python name: a PrefixStore (or any C++ caller) reaches ``num_keys`` and ``delete_key``
@@ -437,20 +219,15 @@ class EtcdStore(dist.Store):
 
     @_bounded_op
     def list_keys(self) -> list[str]:
-        kvs, _ = self._ask(lambda: self._client.get_prefix(self.prefix))
+        kvs, _ = self._keys.ask(lambda: self.client.get_prefix(self.prefix))
         return [kv.key[len(self.prefix) :] for kv in kvs]
 
     def has_extended_api(self) -> bool:
         """``multi_get``, ``multi_set``, ``append`` and ``queue_*`` are real (torch asks before using them)."""
         return True
 
-    @property
-    def client(self) -> EtcdClient:
-        """The etcd connection (shared with clones; the Wrapper's event log uses it too)."""
-        return self._client
-
     def clone(self) -> EtcdStore:
-        copy = EtcdStore(self._client, self.prefix, self.timeout, tokens=self._tokens)
+        copy = EtcdStore(self.client, self.prefix, self.timeout, tokens=self._writes.tokens)
         with self._clones_lock:
             self._clones.append(copy)
         return copy
@@ -460,11 +237,11 @@ class EtcdStore(dist.Store):
     @_bounded_op
     def queue_push(self, key: str, value: str | bytes) -> None:
         item = store_queue_prefix(self.prefix, key) + uuid.uuid4().hex
-        self._write(f"queue_push({key!r})", [put_op(item, _as_bytes(value))])
+        self._writes.write(f"queue_push({key!r})", [put_op(item, _as_bytes(value))])
 
     @_bounded_op
     def queue_len(self, key: str) -> int:
-        return self._ask(lambda: self._client.count_prefix(store_queue_prefix(self.prefix, key)))
+        return self._keys.ask(lambda: self.client.count_prefix(store_queue_prefix(self.prefix, key)))
 
     @_bounded_op
     def queue_pop(self, key: str, block: bool = True) -> bytes:
@@ -476,135 +253,49 @@ class EtcdStore(dist.Store):
         """
         prefix = store_queue_prefix(self.prefix, key)
         token = uuid.uuid4().hex
-        seconds = self._timeout_seconds(None)
+        seconds = self.timeout.total_seconds()
         deadline = time.monotonic() + seconds
         while True:
-            items, revision = self._ask(lambda: self._client.get_prefix(prefix))
+            items, revision = self._keys.ask(lambda: self.client.get_prefix(prefix))
             if items:
                 first = min(items, key=lambda kv: kv.create_revision)
                 guard = key_modified_at(first.key, first.mod_revision)
-                taken = self._commit_once(f"queue_pop({key!r})", [guard], [delete_op(first.key)], token, first.value)
+                taken = self._writes.commit_once(
+                    f"queue_pop({key!r})", [guard], [delete_op(first.key)], token, first.value
+                )
                 if taken is not None:
                     return taken
                 continue  # another client took it first
             if not block:
                 raise dist.QueueEmptyError(f"queue_pop({key!r}): the queue is empty")
-            if not self._await_put(prefix, revision, deadline):
+            if not self._reads.await_put(prefix, revision, deadline):
                 raise dist.DistStoreError(f"wait timeout after {seconds * 1000:.0f}ms, queue: {key}")
-
-    def _await_put(self, prefix: str, revision: int, deadline: float) -> bool:
-        """Wait for a key to be put under ``prefix`` after ``revision``; False at ``deadline``."""
-        events: queue.Queue[_WatchItem] = queue.Queue()
-        watch = self._ask(
-            lambda: self._client.watch_prefix(
-                prefix, 0, lambda b, _r: events.put(b), events.put, lambda r: events.put(_Created(r))
-            )
-        )
-        quiet_until = time.monotonic() + _RECHECK_AFTER
-        try:
-            while (remaining := deadline - time.monotonic()) > 0:
-                if time.monotonic() >= quiet_until:
-                    return True  # read again: a silent watch may be a dead one
-                try:
-                    item = _next_item(events, remaining)
-                except queue.Empty:
-                    continue
-                if isinstance(item, _Created):
-                    if item.revision > revision:
-                        return True  # an item may have come between the read and the watch: read again
-                    continue
-                if isinstance(item, Exception) or any(not event.deleted for event in item):
-                    return True  # read again (after a broken stream too)
-            return False
-        finally:
-            watch.close()
 
     # ---- writes ----
 
-    def _write_lease(self) -> int:
-        """The lease write tokens go on: granted lazily, replaced once half its TTL has passed.
-
-        A write is resent for as long as its bound (the store's timeout)
-        allows, so a token must outlive that, counted from the moment its
-        lease is replaced: the TTL is twice the store's timeout plus the
-        longest request, and at least a minute. etcd keeps no token longer:
-        a lease outlives a freeze only of less than its TTL.
-        """
-        tokens = self._tokens
-        with tokens.lock:
-            now = time.monotonic()
-            longest = self._client.connect_timeout + self._client.request_timeout
-            wanted = max(60, math.ceil(2 * (self.timeout.total_seconds() + longest)))
-            held = tokens.held
-            if held is None or now >= held[1] or held[2] < wanted:
-                lease, ttl = self._ask(lambda: self._client.grant_lease(wanted))
-                tokens.held = held = (lease, now + ttl / 2, wanted)
-            return held[0]
-
-    def _commit_once(self, what: str, guards: list[Compare], ops: list[Op], token: str, result: bytes) -> bytes | None:
-        """Apply ``ops`` if ``guards`` hold, at most once per ``token``.
-
-        Returns the ``result`` recorded by the write that committed with this
-        token (this send or an earlier one whose answer was lost), or None
-        when the guards failed and nothing was written.
-        """
-        token_key = store_write_token(self.prefix, token)
-        lease = self._write_lease()  # before the write: failing here, nothing was sent
-        compare, success = [*guards, key_missing(token_key)], [*ops, put_op(token_key, result, lease)]
-        try:
-            # The same request each time, token included: a resend of a write that committed finds the token.
-            outcome = self._ask(lambda: self._client.txn(compare, success, [get_op(token_key)]))
-        except EtcdUnavailableError as exc:
-            raise StoreWriteOutcomeUnknown(f"{what}: etcd did not answer, the write may have committed: {exc}") from exc
-        if outcome.succeeded:
-            return result
-        committed = outcome.ranges[-1]
-        if not committed:
-            return None
-        self.writes_recovered += 1
-        return committed[0].value
-
-    def _write(self, what: str, ops: list[Op]) -> None:
-        """Unconditional writes, committed exactly once."""
-        token = uuid.uuid4().hex
-        if self._commit_once(what, [], ops, token, b"") is None:
-            raise dist.DistStoreError(f"{what}: etcd refused an unconditional write")
-
     @_bounded_op
     def set(self, key: str, value: str | bytes) -> None:
-        self._write(f"set({key!r})", [put_op(self._key(key), _as_bytes(value))])
+        self._writes.write(f"set({key!r})", [put_op(self._keys.key(key), _as_bytes(value))])
 
     @_bounded_op
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         if len(keys) != len(values):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
-        ops = [put_op(self._key(k), _as_bytes(v)) for k, v in zip(keys, values, strict=True)]
-        for start in range(0, len(ops), _TXN_OPS - 1):  # one op of each transaction is its token
-            self._write(f"multi_set({keys[start]!r}, ...)", ops[start : start + _TXN_OPS - 1])
+        ops = [put_op(self._keys.key(k), _as_bytes(v)) for k, v in zip(keys, values, strict=True)]
+        for start in range(0, len(ops), TXN_OPS - 1):  # one op of each transaction is its token
+            self._writes.write(f"multi_set({keys[start]!r}, ...)", ops[start : start + TXN_OPS - 1])
 
     @_bounded_op
     def delete_key(self, key: str) -> bool:
-        full = self._key(key)
+        full = self._keys.key(key)
         token = uuid.uuid4().hex
         while True:
-            kv, _ = self._ask(lambda: self._client.get(full))
+            kv, _ = self._keys.ask(lambda: self.client.get(full))
             if kv is None:
                 return False
             guard = key_modified_at(full, kv.mod_revision)
-            if self._commit_once(f"delete_key({key!r})", [guard], [delete_op(full)], token, b"1") is not None:
+            if self._writes.commit_once(f"delete_key({key!r})", [guard], [delete_op(full)], token, b"1") is not None:
                 return True
-
-    def _read_modify_write(self, what: str, key: str, change: Callable[[bytes | None], bytes]) -> bytes:
-        """Atomically replace the value with ``change(current or None)``, exactly once; returns the new value."""
-        full = self._key(key)
-        token = uuid.uuid4().hex
-        while True:
-            kv, _ = self._ask(lambda: self._client.get(full))
-            new = change(kv.value if kv else None)
-            guard = key_modified_at(full, kv.mod_revision) if kv else key_missing(full)
-            committed = self._commit_once(what, [guard], [put_op(full, new)], token, new)
-            if committed is not None:
-                return committed
 
     @_bounded_op
     def arrive_once(self, arrived: str, counter: str, token: str) -> tuple[bool, int]:
@@ -617,10 +308,10 @@ class EtcdStore(dist.Store):
         retry. A resend of an arrival that committed finds its own token and
         counts it once. ``counted`` is False when another token arrived first.
         """
-        arrived_key, counter_key = self._key(arrived), self._key(counter)
+        arrived_key, counter_key = self._keys.key(arrived), self._keys.key(counter)
         try:
-            outcome = self._ask(
-                lambda: self._client.txn(
+            outcome = self._keys.ask(
+                lambda: self.client.txn(
                     [key_missing(arrived_key)],
                     [put_op(arrived_key, token.encode()), put_op(counter_key, b""), get_op(counter_key)],
                     [get_op(arrived_key), get_op(counter_key)],
@@ -638,8 +329,8 @@ class EtcdStore(dist.Store):
     @_bounded_op
     def watch_for(self, key: str) -> KeyWatch:
         """A watch for ``key`` to exist (no request while it does not): see :class:`KeyWatch`."""
-        full = self._key(key)
-        kv, revision = self._ask(lambda: self._client.get(full))
+        full = self._keys.key(key)
+        kv, revision = self._keys.ask(lambda: self.client.get(full))
         found = KeyWatch()
         if kv is not None:
             found.saw(kv.value)
@@ -654,14 +345,16 @@ class EtcdStore(dist.Store):
             if created_at > revision:  # the key may have come between the read and the watch: the caller reads
                 found.missed_maybe()
 
-        watch = self._ask(lambda: self._client.watch_key(full, 0, on_events, lambda _error: found.lost(), on_created))
+        watch = self._keys.ask(
+            lambda: self.client.watch_key(full, 0, on_events, lambda _error: found.lost(), on_created)
+        )
         found.stop = watch.close
         return found
 
     @_bounded_op
     def arrivals(self, counter: str) -> int:
         """The number of arrivals :meth:`arrive_once` counted under ``counter``."""
-        kv, _ = self._ask(lambda: self._client.get(self._key(counter)))
+        kv, _ = self._keys.ask(lambda: self.client.get(self._keys.key(counter)))
         return kv.version if kv is not None else 0
 
     @_bounded_op
@@ -673,20 +366,20 @@ class EtcdStore(dist.Store):
                 raise dist.DistStoreError(f"add({key!r}): the value {current!r} is not an integer") from None
             return str(base + amount).encode()
 
-        return int(self._read_modify_write(f"add({key!r}, {amount})", key, increment))
+        return int(self._writes.read_modify_write(f"add({key!r}, {amount})", key, increment))
 
     @_bounded_op
     def append(self, key: str, value: str | bytes) -> None:
         data = _as_bytes(value)
-        self._read_modify_write(f"append({key!r})", key, lambda current: (current or b"") + data)
+        self._writes.read_modify_write(f"append({key!r})", key, lambda current: (current or b"") + data)
 
     @_bounded_op
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
-        full = self._key(key)
+        full = self._keys.key(key)
         expected, desired = _as_bytes(expected_value), _as_bytes(desired_value)
         token = uuid.uuid4().hex
         while True:
-            kv, _ = self._ask(lambda: self._client.get(full))
+            kv, _ = self._keys.ask(lambda: self.client.get(full))
             if kv is None:
                 if expected:
                     return expected
@@ -695,8 +388,11 @@ class EtcdStore(dist.Store):
                 return kv.value
             else:
                 guard = key_modified_at(full, kv.mod_revision)
-            if self._commit_once(f"compare_set({key!r})", [guard], [put_op(full, desired)], token, desired) is not None:
+            if (
+                self._writes.commit_once(f"compare_set({key!r})", [guard], [put_op(full, desired)], token, desired)
+                is not None
+            ):
                 return desired
 
     def __repr__(self) -> str:
-        return f"EtcdStore({self._client.describe_endpoints()}, prefix={self.prefix!r})"
+        return f"EtcdStore({self.client.describe_endpoints()}, prefix={self.prefix!r})"

@@ -664,7 +664,7 @@ class FtAgent(LocalElasticAgent):
         is absorbed again.
         """
         now = time.monotonic()
-        lease, _ = self._handler.lease_proof()
+        lease, _ = self._handler.presence.lease_proof()
         while not self._revoked.empty():
             node = self._revoked.get_nowait()
             if node not in change.left:
@@ -691,7 +691,7 @@ class FtAgent(LocalElasticAgent):
             if node == self._handler.node:
                 del self._deaths_pending[node]
                 continue
-            own = None if death.confirmed else self._handler.lease_proven_since(death.lease, death.seen_at)
+            own = None if death.confirmed else self._handler.presence.lease_proven_since(death.lease, death.seen_at)
             verdict, reason = death_verdict(
                 confirmed_here=death.confirmed, own_lease=own, hold_until=self._handler.hold_until(), now=now
             )
@@ -930,7 +930,7 @@ class FtAgent(LocalElasticAgent):
 
     def _probe_members(self, board: LocalBoard) -> None:
         try:
-            alive = self._handler.alive_nodes()
+            alive = self._handler.presence.alive_nodes()
             targets = probe_targets(alive, alive, self._handler.node)
             detections = {node: bounds_for(self._answer_times.get(node, ()), self._detection) for node in targets}
             answers = probe_all({node: alive[node][1] for node in targets}, detections)

@@ -68,7 +68,7 @@ class FenceKeeper:
         self._thread = threading.Thread(target=self._run, name="elastic_ft-fence", daemon=True)
 
     def start(self) -> FenceKeeper:
-        self._handler.set_vouch(self.answer)
+        self._handler.presence.set_vouch(self.answer)
         self.tick(time.monotonic())  # the workers start under a fence already written
         self._thread.start()
         return self
@@ -83,10 +83,10 @@ class FenceKeeper:
     def answer(self) -> fencing.Vouch:
         """A member asks whether this node reaches etcd: say so, or promise to count nobody out for a period."""
         now = time.monotonic()
-        _, own = self._handler.lease_proof()
+        _, own = self._handler.presence.lease_proof()
         vouch, bound_until = fencing.answer(self._handler.node, own, self.period, now)
         if bound_until > now:
-            self._handler.hold(bound_until)
+            self._handler.presence.hold(bound_until)
             if not self._promising:
                 self._promising = True
                 log.warning(
@@ -109,7 +109,7 @@ class FenceKeeper:
                 log.exception("keeping the fence failed")
 
     def tick(self, now: float) -> None:
-        lease, own = self._handler.lease_proof()
+        lease, own = self._handler.presence.lease_proof()
         if own > now or not self._roster:
             self._refresh_roster(now)
         with self._lock:
@@ -155,7 +155,7 @@ class FenceKeeper:
 
         def read() -> None:
             try:
-                alive = self._handler.alive_nodes()
+                alive = self._handler.presence.alive_nodes()
             except (EtcdUnavailableError, EtcdRequestError):
                 return  # kept as it was: what the next outage's asks go by
             roster = {node: address for node, (_, address) in alive.items() if node != self._handler.node}

@@ -12,15 +12,26 @@ node to look takes over (``EtcdftRendezvousHandler``).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable
 
-from elastic_ft.etcd.client import EtcdClient, EtcdRequestError, EtcdUnavailableError, key_created_at, put_op
+from elastic_ft.etcd.client import (
+    EtcdClient,
+    EtcdLeaseNotFoundError,
+    EtcdRequestError,
+    EtcdUnavailableError,
+    key_created_at,
+    key_missing,
+    put_op,
+)
+from elastic_ft.etcd.session import Session
 from elastic_ft.etcd.view import PrefixView
 from elastic_ft.keys import RunKeys
 from elastic_ft.rendezvous import model, rules
+from elastic_ft.rendezvous.views import WholeState
 from elastic_ft.runtime.waits import Backoff
 
 log = logging.getLogger(__name__)
@@ -129,3 +140,75 @@ def _describe(board: model.Board) -> str:
     last = "no round closed yet" if board.last is None else f"round {board.last.round} has {board.last.size} node(s)"
     dead = f"; dead: {', '.join(board.dead)}" if board.dead else ""
     return f"{last}{dead}"
+
+
+class MonitorSeat:
+    """This node's seat as the monitor: empty, or holding the :class:`Monitor` it won by election."""
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        keys: RunKeys,
+        node: str,
+        whole: WholeState,
+        quiet_until: Callable[[], float],
+        request_timeout: float,
+    ) -> None:
+        self._client = client
+        self._keys = keys
+        self.node = node
+        self._whole = whole
+        self._quiet_until = quiet_until
+        self._request_timeout = request_timeout
+        self.monitor: Monitor | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def held(self) -> bool:
+        monitor = self.monitor
+        return monitor is not None and not monitor.ended.is_set()
+
+    def campaign(self, session: Session, limits: rules.Limits) -> None:
+        """Become the monitor if there is none: create ``rdzv/monitor`` on ``session``'s lease, then follow every
+        key (an expired lease marks ``session`` expired, so the next look opens a new one)."""
+        with self._lock:
+            if self._closed or self.held:
+                return
+            self._retire()
+            mark = json.dumps({"node": self.node}).encode()
+            try:
+                outcome = self._client.txn(
+                    [key_missing(self._keys.monitor)], [put_op(self._keys.monitor, mark, session.id)]
+                )
+            except EtcdLeaseNotFoundError:
+                session.expired.set()
+                return
+            if not outcome.succeeded:
+                return
+            view = self._whole.follow()
+            view.wait_for_revision(outcome.revision, self._request_timeout)
+            monitor = Monitor(
+                self._client, self._keys, limits, self.node, session.id, outcome.revision, view, self._quiet_until
+            ).start()
+            self.monitor = monitor
+        log.info("node %s is the rendezvous monitor of '%s'", self.node, self._keys.run_id)
+        monitor.wait_published(lambda _board: True, self._request_timeout)
+
+    def wait_published(self, check: Callable[[model.Board], bool]) -> None:
+        """While this node monitors, wait (one request timeout at most) until its board passes ``check``."""
+        monitor = self.monitor
+        if monitor is not None:
+            monitor.wait_published(check, self._request_timeout)
+
+    def _retire(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor = None
+            self._whole.release()
+
+    def close(self) -> None:
+        """Leave the seat for good: no campaign after this (the node's lease is about to go)."""
+        with self._lock:
+            self._closed = True
+            self._retire()

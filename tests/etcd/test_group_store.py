@@ -101,13 +101,13 @@ def test_a_wait_sees_a_key_put_between_its_read_and_its_watch_at_once(etcd: Etcd
     client = EtcdClient(etcd.endpoints)
     store = EtcdStore(client, f"/test/{uuid.uuid4().hex}/store/", timedelta(seconds=30))
     writer = EtcdStore(EtcdClient(etcd.endpoints), store.prefix)
-    watch = store._watch
+    watch = store._reads._watch
 
     def put_then_watch(*args: object, **kwargs: object) -> object:
         writer.set("k", "v")  # after the wait's read, before its watch
         return watch(*args, **kwargs)  # type: ignore[arg-type]
 
-    store._watch = put_then_watch  # type: ignore[method-assign]
+    store._reads._watch = put_then_watch  # type: ignore[method-assign]
     try:
         started = time.monotonic()
         store.wait(["k"])

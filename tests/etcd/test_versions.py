@@ -50,8 +50,8 @@ def test_rendezvous_store_and_lease_expiry(versioned_etcd: EtcdServer, run_id: s
         assert infos[1].store.get("k") == b"v"
         assert infos[0].store.compare_set("k", "v", "w") == b"w"
         # A dead member (lease not refreshed) is noticed through the watch.
-        assert b._session is not None
-        b._session.close(revoke=False)  # stops refreshing; the lease runs out
+        assert b.presence.session is not None
+        b.presence.session.close(revoke=False)  # stops refreshing; the lease runs out
         deadline = time.monotonic() + 10
         while a.num_nodes_waiting() == 0:
             assert time.monotonic() < deadline

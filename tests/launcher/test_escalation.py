@@ -143,7 +143,7 @@ def test_ft_agent_needs_the_etcdft_rendezvous_and_a_script(etcd: EtcdServer, run
             TypeError, match="FtAgent runs a script or binary entrypoint, got <built-in function print>"
         ):
             FtAgent(spec, logs_specs=logs)
-        state, _ = handler._view.snapshot()
+        state, _ = handler._parts.whole.snapshot()
         assert not state.rounds and not state.alive  # nothing joined, nothing written
     finally:
         handler.shutdown()

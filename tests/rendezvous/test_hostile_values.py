@@ -87,14 +87,14 @@ def test_running_and_new_nodes_survive_malformed_keys(etcd: EtcdServer, etcd_cli
         etcd_client.put(keys.join(1, "forged"), b"[" * 100_000)
         etcd_client.put(keys.result(5), b'{"round": 1e400}')
         time.sleep(0.5)
-        assert all(h._view.disconnected_for() == 0 for h in handlers)
+        assert all(h._parts.whole.disconnected_for() == 0 for h in handlers)
         assert handlers[0].num_nodes_waiting() == 0
         handlers[0].set_closed()
         deadline = time.monotonic() + 5
         while not handlers[1].is_closed() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert handlers[1].is_closed()  # a later valid change still reaches the other node
-        state, _ = handlers[1]._view.snapshot()
+        state, _ = handlers[1]._parts.whole.snapshot()
         assert "round/1/join/forged" in state.malformed and "round/5/result" in state.malformed
     finally:
         for handler in handlers:
