@@ -36,13 +36,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from etcd3 import etcdrpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from elastic_ft.etcd.endpoints import EndpointError, EtcdCredentials, EtcdEndpoint, TlsFiles
+from elastic_ft.etcd.channels import RETRYABLE_CODES, Connections, TokenAuth
+from elastic_ft.etcd.endpoints import EtcdCredentials, EtcdEndpoint, TlsFiles
 from elastic_ft.etcd.kv import (
     EtcdCompactedError,
     EtcdLeaseNotFoundError,
@@ -54,7 +55,7 @@ from elastic_ft.etcd.kv import (
 )
 from elastic_ft.etcd.outage import OUTAGES, current_bound, time_left
 from elastic_ft.etcd.shield import shield, shielded
-from elastic_ft.etcd.watch import EtcdWatch, KeepAliveStream, Stream, WatchStream
+from elastic_ft.etcd.watch import EtcdWatch, KeepAliveStream
 from elastic_ft.runtime.waits import pause
 
 __all__ = [
@@ -73,25 +74,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Pings more often than etcd's --grpc-keepalive-min-time (5 s), or without an
-# active call (etcd does not permit those), make the server hang up with
-# GOAWAY "too_many_pings"; so ping every 10 s, and only while a call (a watch,
-# a keep-alive stream) is open. A dead peer is still noticed within ~15 s on a
-# silent link, and at once when its TCP connection is reset.
-#
-# gRPC backs off reconnecting for up to 120 s by default; a coordination
-# client must be back within its request bound once a member answers again,
-# so reconnect attempts stay between 0.1 and 1 s apart.
-_CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1_000),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 0),
-    ("grpc.http2.max_pings_without_data", 0),
-]
-_RETRYABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 #: The longest pause between two tries of a request while its time lasts.
 _RETRY_PAUSE = 0.2
 
@@ -197,9 +179,6 @@ def _watch_create_request(key: bytes, range_end: bytes, start_revision: int, wat
     return etcdrpc.WatchRequest(create_request=etcdrpc.WatchCreateRequest.FromString(create.SerializeToString()))
 
 
-_StreamT = TypeVar("_StreamT", bound=Stream)
-
-
 class EtcdClient:
     """A connection to one etcd cluster, through any of its endpoints.
 
@@ -227,15 +206,9 @@ class EtcdClient:
         self.endpoints = tuple(endpoints)
         self.request_timeout = request_timeout
         self.connect_timeout = connect_timeout
-        self._tls = tls or TlsFiles()
-        self._credentials = credentials
-        self._token: str | None = None
+        self._connections = Connections(self.endpoints, tls or TlsFiles())
+        self._auth = TokenAuth(credentials, request_timeout)
         self._lock = threading.Lock()
-        self._channels: dict[EtcdEndpoint, grpc.Channel] = {}
-        self._current = 0
-        self._closed = False
-        self._streams: set[Stream] = set()
-        self._watches: WatchStream | None = None
         self._watch_ids = itertools.count(1)
         self.requests_by_kind: Counter[str] = Counter()
         #: Failed sends by request kind and error (``("put", "UNAVAILABLE")``), retried ones included.
@@ -246,74 +219,9 @@ class EtcdClient:
         #: contact that fails, which its caller reports).
         self.answered_once = False
 
-    # ---- connection management ----
-
-    def _channel(self, endpoint: EtcdEndpoint) -> grpc.Channel:
-        with self._lock:
-            if self._closed:
-                raise EtcdRequestError("the etcd client is closed")
-            channel = self._channels.get(endpoint)
-            if channel is None:
-                if endpoint.secure:
-                    channel = grpc.secure_channel(endpoint.target, self._tls.credentials(), _CHANNEL_OPTIONS)
-                else:
-                    channel = grpc.insecure_channel(endpoint.target, _CHANNEL_OPTIONS)
-                self._channels[endpoint] = channel
-            return channel
-
-    def _endpoint_order(self) -> list[EtcdEndpoint]:
-        with self._lock:
-            start = self._current
-        n = len(self.endpoints)
-        return [self.endpoints[(start + i) % n] for i in range(n)]
-
-    def _mark_good(self, endpoint: EtcdEndpoint) -> None:
-        with self._lock:
-            self._current = self.endpoints.index(endpoint)
-
-    # ---- authentication (etcd RBAC) ----
-
-    def _auth_metadata(self, channel: grpc.Channel, timeout: float) -> tuple[tuple[str, str], ...]:
-        """The token metadata every request carries when the client has credentials (authenticating first)."""
-        if self._credentials is None:
-            return ()
-        with self._lock:
-            token = self._token
-        if token is None:
-            try:
-                password = self._credentials.password()
-            except EndpointError as error:
-                raise EtcdRequestError(str(error)) from None
-            request = etcdrpc.AuthenticateRequest(name=self._credentials.user, password=password)
-            try:
-                token = etcdrpc.AuthStub(channel).Authenticate(request, timeout=timeout).token
-            except grpc.RpcError as exc:
-                if exc.code() in _RETRYABLE_CODES:
-                    raise
-                raise EtcdRequestError(
-                    f"etcd refused user {self._credentials.user!r}: {exc.details()} "
-                    f"(check the user and its password_file {self._credentials.password_file!r})"
-                ) from None  # the request held the password: keep it out of tracebacks
-            with self._lock:
-                self._token = token
-        return (("token", token),)
-
-    def _forget_token(self) -> None:
-        with self._lock:
-            self._token = None
-
-    def _stream_metadata_or_error(self, channel: grpc.Channel) -> tuple[tuple[str, str], ...]:
-        """Metadata for a new stream (a watch, a keep-alive): the auth token, if any."""
-        try:
-            return self._auth_metadata(channel, self.request_timeout)
-        except grpc.RpcError as exc:
-            raise EtcdUnavailableError(f"cannot authenticate to etcd: {exc.details()}") from exc
-
     def avoid(self, endpoint: EtcdEndpoint) -> None:
         """A stream on ``endpoint`` broke: send what comes next to the following endpoint."""
-        with self._lock:
-            if self.endpoints[self._current] == endpoint:
-                self._current = (self._current + 1) % len(self.endpoints)
+        self._connections.avoid(endpoint)
 
     def describe_endpoints(self) -> str:
         return ",".join(str(e) for e in self.endpoints)
@@ -348,7 +256,7 @@ class EtcdClient:
             )
         last_error: grpc.RpcError | None = None
         while True:
-            for endpoint in self._endpoint_order():
+            for endpoint in self._connections.order():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -356,29 +264,29 @@ class EtcdClient:
                 timeout = min(self.request_timeout, left)
                 try:
                     with shield():  # a restart raised inside gRPC could leave its locks held (elastic_ft.etcd.shield)
-                        channel = self._channel(endpoint)
-                        call = {"timeout": timeout, "metadata": self._auth_metadata(channel, timeout)}
+                        channel = self._connections.channel(endpoint)
+                        call = {"timeout": timeout, "metadata": self._auth.metadata(channel, timeout)}
                         result = method(channel, call)
                 except grpc.RpcError as exc:
                     with self._lock:
                         self.errors_by_kind[(kind, exc.code().name if exc.code() else "UNKNOWN")] += 1
-                    if self._credentials is not None and _token_rejected(exc):
-                        self._forget_token()  # expired (etcd's --auth-token-ttl): authenticate again
+                    if self._auth.user is not None and _token_rejected(exc):
+                        self._auth.forget()  # expired (etcd's --auth-token-ttl): authenticate again
                         last_error = exc
                         continue
                     if exc.code() is grpc.StatusCode.PERMISSION_DENIED:
-                        who = f"user {self._credentials.user!r}" if self._credentials else "a client without a user"
+                        who = f"user {self._auth.user!r}" if self._auth.user is not None else "a client without a user"
                         raise EtcdRequestError(
                             f"etcd at {endpoint} refused the request: permission denied for {who} "
                             "(its roles must grant read-write on the run's prefix, <etcd_prefix>/<run_id>/)"
                         ) from exc
                     if exc.code() is grpc.StatusCode.NOT_FOUND and "lease not found" in (exc.details() or ""):
                         raise EtcdLeaseNotFoundError(f"etcd at {endpoint}: {exc.details()}") from exc
-                    if exc.code() not in _RETRYABLE_CODES:
+                    if exc.code() not in RETRYABLE_CODES:
                         raise EtcdRequestError(f"etcd at {endpoint} refused the request: {exc.details()}") from exc
                     last_error = exc
                     continue
-                self._mark_good(endpoint)
+                self._connections.mark_good(endpoint)
                 self.last_answer = time.monotonic()
                 self.answered_once = True
                 OUTAGES.answered(self.describe_endpoints())
@@ -491,11 +399,11 @@ class EtcdClient:
     ) -> KeepAliveStream:
         """Open one long-lived keep-alive stream (see :mod:`elastic_ft.etcd.session`, which shares it among
         every lease of this client)."""
-        endpoint = self._endpoint_order()[0]
+        endpoint = self._connections.order()[0]
         self._count("keep_alive")
-        channel = self._channel(endpoint)
-        metadata = self._stream_metadata_or_error(channel)
-        return self._track(KeepAliveStream(channel, endpoint, on_answer, on_end, metadata))
+        channel = self._connections.channel(endpoint)
+        metadata = self._auth.stream_metadata(channel)
+        return self._connections.track(KeepAliveStream(channel, endpoint, on_answer, on_end, metadata))
 
     def revoke_lease(self, lease_id: int) -> None:
         """Revoke a lease, deleting every key attached to it; a lease that
@@ -555,76 +463,23 @@ class EtcdClient:
         on_error: Callable[[Exception], None],
         on_created: Callable[[int], None] | None = None,
     ) -> EtcdWatch:
-        watch: EtcdWatch | None = None
-        try:
-            with shield():
-                watch = self._open_watch(key, range_end, start_revision, on_events, on_error, on_created)
-        except BaseException:
-            if watch is not None:
-                watch.close()  # a restart deferred to the section's end: nobody would ever close it
-            raise
-        return watch
-
-    def _open_watch(
-        self,
-        key: str,
-        range_end: bytes,
-        start_revision: int,
-        on_events: Callable[[list[WatchEvent], int], None],
-        on_error: Callable[[Exception], None],
-        on_created: Callable[[int], None] | None = None,
-    ) -> EtcdWatch:
+        """Add a watch to the client's shared watch stream (opening one if needed), shielded: a restart raised
+        meanwhile leaves no watch open that nobody would close."""
         watch_id = next(self._watch_ids)
         request = _watch_create_request(key.encode(), range_end, start_revision, watch_id)
         watch = EtcdWatch(watch_id, request, on_events, on_error, on_created)
         self._count("watch")
-        for _ in range(3):
-            if self._watch_stream().add(watch):
-                return watch
-            # The stream ended between our look and the add: the next look opens another.
+        try:
+            with shield():
+                for _ in range(3):
+                    if self._connections.watch_stream(self._auth.stream_metadata).add(watch):
+                        return watch
+                    # The stream ended between our look and the add: the next look opens another.
+        except BaseException:
+            watch.close()  # a restart deferred to the section's end: nobody would ever close it
+            raise
         raise EtcdUnavailableError(f"etcd watch streams to {self.describe_endpoints()} end as soon as they open")
 
-    @shielded
-    def _watch_stream(self) -> WatchStream:
-        """The stream every watch of this client shares, opened (on the current endpoint) when there is none."""
-        with self._lock:
-            stream = self._watches
-        if stream is not None and not stream.ended:
-            return stream
-        endpoint = self._endpoint_order()[0]
-        channel = self._channel(endpoint)
-        opened = WatchStream(channel, endpoint, self._stream_metadata_or_error(channel))
-        with self._lock:
-            if self._closed:
-                extra: WatchStream | None = opened
-                stream = None
-            elif self._watches is None or self._watches.ended:
-                self._watches, extra, stream = opened, None, opened
-                self._streams = {s for s in self._streams if not s.cancelled}
-                self._streams.add(opened)
-            else:
-                extra, stream = opened, self._watches
-        if extra is not None:
-            extra.close()  # another thread opened one first
-        if stream is None:
-            raise EtcdRequestError("the etcd client is closed")
-        return stream
-
-    def _track(self, stream: _StreamT) -> _StreamT:
-        with self._lock:
-            self._streams = {s for s in self._streams if not s.cancelled}
-            self._streams.add(stream)
-        return stream
-
-    @shielded
     def close(self) -> None:
         """Close every stream (joining its reader thread), then the channels."""
-        with self._lock:
-            self._closed = True
-            streams, self._streams = self._streams, set()
-            channels = list(self._channels.values())
-            self._channels.clear()
-        for stream in streams:
-            stream.close()
-        for channel in channels:
-            channel.close()
+        self._connections.close()

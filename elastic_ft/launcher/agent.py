@@ -30,19 +30,14 @@ escalations in job-wide keys.
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import dataclasses
 import logging
 import os
-import queue
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -61,7 +56,7 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import get_sub
 
 from elastic_ft.coordination.iteration import iteration_store
 from elastic_ft.coordination.job import JobView, job_store, joiner_ready
-from elastic_ft.coordination.reports import report_node_gone, report_process_gone
+from elastic_ft.coordination.reports import report_process_gone
 from elastic_ft.etcd.client import EtcdRequestError, EtcdUnavailableError, key_missing, put_op
 from elastic_ft.etcd.event_log import EventLog
 from elastic_ft.etcd.store import EtcdStore
@@ -76,6 +71,7 @@ from elastic_ft.keys import (
     FTRUN_WORLD,
     count_suffix,
 )
+from elastic_ft.launcher.dead_members import DeadMembers
 from elastic_ft.launcher.escalation import (
     Verdict,
     WorkerExit,
@@ -88,23 +84,12 @@ from elastic_ft.launcher.escalation import (
 )
 from elastic_ft.launcher.fence_keeper import FenceKeeper
 from elastic_ft.launcher.joiners import ADMISSION_BATCH_WAIT, admission_due, reserve_only, respawn_refusal
+from elastic_ft.launcher.member_probes import MemberProbes
 from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, WorldRecord
 from elastic_ft.observability.log_format import set_where
 from elastic_ft.observability.metrics import JobMetrics, MetricsEndpoint
 from elastic_ft.observability.sink import EventsHandoff, emit
-from elastic_ft.rendezvous.fencing import death_verdict
 from elastic_ft.rendezvous.handler import EtcdftRendezvousHandler
-from elastic_ft.rendezvous.liveness import (
-    Answer,
-    Detection,
-    bounds_for,
-    judge,
-    peers_reachable,
-    probe_targets,
-    should_probe,
-)
-from elastic_ft.rendezvous.probe import probe_all
-from elastic_ft.rendezvous.rules import MembershipChange
 from elastic_ft.runtime.local_board import LocalBoard
 from elastic_ft.runtime.reaper import ensure_reaper
 from elastic_ft.runtime.torch_compat import (
@@ -116,7 +101,7 @@ from elastic_ft.runtime.torch_compat import (
     worker_processes,
 )
 from elastic_ft.runtime.waits import Backoff, pause
-from elastic_ft.untrusted import MalformedRecord, decode
+from elastic_ft.untrusted import decode
 
 log = logging.getLogger(__name__)
 
@@ -140,17 +125,6 @@ def _describe_exit(exitcode: int) -> str:
         except ValueError:
             return f"signal {-exitcode}"
     return f"exit code {exitcode}"
-
-
-@dataclasses.dataclass
-class _Death:
-    """A member's lease seen ended, not yet absorbed: when, under which lease of this node's, whether this agent's
-    probes confirmed it, and why it waits (logged when that changes)."""
-
-    seen_at: float
-    lease: int
-    confirmed: bool
-    waits_because: str = ""
 
 
 def admission_request(job: JobView, live: list[int], world_size: int, waiting: list[int]) -> tuple[int, int, list[int]]:
@@ -196,14 +170,8 @@ class FtAgent(LocalElasticAgent):
         self._handler: EtcdftRendezvousHandler = spec.rdzv_handler
         self._handler.accept_late_joins()
         self._exits: dict[int, tuple[WorkerExit, ProcessFailure | None]] = {}  # by local rank
-        self._dead_handled: set[str] = set()
-        self._dead_lost: set[str] = set()
-        #: Nodes whose lease this agent's probe thread revoked (it confirmed them lost); its loop absorbs them.
-        self._revoked: queue.SimpleQueue[str] = queue.SimpleQueue()
-        #: The nodes the board listed dead at the agent's last look; the ranks it reported dead.
-        self._dead_seen: set[str] = set()
-        self._deaths_pending: dict[str, _Death] = {}
-        self._ranks_reported: set[int] = set()
+        #: The member deaths the current workers have seen (a new one with each start).
+        self._deaths = DeadMembers(self._handler)
         #: The initial rank each local rank's process holds now (a respawned one has a new one).
         self._initial_ranks: dict[int, int] = {}
         #: By local rank: new processes in a row not yet seen taking part in training.
@@ -217,11 +185,8 @@ class FtAgent(LocalElasticAgent):
         self._metrics: MetricsEndpoint | None = None
         #: What this node's workers and this agent tell each other (the fence, the stalls); made with the workers.
         self._board: LocalBoard | None = None
-        self._detection = Detection()
-        self._last_probe: float | None = None  # time.monotonic() of the last round of probes
-        self._probing: threading.Thread | None = None
-        self._verdicts: dict[str, str] = {}  # the state (lost, alive) last logged per node
-        self._answer_times: dict[str, collections.deque[float]] = {}  # recent answer times per node
+        #: Probes the other members when a local rank stays blocked (made with the first workers).
+        self._probes: MemberProbes | None = None
         #: Keeps the node's fence on the board, from its own thread (started with the first workers).
         self._keeper: FenceKeeper | None = None
         set_where(f"node {self._handler.node}")
@@ -294,8 +259,10 @@ class FtAgent(LocalElasticAgent):
             reaper = ensure_reaper()
             if reaper is not None:
                 reaper.remove_on_exit(self._board.path)
+        if self._probes is None:
+            self._probes = MemberProbes(self._handler, self._board, lambda node: self._deaths.revoked(node))
         if self._keeper is None:
-            self._keeper = FenceKeeper(self._handler, self._board, self._probe_soon).start()
+            self._keeper = FenceKeeper(self._handler, self._board, self._probes.probe_soon).start()
         for local_rank in range(self._board.ranks):
             self._board.clear_stalls(local_rank)
         os.environ.update(self._board.to_env())
@@ -312,12 +279,7 @@ class FtAgent(LocalElasticAgent):
         pids = super()._start_workers(worker_group)
         self._subprocesses()  # fails now, not later, if torch started something else
         self._exits = {}
-        self._dead_handled = set()
-        self._dead_lost = set()
-        self._revoked = queue.SimpleQueue()
-        self._dead_seen = set()
-        self._deaths_pending = {}
-        self._ranks_reported = set()
+        self._deaths = DeadMembers(self._handler)
         self._initial_ranks = {worker.local_rank: worker.global_rank for worker in worker_group.workers}
         self._respawns = {}
         self._replaced = {}
@@ -651,139 +613,6 @@ class FtAgent(LocalElasticAgent):
             self._joiners_accepted = job_store(group_store(worker_group)).joiners_accepted()
         return self._joiners_accepted is False
 
-    def _note_deaths(self, change: MembershipChange) -> None:
-        """Add to the deaths to absorb: the nodes the board lists dead that it did not list at the last look,
-        and those this agent revoked since, unless they left cleanly (one probed while it shut down).
-
-        The board lists a revoked node dead, but maybe not for long: one that
-        still reaches etcd (cut off from its peers only) announces itself
-        again at once (``EtcdftRendezvousHandler.membership_change``), and a
-        loop that reads the board a moment later finds it alive. The agent
-        that confirmed the loss absorbs it, whatever the board says by then.
-        Each death is noted once, so a node that dies, rejoins and dies again
-        is absorbed again.
-        """
-        now = time.monotonic()
-        lease, _ = self._handler.presence.lease_proof()
-        while not self._revoked.empty():
-            node = self._revoked.get_nowait()
-            if node not in change.left:
-                self._deaths_pending[node] = _Death(now, lease, confirmed=True)
-        for node in set(change.dead) - self._dead_seen:
-            self._deaths_pending.setdefault(node, _Death(now, lease, confirmed=False))
-        self._dead_seen = set(change.dead)
-
-    def _absorb_dead_members(self, worker_group: WorkerGroup, change: MembershipChange) -> tuple[str, ...]:
-        """Report the ranks of member nodes that died, so in-process restart goes on without them.
-
-        A lease that ended is a death only if this node's own lease was alive
-        then (:func:`~elastic_ft.rendezvous.fencing.death_verdict`): when etcd
-        was away for everybody, every lease ended at once, and nobody is
-        counted out. Returns the dead nodes it could not absorb: their ranks
-        are unknown, or some of them never entered the Wrapper, so the others
-        would wait for them at its initial barrier. A death stays pending
-        until it is absorbed or dropped (etcd may fail midway).
-        """
-        self._note_deaths(change)
-        store = group_store(worker_group)
-        now = time.monotonic()
-        for node, death in sorted(self._deaths_pending.items()):
-            if node == self._handler.node:
-                del self._deaths_pending[node]
-                continue
-            own = None if death.confirmed else self._handler.presence.lease_proven_since(death.lease, death.seen_at)
-            verdict, reason = death_verdict(
-                confirmed_here=death.confirmed, own_lease=own, hold_until=self._handler.hold_until(), now=now
-            )
-            if verdict == "wait":
-                if death.waits_because != reason:
-                    death.waits_because = reason
-                    log.info("node %s lost its lease; not counted out yet: %s", node, reason)
-                continue
-            if verdict == "drop":
-                log.warning("node %s lost its lease, and is not counted out: %s", node, reason)
-            else:
-                self._absorb(store, node, listed=node in change.dead)
-            del self._deaths_pending[node]
-        return tuple(sorted(self._dead_lost))
-
-    def _absorb(self, store: Any, node: str, listed: bool) -> None:
-        """Absorb the death of ``node`` (``listed``: the board lists it dead; else only this agent revoked it)."""
-        if node in self._dead_handled:
-            self._absorb_again(store, node)
-            return
-        key = FTRUN_NODES + node
-        if not store.check([key]):
-            if listed:  # a member; one this agent revoked runs no workers in its round (a spare, say)
-                log.warning("node %s died before publishing its ranks", node)
-                self._dead_lost.add(node)
-                self._dead_handled.add(node)
-            return
-        try:
-            record = decode(key, store.get(key), NodeRecord.from_json)
-        except MalformedRecord as error:
-            log.warning("node %s died and its record is unreadable: %s", node, error)
-            self._dead_lost.add(node)
-            self._dead_handled.add(node)
-            return
-        job = job_store(store)
-        # A respawned process not yet in the Wrapper (rank above the world) was never counted on.
-        wrapped = all(job.is_wrapped(rank) for rank in record.global_ranks if rank < record.world_size)
-        self._dead_handled.add(node)
-        if not wrapped:
-            log.warning("node %s died before all its workers entered elastic_ft.Wrapper", node)
-            self._dead_lost.add(node)
-            return
-        self._report_node(store, node, record, "died")
-
-    def _absorb_again(self, store: Any, node: str) -> None:
-        """A node absorbed before died again: report it if ranks it runs now were admitted since (it rejoined).
-
-        Its joiners still waiting for a place are left alone otherwise: a
-        node cut off from its peers but not from etcd is revoked again and
-        again while it announces itself again, and would lose every process
-        it respawns.
-        """
-        key = FTRUN_NODES + node
-        try:
-            record = decode(key, store.get(key), NodeRecord.from_json) if store.check([key]) else None
-        except MalformedRecord as error:
-            log.warning("node %s died again and its record is unreadable: %s", node, error)
-            return
-        if record is None:
-            return
-        job = job_store(store)
-        active = [
-            rank
-            for rank in record.global_ranks
-            if rank not in self._ranks_reported and job.position(rank) is not None and job.left(rank) is None
-        ]
-        if active:
-            self._report_node(store, node, record, "died again")
-
-    def _report_node(self, store: Any, node: str, record: NodeRecord, what: str) -> None:
-        reported = report_node_gone(store, record.global_ranks, record.world_size, f"node {node} {what}")
-        self._ranks_reported.update(record.global_ranks)
-        # Every surviving agent absorbs the death and one records it; the Wrappers' restart report warns.
-        log.info("node %s %s; reported its rank(s) %s terminated", node, what, reported)
-        if self._reports_deaths({*self._dead_seen, node}):
-            emit(
-                "node_died",
-                source="agent",
-                node=node,
-                round=self._round(),
-                ranks=list(record.global_ranks),
-                reporter=self._handler.node,
-            )
-
-    def _reports_deaths(self, dead: Iterable[str]) -> bool:
-        """Whether this node is the round's first member still alive: the one that reports member deaths."""
-        member_of = self._handler.member_of
-        if member_of is None:
-            return True
-        alive = [m.node for m in member_of.members if m.node not in dead]
-        return not alive or alive[0] == self._handler.node
-
     def _round(self) -> int | None:
         member_of = self._handler.member_of
         return None if member_of is None else member_of.round
@@ -822,12 +651,13 @@ class FtAgent(LocalElasticAgent):
         backoff = Backoff()
         while True:  # until the run ends: the loop returns its result
             pause(spec.monitor_interval)
-            self._watch_the_network()
+            if self._probes is not None:
+                self._probes.watch()
             try:
                 workers = self._observe_workers(group)
                 self._ask_admission(group)
                 change = self._handler.membership_change()
-                lost = self._absorb_dead_members(group, change)
+                lost = self._deaths.absorb(group_store(group), change)
             except EtcdUnavailableError as error:
                 # etcd away: the workers train on; the process's outage record says so once.
                 log.debug("etcd unavailable while watching the workers; retrying: %s", error)
@@ -895,62 +725,6 @@ class FtAgent(LocalElasticAgent):
         return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in group.workers})
 
     # ---- node loss at network speed ----
-
-    def _probe_soon(self) -> None:
-        """The node may have been counted out (``FenceKeeper``): probe the others now; they decide when its
-        joiners may ask."""
-        self._last_probe = None
-
-    def _watch_the_network(self) -> None:
-        """Probe the other members when a local rank stays blocked.
-
-        See :mod:`elastic_ft.rendezvous.liveness`: a probe refused or left
-        unanswered confirms a member lost, and its lease is revoked at once
-        (every node that confirms it may do so), instead of waiting for it
-        to expire. A node that lost its own lease probes too, until it
-        reaches every other member again.
-        """
-        board = self._board
-        if board is None:
-            return
-        now = time.monotonic()
-        since = None if self._last_probe is None else now - self._last_probe
-        stalled = board.stalled_for(now)
-        if not board.may_join():
-            stalled = max(stalled or 0.0, self._detection.suspect_after)
-        if (self._probing is not None and self._probing.is_alive()) or not should_probe(
-            stalled, since, self._detection
-        ):
-            return
-        self._last_probe = now
-        self._probing = threading.Thread(
-            target=self._probe_members, args=(board,), name="elastic_ft-probes", daemon=True
-        )
-        self._probing.start()
-
-    def _probe_members(self, board: LocalBoard) -> None:
-        try:
-            alive = self._handler.presence.alive_nodes()
-            targets = probe_targets(alive, alive, self._handler.node)
-            detections = {node: bounds_for(self._answer_times.get(node, ()), self._detection) for node in targets}
-            answers = probe_all({node: alive[node][1] for node in targets}, detections)
-            for node, (answer, seconds) in answers.items():
-                if answer is Answer.ANSWERED:
-                    self._answer_times.setdefault(node, collections.deque(maxlen=8)).append(seconds)
-            for verdict in judge(answers, self._handler.node):
-                if self._verdicts.get(verdict.node) != verdict.state:
-                    self._verdicts[verdict.node] = verdict.state
-                    (log.warning if verdict.lost else log.info)("probe of node %s: %s", verdict.node, verdict.reason)
-                if verdict.lost:
-                    self._handler.revoke(verdict.node, alive[verdict.node][0], verdict.reason)
-                    self._revoked.put(verdict.node)
-            if not board.may_join() and peers_reachable(answers):
-                log.info("node %s reaches every other member again: its new workers may join", self._handler.node)
-                board.set_may_join(True)
-        except EtcdUnavailableError as error:  # etcd away: the process's outage record says so once
-            log.debug("could not probe the other nodes: %s", error)
-        except EtcdRequestError as error:
-            log.warning("could not probe the other nodes: %s", error)
 
     def _exit_barrier(self) -> None:
         """Wait until every member of the round finished or died (bounded by the exit barrier timeout).

@@ -149,7 +149,7 @@ def test_an_etcd_client_survives_a_thousand_restarts_raised_while_it_works(
     try:
         assert restarts >= 300, (restarts, operations)
         # A restart deferred to the end of watch_key() closes the watch its caller never received.
-        stream = client._watches
+        stream = client._connections._watches
         assert stream is not None and not stream._watches, len(stream._watches) if stream else None
         seen = threading.Event()
         _, revision = client.get("/shield/watched")  # watched from here: the put below cannot come before it
