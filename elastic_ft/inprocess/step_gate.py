@@ -8,13 +8,19 @@ an ``atomic()`` section, each a function of plain values with its reason:
   plan proposes one far enough ahead for every rank's monitor thread to
   learn of the plan first;
 * :func:`fence_verdict`: a step commits only under the etcd lease the
-  iteration began under, proven alive (:mod:`elastic_ft.runtime.local_board`).
+  iteration began under, proven alive (:mod:`elastic_ft.runtime.local_board`);
+* :func:`training_step`: whether an optimizer step is a step of training,
+  which the Wrapper counts (healing compares the counts), or one that only
+  builds the optimizer's state, as ``torch.distributed.checkpoint`` does
+  before it loads a checkpoint into an optimizer that never stepped.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 #: How many steps ahead a planned restart lands while the job's typical step time is not known yet.
 UNKNOWN_STEP_LEAD = 5
@@ -50,3 +56,29 @@ def fence_verdict(proven: bool, generation: int, began_under: int) -> tuple[Fenc
     if not proven:
         return Fence.WAIT, "its node cannot prove its lease alive"
     return Fence.GO, ""
+
+
+def _is_zero(value: Any) -> bool:
+    try:
+        return bool(value == 0)
+    except (TypeError, RuntimeError):  # a tensor of more than one element, or a value that cannot say
+        return False
+
+
+def training_step(has_state: bool, param_groups: Iterable[Mapping[str, Any]]) -> tuple[bool, str]:
+    """Whether an optimizer step about to run is a training step, and why not when it is not.
+
+    ``has_state``: the optimizer holds per-parameter state already;
+    ``param_groups``: its groups. A step of an optimizer with no state yet
+    whose every group has a learning rate of 0 changes no parameter: it only
+    builds the state (``torch.distributed.checkpoint``'s
+    ``_init_optim_state`` does that before loading a checkpoint, with zero
+    gradients). Every other step counts, a first step with lr 0 of a
+    warm-up schedule included once the optimizer holds state.
+    """
+    if has_state:
+        return True, ""
+    rates = [group["lr"] for group in param_groups if "lr" in group]
+    if rates and all(_is_zero(rate) for rate in rates):
+        return False, "a step with lr 0 of an optimizer with no state yet only builds its state"
+    return True, ""

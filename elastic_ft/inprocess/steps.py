@@ -28,7 +28,7 @@ from elastic_ft.inprocess.monitor_thread import MonitorThread
 from elastic_ft.inprocess.progress_watchdog import StepClock
 from elastic_ft.inprocess.recovery_phases import RecoveryClock
 from elastic_ft.inprocess.state import State
-from elastic_ft.inprocess.step_gate import Fence, fence_verdict, planned_restart_step
+from elastic_ft.inprocess.step_gate import Fence, fence_verdict, planned_restart_step, training_step
 from elastic_ft.observability import sink as event_sink
 from elastic_ft.runtime.local_board import LocalBoard
 from elastic_ft.runtime.waits import poll
@@ -79,6 +79,8 @@ class StepGate:
         self._hooks: list[Any] = []
         #: Levels of ``atomic_lock`` the main thread holds for optimizer steps under way.
         self._lock_depth = 0
+        #: Whether each optimizer step under way counts as a training step (``step_gate.training_step``).
+        self._counted: list[bool] = []
         # The current iteration's: its state, its store view, whether its progress is recorded, the generation of
         # the node's lease it began under, its monitor thread and its planned restart's step boundary once agreed.
         self._store: IterationView | None = None
@@ -114,7 +116,7 @@ class StepGate:
 
     # ---- optimizer steps ----
 
-    def _enter_step(self, *_: object) -> None:
+    def _enter_step(self, optimizer: Any, *_: object) -> None:
         """An optimizer step is atomic: no restart interrupts it, so no rank's state is ever half stepped.
 
         The optimizer's own pre and post hooks run inside too (a position
@@ -123,13 +125,21 @@ class StepGate:
         commits while the node's fence is down (:meth:`await_fence`). A
         planned restart lands here (:meth:`_reach_step_boundary`).
         """
-        self._reach_step_boundary()
-        self.await_fence("an optimizer step")
+        counted, why = training_step(bool(optimizer.state), optimizer.param_groups)
+        if counted:
+            self._reach_step_boundary()
+            self.await_fence("an optimizer step")
+        else:
+            log.debug("rank %s: an optimizer step not counted: %s", self._state.rank, why)
         while not self.atomic_lock.acquire(timeout=_LOCK_SLICE):
             pass
         self._lock_depth += 1
+        self._counted.append(counted)
 
     def _on_step(self, *_: object) -> None:
+        if not (self._counted.pop() if self._counted else True):
+            self.leave_steps(1)
+            return
         self.step += 1
         self._steps.step()
         try:
@@ -144,6 +154,8 @@ class StepGate:
     def leave_steps(self, levels: int | None = None) -> None:
         """Release ``levels`` optimizer-step holds of ``atomic_lock`` (all: a step that raised left them)."""
         count = self._lock_depth if levels is None else min(levels, self._lock_depth)
+        if levels is None:
+            self._counted.clear()
         for _ in range(count):
             self._lock_depth -= 1
             self.atomic_lock.release()

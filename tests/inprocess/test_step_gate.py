@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import torch
+
 from elastic_ft.inprocess.step_gate import (
     MIN_LEAD_STEPS,
     UNKNOWN_STEP_LEAD,
     Fence,
     fence_verdict,
     planned_restart_step,
+    training_step,
 )
 
 
@@ -25,3 +28,12 @@ def test_a_step_commits_under_the_lease_the_iteration_began_under_proven_alive()
     for proven in (True, False):  # a new lease: the others may have counted the node out, proven or not
         verdict, why = fence_verdict(proven, 4, 3)
         assert verdict is Fence.FENCED and "generation 4, the iteration began under 3" in why
+
+
+def test_a_step_that_only_builds_the_optimizers_state_is_not_a_training_step() -> None:
+    counted, why = training_step(False, [{"lr": 0.0}, {"lr": torch.tensor(0.0)}])
+    assert not counted and "lr 0" in why  # DCP's _init_optim_state: float or tensor lr set to 0
+    assert training_step(True, [{"lr": 0.0}]) == (True, "")  # a warm-up step once the state exists counts
+    assert training_step(False, [{"lr": 0.0}, {"lr": 0.1}]) == (True, "")  # one group learns
+    assert training_step(False, [{"momentum": 0.9}]) == (True, "")  # an optimizer without lr: always counts
+    assert training_step(False, [{"lr": torch.tensor([0.0, 0.0])}]) == (True, "")  # a rate it cannot read

@@ -241,6 +241,16 @@ def test_an_optimizer_step_that_raises_does_not_hold_the_restart(tmp_path: Path)
     assert "step_left" not in outcomes[0].report["calls"][0], details()  # no post hook ran
 
 
+def test_dcp_optimizer_initialisation_is_not_a_training_step(tmp_path: Path) -> None:
+    """DCP builds an optimizer's state with one lr-0 step: not counted; a loaded checkpoint's step is set."""
+    (outcome,) = job({"dcp_optimizer_steps": 3, "steps": 0}, 1, tmp_path)
+    assert outcome.returncode == 0, details()
+    assert outcome.result is not None, outcome.output
+    assert outcome.result["after_dcp_init"] == 0 and outcome.result["params_unchanged"], outcome.result
+    assert outcome.result["after_training"] == 3, outcome.result
+    assert outcome.result["after_load_and_one_step"] == 101, outcome.result
+
+
 def test_ping_keeps_a_rank_busy_in_c_code_alive(tmp_path: Path) -> None:
     # Rank 1 spends 3 s in one C call (no bytecode, so no automatic heartbeat) while
     # a helper thread pings; the soft timeout is 1 s, yet nothing restarts.

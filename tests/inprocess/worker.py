@@ -236,6 +236,8 @@ def train(pg_store: dist.Store, call_wrapper: CallWrapper | None = None) -> dict
         timeout=seconds("gloo_timeout", 30),
     )
     try:
+        if "dcp_optimizer_steps" in SCENARIO:
+            call.update(dcp_steps(call_wrapper, SCENARIO["dcp_optimizer_steps"]))
         value = torch.ones(1)
         for step in range(SCENARIO.get("steps", 5)):
             kind = fault_here(iteration, step)
@@ -256,6 +258,31 @@ def train(pg_store: dist.Store, call_wrapper: CallWrapper | None = None) -> dict
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def dcp_steps(call_wrapper: CallWrapper, steps: int) -> dict[str, Any]:
+    """What the Wrapper counts around ``torch.distributed.checkpoint``'s optimizer initialisation (an lr-0 step
+    of an optimizer with no state), ``steps`` training steps, and a checkpoint load that sets the count."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    get_optimizer_state_dict(model, optimizer)  # steps the optimizer once, lr 0, to build its state
+    record: dict[str, Any] = {
+        "after_dcp_init": call_wrapper.step,
+        "params_unchanged": all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)),
+    }
+    for _ in range(steps):
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    record["after_training"] = call_wrapper.step
+    call_wrapper.step = 100  # what a script does once it loaded a checkpoint written at step 100
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    record["after_load_and_one_step"] = call_wrapper.step
+    return record
 
 
 class FailOn(Initialize, Finalize, HealthCheck):
