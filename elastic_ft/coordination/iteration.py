@@ -183,8 +183,12 @@ class IterationRecords(Barriers):
         key = keys.barrier_done(TERMINATION_BARRIER)
         return as_text(self.get(key)) if self.check([key]) else None
 
-    def set_heal_progress(self, active_rank: int, step: int, fresh: bool) -> None:
-        self.set(keys.heal_progress(active_rank), json.dumps({"step": step, "fresh": fresh}))
+    def set_heal_progress(self, active_rank: int, step: int, fresh: bool, shard: tuple[int, int] | None = None) -> None:
+        """Record an active rank's progress: its step, whether it holds no state, and the shard it holds."""
+        record: dict[str, object] = {"step": step, "fresh": fresh}
+        if shard is not None:
+            record["shard"] = list(shard)
+        self.set(keys.heal_progress(active_rank), json.dumps(record))
 
     def heal_progresses(self, active_world_size: int) -> list[object]:
         """Every active rank's progress record, in rank order (see :meth:`heal_progress`): two requests when

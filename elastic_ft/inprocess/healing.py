@@ -62,6 +62,8 @@ class HealResult:
     #: Bytes of state this rank sent to each receiver or received; 0 when idle.
     nbytes: int = 0
     seconds: float = 0.0
+    #: The rank holds the world's state afterwards; else it loads the user's checkpoint (``CallWrapper.holds_state``).
+    holds_state: bool = True
 
 
 def parse_progress(payload: str | bytes | None, world_size: int) -> list[RankProgress]:
@@ -78,17 +80,25 @@ def parse_progress(payload: str | bytes | None, world_size: int) -> list[RankPro
             if not isinstance(record, dict):
                 raise TypeError(f"a JSON object, got {record!r:.60}")
             # Untrusted values: RankProgress checks their types (TypeError, ValueError).
-            progress.append(RankProgress(rank, record.get("step"), record.get("fresh")))  # type: ignore[arg-type]
+            shard = record.get("shard")
+            held = tuple(shard) if isinstance(shard, list) else shard
+            progress.append(RankProgress(rank, record.get("step"), record.get("fresh"), held))  # type: ignore[arg-type]
         except (TypeError, ValueError) as error:
             raise StateTransferError(f"malformed progress record of active rank {rank}: {error}") from None
     return progress
 
 
 def exchange_progress(
-    store: IterationView, active_rank: int, active_world_size: int, step: int, fresh: bool, timeout: datetime.timedelta
+    store: IterationView,
+    active_rank: int,
+    active_world_size: int,
+    step: int,
+    fresh: bool,
+    timeout: datetime.timedelta,
+    shard: tuple[int, int] | None = None,
 ) -> list[RankProgress]:
     """Publish this rank's progress, wait for every active rank's, and return them all."""
-    store.set_heal_progress(active_rank, step, fresh)
+    store.set_heal_progress(active_rank, step, fresh, shard)
     payload = store.arrive_and_wait(HEAL_BARRIER, [active_rank], active_world_size, timeout)
     return parse_progress(payload, active_world_size)
 
@@ -145,22 +155,32 @@ def heal(
     load_state_dict: Callable[[Any], Any],
     timeout: datetime.timedelta,
     keeper: ProcessGroupKeeper,
+    shard: tuple[int, int] | None = None,
+    shards: int | None = None,
 ) -> HealResult:
     """Run this rank's part of the iteration's healing; see the module docstring.
+
+    ``shard``: the shard this rank's state holds; ``shards``: the mesh's
+    shard dimension this iteration (a sharded model, see
+    :mod:`~elastic_ft.inprocess.recovery_plan`).
 
     Raises:
         StateTransferError: the exchange or a transfer failed (the iteration restarts).
         HealingError: ``state_dict`` or ``load_state_dict`` raised (the rank leaves, the node side escalates).
     """
-    progress = exchange_progress(store, active_rank, active_world_size, step, fresh, timeout)
-    plan = plan_recovery(progress, rotation=iteration)
+    progress = exchange_progress(store, active_rank, active_world_size, step, fresh, timeout, shard)
+    plan = plan_recovery(progress, rotation=iteration, shards=shards)
     if active_rank == 0 or plan.heals:
         log.info("iteration %d: rank %d: %s", iteration, active_rank, plan.reason)
+    if active_rank in plan.unhealable:
+        log.warning(
+            "iteration %d: rank %d loads the checkpoint: %s", iteration, active_rank, plan.unhealable[active_rank]
+        )
     source = plan.source_of(active_rank)
     receivers = plan.receivers_of(active_rank)
     sender = active_rank if receivers else source
     if sender is None:
-        return HealResult(plan, "idle", step)
+        return HealResult(plan, "idle", step, holds_state=plan.holds_state(active_rank))
     members = [sender, *plan.receivers_of(sender)]
     started = time.monotonic()
     if receivers:

@@ -19,6 +19,15 @@ lighthouse):
 
 A sender that dies during the transfer interrupts the iteration like any
 fault; the next iteration's plan is computed afresh without it.
+
+A **sharded** model (``shards``: the mesh's shard dimension, HSDP) is
+healed shard by shard: active rank ``r`` needs shard ``r % shards``, and
+holds it when its published shard is that one, of that layout. Up-to-date
+ranks are those holding their own shard at the highest step; a rank behind
+receives exactly its own shard, from an up-to-date rank of another replica
+holding the same one. A rank no such rank exists for is *unhealable*: the
+plan says why, sends it nothing, and it loads the user's checkpoint
+instead. No rank is ever sent a shard it does not need.
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ class RankProgress:
     step: int
     #: The rank holds no state of the world yet: a new, respawned, or activated reserve rank.
     fresh: bool
+    #: The shard its state holds, ``(index, shards)``; None when the model is not sharded (or it holds none).
+    shard: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
@@ -44,6 +55,14 @@ class RankProgress:
             raise ValueError(f"rank {self.rank}: a step is an integer >= 0, got {self.step!r}")
         if not isinstance(self.fresh, bool):
             raise TypeError(f"rank {self.rank}: fresh is a boolean, got {self.fresh!r}")
+        shard = self.shard
+        if shard is not None and not (
+            isinstance(shard, tuple)
+            and len(shard) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in shard)
+            and 0 <= shard[0] < shard[1]
+        ):
+            raise ValueError(f"rank {self.rank}: a shard is (index, shards) with 0 <= index < shards, got {shard!r}")
 
 
 @dataclass(frozen=True)
@@ -54,6 +73,10 @@ class RecoveryPlan:
     max_step: int
     sources: Mapping[int, int] = field(default_factory=dict)
     reason: str = ""
+    #: Ranks behind that no rank can heal (a sharded model whose shard no up-to-date rank holds), and why.
+    unhealable: Mapping[int, str] = field(default_factory=dict)
+    #: Some rank holds the world's state (else every rank starts from the user's checkpoint).
+    state_held: bool = True
 
     @property
     def heals(self) -> bool:
@@ -71,20 +94,30 @@ class RecoveryPlan:
     def senders(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.sources.values())))
 
+    def holds_state(self, rank: int) -> bool:
+        """Whether ``rank`` holds the world's state once the plan is carried out (else it loads a checkpoint)."""
+        return self.state_held and rank not in self.unhealable
 
-def plan_recovery(progress: Sequence[RankProgress], rotation: int = 0) -> RecoveryPlan:
+
+def plan_recovery(progress: Sequence[RankProgress], rotation: int = 0, shards: int | None = None) -> RecoveryPlan:
     """The recovery plan for the active ranks' ``progress`` (one record per rank, any order).
 
     ``rotation`` (the iteration number) shifts the round robin, so that
     every rank computes the same plan and successive plans vary the sender.
+    ``shards``: the mesh's shard dimension of a sharded model (see the
+    module docstring); None when every rank holds the whole model.
     """
     ranks = [p.rank for p in progress]
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"one progress record per rank, got ranks {sorted(ranks)}")
+    if shards is not None:
+        return _plan_shards(progress, rotation, shards)
     holders = [p for p in progress if not p.fresh]
     if not holders:
         fresh = sorted(ranks)
-        return RecoveryPlan(0, {}, f"no rank holds the world's state (fresh ranks {fresh}): nothing to heal from")
+        return RecoveryPlan(
+            0, {}, f"no rank holds the world's state (fresh ranks {fresh}): nothing to heal from", state_held=False
+        )
     max_step = max(p.step for p in holders)
     up_to_date = sorted(p.rank for p in holders if p.step == max_step)
     behind = sorted(p.rank for p in progress if p.fresh or p.step < max_step)
@@ -102,3 +135,47 @@ def plan_recovery(progress: Sequence[RankProgress], rotation: int = 0) -> Recove
         sources,
         f"{len(behind)} rank(s) heal to step {max_step} ({details}) from {up_to_date}: {transfers}",
     )
+
+
+def _plan_shards(progress: Sequence[RankProgress], rotation: int, shards: int) -> RecoveryPlan:
+    """:func:`plan_recovery` for a model sharded ``shards`` ways: each rank needs shard ``rank % shards``."""
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise ValueError(f"shards is an integer >= 1, got {shards!r}")
+
+    def in_place(p: RankProgress) -> bool:
+        return not p.fresh and p.shard == (p.rank % shards, shards)
+
+    holders = [p for p in progress if in_place(p)]
+    if not holders:
+        return RecoveryPlan(
+            0,
+            {},
+            f"no rank holds its own shard of {shards} (ranks {sorted(p.rank for p in progress)}): every rank "
+            "loads the checkpoint",
+            state_held=False,
+        )
+    max_step = max(p.step for p in holders)
+    up_to_date: dict[int, list[int]] = {}
+    for p in sorted(holders, key=lambda p: p.rank):
+        if p.step == max_step:
+            up_to_date.setdefault(p.rank % shards, []).append(p.rank)
+    behind = sorted(p.rank for p in progress if not (in_place(p) and p.step == max_step))
+    sources: dict[int, int] = {}
+    unhealable: dict[int, str] = {}
+    waiting: dict[int, int] = {}  # receivers per shard so far: the round robin's index
+    for rank in behind:
+        shard = rank % shards
+        senders = up_to_date.get(shard, [])
+        if not senders:
+            unhealable[rank] = f"no rank holds shard {shard} of {shards} at step {max_step}"
+            continue
+        index = waiting.get(shard, 0)
+        waiting[shard] = index + 1
+        sources[rank] = senders[(index + rotation) % len(senders)]
+    if not behind:
+        return RecoveryPlan(max_step, {}, f"all {len(progress)} active ranks hold their shard at step {max_step}")
+    transfers = ", ".join(f"{sender}->{receiver} (shard {receiver % shards})" for receiver, sender in sources.items())
+    parts = [f"{len(sources)} rank(s) heal their shard of {shards} to step {max_step}: {transfers or 'none'}"]
+    if unhealable:
+        parts.append(f"{sorted(unhealable)} load the checkpoint: " + "; ".join(sorted(set(unhealable.values()))))
+    return RecoveryPlan(max_step, sources, "; ".join(parts), unhealable)

@@ -68,6 +68,14 @@ class State:
             this rank in the last iteration (without its traceback), as the
             Wrapper hands the state to ``finalize`` and ``health_check``;
             ``None`` when the function did not fail here. Not compared.
+        shard_size: ranks per replica group of a sharded model (HSDP's
+            shard dimension), set by
+            :class:`~elastic_ft.inprocess.rank_assignment.ShardedReplicas`;
+            ``None`` when the model is replicated whole (DDP).
+        held_shard: the shard of the model this rank's state holds,
+            ``(index, shards)``; ``None`` when it holds none (a new rank) or
+            the model is not sharded. The Wrapper sets it once the rank
+            trains in its place.
     """
 
     rank: int | None
@@ -79,6 +87,8 @@ class State:
     iteration: int = 0
     mode: Mode = Mode.INITIALIZED
     fn_exception: BaseException | None = dataclasses.field(default=None, repr=False, compare=False)
+    shard_size: int | None = None
+    held_shard: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         _check_index("world_size", self.world_size, allow_none=False)
@@ -105,6 +115,18 @@ class State:
             object.__setattr__(self, "initial_rank", self.rank)
         if self.initial_world_size is None:
             object.__setattr__(self, "initial_world_size", self.world_size)
+        _check_index("shard_size", self.shard_size, allow_none=True)
+        if self.shard_size == 0:
+            raise ValueError("shard_size must be >= 1, got 0")
+        if self.held_shard is not None:
+            held = self.held_shard
+            if not (
+                isinstance(held, tuple)
+                and len(held) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in held)
+                and 0 <= held[0] < held[1]
+            ):
+                raise ValueError(f"held_shard must be (index, shards) with 0 <= index < shards, got {held!r}")
         if self.fn_exception is not None and not isinstance(self.fn_exception, BaseException):
             raise TypeError(f"fn_exception must be an exception or None, got {self.fn_exception!r}")
 

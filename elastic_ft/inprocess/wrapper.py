@@ -90,6 +90,7 @@ from elastic_ft.inprocess.process_groups import ProcessGroupKeeper
 from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps, ProgressWatchdog, StepClock
 from elastic_ft.inprocess.rank_assignment.base import RankAssignmentCtx, admits_new_ranks
 from elastic_ft.inprocess.rank_assignment.policies import ActivateAllRanks, MaxActiveWorldSize, ShiftRanks
+from elastic_ft.inprocess.rank_assignment.replicas import ReplicaMesh, state_mesh
 from elastic_ft.inprocess.rank_hooks import ProcessHooks, RankHooks, _RankLeaves
 from elastic_ft.inprocess.recovery_phases import RecoveryClock
 from elastic_ft.inprocess.restart_report import RestartReporter
@@ -439,12 +440,19 @@ def _record_asked_restart(
 
 
 def _heal(
-    wrapper: Wrapper, store: IterationView, state: State, step: int, fresh: bool, groups: ProcessGroupKeeper
-) -> int:
-    """Peer state healing, on an active rank after a restart (:mod:`elastic_ft.inprocess.healing`); returns the
-    rank's step after it."""
+    wrapper: Wrapper,
+    store: IterationView,
+    state: State,
+    step: int,
+    fresh: bool,
+    groups: ProcessGroupKeeper,
+    shard: tuple[int, int] | None,
+    mesh: ReplicaMesh | None,
+) -> tuple[int, bool]:
+    """Peer state healing, on an active rank after a restart (:mod:`elastic_ft.inprocess.healing`): the rank's
+    step after it, and whether it holds the world's state (else it loads the user's checkpoint)."""
     if wrapper.state_dict is None or wrapper.load_state_dict is None or not state.iteration:
-        return step
+        return step, not fresh and (mesh is None or shard == mesh.shard)
     try:
         result = heal(
             store,
@@ -457,6 +465,8 @@ def _heal(
             wrapper.load_state_dict,
             wrapper.barrier_timeout,
             groups,
+            shard=shard,
+            shards=mesh.shape[1] if mesh is not None else None,
         )
     except HealingError as error:
         raise _RankLeaves(error, "healing") from error
@@ -470,7 +480,7 @@ def _heal(
             nbytes=result.nbytes,
             seconds=round(result.seconds, 4),
         )
-    return result.step
+    return result.step, result.holds_state
 
 
 def _leave(
@@ -605,6 +615,14 @@ class CallWrapper:
         self._excepthook = sys.excepthook
         #: The rank holds no state of the world yet: it has not run the function as an active rank, nor been healed.
         self._fresh = True
+        #: This iteration's mesh of a sharded model (``ShardedReplicas``): its shape, and this rank's coordinates
+        #: in it; None for a reserve rank, or a model replicated whole.
+        self.mesh: ReplicaMesh | None = None
+        #: The shard of a sharded model this rank's state holds (``State.held_shard``), None if none.
+        self._held_shard: tuple[int, int] | None = None
+        #: Whether this rank holds the world's state as the function starts: False at the first iteration, for a
+        #: rank no peer could heal, or one that never trained; the function then loads the user's checkpoint.
+        self.holds_state = False
         self._timestamps = ProgressTimestamps(_secs(wrapper.soft_timeout), _secs(wrapper.hard_timeout))
         self._steps = StepClock(
             self._timestamps, wrapper.adaptive_timeouts, _secs(wrapper.soft_timeout), _secs(wrapper.hard_timeout)
@@ -835,6 +853,7 @@ class CallWrapper:
             event_sink.emit("spare_activated", rank=state.initial_rank, iteration=state.iteration, joined=self.joining)
         self.joining = False  # a member of the world from now on
         self.state = state
+        self.mesh = state_mesh(state)
         store = iteration_store(self.base_store, state.iteration)
         self._gate.begin_iteration(state, store)
         with restart_bound(self.wrapper.barrier_timeout):
@@ -960,9 +979,13 @@ class CallWrapper:
         self._recovery.mark("checked")
         result = None
         if state.mode is Mode.ACTIVE:
-            self.step = _heal(self.wrapper, store, state, self.step, self._fresh, self._groups)
+            self.step, self.holds_state = _heal(
+                self.wrapper, store, state, self.step, self._fresh, self._groups, self._held_shard, self.mesh
+            )
             self._recovery.mark("healed")
             self._fresh = False
+            if self.mesh is not None:
+                self._held_shard = self.mesh.shard  # healed, held already, or loaded by the function
             result = fn(*args, **kwargs)
             self._watchdog.reset()  # the Wrapper's code runs now: pings stop by design (RankHooks)
             store.mark_any_completed()
@@ -1026,7 +1049,7 @@ class CallWrapper:
             log.info("rank %s: initial ranks %s join in iteration %d", rank, list(result.joined), state.iteration + 1)
         if rank in result.terminated and self._joining.may_rejoin():
             return None
-        next_state = next_iteration_state(state, result)
+        next_state = dataclasses.replace(next_iteration_state(state, result), held_shard=self._held_shard)
         assigned = _assigned(self.wrapper, RankAssignmentCtx(next_state, store, set(result.terminated)))
         self._recovery.mark("assigned")
         return assigned
@@ -1039,7 +1062,7 @@ class CallWrapper:
         world = state.initial_world_size or state.world_size
         set_where(f"rank {new}")
         self.state = State(None, world, initial_rank=new, initial_world_size=world)
-        self.joining, self._fresh = True, True
+        self.joining, self._fresh, self._held_shard = True, True, None
         self._joining.register_when_reported_active(new)
         return self._await_admission()
 

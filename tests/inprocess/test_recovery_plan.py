@@ -109,3 +109,55 @@ def test_every_behind_rank_gets_exactly_one_up_to_date_sender(records: list[tupl
     assert max(loads) - min(loads) <= 1
     # Every rank computes the same plan from the same records, in any order.
     assert plan_recovery(list(reversed(ranks)), rotation) == plan
+
+
+def sharded(*records: tuple[int, bool, tuple[int, int] | None]) -> list[RankProgress]:
+    return [RankProgress(rank, step, fresh, shard) for rank, (step, fresh, shard) in enumerate(records)]
+
+
+def test_a_fresh_rank_of_a_sharded_model_receives_its_own_shard_from_the_other_replica() -> None:
+    # HSDP 2 x 2: rank r needs shard r % 2. Rank 3 is new (a respawned process, or a hot spare).
+    ranks = sharded((32, False, (0, 2)), (32, False, (1, 2)), (32, False, (0, 2)), (0, True, None))
+    plan = plan_recovery(ranks, rotation=5, shards=2)
+    assert dict(plan.sources) == {3: 1}  # the only up-to-date holder of shard 1: never rank 0 or 2 (shard 0)
+    assert not plan.unhealable and plan.holds_state(3) and plan.max_step == 32
+    assert "1->3 (shard 1)" in plan.reason
+
+
+def test_a_rank_holding_another_shard_is_not_in_place_and_heals_its_own() -> None:
+    # A reserve that held shard 0 now stands at active rank 3, which needs shard 1: it must not keep shard 0.
+    ranks = sharded((8, False, (0, 2)), (8, False, (1, 2)), (8, False, (0, 2)), (8, False, (0, 2)))
+    plan = plan_recovery(ranks, shards=2)
+    assert dict(plan.sources) == {3: 1}
+
+
+def test_a_mismatched_shard_is_refused_and_the_rank_loads_the_checkpoint() -> None:
+    # Nobody up to date holds shard 1: rank 1 is behind and rank 3 holds shard 1 of another layout (of 4).
+    ranks = sharded((40, False, (0, 2)), (39, False, (1, 2)), (40, False, (0, 2)), (40, False, (1, 4)))
+    plan = plan_recovery(ranks, shards=2)
+    assert dict(plan.sources) == {}  # shard 0's holders are never sent to a rank needing shard 1
+    assert set(plan.unhealable) == {1, 3} and not plan.holds_state(1) and plan.holds_state(0)
+    assert "no rank holds shard 1 of 2 at step 40" in plan.unhealable[3]
+    assert "[1, 3] load the checkpoint" in plan.reason
+
+
+def test_a_changed_shard_layout_has_no_holder_so_every_rank_loads_the_checkpoint() -> None:
+    # FSDP alone on 2 ranks lost one: the survivor's shard of 2 is no shard of the new layout of 1.
+    plan = plan_recovery(sharded((12, False, (0, 2))), shards=1)
+    assert not plan.heals and not plan.state_held and not plan.holds_state(0)
+    assert "no rank holds its own shard of 1" in plan.reason
+
+
+def test_several_receivers_of_one_shard_are_spread_over_its_holders() -> None:
+    ranks = sharded(
+        (9, False, (0, 2)), (9, False, (1, 2)), (9, False, (0, 2)), (9, False, (1, 2)), (0, True, None), (0, True, None)
+    )
+    plan = plan_recovery(ranks, rotation=0, shards=2)
+    assert dict(plan.sources) == {4: 0, 5: 1}
+    assert dict(plan_recovery(ranks, rotation=1, shards=2).sources) == {4: 2, 5: 3}
+
+
+@pytest.mark.parametrize("shard", [(2, 2), (-1, 2), (0, 0), (True, 2), [0, 2]])
+def test_a_malformed_shard_is_rejected(shard: object) -> None:
+    with pytest.raises(ValueError, match="a shard is"):
+        RankProgress(0, 1, False, shard)  # type: ignore[arg-type]

@@ -11,6 +11,8 @@ spares that can replace an active rank at a later fault.
   :class:`FilterCountGroupedByKey` and the filters;
 * :mod:`.tree`: :class:`Tree` over :class:`Layer` s, whose decisions are the
   pure functions of :mod:`.tree_engine`;
+* :mod:`.replicas`: :class:`ShardedReplicas`, whole replica groups of a
+  sharded model (HSDP, FSDP), and the :class:`ReplicaMesh` a rank trains on;
 * :mod:`.exchange`: the one grouping-key exchange through the store;
 * :mod:`.from_config`: the policy a job config describes.
 
@@ -30,6 +32,7 @@ from elastic_ft.inprocess.rank_assignment.policies import (
     ShiftRanks,
     ranks_failing_group_condition,
 )
+from elastic_ft.inprocess.rank_assignment.replicas import ReplicaMesh, ShardedReplicas
 from elastic_ft.inprocess.rank_assignment.tree import Tree
 from elastic_ft.inprocess.rank_assignment.tree_engine import Layer, LayerFlag
 
@@ -47,6 +50,8 @@ __all__ = [
     "RankAssignmentTimeout",
     "RankDiscarded",
     "RankFilter",
+    "ReplicaMesh",
+    "ShardedReplicas",
     "ShiftRanks",
     "Tree",
     "ranks_failing_group_condition",
