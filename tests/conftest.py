@@ -42,6 +42,7 @@ _INTEGRATION_FIXTURES = frozenset(
 _LONGEST_FIRST = (
     "tests/launcher/test_network_faults.py",  # 654 s
     "tests/launcher/test_fault_matrix.py",  # 450 s
+    "tests/inprocess/test_sharded.py",  # 400 s
     "tests/launcher/test_healing.py",  # 227 s
     "tests/launcher/test_spares.py",  # 191 s
     "tests/launcher/test_agent.py",  # 172 s
