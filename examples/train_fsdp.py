@@ -32,6 +32,7 @@ reduction (the test allows 1e-6 relative).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import logging
@@ -103,14 +104,13 @@ class ShardState:
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
-        self.step = 0
 
-    def capture(self, model: Net, optimizer: torch.optim.Optimizer, step: int) -> None:
+    def capture(self, model: Net, optimizer: torch.optim.Optimizer) -> None:
         tensors = {f"param/{name}": _local(p) for name, p in model.named_parameters()}
         for name, p in model.named_parameters():
             for key, value in optimizer.state.get(p, {}).items():
                 tensors[f"optim/{name}/{key}"] = _local(value)
-        self.tensors, self.step = tensors, step
+        self.tensors = tensors
 
     def restore(self, model: Net, optimizer: torch.optim.Optimizer) -> None:
         """Copy the kept shards into a model and optimizer built for the same shard."""
@@ -131,11 +131,10 @@ class ShardState:
                     optimizer.state[p] = state
 
     def state_dict(self) -> dict[str, Any]:
-        return {"tensors": self.tensors, "step": self.step}
+        return {"tensors": self.tensors}  # the step travels with it: the Wrapper's count, call_wrapper.step
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tensors = {name: tensor.clone() for name, tensor in state["tensors"].items()}
-        self.step = int(state["step"])
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -216,9 +215,10 @@ def record(args: argparse.Namespace, event: str, **fields: Any) -> None:
         f.write(line + "\n")
 
 
-def inject(args: argparse.Namespace, call_wrapper: CallWrapper, step: int) -> None:
-    """The one fault of ``--fault`` on ``--fault-rank`` at ``--fault-step`` of the first iteration."""
-    if args.fault is None or call_wrapper.iteration > 0 or step != args.fault_step:
+def inject(args: argparse.Namespace, first: bool, step: int) -> None:
+    """The one fault of ``--fault`` on ``--fault-rank`` at ``--fault-step`` of the ``first`` iteration of the first
+    process."""
+    if args.fault is None or not first or step != args.fault_step:
         return
     if args.fault_rank != INITIAL_RANK:
         return
@@ -234,35 +234,45 @@ def inject(args: argparse.Namespace, call_wrapper: CallWrapper, step: int) -> No
     time.sleep(3600)  # hang_gil_released: its peers wait for it in the next collective
 
 
-def train(args: argparse.Namespace, shards: ShardState, call_wrapper: CallWrapper) -> dict[str, Any]:
-    iteration = call_wrapper.iteration
-    mesh_place = call_wrapper.mesh
-    if mesh_place is None:
-        raise RuntimeError("train_fsdp.py runs under Wrapper(rank_assignment=ShardedReplicas(...))")
+def train(args: argparse.Namespace, shards: ShardState, call_wrapper: CallWrapper | None = None) -> dict[str, Any]:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", store=call_wrapper.process_group_store(), rank=rank, world_size=world_size)
+    if call_wrapper is not None:
+        iteration, holds_state, place = call_wrapper.iteration, call_wrapper.holds_state, call_wrapper.mesh
+        if place is None:
+            raise RuntimeError("train_fsdp.py runs under Wrapper(rank_assignment=ShardedReplicas(...))")
+        shape, shard = place.shape, place.shard
+        dist.init_process_group("gloo", store=call_wrapper.process_group_store(), rank=rank, world_size=world_size)
+    else:  # --no-wrapper, under torchrun: a fault restarts every process, which resume from the checkpoint
+        iteration, holds_state = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), False
+        size = args.shard_size or world_size
+        shape, shard = (world_size // size, size), (rank % size, size)
+        dist.init_process_group("gloo")
     try:
-        mesh = init_device_mesh("cpu", mesh_place.shape, mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
         model = sharded_model(args, mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        if call_wrapper.holds_state and shards.tensors:
+        # Inside the optimizer step, which the Wrapper makes atomic: the kept shards always match its step count.
+        optimizer.register_step_post_hook(lambda *_: shards.capture(model, optimizer))
+        if holds_state and call_wrapper is not None and shards.tensors:
             shards.restore(model, optimizer)  # its own shard: kept in memory, or healed from a peer
+            start = call_wrapper.step
         elif (found := latest_checkpoint(args.workdir)) is not None:
             load_checkpoint(found[1], model, optimizer)
-            call_wrapper.step = found[0]  # the Wrapper's count is the training step healing compares
-            record(args, "checkpoint_read", iteration=iteration, step=found[0])
+            start = found[0]
+            record(args, "checkpoint_read", iteration=iteration, step=start)
         else:
-            call_wrapper.step = 0
-        start = call_wrapper.step
+            start = 0
+        if call_wrapper is not None:
+            call_wrapper.step = start  # the training step, which healing compares
         record(
             args,
             "start",
             iteration=iteration,
             step=start,
-            mesh=list(mesh_place.shape),
-            shard=mesh_place.shard,
+            mesh=list(shape),
+            shard=shard,
             pid=os.getpid(),
-            healed=call_wrapper.holds_state,
+            healed=holds_state,
         )
         sampler = StepSampler(512, args.global_batch, rank, world_size, start, args.steps)
         loader = DataLoader(dataset(args), batch_sampler=sampler)
@@ -270,7 +280,7 @@ def train(args: argparse.Namespace, shards: ShardState, call_wrapper: CallWrappe
         for inputs, targets in loader:
             if step >= stop_step(args):
                 break
-            inject(args, call_wrapper, step)
+            inject(args, iteration == 0, step)
             if args.step_wait:  # an accelerator's share of the step: this CPU idles
                 time.sleep(args.step_wait)
             loss = torch.nn.functional.mse_loss(model(inputs), targets)
@@ -278,10 +288,9 @@ def train(args: argparse.Namespace, shards: ShardState, call_wrapper: CallWrappe
             optimizer.step()
             optimizer.zero_grad()
             step += 1
-            shards.capture(model, optimizer, step)
             record(args, "step", iteration=iteration, step=step, world=world_size)
             if step % args.checkpoint_every == 0 and step < args.steps:
-                with call_wrapper.long_section():
+                with call_wrapper.long_section() if call_wrapper is not None else contextlib.nullcontext():
                     save_checkpoint(args.workdir, model, optimizer, step)
             if args.save_full_every and step % args.save_full_every == 0:
                 save_full_model(args.workdir / f"full-{step}.pt", model, rank)
@@ -302,6 +311,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--step-wait", type=float, default=0.0, help="seconds each step idles (simulated compute)")
+    parser.add_argument("--no-wrapper", action="store_true", help="no Wrapper: under torchrun (for comparisons)")
     parser.add_argument("--stop-file", type=Path, help="the step to stop at, once this file exists (tests)")
     parser.add_argument("--save-full-every", type=int, default=0, help="write full-<step>.pt every N steps (tests)")
     parser.add_argument("--fault", choices=("exception", "sigkill", "sigstop", "hang_gil_held", "hang_gil_released"))
@@ -315,6 +325,10 @@ def main() -> None:
     args = parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     shards = ShardState()
+    record(args, "ready")  # the process is up: what a respawned process's admission is timed from
+    if args.no_wrapper:
+        record(args, "done", **train(args, shards))
+        return
     wrapper = Wrapper(
         rank_assignment=ShardedReplicas(args.shard_size or None),
         state_dict=shards.state_dict,

@@ -35,7 +35,26 @@ _CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 #: The codes after which a request is resent (to the next endpoint).
-RETRYABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+_RETRYABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+#: What etcd says, with ``UNKNOWN``, when a request ran out of time inside the server (a member that lost its
+#: leader, or was frozen, while it held the request): etcd away for that request, not a refusal.
+_SERVER_TIMEOUTS = (
+    "context deadline exceeded",
+    "context canceled",
+    "etcdserver: request timed out",
+    "etcdserver: leader changed",
+    "etcdserver: no leader",
+)
+
+
+def transient(error: grpc.RpcError) -> bool:
+    """Whether a failed request may be resent: etcd did not answer it (a refusal is not transient)."""
+    code = error.code()
+    if code in _RETRYABLE_CODES:
+        return True
+    details = error.details() or ""
+    return code is grpc.StatusCode.UNKNOWN and any(reason in details for reason in _SERVER_TIMEOUTS)
+
 
 _StreamT = TypeVar("_StreamT", bound=Stream)
 
@@ -69,7 +88,7 @@ class TokenAuth:
             try:
                 token = etcdrpc.AuthStub(channel).Authenticate(request, timeout=timeout).token
             except grpc.RpcError as exc:
-                if exc.code() in RETRYABLE_CODES:
+                if transient(exc):
                     raise
                 raise EtcdRequestError(
                     f"etcd refused user {credentials.user!r}: {exc.details()} "

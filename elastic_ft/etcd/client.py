@@ -42,7 +42,7 @@ import grpc
 from etcd3 import etcdrpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from elastic_ft.etcd.channels import RETRYABLE_CODES, Connections, TokenAuth
+from elastic_ft.etcd.channels import Connections, TokenAuth, transient
 from elastic_ft.etcd.endpoints import EtcdCredentials, EtcdEndpoint, TlsFiles
 from elastic_ft.etcd.kv import (
     EtcdCompactedError,
@@ -282,7 +282,7 @@ class EtcdClient:
                         ) from exc
                     if exc.code() is grpc.StatusCode.NOT_FOUND and "lease not found" in (exc.details() or ""):
                         raise EtcdLeaseNotFoundError(f"etcd at {endpoint}: {exc.details()}") from exc
-                    if exc.code() not in RETRYABLE_CODES:
+                    if not transient(exc):
                         raise EtcdRequestError(f"etcd at {endpoint} refused the request: {exc.details()}") from exc
                     last_error = exc
                     continue

@@ -13,6 +13,7 @@ Two families, because they end in different places:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -28,6 +29,8 @@ from elastic_ft.coordination.errors import (
 )
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+#: elastic_ft's own directory, with a separator: the frames whose locals :func:`release_frames` clears.
+_ELASTIC_FT_DIR = os.path.join(os.path.dirname(_PACKAGE_DIR), "")
 
 
 class InternalError(RestartError):
@@ -152,3 +155,30 @@ __all__ = [
     "StateTransferError",
     "TimeoutError",
 ]
+
+
+def release_frames(error: BaseException) -> None:
+    """Clear the locals of elastic-ft's own finished frames in ``error``'s traceback and in every exception
+    chained to it.
+
+    Those frames hold the call's store, its monitors and its state: without
+    this, a caller that keeps the exception (``unittest``'s
+    ``assertRaises``, a logged record, a retry loop) keeps the Wrapper's
+    TCPStore listening. The user's frames keep their locals, and every
+    traceback still prints in full (file, line, code).
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        trace = current.__traceback__
+        while trace is not None:
+            frame = trace.tb_frame
+            if frame.f_code.co_filename.startswith(_ELASTIC_FT_DIR):
+                with contextlib.suppress(RuntimeError):  # still executing: the raise under way passes through it
+                    frame.clear()
+            trace = trace.tb_next
+        pending += [current.__cause__, current.__context__]

@@ -43,6 +43,7 @@ from elastic_ft.coordination.barriers import NO_WAIT
 from elastic_ft.coordination.iteration import COMPLETED, IterationView, iteration_store, report_rank_gone
 from elastic_ft.coordination.job import JobView, job_store, joined_ranks
 from elastic_ft.coordination.reports import report_process_gone
+from elastic_ft.etcd.kv import EtcdRequestError
 from elastic_ft.etcd.outage import OUTAGES, bounded, patiently
 from elastic_ft.inprocess.hang_detection import (
     RankActivity,
@@ -185,6 +186,13 @@ def _in_iteration(position: dict[str, int] | None, iteration: int) -> bool:
     """Whether a peer whose last published position is ``position`` may be in ``iteration``: not when it last
     started an earlier one (None: it has published none yet, so it cannot be ruled out)."""
     return position is None or position["iteration"] >= iteration
+
+
+def _log_refusal(error: Exception, last: str) -> str:
+    """Log an etcd refusal the monitor process retries after, unless it is the one logged last; returns it."""
+    if str(error) != last:
+        log.warning("etcd refused a request of the monitor process: %s; trying again", error)
+    return str(error)
 
 
 class MonitorProcess:
@@ -418,28 +426,14 @@ class _Monitor:
         # heartbeats faster at once, and none comes later than promised).
         last_heartbeat, promised = -math.inf, 0.0
         backoff = Backoff()
+        refused = ""  # the last refusal logged: each new one once
         while True:
             messages, early = [*early, *self._receive(0.0 if early else config.interval)], []
-            for message in messages:
-                if message["type"] == "stop":
-                    log.info("stopped by the main process")
-                    return
-                if message["type"] == "iteration":
-                    number = message["iteration"]
-                    self.iteration = _Iteration(
-                        number,
-                        message["rank"],
-                        message["world_size"],
-                        iteration_store(base_store, number),
-                        active=message.get("active", True),
-                    )
-                    log.info("iteration %d: rank %d of %d", number, message["rank"], message["world_size"])
-                if message["type"] == "initial_rank":
-                    # The rank was counted out while it lived and joins the world again under a new one.
-                    self.config = dataclasses.replace(self.config, initial_rank=int(message["initial_rank"]))
-                    self.iteration, self.reported_silent = None, set()
-                    last_heartbeat = -math.inf
-                    log.info("the rank joins the running world again as initial rank %d", self.config.initial_rank)
+            taken = self._take(messages, base_store)
+            if taken == "stop":
+                return
+            if taken == "rejoined":
+                last_heartbeat = -math.inf
             if not process_is_alive(self.target_pid):
                 self._report_terminated(base_store, "terminated", f"process {self.target_pid} died")
                 return
@@ -458,6 +452,9 @@ class _Monitor:
                     self._heartbeat(job, now - activity.inactive_for, reserve, period)
                 except ConnectionError:
                     unreachable = True
+                except EtcdRequestError as error:  # a refusal ends no watch: the monitor goes on guarding its rank
+                    refused = _log_refusal(error, refused)
+                    unreachable = True
             try:
                 # A look waits for etcd a heartbeat interval at most: the loop stays free to see the rank die.
                 with bounded(max(1.0, config.heartbeat_interval), "a look of the monitor process"):
@@ -468,10 +465,39 @@ class _Monitor:
                         return
             except ConnectionError:
                 unreachable = True
+            except EtcdRequestError as error:
+                refused = _log_refusal(error, refused)
+                unreachable = True
             if unreachable:
                 early = self._receive(backoff.next())  # what the main process says meanwhile is handled next
             else:
                 backoff.reset()
+
+    def _take(self, messages: list[dict[str, Any]], base_store: dist.Store) -> str:
+        """Act on the main process's messages: ``"stop"`` when told to stop, ``"rejoined"`` when the rank took a
+        new initial rank, else ``""``."""
+        taken = ""
+        for message in messages:
+            if message["type"] == "stop":
+                log.info("stopped by the main process")
+                return "stop"
+            if message["type"] == "iteration":
+                number = message["iteration"]
+                self.iteration = _Iteration(
+                    number,
+                    message["rank"],
+                    message["world_size"],
+                    iteration_store(base_store, number),
+                    active=message.get("active", True),
+                )
+                log.info("iteration %d: rank %d of %d", number, message["rank"], message["world_size"])
+            if message["type"] == "initial_rank":
+                # The rank was counted out while it lived and joins the world again under a new one.
+                self.config = dataclasses.replace(self.config, initial_rank=int(message["initial_rank"]))
+                self.iteration, self.reported_silent = None, set()
+                taken = "rejoined"
+                log.info("the rank joins the running world again as initial rank %d", self.config.initial_rank)
+        return taken
 
     def _heartbeat(self, job: JobView, active_at: float, reserve: bool, next_in: float) -> None:
         """One heartbeat, the next due ``next_in`` seconds later, waiting at most a heartbeat interval for etcd:

@@ -77,6 +77,7 @@ from elastic_ft.inprocess.exception import (
     RankShouldRestart,
     RestartAbort,
     RestartLimitError,
+    release_frames,
 )
 from elastic_ft.inprocess.group_stores import GroupStores
 from elastic_ft.inprocess.growth import next_iteration_state
@@ -316,10 +317,19 @@ class Wrapper:
 
         @functools.wraps(fn)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            with CallWrapper(self) as call_wrapper:
-                return call_wrapper(fn, args, kwargs)
+            try:
+                return _call(self, fn, args, kwargs)
+            except BaseException as error:
+                release_frames(error)  # a caller keeping the error keeps no store, thread or state of the call
+                raise
 
         return typing.cast(F, wrapped)
+
+
+def _call(wrapper: Wrapper, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """One call of a wrapped function, from its set-up to its shutdown."""
+    with CallWrapper(wrapper) as call_wrapper:
+        return call_wrapper(fn, args, kwargs)
 
 
 def default_rank_assignment() -> Compose:
