@@ -76,7 +76,7 @@ def steps_redone(work: Path) -> int:
     return sum(len(iterations) - 1 for iterations in seen.values())
 
 
-def command(system: str, work: Path, args: argparse.Namespace, kind: str) -> list[str]:
+def command(system: str, work: Path, args: argparse.Namespace, kind: str, endpoint: str) -> list[str]:
     script = [
         str(SCRIPT),
         "--workdir",
@@ -92,19 +92,19 @@ def command(system: str, work: Path, args: argparse.Namespace, kind: str) -> lis
         "--fault-step",
         str(args.fault_step),
     ]
-    if system == "elastic_ft":
-        return [sys.executable, "-m", "elastic_ft.launcher.ftrun", "--nproc-per-node=4", *script]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
+    # Both on the same etcd and rendezvous: only the restart strategy differs.
+    launcher = (
+        ["elastic_ft.launcher.ftrun"] if system == "elastic_ft" else ["torch.distributed.run", "--max-restarts=3"]
+    )
+    rendezvous = [
+        "--nnodes=1:1",
         "--nproc-per-node=4",
-        "--max-restarts=3",
+        "--rdzv-backend=etcdft",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={work.name}",
         "--monitor-interval=0.1",
-        *script,
-        "--no-wrapper",
     ]
+    return [sys.executable, "-m", *launcher, *rendezvous, *script, *(["--no-wrapper"] if system == "torchrun" else [])]
 
 
 def stop_at(work: Path, step: int) -> None:
@@ -112,12 +112,16 @@ def stop_at(work: Path, step: int) -> None:
     (work / "stop.tmp").replace(work / "stop")
 
 
-def run_one(system: str, kind: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_one(system: str, kind: str, args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
     work = scratch.workdir(f"sharded-{system}-{kind}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO"}
     with (work / "launcher.log").open("wb") as log:
         launcher = subprocess.Popen(
-            command(system, work, args, kind), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            command(system, work, args, kind, endpoint),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     row: dict[str, Any] = {"system": system, "kind": kind, "resume_s": None, "full_s": None}
     deadline: float | None = None
@@ -190,13 +194,16 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
+    from elastic_ft.etcd.server import EtcdServer
+
     rows = []
-    for _ in range(repeats):
-        for kind in args.kinds.split(","):
-            for system in args.systems.split(","):
-                row = run_one(system, kind, args)
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+    with EtcdServer() as etcd:
+        for _ in range(repeats):
+            for kind in args.kinds.split(","):
+                for system in args.systems.split(","):
+                    row = run_one(system, kind, args, etcd.endpoint)
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
     print(
         f"\nSharded recovery (FSDP2, HSDP 2 x 2 on one node, fault on rank 3 at step {args.fault_step}; "
         f"median of {repeats}; seconds)"
