@@ -82,16 +82,16 @@ def validate_arguments(arguments: dict[str, Any]) -> None:
         raise ValueError(f"Wrapper interrupt_signal must be a signal (e.g. signal.SIGUSR2) or None, got {interrupt!r}")
     if interrupt in (signal.SIGKILL, signal.SIGSTOP):
         raise ValueError(f"Wrapper interrupt_signal cannot be {interrupt!r}: it cannot be handled")
-    logfile = arguments["monitor_process_logfile"]
-    if logfile is not None:
-        if not isinstance(logfile, str) or not pathlib.Path(logfile).is_absolute():
-            raise ValueError(f"Wrapper monitor_process_logfile must be an absolute path, got {logfile!r}")
+    for name in ("monitor_process_logfile", "monitor_process_pidfile"):
+        path = arguments[name]
+        if path is None:
+            continue
+        if not isinstance(path, str) or not pathlib.Path(path).is_absolute():
+            raise ValueError(f"Wrapper {name} must be an absolute path, got {path!r}")
         try:
-            logfile.format(rank=0)
+            path.format(rank=0)
         except (KeyError, IndexError, ValueError) as error:
-            raise ValueError(
-                f"Wrapper monitor_process_logfile may only contain the {{rank}} placeholder, got {logfile!r}"
-            ) from error
+            raise ValueError(f"Wrapper {name} may only contain the {{rank}} placeholder, got {path!r}") from error
     for smaller, larger in WRAPPER_ORDER:
         if not arguments[smaller] < arguments[larger]:
             raise ValueError(

@@ -84,6 +84,8 @@ class MonitorConfig:
     #: Silence of every Python thread of the rank after which its GIL is held for good.
     gil_held_limit: float
     logfile: str | None
+    #: Where the monitor appends its PID when it starts (``Wrapper(monitor_process_pidfile=...)``).
+    pidfile: str | None
     log_level: int
 
 
@@ -186,6 +188,19 @@ def _in_iteration(position: dict[str, int] | None, iteration: int) -> bool:
     """Whether a peer whose last published position is ``position`` may be in ``iteration``: not when it last
     started an earlier one (None: it has published none yet, so it cannot be ruled out)."""
     return position is None or position["iteration"] >= iteration
+
+
+def _append_pid(path: str) -> None:
+    """Append this process's PID to ``path``, a line (one write: lines of several monitors never mix)."""
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError as error:
+        log.warning("cannot write the monitor process's PID to %s: %s", path, error)
+        return
+    try:
+        os.write(descriptor, f"{os.getpid()}\n".encode())
+    finally:
+        os.close(descriptor)
 
 
 def _log_refusal(error: Exception, last: str) -> str:
@@ -398,6 +413,8 @@ class _Monitor:
         logfile = config.logfile.format(rank=config.initial_rank) if config.logfile else None
         log_to_file(logfile, config.log_level)
         log.info("monitoring target_pid=%d as initial rank %d", self.target_pid, config.initial_rank)
+        if config.pidfile:
+            _append_pid(config.pidfile.format(rank=config.initial_rank))
         while True:
             stopped, early = after_store_ready(self._receive(config.interval))
             if stopped:

@@ -186,6 +186,11 @@ class Wrapper:
         termination_grace_time: time between SIGTERM and SIGKILL at a hard timeout.
         monitor_process_logfile: absolute path of the monitor process's log;
             may contain ``{rank}`` (the initial rank); no log when ``None``.
+        monitor_process_pidfile: absolute path of a file the monitor process
+            appends its PID to, a line, when it starts; may contain ``{rank}``.
+            Under Slurm, ``srun --kill-on-bad-exit=0 ...; python -m
+            elastic_ft.runtime.wait_daemon PIDFILE`` keeps the step until the
+            monitors have recorded the ranks' ends (NVIDIA's 0.6 argument).
         enabled: when false, ``Wrapper(...)(fn)`` returns ``fn`` itself.
         adaptive_timeouts: how the soft and hard timeouts follow the job's
             step times (:class:`~elastic_ft.inprocess.hang_detection.AdaptiveTimeouts`);
@@ -248,6 +253,7 @@ class Wrapper:
     last_call_wait: datetime.timedelta
     termination_grace_time: datetime.timedelta
     monitor_process_logfile: str | None
+    monitor_process_pidfile: str | None
     enabled: bool
     adaptive_timeouts: AdaptiveTimeouts | None
     interrupt_signal: signal.Signals | None
@@ -281,6 +287,7 @@ class Wrapper:
         last_call_wait: datetime.timedelta = DEFAULT_DURATIONS["last_call_wait"],
         termination_grace_time: datetime.timedelta = DEFAULT_DURATIONS["termination_grace_time"],
         monitor_process_logfile: str | None = None,
+        monitor_process_pidfile: str | None = None,
         enabled: bool = True,
         adaptive_timeouts: AdaptiveTimeouts | None = AdaptiveTimeouts(),  # noqa: B008 - immutable
         interrupt_signal: signal.Signals | None = signal.SIGUSR2,
@@ -542,6 +549,7 @@ def _monitor_config(wrapper: Wrapper, state: State) -> MonitorConfig:
         termination_grace_time=_secs(wrapper.termination_grace_time),
         gil_held_limit=max(1.0, 10 * _secs(wrapper.progress_watchdog_interval)),
         logfile=wrapper.monitor_process_logfile,
+        pidfile=wrapper.monitor_process_pidfile,
         log_level=log.getEffectiveLevel(),
     )
 

@@ -587,7 +587,7 @@ def test_a_joiner_gone_before_this_iteration_neither_holds_nor_takes_the_blame()
     job.claim_admission(3, "1")
     job.record_position(3, 1, 3, 4, True)
     job.set(f"{keys.HEARTBEAT}3", encode_heartbeat(now - 31, now - 31, None, False, now - 30))
-    config = MonitorConfig(0, 3, 0.05, 0.5, 20.0, 60.0, 90.0, 1.0, 5.0, None, 20)
+    config = MonitorConfig(0, 3, 0.05, 0.5, 20.0, 60.0, 90.0, 1.0, 5.0, None, None, 20)
     read_end, write_end = os.pipe()
     monitor = _Monitor(config, ProgressTimestamps(1.5, 3.0), dict, {}, os.getpid(), read_end, 2)
     try:

@@ -251,6 +251,21 @@ def test_dcp_optimizer_initialisation_is_not_a_training_step(tmp_path: Path) -> 
     assert outcome.result["after_load_and_one_step"] == 101, outcome.result
 
 
+def test_monitor_processes_append_their_pids_for_wait_daemon(tmp_path: Path) -> None:
+    """``monitor_process_pidfile``: one file per rank with ``{rank}``, else one line per rank in one file; the
+    wait daemon returns once every listed process is gone."""
+    per_rank, shared = tmp_path / "monitor-{rank}.pid", tmp_path / "monitors.pid"
+    for name, pidfile in (("per-rank", per_rank), ("shared", shared)):
+        outcomes = job({"steps": 1, "monitor_process_pidfile": str(pidfile)}, 2, tmp_path / name)
+        assert all(o.returncode == 0 for o in outcomes), details()
+    pids = [int((tmp_path / f"monitor-{rank}.pid").read_text()) for rank in range(2)]
+    lines = shared.read_text().split()
+    assert len(lines) == 2 and all(line.isdigit() for line in lines) and all(pid > 0 for pid in pids), lines
+    from elastic_ft.runtime import wait_daemon
+
+    assert wait_daemon.main([str(shared), "--timeout", "30"]) == 0  # the monitors ended with their ranks
+
+
 def test_ping_keeps_a_rank_busy_in_c_code_alive(tmp_path: Path) -> None:
     # Rank 1 spends 3 s in one C call (no bytecode, so no automatic heartbeat) while
     # a helper thread pings; the soft timeout is 1 s, yet nothing restarts.

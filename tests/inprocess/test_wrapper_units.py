@@ -51,6 +51,8 @@ def test_disabled_wrapper_returns_the_function_itself() -> None:
         ({"barrier_timeout": datetime.timedelta.max}, "barrier_timeout must be at most 30 days"),
         ({"monitor_process_logfile": "relative/{rank}.log"}, "absolute path"),
         ({"monitor_process_logfile": "/tmp/{node}.log"}, "only contain the {rank} placeholder"),
+        ({"monitor_process_pidfile": "monitor.pid"}, "monitor_process_pidfile must be an absolute path"),
+        ({"monitor_process_pidfile": "/tmp/{0}.pid"}, "only contain the {rank} placeholder"),
         ({"interrupt_signal": 9999}, "interrupt_signal must be a signal"),
         ({"interrupt_signal": "SIGUSR2"}, "interrupt_signal must be a signal"),
         ({"interrupt_signal": True}, "interrupt_signal must be a signal"),
