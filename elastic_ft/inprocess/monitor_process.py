@@ -553,6 +553,8 @@ class _Monitor:
         timeouts: Timeouts,
     ) -> bool:
         """Act on a stall of the rank; True once the rank was terminated."""
+        if self.timestamps.unprotected():
+            return False  # the function turned this rank's hang protection off (disable_hang_protection)
         config = self.config
         peers = None
         requested = iteration.restart_requested_at

@@ -41,8 +41,10 @@ from elastic_ft.inprocess.logs import get_logger
 log = get_logger("progress_watchdog")
 
 # Slots of the shared block, each one aligned 8-byte double; times are time.monotonic() seconds.
-_AUTOMATIC, _MANUAL, _THREADS, _SOFT, _HARD, _LONG, _WAITING, _RESTART_PENDING, _DELIVERY, _WARMUP = range(10)
-_Slots = ctypes.c_double * 10
+(_AUTOMATIC, _MANUAL, _THREADS, _SOFT, _HARD, _LONG, _WAITING, _RESTART_PENDING, _DELIVERY, _WARMUP, _UNPROTECTED) = (
+    range(11)
+)
+_Slots = ctypes.c_double * 11
 
 #: Modules whose frames on the main thread's stack mean it waits for other ranks: a collective, DDP's
 #: backward (its all-reduces), a process group being built.
@@ -64,7 +66,8 @@ class ProgressTimestamps:
     ``MANUAL`` is NaN until the first ping of an iteration; ``SOFT`` and
     ``HARD`` are the timeouts in effect, in seconds (``WARMUP`` is 1 while
     they bound an iteration's warm-up, not its steps); ``LONG`` counts the
-    sections marked long the main thread is in. ``WAITING`` is 1 while the
+    sections marked long the main thread is in, ``UNPROTECTED`` those of them
+    whose hang protection is off. ``WAITING`` is 1 while the
     main thread, blocked in C code, waits for other ranks (a collective, a
     backward pass with DDP's all-reduces), 0 while it is blocked elsewhere,
     NaN while it runs Python code: it tells the rank that hung from the
@@ -151,6 +154,21 @@ class ProgressTimestamps:
     def in_long_section(self) -> bool:
         return self._slots[_LONG] > 0
 
+    def enter_unprotected(self) -> None:
+        self._slots[_UNPROTECTED] += 1  # only the main thread writes it
+
+    def exit_unprotected(self) -> None:
+        """Leave an unprotected section: the timeouts count from its end, not from the progress before it."""
+        now = time.monotonic()
+        self._slots[_AUTOMATIC] = now
+        if not math.isnan(self._slots[_MANUAL]):
+            self._slots[_MANUAL] = now
+        self._slots[_UNPROTECTED] = max(0.0, self._slots[_UNPROTECTED] - 1)
+
+    def unprotected(self) -> bool:
+        """The main thread is in a section whose hang protection is off (``disable_hang_protection``)."""
+        return self._slots[_UNPROTECTED] > 0
+
     def read(self) -> tuple[float, float]:
         return self._slots[_AUTOMATIC], self._slots[_MANUAL]
 
@@ -192,6 +210,8 @@ class StepClock:
         self._warmup_started: float | None = None
         self._warmup_long = 0.0
         self._long_entered: float | None = None
+        #: Levels of unprotected sections (``CallWrapper.disable_hang_protection``) the main thread is in.
+        self._unprotected = 0
         # How long a restart may take to reach the main thread (the monitor process terminates the rank
         # after that): the adaptive hard timeout, at least AdaptiveTimeouts.delivery_floor (3 s by default),
         # which holds too until the job's steps give one, as a restart abandons whatever the rank does.
@@ -246,16 +266,30 @@ class StepClock:
         if self._steps_in_iteration > self.config.warmup_steps and not self.timestamps.in_long_section():
             self.timestamps.set_timeouts(*self._adapted)
 
-    def enter_long_section(self) -> None:
+    def enter_long_section(self, unprotected: bool = False) -> None:
+        """A long section: the configured timeouts apply (``unprotected``: none at all) until it ends."""
         if not self.timestamps.in_long_section():
             self._long_entered = time.monotonic()
+        self._unprotected += unprotected
+        if unprotected:
+            self.timestamps.enter_unprotected()
         self.timestamps.enter_long_section()
-        self.timestamps.set_timeouts(self.soft_limit, self.hard_limit)
+        self._set_section_timeouts()
 
-    def exit_long_section(self) -> None:
+    def _set_section_timeouts(self) -> None:
+        if self._unprotected:
+            self.timestamps.set_timeouts(math.inf, math.inf)
+        else:
+            self.timestamps.set_timeouts(self.soft_limit, self.hard_limit)
+
+    def exit_long_section(self, unprotected: bool = False) -> None:
         self.timestamps.exit_long_section()
+        if unprotected:
+            self.timestamps.exit_unprotected()
+        self._unprotected = max(0, self._unprotected - unprotected)
         self._last_step = None  # the interval across the section says nothing of step times
         if self.timestamps.in_long_section():
+            self._set_section_timeouts()
             return
         if self._long_entered is not None:
             self._warmup_long += time.monotonic() - self._long_entered

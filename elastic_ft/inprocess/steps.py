@@ -262,6 +262,15 @@ class StepGate:
             self._steps.exit_long_section()
 
     @contextmanager
+    def unprotected(self) -> Iterator[None]:
+        """No hang timeout inside, and no step time taken (see ``CallWrapper.disable_hang_protection``)."""
+        self._steps.enter_long_section(unprotected=True)
+        try:
+            yield
+        finally:
+            self._steps.exit_long_section(unprotected=True)
+
+    @contextmanager
     def atomic(self) -> Iterator[None]:
         """No restart interrupts the block, nor does it start under a fence or a restart under way."""
         self.await_fence("an atomic section")

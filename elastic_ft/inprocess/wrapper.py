@@ -522,6 +522,14 @@ def _leave(
         hooks.terminate(state, leaving.error)
 
 
+def _progress_sample(call_wrapper: CallWrapper) -> dict[str, Any] | None:
+    """The ``progress`` event's fields: this rank's optimizer steps, while it is an active rank."""
+    state = call_wrapper.state
+    if state.mode is not Mode.ACTIVE:
+        return None
+    return {"rank": state.initial_rank, "iteration": state.iteration, "step": call_wrapper.step}
+
+
 def _state_from_env() -> tuple[State, bool]:
     """The process's state before its first iteration, from torchrun's variables, and whether it joins a world
     that is already running (``ftrun`` respawned it)."""
@@ -698,7 +706,7 @@ class CallWrapper:
         #: The stores this call hands out for process groups (``process_group_store``), by iteration.
         self._group_stores = GroupStores(self.base_store)
         #: The sink of this rank's events this call installed (None: none, or one was there already).
-        self._events = install_rank_events(self.base_store, self._progress_sample)
+        self._events = install_rank_events(self.base_store, functools.partial(_progress_sample, self))
         undo.callback(close_events, self._events)
         self._job_store = job_store(self.base_store)
         self._job_store.record_wrapped(self.state.initial_rank or 0, os.getpid())
@@ -714,13 +722,6 @@ class CallWrapper:
         self._joining.enter_world(
             self.state, self.joining, admits_new_ranks(wrapper.rank_assignment), wrapper.barrier_timeout
         )
-
-    def _progress_sample(self) -> dict[str, Any] | None:
-        """The ``progress`` event's fields: this rank's optimizer steps, while it is an active rank."""
-        state = self.state
-        if state.mode is not Mode.ACTIVE:
-            return None
-        return {"rank": state.initial_rank, "iteration": state.iteration, "step": self.step}
 
     @property
     def job_store(self) -> JobView:
@@ -767,6 +768,13 @@ class CallWrapper:
         step time. ``atomic()`` is a long section too.
         """
         return self._gate.long_section()
+
+    def disable_hang_protection(self) -> contextlib.AbstractContextManager[None]:
+        """A section during which this rank's hang timeouts are off (NVIDIA 0.6's name): no stall inside it
+        restarts or kills the rank, however long. The other ranks' timeouts still run, so a section every rank
+        enters (a collective checkpoint) is the one to mark; a section only some ranks enter is better a
+        :meth:`long_section`. A fault (an exception, a dead process) still restarts as usual."""
+        return self._gate.unprotected()
 
     def atomic(self) -> contextlib.AbstractContextManager[None]:
         """A block the restart never interrupts, and that never starts while a restart is under way.

@@ -266,6 +266,21 @@ def test_monitor_processes_append_their_pids_for_wait_daemon(tmp_path: Path) -> 
     assert wait_daemon.main([str(shared), "--timeout", "30"]) == 0  # the monitors ended with their ranks
 
 
+def test_a_section_without_hang_protection_outlasts_both_timeouts(tmp_path: Path) -> None:
+    """``disable_hang_protection()`` (NVIDIA 0.6), entered by every rank (a collective checkpoint, say): a stall
+    inside it, past the hard timeout, restarts and kills nobody. A rank waiting for another one's unprotected
+    section keeps its own timeouts, as in NVIDIA's Wrapper."""
+    scenario = {
+        "soft_timeout": 1.0,
+        "hard_timeout": 1.5,
+        "unprotected_seconds": 3.0,
+        "faults": [fault(0, "unprotected_sleep", step=1), fault(1, "unprotected_sleep", step=1)],
+    }
+    outcomes = job(scenario, 2, tmp_path)
+    for rank, outcome in enumerate(outcomes):
+        assert_finished(outcome, 0, rank, 2)  # iteration 0: no restart
+
+
 def test_ping_keeps_a_rank_busy_in_c_code_alive(tmp_path: Path) -> None:
     # Rank 1 spends 3 s in one C call (no bytecode, so no automatic heartbeat) while
     # a helper thread pings; the soft timeout is 1 s, yet nothing restarts.

@@ -89,6 +89,9 @@ def inject(kind: str, call_wrapper: CallWrapper) -> None:
         settings["learning_rate"] += 1  # the bug: a missing key, on every call
     if kind == "sleep_python":
         time.sleep(1000)  # a hang in the rank's own code, outside any collective
+    if kind == "unprotected_sleep":  # longer than both timeouts, with the rank's hang protection off
+        with call_wrapper.disable_hang_protection():
+            time.sleep(SCENARIO["unprotected_seconds"])
     if kind == "sigstop":
         os.kill(os.getpid(), signal.SIGSTOP)
     if kind == "wedged":
