@@ -115,15 +115,25 @@ def group_backend(group: Any, device: Any) -> Any:
 
 
 def forget_group_numbers() -> None:
-    """Restart the counter that names new groups, as ``destroy_process_group()`` of every group does.
+    """Restart the counter that names new groups, as ``destroy_process_group()`` of every group does, and free
+    the names of groups the Python side never learned of.
 
     An ``init_process_group`` interrupted before it registered its group
     still took a number; without this, the next init on this rank would name
     its group differently from the ranks whose init succeeded.
     """
+    import torch
     import torch.distributed as dist
 
-    dist.distributed_c10d._world.group_count = 0
+    world = dist.distributed_c10d._world
+    world.group_count = 0
+    if not world.pg_map:
+        # An init interrupted after torch's C++ registry took its group's name, but before the Python side
+        # knew the group: no destroy_process_group frees the name, and every later init on this rank fails
+        # with "A process group is already registered under the name 0". No group is live here.
+        unregister = getattr(torch._C._distributed_c10d, "_unregister_all_process_groups", None)
+        if unregister is not None:
+            unregister()
 
 
 # ---- the node side: torch's elastic agent ----

@@ -54,3 +54,33 @@ def test_only_the_interrupted_iterations_groups_are_kept() -> None:
     assert keeper.retire() == 1
     assert sys.getrefcount(completed) == completed_refs
     assert sys.getrefcount(interrupted) == interrupted_refs
+
+
+def test_an_init_interrupted_after_torch_took_the_groups_name_does_not_block_the_next_one() -> None:
+    """Seen in the soak: a restart landed inside ``init_process_group`` after torch's C++ registry took the name
+    "0" and before the Python side knew the group; every later init on that rank then failed. The abort frees
+    the name when no group is live."""
+    import torch
+
+    from elastic_ft.inprocess.abort import AbortTorchDistributed
+    from elastic_ft.inprocess.state import State
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group = dist.group.WORLD
+    world = dist.distributed_c10d._world
+    # The Python side forgets the group, as if the init had been cut before it recorded it; C++ keeps the name.
+    world.pg_map.clear()
+    world.pg_names.clear()
+    world.pg_group_ranks.clear()
+    world.pg_backend_config.clear()
+    world.pg_to_tag.clear()
+    world.tags_to_pg.clear()
+    world.default_pg = None
+    AbortTorchDistributed()(State(0, 1))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # "already registered" before
+    try:
+        assert dist.get_world_size() == 1
+    finally:
+        dist.destroy_process_group()
+        del group
+        torch._C._distributed_c10d._unregister_all_process_groups()
