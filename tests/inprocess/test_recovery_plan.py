@@ -161,3 +161,19 @@ def test_several_receivers_of_one_shard_are_spread_over_its_holders() -> None:
 def test_a_malformed_shard_is_rejected(shard: object) -> None:
     with pytest.raises(ValueError, match="a shard is"):
         RankProgress(0, 1, False, shard)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("shard", [[2, 2], [0], "x", [0, True]])
+def test_a_malformed_shard_in_the_heal_barriers_result_is_a_transfer_error(shard: object) -> None:
+    """The heal barrier's payload comes from the store (untrusted): a bad shard fails the exchange, which restarts
+    the iteration, and loads nothing."""
+    import json
+
+    from elastic_ft.inprocess.exception import StateTransferError
+    from elastic_ft.inprocess.healing import parse_progress
+
+    payload = json.dumps([{"step": 3, "fresh": False, "shard": [0, 2]}, {"step": 3, "fresh": False, "shard": shard}])
+    with pytest.raises(StateTransferError, match="malformed progress record of active rank 1"):
+        parse_progress(payload, 2)
+    good = json.dumps([{"step": 3, "fresh": False, "shard": [0, 2]}, {"step": 3, "fresh": True}])
+    assert [p.shard for p in parse_progress(good, 2)] == [(0, 2), None]

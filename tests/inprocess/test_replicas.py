@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
 from elastic_ft.inprocess.rank_assignment import ShardedReplicas
-from elastic_ft.inprocess.rank_assignment.replicas import ReplicaMesh, mesh_of, place_replicas, state_mesh
+from elastic_ft.inprocess.rank_assignment.replicas import ReplicaMesh, _shard_of, mesh_of, place_replicas, state_mesh
 from elastic_ft.inprocess.state import Mode, State
 from tests.inprocess.rank_world import World, assert_consistent, discarded, states_of
 
@@ -96,3 +97,16 @@ def test_sharded_replicas_keep_whole_groups_over_a_simulated_world() -> None:
 def test_a_held_shard_state_is_checked() -> None:
     with pytest.raises(ValueError, match="held_shard must be"):
         State(0, 2, held_shard=(2, 2))
+
+
+@pytest.mark.parametrize("published", ["[1, 2]", "[0, 4]"])
+def test_a_published_held_shard_is_read(published: str) -> None:
+    assert _shard_of(published) == tuple(json.loads(published))
+
+
+@pytest.mark.parametrize(
+    "published", ["null", "[2, 2]", "[-1, 2]", "[true, 2]", '["0", 2]', "[0]", "{", "[0, 2, 3]", "1e999"]
+)
+def test_a_malformed_held_shard_counts_as_none(published: str) -> None:
+    """What another rank published is untrusted: anything but ``[index, shards]`` holds nothing usable."""
+    assert _shard_of(published) is None
