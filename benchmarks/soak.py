@@ -42,6 +42,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import statistics
 import sys
@@ -145,6 +146,7 @@ class Soak:
         self.run_id = f"soak-{uuid.uuid4().hex[:8]}"
         self.nodes: dict[str, Any] = {}
         self.faults: list[Fault] = []
+        self.etcd_exits: list[dict[str, Any]] = []
         self.samples: dict[int, list[dict[str, Any]]] = {}  # by worker pid
         self.rank_of_pid: dict[int, int] = {}
         self.seen_pids: set[int] = set()
@@ -243,6 +245,10 @@ class Soak:
                 target.with_suffix(".tmp").write_text(REQUESTED[kind])
                 os.replace(target.with_suffix(".tmp"), target)
             else:
+                if active[rank] not in self._workers():
+                    # The events name a process that has exited since; its PID may be another process's
+                    # now (PIDs wrap around at 32768 here): signal only a worker of a node running now.
+                    return None
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(active[rank], signal.SIGKILL if kind == "sigkill" else signal.SIGSTOP)
             return Fault(kind, time.time(), f"rank {rank}", iteration)
@@ -341,6 +347,7 @@ class Soak:
                         continue
                     self.faults.append(fault)
                     self._await_resume(fault)
+                    self._check_etcd_members()
                     print(
                         f"  {len(self.faults):4d}  {fault.kind:<18} {fault.target:<16} "
                         + ("unresolved" if fault.resumed is None else f"{fault.resumed - fault.at:6.2f} s"),
@@ -368,6 +375,24 @@ class Soak:
                 for node in self.nodes.values():
                     node.terminate()
         return self._report(stop_at, codes, left, events)
+
+    def _check_etcd_members(self) -> None:
+        """Restart the etcd members that exited although no fault killed them, keeping each one's log.
+
+        Only ``etcd_member`` faults stop a member, for 2 s; a member gone otherwise crashed (its log says
+        why), and left alone takes the cluster's quorum with it.
+        """
+        exited = self.cluster.exited_members()
+        if not exited:
+            return
+        for index in exited:
+            kept = self.workdir / f"etcd-m{index}-exit{len(self.etcd_exits)}.log"
+            shutil.copyfile(self.cluster.member_log(index), kept)
+            text = kept.read_text(errors="replace")
+            panic = next((line for line in text.splitlines() if "panic" in line), text[-300:])
+            self.etcd_exits.append({"member": index, "after_fault": len(self.faults), "panic": panic, "log": str(kept)})
+            print(f"  etcd member {index} exited on its own ({panic[:300]}); its log: {kept}", flush=True)
+        self.cluster.restart_members(exited)
 
     def _run_events(self) -> list[Any]:
         from elastic_ft.etcd.client import EtcdClient
@@ -505,6 +530,8 @@ class Soak:
         grown = {pid: g for pid, g in growth.items() if g["threads"] > 8 or g["fds"] > 8}
         if grown:
             problems.append(f"workers whose threads or fds grew by more than 8: {grown}")
+        if self.etcd_exits:
+            problems.append(f"etcd members exited with no fault killing them: {self.etcd_exits}")
         return {
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
             "args": {**vars(self.args), "out": str(self.args.out)},
@@ -524,6 +551,7 @@ class Soak:
             "growth": growth,
             "processes_left": left,
             "launcher_codes": codes,
+            "etcd_exits": self.etcd_exits,
             "problems": problems,
         }
 

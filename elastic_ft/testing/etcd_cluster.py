@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.kv import EtcdUnavailableError
@@ -59,10 +60,27 @@ class EtcdCluster(EtcdServer):
                 return index
         raise RuntimeError("no etcd member reports itself the leader")
 
+    def exited_members(self) -> list[int]:
+        """The members whose process has exited (killed, or crashed)."""
+        return [
+            index
+            for index, member in enumerate(self._members)
+            if member.process is not None and member.process.poll() is not None
+        ]
+
+    def member_log(self, index: int) -> Path:
+        """The file member ``index`` logs to (kept across its restarts)."""
+        return self._members[index].log_path
+
     def restart_member(self, index: int, ready_timeout: float = 20.0) -> None:
         """Start a killed member again on its old data and ports."""
-        self.kill_member(index)
-        self._spawn(self._members[index], new_cluster=False)
+        self.restart_members([index], ready_timeout)
+
+    def restart_members(self, indices: list[int], ready_timeout: float = 20.0) -> None:
+        """Start killed members again on their old data and ports, all before waiting for any."""
+        for index in indices:
+            self.kill_member(index)
+            self._spawn(self._members[index], new_cluster=False)
         self.wait_ready(ready_timeout)
 
 

@@ -10,6 +10,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.rendezvous import EtcdftRendezvousHandler, make_settings
+from elastic_ft.testing.etcd_cluster import EtcdCluster
 
 
 def make(cluster: EtcdServer, run_id: str, **conf: object) -> EtcdftRendezvousHandler:
@@ -68,3 +69,19 @@ def test_member_restart_keeps_the_data(etcd_cluster: EtcdServer) -> None:
     assert kv is not None and kv.value == b"yes"
     client.close()
     only_restarted.close()
+
+
+def test_members_that_exit_unasked_are_found_and_restarted_together(etcd_cluster: EtcdCluster) -> None:
+    assert etcd_cluster.exited_members() == []
+    for index in (0, 2):
+        process = etcd_cluster._members[index].process
+        assert process is not None
+        process.kill()  # not through kill_member: as a crash would
+        process.wait()
+    assert etcd_cluster.exited_members() == [0, 2]
+    assert etcd_cluster.member_log(2).is_file()
+    etcd_cluster.restart_members([0, 2])  # one at a time, the first would wait for quorum with the second
+    assert etcd_cluster.exited_members() == []
+    client = EtcdClient(etcd_cluster.endpoints, request_timeout=2, connect_timeout=10)
+    client.put("/after", b"1")
+    client.close()
