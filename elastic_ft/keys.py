@@ -83,6 +83,14 @@ class RunKeys:
         return f"{self.rdzv}alive/{node}"
 
     @property
+    def health_prefix(self) -> str:
+        """Each node's last health-check verdict before a join (``elastic-ft status`` lists them)."""
+        return self.root + "health/"
+
+    def health(self, node: str) -> str:
+        return self.health_prefix + node
+
+    @property
     def monitor(self) -> str:
         """On the monitor's lease: the election of the node that follows every key and writes the board."""
         return self.rdzv + "monitor"
@@ -261,6 +269,8 @@ OUTCOME = "outcome"
 RESTART_STEP = "restart_step"
 INTERRUPTIONS = "interruptions"
 TERMINATED = "terminated"
+#: Joiners admitted to the iteration that died before they took their place (their initial ranks, a line each).
+LOST_JOINERS = "lost_joiners"
 ANY_COMPLETED = "any_completed"
 #: Set once a rank made a step (optimizer step or ping) in the iteration.
 PROGRESSED = "progressed"

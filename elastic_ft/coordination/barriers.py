@@ -132,7 +132,7 @@ class _StalledBarrier:
             return True
         if store._arrivals(self.name) < self.world_size:
             self.stalled_since = None
-            return False
+            return store.stand_in_for_lost(self.name, self.world_size)
         if self.stalled_since is None:
             self.stalled_since = now
         last_key = keys.barrier_last(self.name)
@@ -321,6 +321,14 @@ class Barriers:
     def gone_ranks(self) -> list[int]:
         """Ranks recorded gone from the barriers' world: none here; an iteration's view says which."""
         return []
+
+    def stand_in_for_lost(self, name: str, world_size: int) -> bool:
+        """Arrive at barrier ``name`` for ranks known lost before they could arrive; True once it is complete.
+
+        Nothing here; an iteration's view stands in for the joiners it
+        admitted that died before taking their place.
+        """
+        return False
 
     def has_arrived(self, name: str, rank: int) -> bool:
         return self.check([keys.barrier_arrived(name, rank)])

@@ -82,6 +82,41 @@ class IterationRecords(Barriers):
     def gone_ranks(self) -> list[int]:
         return self.terminated_ranks()
 
+    def record_lost_joiner(self, initial_rank: int) -> None:
+        """A joiner admitted to this iteration died before it took its place (it never arrived anywhere)."""
+        self.append(keys.LOST_JOINERS, f"{int(initial_rank)}\n")
+
+    def lost_joiners(self) -> list[int]:
+        if not self.check([keys.LOST_JOINERS]):
+            return []
+        return sorted(
+            {n for line in as_text(self.get(keys.LOST_JOINERS)).split() if (n := keys.parse_count(line)) is not None}
+        )
+
+    def stand_in_for_lost(self, name: str, world_size: int) -> bool:
+        """At the iteration barrier: once every rank arrived but as many as there are lost joiners, those
+        missing are the lost joiners' places; report them gone (interrupting the iteration, so that the next
+        restart goes on without them) instead of waiting out the barrier timeout.
+
+        A joiner's place in the iteration comes from the rank assignment it
+        never ran, so it is known only this way: by elimination, once every
+        live rank arrived (each records its position before it arrives, and
+        a dead one with a position is reported at that place).
+        """
+        if name != ITERATION_BARRIER:
+            return False
+        lost = self.lost_joiners()
+        if not lost:
+            return False
+        missing = [rank for rank in range(world_size) if not self.has_arrived(name, rank)]
+        if not missing or len(missing) > len(lost):
+            return False
+        message = f"joiner(s) {lost} admitted to this iteration died before taking their place"
+        log.warning("%s: ranks %s never arrived: %s; restarting without them", name, missing, message)
+        for rank in missing:
+            report_rank_gone(cast(IterationView, self), rank, world_size, "node_died", message)
+        return False  # the last stand-in's arrival publishes the result, which the watch brings
+
     # ---- the iteration's outcome and the fault records ----
 
     def decide_outcome(self, outcome: str) -> str:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from elastic_ft import keys
 from elastic_ft.coordination.barriers import NO_WAIT
 from elastic_ft.coordination.iteration import COMPLETED, iteration_store, report_rank_gone
 from elastic_ft.coordination.job import WITHDRAWN, job_store
@@ -31,8 +32,15 @@ def report_process_gone(base: dist.Store, initial_rank: int, initial_world_size:
         return False
     position = job.position(initial_rank)
     if position is None and initial_rank >= initial_world_size:
-        # A joiner that was never admitted: withdraw it, so no restart admits a dead process.
-        job.claim_admission(initial_rank, WITHDRAWN)
+        # A joiner that was never admitted: withdraw it, so no restart admits a dead process. One admitted
+        # already, but dead before it took its place, is recorded lost in that iteration: the ranks waiting
+        # there for it stand in for it (IterationRecords.stand_in_for_lost).
+        held = job.claim_admission(initial_rank, WITHDRAWN)
+        admitted_to = keys.parse_count(held) if held != WITHDRAWN else None
+        if admitted_to is not None:
+            iteration = iteration_store(base, admitted_to)
+            if iteration.outcome() != COMPLETED:
+                iteration.record_lost_joiner(initial_rank)
     if position is not None:
         iteration = iteration_store(base, position["iteration"])
         if iteration.outcome() != COMPLETED:

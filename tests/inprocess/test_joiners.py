@@ -134,3 +134,53 @@ def test_a_job_that_finished_releases_waiting_joiners() -> None:
     assert not job.finished()
     job.mark_finished()
     assert job.finished()
+
+
+def test_joiners_admitted_but_dead_before_their_place_are_stood_in_for_at_the_iteration_barrier() -> None:
+    """Seen in the soak: a restart admitted node D's two joiners to iteration 60, then node D was killed
+    before they arrived at its barrier. Their places in the iteration come from a rank assignment they
+    never ran; the survivors, once all of them arrived, take the places missing as theirs and report them
+    gone, instead of waiting out the 120 s barrier timeout."""
+    import threading
+
+    base = dist.HashStore()
+    job = job_store(base)
+    job.set_accepts_joiners()
+    for rank in (8, 9):
+        job.record_wrapped(rank, 200 + rank)
+        job.register_joiner(rank)
+        assert job.claim_admission(rank, "5") == "5"  # iteration 4's last arriver admitted them
+    iteration = iteration_store(base, 5)
+    waits: dict[int, float] = {}
+
+    def survivor(rank: int) -> None:
+        start = time.monotonic()
+        iteration.arrive_and_wait(ITERATION_BARRIER, [rank], 5, datetime.timedelta(seconds=30))
+        waits[rank] = time.monotonic() - start
+
+    threads = [threading.Thread(target=survivor, args=(rank,)) for rank in (0, 1, 2)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)
+    assert waits == {}  # nobody stands in for a joiner not known lost
+    assert report_node_gone(base, [8, 9], 4, "node D died") == [8, 9]
+    assert iteration.lost_joiners() == [8, 9]
+    for thread in threads:
+        thread.join(10)
+    assert sorted(waits) == [0, 1, 2] and max(waits.values()) < 5
+    assert iteration.terminated_ranks() == [3, 4]  # the places the survivors did not take
+    assert iteration.outcome() == "interrupted"  # the next restart goes on without them
+    assert job.admission(8) == "5"  # admitted it was: not withdrawn after the fact
+
+
+def test_a_lost_joiner_is_not_stood_in_for_while_a_live_rank_is_still_on_its_way() -> None:
+    base = dist.HashStore()
+    iteration = iteration_store(base, 2)
+    iteration.record_lost_joiner(6)
+    iteration.arrive_and_wait(ITERATION_BARRIER, [0], 3, NO_WAIT)  # ranks 1 (live, slow) and 2 (lost) missing
+    assert not iteration.stand_in_for_lost(ITERATION_BARRIER, 3)
+    assert iteration.terminated_ranks() == []
+    iteration.arrive_and_wait(ITERATION_BARRIER, [1], 3, NO_WAIT)
+    iteration.stand_in_for_lost(ITERATION_BARRIER, 3)
+    assert iteration.terminated_ranks() == [2]
+    assert iteration.has_arrived(ITERATION_BARRIER, 2)
