@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Run NVIDIA inprocess 0.4.1's own unit tests against elastic_ft.inprocess: the files of tag v0.4.1,
-# unchanged but for the import (nvidia_resiliency_ext.inprocess -> elastic_ft.inprocess).
-# Usage: scripts/nvidia_tests.sh NVIDIA_REPO
+# Run NVIDIA inprocess's own unit tests against elastic_ft.inprocess: the files of a release tag, unchanged
+# but for the imports (nvidia_resiliency_ext.inprocess -> elastic_ft.inprocess, and 0.6's
+# nvidia_resiliency_ext.shared_utils -> elastic_ft.shared_utils).
+# Usage: scripts/nvidia_tests.sh NVIDIA_REPO [TAG]
 #   NVIDIA_REPO: a clone of github.com/NVIDIA/nvidia-resiliency-ext (bare or not) that has the tag.
+#   TAG: v0.4.1 (default) or v0.6.0.
 # Prints one line per test and a count per file; the results table in docs/migration.md comes from it.
 #
 # How they are run, and why:
@@ -14,12 +16,14 @@
 # - test_app.py and test_torch.py with unittest: their test classes' constructors need a method name,
 #   which pytest's collection does not give.
 set -euo pipefail
-repo=${1:?usage: scripts/nvidia_tests.sh NVIDIA_REPO}
+repo=${1:?usage: scripts/nvidia_tests.sh NVIDIA_REPO [TAG]}
+tag=${2:-v0.4.1}
 python=${PYTHON:-python3}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-git --git-dir="$(git -C "$repo" rev-parse --absolute-git-dir)" archive v0.4.1 tests/inprocess | tar -x -C "$work"
-find "$work/tests" -name '*.py' -exec sed -i 's/nvidia_resiliency_ext\.inprocess/elastic_ft.inprocess/g' {} +
+git --git-dir="$(git -C "$repo" rev-parse --absolute-git-dir)" archive "$tag" tests/inprocess | tar -x -C "$work"
+find "$work/tests" -name '*.py' -exec sed -i -e 's/nvidia_resiliency_ext\.inprocess/elastic_ft.inprocess/g' \
+    -e 's/nvidia_resiliency_ext\.shared_utils/elastic_ft.shared_utils/g' {} +
 cd "$work"
 pytest=("$python" -m pytest -p unittest.mock -p no:cacheprovider -o addopts= --timeout 120 -q)
 for file in tests/inprocess/test_*.py; do

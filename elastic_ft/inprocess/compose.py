@@ -110,5 +110,10 @@ class Compose:
             args = () if args is None else args
         return result
 
+    @property
+    def instances(self) -> tuple[Callable[..., Any], ...]:
+        """NVIDIA's name for :attr:`parts`."""
+        return self.parts
+
     def __repr__(self) -> str:
         return f"Compose({', '.join(map(repr, self.parts))})"

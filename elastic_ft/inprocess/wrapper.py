@@ -83,6 +83,7 @@ from elastic_ft.inprocess.group_stores import GroupStores
 from elastic_ft.inprocess.growth import next_iteration_state
 from elastic_ft.inprocess.hang_detection import AdaptiveTimeouts
 from elastic_ft.inprocess.healing import heal
+from elastic_ft.inprocess.health_check import ChainedGPUHealthCheck, ChainedNicHealthCheck, ChainedNVLHealthCheck
 from elastic_ft.inprocess.joining import Joining
 from elastic_ft.inprocess.logs import configure_logging, get_logger, release_logging
 from elastic_ft.inprocess.monitor_process import MonitorConfig, MonitorProcess
@@ -166,7 +167,9 @@ class Wrapper:
         initialize: run at the start of every iteration (:mod:`elastic_ft.inprocess.initialize`).
         abort: unblocks the main thread on a fault (:mod:`elastic_ft.inprocess.abort`).
         finalize: cleans up after a fault (:mod:`elastic_ft.inprocess.finalize`).
-        health_check: local health check (:mod:`elastic_ft.inprocess.health_check`).
+        health_check: local health check (:mod:`elastic_ft.inprocess.health_check`). The
+            Wrapper runs ``restart_health_check``: these checks, then (first)
+            the chained NIC, NVLink and GPU checks when ``LOCAL_RANK`` is set.
         rank_assignment: renumbers ranks and picks the active ones after a
             fault; default ``Compose(ActivateAllRanks(), ShiftRanks())``.
         monitor_thread_interval: how often the monitor thread polls a store
@@ -240,6 +243,8 @@ class Wrapper:
     abort: StateHook
     finalize: StateHook | None
     health_check: StateHook | None
+    #: What the Wrapper runs as the health check: ``health_check``'s parts, then the chained device checks.
+    restart_health_check: StateHook | None
     rank_assignment: Callable[[RankAssignmentCtx], RankAssignmentCtx]
     monitor_thread_interval: datetime.timedelta
     monitor_process_interval: datetime.timedelta
@@ -315,6 +320,7 @@ class Wrapper:
             arguments["rank_assignment"] = default_rank_assignment()
         validate_arguments(arguments)
         arguments["store_kwargs"] = dict(arguments["store_kwargs"] or {})
+        arguments["restart_health_check"] = chain_health_checks(arguments["health_check"], os.environ)
         for name, value in arguments.items():
             setattr(self, name, value)
 
@@ -337,6 +343,33 @@ def _call(wrapper: Wrapper, fn: Callable[..., Any], args: tuple[Any, ...], kwarg
     """One call of a wrapped function, from its set-up to its shutdown."""
     with CallWrapper(wrapper) as call_wrapper:
         return call_wrapper(fn, args, kwargs)
+
+
+def chain_health_checks(health_check: StateHook | None, environ: typing.Mapping[str, str]) -> StateHook | None:
+    """``health_check``'s parts, then NIC, NVLink and GPU checks of ``LOCAL_RANK``'s device, when it is set.
+
+    :class:`Compose` runs its parts last to first, so the device checks run
+    first: NIC, NVLink, GPU, then the user's. The chained classes are looked
+    up in this module when the Wrapper is built, so that code replacing
+    NVIDIA's names in ``inprocess.wrap`` (its tests do) replaces them here.
+    """
+    checks: list[StateHook] = []
+    if isinstance(health_check, Compose):
+        checks.extend(health_check.parts)
+    elif health_check is not None:
+        checks.append(health_check)
+    local_rank = environ.get("LOCAL_RANK")
+    if local_rank is not None:
+        try:
+            index = int(local_rank)
+        except ValueError:
+            raise ValueError(f"LOCAL_RANK must be an integer, got {local_rank!r}") from None
+        checks += [
+            ChainedGPUHealthCheck(device_index=index),
+            ChainedNVLHealthCheck(device_index=index),
+            ChainedNicHealthCheck(device_index=index),
+        ]
+    return Compose(*checks) if checks else None
 
 
 def default_rank_assignment() -> Compose:
@@ -662,7 +695,7 @@ class CallWrapper:
         self._groups = ProcessGroupKeeper()
         #: The rank's side of a restart: its connections released, the user's hooks.
         self._hooks = RankHooks(
-            self._groups, wrapper.abort, wrapper.health_check, wrapper.completion, wrapper.terminate
+            self._groups, wrapper.abort, wrapper.restart_health_check, wrapper.completion, wrapper.terminate
         )
         self._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         #: Shared with this node's agent (under ftrun): the node's fence, and this rank's stalls.

@@ -136,6 +136,39 @@ def forget_group_numbers() -> None:
             unregister()
 
 
+def dump_flight_recorder() -> bytes:
+    """This process's Flight Recorder entries (every backend's, gloo included), pickled, without stack traces:
+    collecting those takes the GIL, which a hung main thread may hold."""
+    import torch
+
+    dump = torch._C._distributed_c10d._dump_fr_trace  # type: ignore[attr-defined]
+    return bytes(dump(includeCollectives=True, includeStackTraces=False))
+
+
+def stop_dcp_async_save_process() -> int | None:
+    """End torch DCP's process-based ``async_save`` daemon, if one runs, so the next save starts a fresh one.
+
+    The daemon joined a process group of the world it was started in; after
+    a restart that world is gone. Returns the PID ended, or None.
+    """
+    try:
+        from torch.distributed.checkpoint import _async_process_executor as executor
+    except ImportError:
+        return None
+    process = getattr(executor, "_CHECKPOINT_PROCESS", None)
+    if process is None:
+        return None
+    executor._CHECKPOINT_PROCESS = None
+    save_process = getattr(process, "_save_process", None)
+    if save_process is None:
+        return None
+    pid = save_process.pid
+    if save_process.is_alive():
+        save_process.kill()
+    save_process.join(timeout=5)
+    return pid
+
+
 # ---- the node side: torch's elastic agent ----
 
 

@@ -1,4 +1,4 @@
-"""``inprocess.tools.inject_fault``: NVIDIA 0.4.1's fault-injection names, for rehearsing recoveries."""
+"""``shared_utils.inject_fault`` (NVIDIA 0.6), also as ``inprocess.tools.inject_fault`` (0.4.1): fault injection."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import time
 
 import pytest
 
-from elastic_ft.inprocess import tools
-from elastic_ft.inprocess.tools.inject_fault import (
+from elastic_ft.shared_utils.inject_fault import (
     CustomFault,
     Fault,
     InjectedException,
@@ -39,7 +38,6 @@ NVIDIA_FAULTS = {
 
 
 def test_the_fault_names_are_nvidias() -> None:
-    assert tools.inject_fault.Fault is Fault
     assert set(Fault.__members__) == NVIDIA_FAULTS
     assert Fault["LOCK_GIL"] is Fault.LOCK_GIL  # NVIDIA's test app parses names this way
 
@@ -94,7 +92,7 @@ def test_an_asynchronous_exception_lands_in_the_main_thread() -> None:
 def test_process_faults_end_the_process_as_named(fault: str, code: int) -> None:
     script = (
         "import sys, time\n"
-        "from elastic_ft.inprocess.tools.inject_fault import Fault, InjectedException, inject_fault\n"
+        "from elastic_ft.shared_utils.inject_fault import Fault, InjectedException, inject_fault\n"
         f"inject_fault(faults=(Fault.{fault},), num_faults=1, keep_alive=0, delay=0.05, seed=0)\n"
         "try:\n    time.sleep(10)\nexcept InjectedException:\n    sys.exit(3)\n"
     )
@@ -112,7 +110,7 @@ def test_process_faults_end_the_process_as_named(fault: str, code: int) -> None:
 def test_lock_gil_holds_the_gil_for_good() -> None:
     script = (
         "import threading, time, sys\n"
-        "from elastic_ft.inprocess.tools.inject_fault import Fault, inject_fault\n"
+        "from elastic_ft.shared_utils.inject_fault import Fault, inject_fault\n"
         "beats = []\n"
         "threading.Thread(target=lambda: [beats.append(time.sleep(0.01)) for _ in iter(int, 1)], daemon=True).start()\n"
         "inject_fault(faults=(Fault.LOCK_GIL,), num_faults=1, keep_alive=0, delay=0.0, seed=0)\n"
@@ -140,3 +138,19 @@ def test_bad_arguments_name_the_value() -> None:
         register_fault("X", "not callable")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="a Fault or a non-empty name"):
         register_fault("", lambda delay, callback: None)
+
+
+@pytest.mark.integration
+def test_the_0_4_1_path_is_a_deprecated_name_of_the_same_module() -> None:
+    code = (
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    from elastic_ft.inprocess.tools.inject_fault import Fault, register_fault\n"
+        "from elastic_ft.shared_utils import inject_fault\n"
+        "assert Fault is inject_fault.Fault and register_fault is inject_fault.register_fault\n"
+        "print([str(w.message) for w in caught if w.category is DeprecationWarning])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "elastic_ft.inprocess.tools is deprecated" in out
+    assert "elastic_ft.shared_utils.inject_fault" in out
