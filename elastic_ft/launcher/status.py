@@ -42,6 +42,7 @@ from elastic_ft.keys import (
     wrapper_iteration,
 )
 from elastic_ft.launcher.escalation import WorkerExit
+from elastic_ft.launcher.node_health import HealthRecord
 from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, WorldRecord
 from elastic_ft.observability.events import JobEvent
 from elastic_ft.observability.outages import describe_outage, outages
@@ -132,6 +133,7 @@ def collect_status(client: EtcdClient, keys: RunKeys, events: list[JobEvent] | N
         world = _world_status(client, store, len(members), malformed)
     escalations = _escalations(client, keys, malformed)
     return {
+        "node_health": _node_health(client, keys, malformed),
         "etcd_outages": _etcd_outages(client, keys, events),
         "run": keys.run_id,
         "revision": revision,
@@ -209,6 +211,27 @@ def _late_members(current: RoundResult | None, state: Any, hosts: dict[str, Any]
             }
         )
     return late
+
+
+def _node_health(client: EtcdClient, keys: RunKeys, malformed: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """Each node's last health verdict before a join (``ftrun``'s node health checks)."""
+    kvs, _ = client.get_prefix(keys.health_prefix)
+    verdicts = []
+    for kv in kvs:
+        try:
+            record = HealthRecord.from_json(kv.value)
+        except MalformedRecord as error:
+            malformed.append({"key": kv.key, "reason": error.reason})
+            continue
+        verdicts.append(
+            {
+                "node": kv.key[len(keys.health_prefix) :],
+                "healthy": record.healthy,
+                "problems": list(record.problems),
+                "checked_at": record.checked_at,
+            }
+        )
+    return verdicts
 
 
 def _escalations(client: EtcdClient, keys: RunKeys, malformed: list[dict[str, str]]) -> list[dict[str, Any]]:
@@ -459,6 +482,12 @@ def render_status(status: dict[str, Any]) -> str:
         lines.append(f"  waiting for ranks: {restart['waiting_for'] or 'none'}")
     for escalation in status["escalations"]:
         lines.append(f"  escalated round {escalation['round']} on {escalation['node']}: {escalation['reason']}")
+    for verdict in status.get("node_health", []):
+        if not verdict["healthy"]:
+            when = time.strftime("%H:%M:%S", time.localtime(verdict["checked_at"]))
+            lines.append(
+                f"unhealthy, not joining: {verdict['node']} (checked {when}): {'; '.join(verdict['problems'])}"
+            )
     for outage in status.get("etcd_outages", []):
         lines.append(f"etcd outage: {describe_outage(outage)}")
     joined = status["joined_next_round"]
