@@ -33,6 +33,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import (
@@ -46,7 +47,7 @@ from torch.distributed.elastic.rendezvous import (
 from elastic_ft.etcd.client import EtcdClient, EtcdRequestError, EtcdUnavailableError
 from elastic_ft.observability import sink as event_sink
 from elastic_ft.rendezvous import model, node_state, rules
-from elastic_ft.rendezvous.config import EtcdftSettings, connect, settings_from_parameters
+from elastic_ft.rendezvous.config import EtcdftSettings, RendezvousConfigError, connect, settings_from_parameters
 from elastic_ft.rendezvous.join import JoinCall, NodeParts, StateCell, read_result
 from elastic_ft.rendezvous.monitor import MonitorSeat
 from elastic_ft.rendezvous.presence import NodePresence
@@ -56,6 +57,24 @@ from elastic_ft.untrusted import SkipLog
 log = logging.getLogger(__name__)
 
 BACKEND_NAME = "etcdft"
+
+
+def launcher_order(environ: Mapping[str, str]) -> int | None:
+    """This node's place in its launcher's order: ``SLURM_PROCID`` under ``srun`` (one ``ftrun`` per node).
+
+    Slurm numbers the tasks in its node order, which follows the network
+    topology; new node ranks are given in that order, so neighbours in the
+    allocation are neighbours in rank.
+
+    Raises:
+        RendezvousConfigError: ``SLURM_PROCID`` is not an integer >= 0.
+    """
+    text = environ.get("SLURM_PROCID")
+    if text is None:
+        return None
+    if not text.isdigit():
+        raise RendezvousConfigError(f"SLURM_PROCID must be an integer >= 0, got {text!r}")
+    return int(text)
 
 
 def _node_id() -> str:
@@ -74,6 +93,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
 
     def __init__(self, settings: EtcdftSettings, client: EtcdClient | None = None) -> None:
         self.settings = settings
+        order = launcher_order(os.environ)  # raises on a malformed one, before anything is started
         self.node = _node_id()
         addr = settings.local_addr or socket.getfqdn()
         keys = settings.keys
@@ -106,6 +126,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             emit=self._emit,
             skipped=skipped,
             leaving=threading.Event(),
+            order=order,
         )
         #: What peers and the fence keeper use: this node's lease, alive record, probe and promises.
         self.presence = presence

@@ -85,6 +85,8 @@ class NodeParts:
     skipped: SkipLog
     #: Set by shutdown() before it takes the handler's lock: a call waiting (a standby) ends at once.
     leaving: threading.Event
+    #: This node's place in its launcher's order (``SLURM_PROCID``), which new ranks follow; None: none.
+    order: int | None = None
     #: The close verdict last logged, so that each is logged once, when it changes.
     logged_verdict: tuple[int, rules.CloseVerdict] | None = None
 
@@ -258,7 +260,7 @@ class JoinCall:
     def _join(self, number: int, lease: int, version: int, wake: Any) -> bool:
         parts = self._parts
         keys = parts.keys
-        join = model.join_value(parts.addr, free_port(parts.addr), parts.limits.late_joins)
+        join = model.join_value(parts.addr, free_port(parts.addr), parts.limits.late_joins, parts.order)
         alive = parts.presence.alive_record()
         # The alive key rides in the join transaction: one revision, one watch
         # event batch for the monitor, instead of two.

@@ -66,6 +66,8 @@ class Join:
     port: int
     #: The node would take a place in the running round (``ftrun``'s agent), if one opened.
     late_joins: bool = False
+    #: The node's place in its launcher's order (Slurm's ``SLURM_PROCID``): new ranks go in this order.
+    order: int | None = None
 
 
 @dataclass(frozen=True)
@@ -195,10 +197,12 @@ class RawKey:
     create_revision: int
 
 
-def join_value(addr: str, port: int, late_joins: bool = False) -> bytes:
+def join_value(addr: str, port: int, late_joins: bool = False, order: int | None = None) -> bytes:
     document: dict[str, object] = {"addr": addr, "port": port}
     if late_joins:
         document["late_joins"] = True
+    if order is not None:
+        document["order"] = order
     return json.dumps(document, sort_keys=True).encode()
 
 
@@ -242,6 +246,7 @@ def parse_key(key: str, raw: KeyRecord) -> Fact | None:
             late_joins = data.get("late_joins", False)
             if not isinstance(late_joins, bool):
                 raise MalformedRecord(f"late_joins must be a boolean, got {str(late_joins)[:40]!r}")
+            order = _int(data, "order", 0, _MAX_INT) if "order" in data else None
             join = Join(
                 shape.node,
                 raw.lease,
@@ -249,6 +254,7 @@ def parse_key(key: str, raw: KeyRecord) -> Fact | None:
                 _text(data, "addr"),
                 _int(data, "port", 1, 65535),
                 late_joins,
+                order,
             )
             return Fact("join", round=shape.round, node=shape.node, join=join)
         if shape.kind == "late":

@@ -100,7 +100,9 @@ def assign_ranks(previous: RoundResult | None, joins: Iterable[Join], capacity: 
     order they joined (create revision); at most ``capacity`` (``max_nodes``
     plus hot spares).  Ranks: an
     admitted node keeps its previous rank if that rank still exists; the
-    remaining ranks go, lowest first, to the rest in admission order.
+    remaining ranks go, lowest first, to the rest in their launcher's order
+    (``Join.order``: Slurm's, which follows the network topology) where they
+    have one, then in admission order.
     """
     previous_rank = {m.node: r for r, m in enumerate(previous.members)} if previous else {}
     by_join_order = sorted(joins, key=lambda j: (j.create_revision, j.node))
@@ -118,6 +120,7 @@ def assign_ranks(previous: RoundResult | None, joins: Iterable[Join], capacity: 
         else:
             unplaced.append(join)
     free = iter(r for r in range(size) if ranks[r] is None)
+    unplaced.sort(key=lambda j: (j.order is None, j.order or 0))  # stable: admission order among equals
     for join in unplaced:
         ranks[next(free)] = join
     return [j for j in ranks if j is not None]
