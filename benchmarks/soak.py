@@ -272,9 +272,10 @@ class Soak:
         if kind == "etcd_member":
             index = self.rng.randrange(self.cluster.member_count)
             at = time.time()
+            self._check_etcd_members()
             self.cluster.kill_member(index)
             time.sleep(self.args.etcd_downtime)
-            self.cluster.restart_member(index)
+            self._check_etcd_members(killed=index)
             return Fault(kind, at, f"etcd member {index}", iteration, restarts=False)
         raise ValueError(kind)
 
@@ -374,25 +375,33 @@ class Soak:
             finally:
                 for node in self.nodes.values():
                     node.terminate()
+                for index in range(cluster.member_count):  # the cluster's directory goes with it
+                    self._keep_etcd_log(index, crashed=False)
         return self._report(stop_at, codes, left, events)
 
-    def _check_etcd_members(self) -> None:
-        """Restart the etcd members that exited although no fault killed them, keeping each one's log.
+    def _check_etcd_members(self, killed: int | None = None) -> None:
+        """Restart the etcd members that exited, ``killed`` by an ``etcd_member`` fault or crashed, together.
 
-        Only ``etcd_member`` faults stop a member, for 2 s; a member gone otherwise crashed (its log says
-        why), and left alone takes the cluster's quorum with it.
+        A member gone with no fault killing it crashed: its log is kept in the
+        work directory and its panic line reported. Left alone, it would take the
+        cluster's quorum with it.
         """
         exited = self.cluster.exited_members()
-        if not exited:
-            return
         for index in exited:
-            kept = self.workdir / f"etcd-m{index}-exit{len(self.etcd_exits)}.log"
-            shutil.copyfile(self.cluster.member_log(index), kept)
+            if index != killed:
+                self._keep_etcd_log(index, crashed=True)
+        if exited:
+            self.cluster.restart_members(exited)
+
+    def _keep_etcd_log(self, index: int, crashed: bool) -> Path:
+        kept = self.workdir / f"etcd-m{index}{f'-crash{len(self.etcd_exits)}' if crashed else ''}.log"
+        shutil.copyfile(self.cluster.member_log(index), kept)
+        if crashed:
             text = kept.read_text(errors="replace")
             panic = next((line for line in text.splitlines() if "panic" in line), text[-300:])
             self.etcd_exits.append({"member": index, "after_fault": len(self.faults), "panic": panic, "log": str(kept)})
-            print(f"  etcd member {index} exited on its own ({panic[:300]}); its log: {kept}", flush=True)
-        self.cluster.restart_members(exited)
+            print(f"  etcd member {index} crashed ({panic[:300]}); its log: {kept}", flush=True)
+        return kept
 
     def _run_events(self) -> list[Any]:
         from elastic_ft.etcd.client import EtcdClient
