@@ -115,12 +115,11 @@ class _DeviceCheck(HealthCheck):
         self._said_no_gpu = False
 
     def _no_gpu(self) -> bool:
-        """True, logged once, on a host without CUDA: there is no GPU to be unhealthy."""
+        """True on a host without CUDA, where there is no GPU to be unhealthy: said at INFO once, then at DEBUG."""
         if node_checks.cuda_available():
             return False
-        if not self._said_no_gpu:
-            log.info("%s passes: this host has no CUDA device", type(self).__name__)
-            self._said_no_gpu = True
+        (log.debug if self._said_no_gpu else log.info)("%s passes: this host has no CUDA device", type(self).__name__)
+        self._said_no_gpu = True
         return True
 
 

@@ -38,11 +38,24 @@ def _nearest_stream_handler(logger: logging.Logger) -> logging.StreamHandler | N
     return None
 
 
+#: NVIDIA inprocess 0.6 logs under this logger: an application that gave it handlers gets the Wrapper's logs there.
+NVIDIA_LOGGER_NAME = "nvrx"
+
+
+class _ToNvidiaLogger(logging.Handler):
+    """Hands each record to the ``nvrx`` logger's handlers, at that logger's level."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        target = logging.getLogger(NVIDIA_LOGGER_NAME)
+        if target.isEnabledFor(record.levelno):
+            target.handle(record)
+
+
 @dataclasses.dataclass(frozen=True)
 class LoggingSetup:
     """What :func:`configure_logging` changed, for :func:`release_logging` to undo."""
 
-    handler: logging.Handler
+    handlers: tuple[logging.Handler, ...]
     previous_level: int
 
 
@@ -60,20 +73,29 @@ def configure_logging() -> LoggingSetup | None:
     logger = logging.getLogger(LOGGER_NAME)
     if logger.handlers:
         return None
-    template = _nearest_stream_handler(logger)
-    if template is None:
-        # NVIDIA's Wrapper warns here too (and then disables its logs); ours go to stderr instead.
-        warnings.warn("logging not initialized: elastic_ft.inprocess logs to stderr", UserWarning, stacklevel=2)
-    handler = logging.StreamHandler(template.stream if template is not None else sys.stderr)
-    handler.setFormatter(template.formatter if template is not None and template.formatter is not None else Formatter())
-    if template is not None:
-        handler.setLevel(template.level)
     previous = logger.level
-    if previous == logging.NOTSET and logger.getEffectiveLevel() > logging.INFO:
+    nvidia = logging.getLogger(NVIDIA_LOGGER_NAME)
+    if nvidia.handlers:  # configured as for NVIDIA 0.6: its handlers, at its level, get the Wrapper's logs
+        handlers: tuple[logging.Handler, ...] = (_ToNvidiaLogger(),)
+        if previous == logging.NOTSET and nvidia.level != logging.NOTSET:
+            logger.setLevel(min(nvidia.level, logger.getEffectiveLevel()))
+    else:
+        template = _nearest_stream_handler(logger)
+        if template is None:
+            # NVIDIA's Wrapper warns here too (and then disables its logs); ours go to stderr instead.
+            warnings.warn("logging not initialized: elastic_ft.inprocess logs to stderr", UserWarning, stacklevel=2)
+        handler = logging.StreamHandler(template.stream if template is not None else sys.stderr)
+        formatter = template.formatter if template is not None and template.formatter is not None else Formatter()
+        handler.setFormatter(formatter)
+        if template is not None:
+            handler.setLevel(template.level)
+        handlers = (handler,)
+    if previous == logging.NOTSET and logger.level == logging.NOTSET and logger.getEffectiveLevel() > logging.INFO:
         logger.setLevel(logging.INFO)
     logger.propagate = False
-    logger.addHandler(handler)
-    return LoggingSetup(handler, previous)
+    for added in handlers:
+        logger.addHandler(added)
+    return LoggingSetup(handlers, previous)
 
 
 def release_logging(setup: LoggingSetup | None) -> None:
@@ -81,7 +103,8 @@ def release_logging(setup: LoggingSetup | None) -> None:
     if setup is None:
         return
     logger = logging.getLogger(LOGGER_NAME)
-    logger.removeHandler(setup.handler)
+    for handler in setup.handlers:
+        logger.removeHandler(handler)
     logger.setLevel(setup.previous_level)
     if not logger.handlers:
         logger.propagate = True

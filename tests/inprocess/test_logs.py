@@ -1,0 +1,61 @@
+"""The Wrapper's logs during a call: NVIDIA 0.6's ``nvrx`` logger gets them when the application configured it."""
+
+from __future__ import annotations
+
+import io
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from elastic_ft.inprocess.logs import LOGGER_NAME, configure_logging, release_logging
+
+SCRIPT = """
+import datetime, io, logging, os
+from elastic_ft.runtime.net import free_port
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="localhost", MASTER_PORT=str(free_port()))
+import elastic_ft.inprocess as inprocess
+
+@inprocess.Wrapper(store_kwargs={"port": free_port(), "timeout": datetime.timedelta(seconds=10)})
+def fn():
+    return 7
+
+logger = logging.getLogger("nvrx")
+logger.setLevel(logging.DEBUG)
+said = []
+for _ in range(2):
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger.addHandler(handler)
+    assert fn() == 7
+    logger.removeHandler(handler)
+    said.append(stream.getvalue())
+assert said[0] and len(said[0]) == len(said[1]), said
+assert "iteration 0 completed" in said[0], said
+assert logging.getLogger("elastic_ft.inprocess").handlers == []
+print("ok")
+"""
+
+
+@pytest.mark.integration
+def test_an_application_that_configured_nvidias_logger_gets_every_calls_logs_there() -> None:
+    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    assert "logging not initialized" not in done.stderr  # configuring nvrx is configuring logging
+
+
+def test_the_forwarding_is_undone_when_the_call_ends() -> None:
+    nvidia = logging.getLogger("nvrx")
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    nvidia.addHandler(handler)
+    try:
+        setup = configure_logging()
+        logging.getLogger(LOGGER_NAME).warning("restarting")
+        release_logging(setup)
+        logging.getLogger(LOGGER_NAME).warning("after the call")
+    finally:
+        nvidia.removeHandler(handler)
+    assert stream.getvalue() == "restarting\n"
+    assert logging.getLogger(LOGGER_NAME).handlers == [] and logging.getLogger(LOGGER_NAME).propagate
