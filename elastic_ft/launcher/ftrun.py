@@ -297,12 +297,19 @@ def apply_spare_nodes(args: argparse.Namespace, given: set[str], config: JobConf
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> tuple[argparse.Namespace, set[str]]:
     """Parse, and tell which options the command line set (argparse only fills
     in defaults for attributes the namespace does not have yet)."""
-    probe = argparse.Namespace(**{a.dest: _NOT_GIVEN for a in parser._actions if a.dest != "help"})
+    # A repeatable option appends to what the namespace holds: it starts from None, not the marker.
+    appending = {a.dest for a in parser._actions if isinstance(a, argparse._AppendAction)}
+    probe = argparse.Namespace(
+        **{a.dest: None if a.dest in appending else _NOT_GIVEN for a in parser._actions if a.dest != "help"}
+    )
     parsed = parser.parse_args(argv, namespace=probe)
-    given = {dest for dest, value in vars(parsed).items() if value is not _NOT_GIVEN}
+    given = set()
     for dest, value in vars(parsed).items():
-        if value is _NOT_GIVEN:
-            setattr(parsed, dest, parser.get_default(dest))
+        if value is _NOT_GIVEN or (dest in appending and value is None):
+            default = parser.get_default(dest)
+            setattr(parsed, dest, list(default) if isinstance(default, list) else default)
+        else:
+            given.add(dest)
     return parsed, given
 
 

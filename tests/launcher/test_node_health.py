@@ -15,7 +15,7 @@ import pytest
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.keys import RunKeys
-from elastic_ft.launcher.ftrun import build_parser, node_health_checks
+from elastic_ft.launcher.ftrun import build_parser, node_health_checks, parse_args
 from elastic_ft.launcher.node_health import (
     HealthRecord,
     HealthSpec,
@@ -145,7 +145,8 @@ def test_health_records_from_etcd_are_checked() -> None:
 
 
 def _args(*argv: str) -> argparse.Namespace:
-    return build_parser().parse_args([*argv, "train.py"])
+    args, _ = parse_args(build_parser(), [*argv, "train.py"])  # as ftrun parses its command line
+    return args
 
 
 def test_ftrun_flags_and_ft_launchers_names_build_the_same_checks() -> None:
@@ -171,7 +172,10 @@ def test_ftrun_flags_and_ft_launchers_names_build_the_same_checks() -> None:
     )
     assert ours == nvidia
     assert ours.nic is False and ours.period == 5.0 and ours.storage_paths == ["/data", "/ckpt"]
-    assert node_health_checks(_args()).nic is True  # on by default, as in ft_launcher
+    default = node_health_checks(_args())
+    assert default.nic is True and default.specs == [] and default.storage_paths == []  # NIC on, as in ft_launcher
+    _, given = parse_args(build_parser(), ["--storage-health-check=/a", "--storage-health-check=/b", "train.py"])
+    assert "storage_health_check" in given and "node_health_check" not in given
     off = _args("--ft-enable-dist-storage-healthcheck=false", "--ft-storage-health-check-path=/data")
     assert node_health_checks(off).storage_paths == []
     with pytest.raises(NodeHealthSpecError, match="not NVIDIA's nvhcd gRPC socket"):
