@@ -67,7 +67,9 @@ is due; a peer whose heartbeat is later than that by more than
 :func:`overdue_slack` (a busy peer on a saturated host, its monitor
 process starved of CPU) is *unknown*, not inactive, and holds the restart
 until it reports or is late by the adaptive hard timeout (then its silence
-is its own: it is dead or frozen, and its last activity stands).
+is its own: it is dead or frozen, and its last activity stands). Only a
+peer whose last heartbeat said it was active within a soft timeout holds it
+so (:func:`overdue_for`): one already inactive that long hides nothing.
 """
 
 from __future__ import annotations
@@ -231,6 +233,25 @@ def overdue_slack(soft: float) -> float:
     quarter of ``soft``): a busy peer on a saturated host may send late, and its last heartbeat must not then
     read as inactivity (see the module docstring)."""
     return soft / 4
+
+
+def overdue_for(sent_at: float, active_at: float, due_at: float | None, now: float, soft: float) -> float | None:
+    """How late a peer's heartbeat is, when that lateness may hide activity that matters; else None.
+
+    Late by more than :func:`overdue_slack`, and its last heartbeat said the
+    peer was active less than ``soft`` before it was sent: a busy peer on a
+    saturated host, whose next heartbeat may well say it is still at work.
+    A peer whose last heartbeat already said it was inactive for ``soft``
+    (blocked in a collective, as the others) hides nothing by being late: on
+    a saturated host some peer's heartbeat is nearly always a little late,
+    and counting those deferred a hang's verdict for a minute in the soak.
+    """
+    if due_at is None:
+        return None
+    late = now - due_at
+    if late <= overdue_slack(soft) or sent_at - active_at >= soft:
+        return None
+    return late
 
 
 def peer_read_period(soft: float, interval: float) -> float:

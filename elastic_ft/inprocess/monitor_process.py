@@ -53,7 +53,7 @@ from elastic_ft.inprocess.hang_detection import (
     hang_culprit,
     heartbeat_period,
     judge_stall,
-    overdue_slack,
+    overdue_for,
     peer_read_period,
 )
 from elastic_ft.inprocess.logs import get_logger, log_to_file
@@ -661,7 +661,7 @@ class _Monitor:
         latest, latest_rank = None, None
         stalled = []
         overdue: tuple[int, float] | None = None
-        slack = overdue_slack(self._timeouts().soft)
+        soft = self._timeouts().soft
         number = self.iteration.number if self.iteration is not None else None
         for rank in self._candidate_peers(job):
             if rank == config.initial_rank or rank in self.reported_silent or job.has_arrived(EXIT_BARRIER, rank):
@@ -676,8 +676,8 @@ class _Monitor:
             stalled.append(StalledRank(rank, heartbeat.active_at, heartbeat.waiting))
             if latest is None or heartbeat.active_at > latest:
                 latest, latest_rank = heartbeat.active_at, rank
-            late = now - heartbeat.due_at if heartbeat.due_at is not None else 0.0
-            if late > slack and (overdue is None or late > overdue[1]):
+            late = overdue_for(heartbeat.sent_at, heartbeat.active_at, heartbeat.due_at, now, soft)
+            if late is not None and (overdue is None or late > overdue[1]):
                 overdue = (rank, late)
         inactive_for = None if latest is None else max(0.0, now - latest)
         self._peers, self._latest_active_peer = (now, inactive_for), latest_rank

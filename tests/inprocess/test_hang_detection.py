@@ -34,6 +34,7 @@ from elastic_ft.inprocess.hang_detection import (
     hang_culprit,
     heartbeat_period,
     judge_stall,
+    overdue_for,
     overdue_slack,
     peer_read_period,
     percentile,
@@ -604,3 +605,15 @@ def test_a_joiner_gone_before_this_iteration_neither_holds_nor_takes_the_blame()
             os.close(fd)
         if monitor.pidfd is not None:
             os.close(monitor.pidfd)
+
+
+def test_a_late_heartbeat_holds_a_verdict_only_if_its_peer_was_recently_active() -> None:
+    """Seen in the soak: on a saturated host some peer's heartbeat was nearly always 0.3 to 0.5 s late, and
+    each held the verdict on a hung rank ("its activity is not known yet") for over a minute, although every
+    one of those peers had said it was blocked for seconds."""
+    soft, now = 1.2, 1000.0
+    due = now - 0.5  # late by 0.5 s, past the slack (0.3 s)
+    assert overdue_for(sent_at=now - 1.0, active_at=now - 1.1, due_at=due, now=now, soft=soft) == 0.5  # was busy
+    assert overdue_for(sent_at=now - 1.0, active_at=now - 9.0, due_at=due, now=now, soft=soft) is None  # blocked
+    assert overdue_for(sent_at=now - 1.0, active_at=now - 1.1, due_at=now - 0.2, now=now, soft=soft) is None
+    assert overdue_for(sent_at=now - 1.0, active_at=now - 1.1, due_at=None, now=now, soft=soft) is None
