@@ -269,8 +269,9 @@ OUTCOME = "outcome"
 RESTART_STEP = "restart_step"
 INTERRUPTIONS = "interruptions"
 TERMINATED = "terminated"
-#: Joiners admitted to the iteration that died before they took their place (their initial ranks, a line each).
-LOST_JOINERS = "lost_joiners"
+#: Processes expected in the iteration that died before they took their place there: joiners it admitted, and
+#: ranks of the previous iteration that its restart counted on (their initial ranks, a line each).
+LOST_RANKS = "lost_ranks"
 ANY_COMPLETED = "any_completed"
 #: Set once a rank made a step (optimizer step or ping) in the iteration.
 PROGRESSED = "progressed"

@@ -82,36 +82,56 @@ class IterationRecords(Barriers):
     def gone_ranks(self) -> list[int]:
         return self.terminated_ranks()
 
-    def record_lost_joiner(self, initial_rank: int) -> None:
-        """A joiner admitted to this iteration died before it took its place (it never arrived anywhere)."""
-        self.append(keys.LOST_JOINERS, f"{int(initial_rank)}\n")
+    def record_lost(self, initial_rank: int) -> None:
+        """A process expected in this iteration died before it took its place here (it arrived nowhere in it)."""
+        self.append(keys.LOST_RANKS, f"{int(initial_rank)}\n")
 
-    def lost_joiners(self) -> list[int]:
-        if not self.check([keys.LOST_JOINERS]):
+    def _terminated_after_the_decision(self) -> list[int]:
+        """Ranks of the previous iteration terminated after its termination barrier's result was published."""
+        number = self.iteration
+        if not number:
+            return []
+        previous = iteration_store(cast(dist.Store, underlying(self)), number - 1)
+        payload = previous.termination_result()
+        if payload is None:
+            return []
+        try:
+            decided = set(TerminationResult.from_json(payload, None).terminated)
+        except MalformedRecord:
+            return []  # the barrier's timeout still bounds the wait
+        return sorted(set(previous.terminated_ranks()) - decided)
+
+    def lost_ranks(self) -> list[int]:
+        """Initial ranks of the processes recorded lost before they took their place in this iteration."""
+        if not self.check([keys.LOST_RANKS]):
             return []
         return sorted(
-            {n for line in as_text(self.get(keys.LOST_JOINERS)).split() if (n := keys.parse_count(line)) is not None}
+            {n for line in as_text(self.get(keys.LOST_RANKS)).split() if (n := keys.parse_count(line)) is not None}
         )
 
     def stand_in_for_lost(self, name: str, world_size: int) -> bool:
-        """At the iteration barrier: once every rank arrived but as many as there are lost joiners, those
-        missing are the lost joiners' places; report them gone (interrupting the iteration, so that the next
-        restart goes on without them) instead of waiting out the barrier timeout.
+        """At the iteration barrier: once every rank arrived but as many as are known lost, those missing are
+        the lost processes' places; report them gone (interrupting the iteration, so that the next restart
+        goes on without them) instead of waiting out the barrier timeout.
 
-        A joiner's place in the iteration comes from the rank assignment it
-        never ran, so it is known only this way: by elimination, once every
-        live rank arrived (each records its position before it arrives, and
-        a dead one with a position is reported at that place).
+        Lost: joiners admitted to this iteration that died before taking
+        their place (:meth:`record_lost`), and ranks of the previous
+        iteration that died after its restart had decided this iteration's
+        world with them in (terminated there, but not in its published
+        result). Their places come from a rank assignment they never ran, so
+        they are known only this way: by elimination, once every live rank
+        arrived (each records its position before it arrives, and one dead
+        with a position here is reported at that place).
         """
         if name != ITERATION_BARRIER:
             return False
-        lost = self.lost_joiners()
+        lost = len(self.lost_ranks()) + len(self._terminated_after_the_decision())
         if not lost:
             return False
         missing = [rank for rank in range(world_size) if not self.has_arrived(name, rank)]
-        if not missing or len(missing) > len(lost):
+        if not missing or len(missing) > lost:
             return False
-        message = f"joiner(s) {lost} admitted to this iteration died before taking their place"
+        message = f"{lost} process(es) expected in this iteration died before taking their place"
         log.warning("%s: ranks %s never arrived: %s; restarting without them", name, missing, message)
         for rank in missing:
             report_rank_gone(cast(IterationView, self), rank, world_size, "node_died", message)

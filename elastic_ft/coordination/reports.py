@@ -13,7 +13,11 @@ import torch.distributed as dist
 
 from elastic_ft import keys
 from elastic_ft.coordination.barriers import NO_WAIT
-from elastic_ft.coordination.iteration import COMPLETED, iteration_store, report_rank_gone
+from elastic_ft.coordination.iteration import (
+    COMPLETED,
+    iteration_store,
+    report_rank_gone,
+)
 from elastic_ft.coordination.job import WITHDRAWN, job_store
 from elastic_ft.keys import EXIT_BARRIER
 
@@ -40,7 +44,7 @@ def report_process_gone(base: dist.Store, initial_rank: int, initial_world_size:
         if admitted_to is not None:
             iteration = iteration_store(base, admitted_to)
             if iteration.outcome() != COMPLETED:
-                iteration.record_lost_joiner(initial_rank)
+                iteration.record_lost(initial_rank)
     if position is not None:
         iteration = iteration_store(base, position["iteration"])
         if iteration.outcome() != COMPLETED:

@@ -164,7 +164,7 @@ def test_joiners_admitted_but_dead_before_their_place_are_stood_in_for_at_the_it
     time.sleep(0.3)
     assert waits == {}  # nobody stands in for a joiner not known lost
     assert report_node_gone(base, [8, 9], 4, "node D died") == [8, 9]
-    assert iteration.lost_joiners() == [8, 9]
+    assert iteration.lost_ranks() == [8, 9]
     for thread in threads:
         thread.join(10)
     assert sorted(waits) == [0, 1, 2] and max(waits.values()) < 5
@@ -176,7 +176,7 @@ def test_joiners_admitted_but_dead_before_their_place_are_stood_in_for_at_the_it
 def test_a_lost_joiner_is_not_stood_in_for_while_a_live_rank_is_still_on_its_way() -> None:
     base = dist.HashStore()
     iteration = iteration_store(base, 2)
-    iteration.record_lost_joiner(6)
+    iteration.record_lost(6)
     iteration.arrive_and_wait(ITERATION_BARRIER, [0], 3, NO_WAIT)  # ranks 1 (live, slow) and 2 (lost) missing
     assert not iteration.stand_in_for_lost(ITERATION_BARRIER, 3)
     assert iteration.terminated_ranks() == []
@@ -184,3 +184,51 @@ def test_a_lost_joiner_is_not_stood_in_for_while_a_live_rank_is_still_on_its_way
     iteration.stand_in_for_lost(ITERATION_BARRIER, 3)
     assert iteration.terminated_ranks() == [2]
     assert iteration.has_arrived(ITERATION_BARRIER, 2)
+
+
+def test_a_rank_killed_after_its_restart_counted_on_it_is_stood_in_for_in_the_next_iteration() -> None:
+    """Seen in the soak: a planned restart (admitting a joiner) completed its termination barrier with
+    rank 1 in; rank 1 was SIGKILLed before it took its place in the next iteration. Its report went to
+    the iteration it was last in, whose result was out already; the next iteration's barrier waited for it."""
+    import threading
+
+    base = dist.HashStore()
+    job = job_store(base)
+    for rank in range(4):
+        job.record_wrapped(rank, 300 + rank)
+        job.record_position(rank, iteration=3, rank=rank, world_size=4, active=True)
+    done = iteration_store(base, 3)
+    done.arrive_and_wait(TERMINATION_BARRIER, [0, 1, 2, 3], 4, NO_WAIT)  # the restart: the next world has all 4
+    assert TerminationResult.from_json(done.termination_result(), 4).terminated == ()
+    following = iteration_store(base, 4)
+    waits: dict[int, float] = {}
+
+    def survivor(rank: int) -> None:
+        start = time.monotonic()
+        following.arrive_and_wait(ITERATION_BARRIER, [rank], 4, datetime.timedelta(seconds=30))
+        waits[rank] = time.monotonic() - start
+
+    threads = [threading.Thread(target=survivor, args=(rank,)) for rank in (0, 2, 3)]
+    for thread in threads:
+        thread.start()
+    assert report_process_gone(base, 1, 4, "terminated", "pid 301: signal SIGKILL")  # into iteration 3's records
+    for thread in threads:
+        thread.join(10)
+    assert sorted(waits) == [0, 2, 3] and max(waits.values()) < 5
+    assert following.terminated_ranks() == [1] and following.outcome() == "interrupted"
+
+
+def test_a_rank_the_restart_counted_out_is_not_expected_in_the_next_iteration() -> None:
+    base = dist.HashStore()
+    job = job_store(base)
+    job.record_wrapped(1, 301)
+    job.record_position(1, iteration=3, rank=1, world_size=2, active=True)
+    iteration = iteration_store(base, 3)
+    assert report_process_gone(base, 1, 2, "terminated", "pid 301")  # reported before the restart decided
+    iteration.arrive_and_wait(TERMINATION_BARRIER, [0], 2, NO_WAIT)
+    assert TerminationResult.from_json(iteration.termination_result(), 2).terminated == (1,)
+    following = iteration_store(base, 4)
+    following.arrive_and_wait(ITERATION_BARRIER, [0], 1, NO_WAIT)
+    assert following._terminated_after_the_decision() == []  # not expected there: nothing to stand in for
+    assert not following.stand_in_for_lost(ITERATION_BARRIER, 2)
+    assert following.terminated_ranks() == []
