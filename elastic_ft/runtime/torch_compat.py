@@ -126,6 +126,15 @@ def forget_group_numbers() -> None:
     import torch.distributed as dist
 
     world = dist.distributed_c10d._world
+    if world.pg_map and not dist.is_initialized():
+        # An init interrupted after torch registered its group, but before the group became the default one:
+        # with no default group no other can be live, and the next init would clash with the name it took
+        # ("The specified group name has already been created").
+        for group in list(world.pg_map):
+            with contextlib.suppress(RuntimeError, ValueError):
+                dist.destroy_process_group(group)
+        for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config, world.pg_to_tag):
+            table.clear()
     world.group_count = 0
     if not world.pg_map:
         # An init interrupted after torch's C++ registry took its group's name, but before the Python side

@@ -84,3 +84,27 @@ def test_an_init_interrupted_after_torch_took_the_groups_name_does_not_block_the
         dist.destroy_process_group()
         del group
         torch._C._distributed_c10d._unregister_all_process_groups()
+
+
+def test_an_init_interrupted_after_torch_registered_the_group_does_not_block_the_next_one() -> None:
+    """Seen in the soak: a restart landed inside ``init_process_group`` after torch registered the group on the
+    Python side but before it became the default group; every later init on that rank failed with "The
+    specified group name has already been created", and the same fault ended the job. The abort destroys
+    groups left registered without a default group."""
+    import torch
+
+    from elastic_ft.inprocess.abort import AbortTorchDistributed
+    from elastic_ft.inprocess.state import State
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    world = dist.distributed_c10d._world
+    world.default_pg = None  # registered, not yet the default group: where the restart cut the init
+    assert world.pg_map and not dist.is_initialized()
+    AbortTorchDistributed()(State(0, 1))
+    assert not world.pg_map and not world.pg_names
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # "already created" before
+    try:
+        assert dist.get_world_size() == 1
+    finally:
+        dist.destroy_process_group()
+        torch._C._distributed_c10d._unregister_all_process_groups()
