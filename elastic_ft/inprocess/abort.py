@@ -90,11 +90,16 @@ class AbortTorchDistributed(Abort):
 
     def collect_fr_trace(self, state: State) -> Path | None:
         """Write this rank's Flight Recorder entries for ``state``'s iteration, once; the file, or None."""
-        if not self._recording or not dist.is_initialized() or self._dumped_iteration == state.iteration:
+        path = self.torch_fr_trace_path
+        if (
+            path is None
+            or not self._recording
+            or not dist.is_initialized()
+            or self._dumped_iteration == state.iteration
+        ):
             return None
         self._dumped_iteration = state.iteration
-        assert self.torch_fr_trace_path is not None
-        directory = Path(self.torch_fr_trace_path) / f"iter_{state.iteration}"
+        directory = Path(path) / f"iter_{state.iteration}"
         target = directory / f"_dump_{dist.get_rank()}"
         try:
             directory.mkdir(parents=True, exist_ok=True)
