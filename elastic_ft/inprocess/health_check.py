@@ -19,7 +19,6 @@ from __future__ import annotations
 import abc
 import datetime
 import logging
-import threading
 
 import torch
 
@@ -50,22 +49,11 @@ class CudaHealthCheck(HealthCheck):
     def __call__(self, state: State) -> State:
         if not torch.cuda.is_available() or not torch.cuda.is_initialized():
             return state
-        errors: list[BaseException] = []
-
-        def synchronize() -> None:
-            try:
-                torch.cuda.synchronize()
-            except RuntimeError as error:
-                errors.append(error)
-
-        # In a thread, so that a device that never finishes cannot block the check itself.
-        worker = threading.Thread(target=synchronize, name="elastic_ft-cuda-health-check", daemon=True)
-        worker.start()
-        worker.join(self.timeout.total_seconds())
-        if worker.is_alive():
+        finished, error = node_checks.synchronize_within(None, self.timeout.total_seconds())
+        if not finished:
             raise TimeoutError(f"CUDA did not synchronize within {self.timeout.total_seconds():g} s")
-        if errors:
-            raise RuntimeError("CUDA synchronization failed") from errors[0]
+        if error is not None:
+            raise RuntimeError("CUDA synchronization failed") from error
         return state
 
 

@@ -203,24 +203,31 @@ def _nvml_recovery_actions(indices: list[int]) -> list[str] | None:
     return problems
 
 
-def _synchronize(index: int, timeout: float) -> str | None:
+def synchronize_within(device: int | None, timeout: float) -> tuple[bool, BaseException | None]:
+    """Wait for ``device``'s pending CUDA work (the current device when None), in a thread so that a device
+    that never finishes cannot block the caller: ``(finished, error)``."""
     import torch
 
     errors: list[BaseException] = []
 
     def synchronize() -> None:
         try:
-            torch.cuda.synchronize(index)
+            torch.cuda.synchronize(device)
         except RuntimeError as error:
             errors.append(error)
 
-    worker = threading.Thread(target=synchronize, name="elastic_ft-gpu-check", daemon=True)
+    worker = threading.Thread(target=synchronize, name="elastic_ft-cuda-synchronize", daemon=True)
     worker.start()
     worker.join(timeout)
-    if worker.is_alive():
+    return not worker.is_alive(), errors[0] if errors else None
+
+
+def _synchronize(index: int, timeout: float) -> str | None:
+    finished, error = synchronize_within(index, timeout)
+    if not finished:
         return f"GPU {index} did not finish its work within {timeout:g} s"
-    if errors:
-        return f"GPU {index}: {errors[0]}"
+    if error is not None:
+        return f"GPU {index}: {error}"
     return None
 
 
