@@ -21,6 +21,8 @@ import warnings
 from elastic_ft.observability.log_format import Formatter
 
 LOGGER_NAME = "elastic_ft.inprocess"
+#: The whole package's logger: the monitor process logs all of it to its file.
+PACKAGE_LOGGER_NAME = "elastic_ft"
 
 
 def get_logger(module: str) -> logging.Logger:
@@ -111,15 +113,21 @@ def release_logging(setup: LoggingSetup | None) -> None:
 
 
 def log_to_file(path: str | None, level: int) -> None:
-    """Send the package's logs only to ``path`` (nowhere when ``None``); for the monitor process."""
-    logger = logging.getLogger(LOGGER_NAME)
-    for handler in list(logger.handlers):
-        logger.removeHandler(handler)
-    logger.propagate = False
-    logger.setLevel(level)
+    """Send every log of the package (the etcd client's outage records too) only to ``path`` (nowhere when
+    ``None``); for the monitor process, whose stderr is not the rank's."""
+    inprocess = logging.getLogger(LOGGER_NAME)
+    for handler in list(inprocess.handlers):
+        inprocess.removeHandler(handler)
+    inprocess.propagate = True
+    inprocess.setLevel(logging.NOTSET)
+    package = logging.getLogger(PACKAGE_LOGGER_NAME)
+    for handler in list(package.handlers):
+        package.removeHandler(handler)
+    package.propagate = False
+    package.setLevel(level)
     if path is None:
-        logger.addHandler(logging.NullHandler())
+        package.addHandler(logging.NullHandler())
         return
     handler = logging.FileHandler(path, mode="w")
     handler.setFormatter(Formatter())
-    logger.addHandler(handler)
+    package.addHandler(handler)

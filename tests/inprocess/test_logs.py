@@ -59,3 +59,29 @@ def test_the_forwarding_is_undone_when_the_call_ends() -> None:
         nvidia.removeHandler(handler)
     assert stream.getvalue() == "restarting\n"
     assert logging.getLogger(LOGGER_NAME).handlers == [] and logging.getLogger(LOGGER_NAME).propagate
+
+
+MONITOR_LOG_SCRIPT = """
+import logging, sys
+from elastic_ft.inprocess.logs import log_to_file
+log_to_file(sys.argv[1], logging.INFO)
+logging.getLogger("elastic_ft.inprocess.monitor_process").info("a verdict")
+logging.getLogger("elastic_ft.etcd.outage").warning("etcd at x is unreachable")
+logging.getLogger("elastic_ft.etcd.client").debug("below the level")
+logging.getLogger("some_library").warning("not ours")
+"""
+
+
+@pytest.mark.integration
+def test_the_monitor_process_logs_the_etcd_clients_outages_to_its_file(tmp_path) -> None:
+    """The monitor process's stderr is not the rank's: what its etcd client records of an outage must reach the
+    monitor's log file, beside its verdicts, or a monitor that cannot reach etcd says nothing anywhere."""
+    path = tmp_path / "monitor.log"
+    done = subprocess.run(
+        [sys.executable, "-c", MONITOR_LOG_SCRIPT, str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    written = path.read_text()
+    assert "a verdict" in written and "etcd at x is unreachable" in written, written
+    assert "below the level" not in written and "not ours" not in written, written
+    assert "etcd at x" not in done.stderr
