@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch.distributed as dist
@@ -71,6 +71,29 @@ class CountingStore(Protocol):
     def watch_for(self, key: str) -> KeyWatch: ...
 
 
+@runtime_checkable
+class BatchReadStore(Protocol):
+    """A store that reads many keys, those that exist, in a few requests (:class:`EtcdStore
+    <elastic_ft.etcd.store.EtcdStore>`: one per 128 keys)."""
+
+    def get_existing(self, keys: list[str]) -> dict[str, bytes]: ...
+
+
+def _store_under(view: object) -> tuple[object, str]:
+    """The store under a prefix view, with the view's key prefix; any other store itself, with none."""
+    prefix = getattr(view, "key_prefix", None)
+    if prefix is not None and isinstance(view, dist.PrefixStore):
+        return view.underlying_store, f"{prefix}/"
+    return view, ""
+
+
+class KeyReader(Protocol):
+    """What :func:`read_existing` needs of a store it cannot batch on."""
+
+    get: Callable[[str], bytes]
+    check: Callable[[list[str]], bool]
+
+
 def counting_store(view: object) -> tuple[CountingStore, str] | None:
     """The store under ``view`` if it counts a barrier's arrivals in one request (an etcd store's
     ``arrive_once``), and the key prefix of the view; None for any other store (its ``add`` counts).
@@ -79,15 +102,24 @@ def counting_store(view: object) -> tuple[CountingStore, str] | None:
     retries that grow with the number arriving at once; one transaction per
     arrival does not.
     """
-    if isinstance(view, CountingStore):
-        return view, ""  # the etcd store itself
-    prefix = getattr(view, "key_prefix", None)
-    if prefix is None or not isinstance(view, dist.PrefixStore):
-        return None
-    base = view.underlying_store
-    if not isinstance(base, CountingStore):
-        return None
-    return base, f"{prefix}/"
+    store, prefix = _store_under(view)
+    return (store, prefix) if isinstance(store, CountingStore) else None
+
+
+def read_existing(view: KeyReader, names: Sequence[str]) -> dict[str, bytes]:
+    """The values of those of ``names`` (keys of ``view``) that exist.
+
+    On an etcd store, one request per 128 keys (:class:`BatchReadStore`):
+    a monitor that reads every peer's heartbeat must not cost a request per
+    peer, or its reads outgrow its bound in a large world, or in a long job
+    with many respawned ranks. On another store, a ``check`` and a ``get``
+    per key.
+    """
+    store, prefix = _store_under(view)
+    if not isinstance(store, BatchReadStore):
+        return {name: view.get(name) for name in names if view.check([name])}
+    found = store.get_existing([prefix + name for name in names])
+    return {name: found[prefix + name] for name in names if prefix + name in found}
 
 
 #: How often a rank waiting at a barrier reads the barrier itself, past the watch: a lost watch event

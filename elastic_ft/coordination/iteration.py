@@ -18,7 +18,7 @@ from typing import cast
 import torch.distributed as dist
 
 from elastic_ft import keys
-from elastic_ft.coordination.barriers import NO_WAIT, Barriers, as_text, log, underlying
+from elastic_ft.coordination.barriers import NO_WAIT, Barriers, as_text, log, read_existing, underlying
 from elastic_ft.coordination.fault_records import (
     FaultHistory,
     Interruption,
@@ -128,7 +128,8 @@ class IterationRecords(Barriers):
         lost = len(self.lost_ranks()) + len(self._terminated_after_the_decision())
         if not lost:
             return False
-        missing = [rank for rank in range(world_size) if not self.has_arrived(name, rank)]
+        arrived = read_existing(self, [keys.barrier_arrived(name, rank) for rank in range(world_size)])
+        missing = [rank for rank in range(world_size) if keys.barrier_arrived(name, rank) not in arrived]
         if not missing or len(missing) > lost:
             return False
         message = f"{lost} process(es) expected in this iteration died before taking their place"

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
 from elastic_ft import keys
-from elastic_ft.coordination.barriers import Barriers, as_text, log
+from elastic_ft.coordination.barriers import Barriers, as_text, log, read_existing
 from elastic_ft.coordination.fault_records import Heartbeat, encode_heartbeat, parse_heartbeat_record
 from elastic_ft.untrusted import is_count, json_object
 
@@ -89,14 +90,33 @@ class JobRecords(Barriers):
         ``active`` is 1 for a rank that runs the function, 0 for a reserve rank.
         """
         key = f"{keys.POSITION}{initial_rank}"
-        record = json_object(self.get(key)) if self.check([key]) else None
-        fields = ("iteration", "rank", "world_size")
-        if record is None or not all(is_count(record.get(name)) for name in fields):
-            return None
-        active = record.get("active", True)
-        if not isinstance(active, bool):
-            return None
-        return {**{name: record[name] for name in fields}, "active": int(active)}
+        return _parse_position(self.get(key)) if self.check([key]) else None
+
+    # ---- many ranks at once (a monitor's look at its peers: a few requests, however many ranks) ----
+
+    def heartbeats(self, ranks: Sequence[int]) -> dict[int, Heartbeat]:
+        """The last heartbeats of those of initial ranks ``ranks`` that sent a well-formed one."""
+        found = self._by_rank(keys.HEARTBEAT, ranks)
+        parsed = {rank: parse_heartbeat_record(as_text(value)) for rank, value in found.items()}
+        return {rank: heartbeat for rank, heartbeat in parsed.items() if heartbeat is not None}
+
+    def positions(self, ranks: Sequence[int]) -> dict[int, dict[str, int]]:
+        """The last published positions of those of ``ranks`` that published a well-formed one."""
+        parsed = {rank: _parse_position(value) for rank, value in self._by_rank(keys.POSITION, ranks).items()}
+        return {rank: position for rank, position in parsed.items() if position is not None}
+
+    def arrivals(self, name: str, ranks: Sequence[int]) -> set[int]:
+        """Those of ``ranks`` that arrived at barrier ``name``."""
+        names = {keys.barrier_arrived(name, rank): rank for rank in ranks}
+        return {names[key] for key in read_existing(self, list(names))}
+
+    def admissions(self, ranks: Sequence[int]) -> dict[int, str]:
+        """The admissions (``admitted/<r>``) of those of joiners ``ranks`` that hold one."""
+        return {rank: as_text(value) for rank, value in self._by_rank(keys.ADMITTED, ranks).items()}
+
+    def _by_rank(self, prefix: str, ranks: Sequence[int]) -> dict[int, bytes]:
+        names = {f"{prefix}{rank}": rank for rank in ranks}
+        return {names[key]: value for key, value in read_existing(self, list(names)).items()}
 
     # ---- growing the world (job-wide view) ----
 
@@ -189,8 +209,11 @@ JOINER_ACTIVITY_LIMIT = 10.0
 
 def joiner_ready(job: JobView, initial_rank: int, now: float | None = None) -> bool:
     """The joiner's heartbeat says its process was active within :data:`JOINER_ACTIVITY_LIMIT`."""
-    active_at = job.last_activity(initial_rank)
-    return active_at is not None and (time.time() if now is None else now) - active_at < JOINER_ACTIVITY_LIMIT
+    return _active_recently(job.last_activity(initial_rank), time.time() if now is None else now)
+
+
+def _active_recently(active_at: float | None, now: float) -> bool:
+    return active_at is not None and now - active_at < JOINER_ACTIVITY_LIMIT
 
 
 def admit_joiners(job: JobView, iteration: int) -> list[int]:
@@ -201,11 +224,13 @@ def admit_joiners(job: JobView, iteration: int) -> list[int]:
         return []
     value, now = str(iteration), time.time()
     admitted = []
-    for rank in job.joiners()[:JOINED_MAX]:
-        if job.admission(rank) is not None:
-            continue
-        if not joiner_ready(job, rank, now):
-            active_at = job.last_activity(rank)
+    joiners = job.joiners()[:JOINED_MAX]
+    held = job.admissions(joiners)  # a few requests for all of them: this runs in every restart
+    waiting = [rank for rank in joiners if rank not in held]
+    heartbeats = job.heartbeats(waiting)
+    for rank in waiting:
+        active_at = heartbeats[rank].active_at if rank in heartbeats else None
+        if not _active_recently(active_at, now):
             since = "never" if active_at is None else f"{now - active_at:.1f} s ago"
             log.info("joiner %d is not admitted into iteration %d: last reported active %s", rank, iteration, since)
             continue
@@ -216,11 +241,26 @@ def admit_joiners(job: JobView, iteration: int) -> list[int]:
 
 def joined_ranks(job: JobView) -> list[int]:
     """The joiners admitted into any iteration so far (members of the world since, unless they left)."""
-    return [rank for rank in job.joiners()[:JOINED_MAX] if keys.parse_count(job.admission(rank) or "") is not None]
+    joiners = job.joiners()[:JOINED_MAX]
+    admissions = job.admissions(joiners)
+    return [rank for rank in joiners if keys.parse_count(admissions.get(rank, "")) is not None]
+
+
+def _parse_position(value: bytes) -> dict[str, int] | None:
+    record = json_object(value)
+    fields = ("iteration", "rank", "world_size")
+    if record is None or not all(is_count(record.get(name)) for name in fields):
+        return None
+    active = record.get("active", True)
+    if not isinstance(active, bool):
+        return None
+    return {**{name: record[name] for name in fields}, "active": int(active)}
 
 
 def admitted_joiners(job: JobView, iteration: int) -> list[int]:
     """The joiners already admitted into ``iteration``, in the order :func:`admit_joiners` admits them."""
     if not job.accepts_joiners():
         return []
-    return [rank for rank in job.joiners()[:JOINED_MAX] if job.admission(rank) == str(iteration)]
+    joiners = job.joiners()[:JOINED_MAX]
+    admissions = job.admissions(joiners)
+    return [rank for rank in joiners if admissions.get(rank) == str(iteration)]

@@ -195,6 +195,12 @@ class EtcdStore(dist.Store):
         found = self._reads.values(keys)
         return [found[k].value for k in keys]
 
+    @_bounded_op
+    def get_existing(self, keys: list[str]) -> dict[str, bytes]:
+        """The values of those of ``keys`` that exist (no wait for the others): one request per 128 keys."""
+        found, _ = self._reads.fetch(keys)
+        return {key: kv.value for key, kv in found.items()}
+
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         self._reads.await_keys(keys, timeout, queues=True)
 

@@ -663,13 +663,16 @@ class _Monitor:
         overdue: tuple[int, float] | None = None
         soft = self._timeouts().soft
         number = self.iteration.number if self.iteration is not None else None
-        for rank in self._candidate_peers(job):
-            if rank == config.initial_rank or rank in self.reported_silent or job.has_arrived(EXIT_BARRIER, rank):
-                continue
-            heartbeat = job.heartbeat(rank)
-            if heartbeat is None or heartbeat.reserve:
+        # A few requests however many peers (batched reads): one per peer would outgrow the look's bound in a
+        # large world, or in a long job whose respawned ranks all stay candidates.
+        peers = [r for r in self._candidate_peers(job) if r != config.initial_rank and r not in self.reported_silent]
+        left = job.arrivals(EXIT_BARRIER, peers)
+        heartbeats = job.heartbeats([rank for rank in peers if rank not in left])
+        positions = job.positions(list(heartbeats)) if number is not None else {}
+        for rank, heartbeat in heartbeats.items():
+            if heartbeat.reserve:
                 continue  # a reserve rank waits by design: its activity says nothing of the iteration's
-            if number is not None and not _in_iteration(job.position(rank), number):
+            if number is not None and not _in_iteration(positions.get(rank), number):
                 # Gone before this iteration began (a joiner that died: the exit barrier does not count joiners);
                 # its last heartbeat, ever more overdue, says nothing of this iteration.
                 continue
@@ -726,7 +729,9 @@ class _Monitor:
         if not silent_ranks(beat, now, watching_since, config.heartbeat_timeout, reachable_since):
             return
         others = [rank for rank in range(config.initial_world_size) if rank not in skip]
-        heartbeats = {rank: job.last_heartbeat(rank) for rank in others if not job.has_arrived(EXIT_BARRIER, rank)}
+        left = job.arrivals(EXIT_BARRIER, others)
+        sent = job.heartbeats([rank for rank in others if rank not in left])
+        heartbeats = {rank: sent[rank].sent_at if rank in sent else None for rank in others if rank not in left}
         for initial_rank in silent_ranks(heartbeats, now, watching_since, config.heartbeat_timeout, reachable_since):
             self.reported_silent.add(initial_rank)
             log.warning("initial rank %d sent no heartbeat for %g s", initial_rank, config.heartbeat_timeout)
