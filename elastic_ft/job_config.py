@@ -263,8 +263,8 @@ _WRAPPER_HELP = {
 RESTART_LIMITS = {
     "max_identical_faults": "iterations in a row that may end on the same exception (type, line, step) with no "
     "progress in between before the job stops; default 3, 0: no limit",
-    "max_restarts_without_progress": "iterations in a row that may end on a fault before any step before the "
-    "Wrapper gives up; default 10, 0: no limit",
+    "max_restarts_without_progress": "iterations in a row that may end on a fault without progress (fewer than "
+    "min_progress_steps steps) before the Wrapper gives up; default 10, 0: no limit",
 }
 
 
@@ -289,6 +289,11 @@ class WrapperSection(_Section):
     max_identical_faults: Count0 | None = Field(None, description=RESTART_LIMITS["max_identical_faults"])
     max_restarts_without_progress: Count0 | None = Field(
         None, description=RESTART_LIMITS["max_restarts_without_progress"]
+    )
+    min_progress_steps: Count1 | None = Field(
+        None,
+        description="training steps an iteration must make to count as progress for max_restarts_without_progress "
+        "(ft_launcher's min_progress_iterations); default 1",
     )
 
     def durations(self) -> dict[str, float]:

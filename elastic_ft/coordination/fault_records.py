@@ -196,7 +196,8 @@ class FaultHistory:
     where it was raised, and the step), else None; ``repeats``: how many
     iterations in a row ended on that same signature with no progress in
     between; ``stalled``: how many iterations in a row ended on a fault
-    before any step. Published in every termination barrier's result, so
+    without progress (fewer than the Wrapper's ``min_progress_steps``
+    steps). Published in every termination barrier's result, so
     every rank reads the same counts.
     """
 
@@ -231,7 +232,7 @@ def fault_signature(record: Interruption) -> str | None:
 def next_history(previous: FaultHistory, records: Iterable[Interruption], progressed: bool) -> FaultHistory:
     """The history after an iteration that ended on ``records`` (pure).
 
-    ``progressed``: a rank made a step (an optimizer step, or a ping) in the
+    ``progressed``: active rank 0 made the Wrapper's ``min_progress_steps`` steps (optimizer steps, or pings) in the
     iteration before the fault. Interruptions that are not faults
     (:data:`NOT_FAULTS`) and broken connections alone (the consequence of a
     fault recorded elsewhere) leave the history as it was, but for progress:
@@ -275,7 +276,7 @@ def give_up(history: FaultHistory, max_identical_faults: int | None, max_stalled
         )
     if max_stalled is not None and history.stalled >= max_stalled:
         return GiveUp(
-            f"{history.stalled} iterations in a row ended on a fault before any step "
+            f"{history.stalled} iterations in a row ended on a fault without progress "
             f"(max_restarts_without_progress={max_stalled})",
             fatal=False,
         )

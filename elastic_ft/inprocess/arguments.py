@@ -34,6 +34,8 @@ DEFAULT_LIMITS: dict[str, int] = {
     "max_identical_faults": _DefaultCount(3),
     "max_restarts_without_progress": _DefaultCount(10),
 }
+#: The default of ``min_progress_steps``: any step is progress.
+DEFAULT_MIN_PROGRESS_STEPS = _DefaultCount(1)
 
 
 def validate_arguments(arguments: dict[str, Any]) -> None:
@@ -65,6 +67,9 @@ def validate_arguments(arguments: dict[str, Any]) -> None:
         value = arguments[name]
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"Wrapper {name} must be a whole number >= 1, or None for no limit; got {value!r}")
+    steps = arguments["min_progress_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"Wrapper min_progress_steps must be a whole number >= 1, got {steps!r}")
     if (arguments["state_dict"] is None) != (arguments["load_state_dict"] is None):
         given = "state_dict" if arguments["state_dict"] is not None else "load_state_dict"
         raise ValueError(
@@ -108,6 +113,8 @@ def job_config_defaults() -> dict[str, Any]:
         name: datetime.timedelta(seconds=value) for name, value in config.wrapper.durations().items()
     }
     defaults.update({name: value or None for name, value in config.wrapper.limits().items()})  # 0: no limit
+    if config.wrapper.min_progress_steps is not None:
+        defaults["min_progress_steps"] = config.wrapper.min_progress_steps
     policy = policy_from_config(config)
     if policy is not None:
         defaults["rank_assignment"] = policy
@@ -118,6 +125,6 @@ def apply_job_config_defaults(arguments: dict[str, Any]) -> None:
     """Replace, in ``arguments``, the defaults the code left alone by the job config's values."""
     for name, value in job_config_defaults().items():
         given = arguments[name]
-        default = DEFAULT_DURATIONS.get(name, DEFAULT_LIMITS.get(name))
+        default = {**DEFAULT_DURATIONS, **DEFAULT_LIMITS, "min_progress_steps": DEFAULT_MIN_PROGRESS_STEPS}.get(name)
         if given is default or (name == "rank_assignment" and given is None):
             arguments[name] = value

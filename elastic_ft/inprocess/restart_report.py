@@ -75,17 +75,26 @@ class RestartReporter:
         )
         return None if cause is None else cause.traceback
 
-    def check_limits(self, state: State, result: TerminationResult, cause_traceback: str | None, step: int) -> None:
+    def check_limits(
+        self, store: IterationView, state: State, result: TerminationResult, cause_traceback: str | None, step: int
+    ) -> None:
         """Stop restarting when the restart limits are reached (every rank decides alike, from the same result).
 
         Raises:
-            RestartLimitError: on every rank; its message carries the cause's
-                traceback on the reporting rank, which also logs it.
+            RestartLimitError: on every rank; its message names the last
+                iteration's faults, and carries the cause's traceback on the
+                reporting rank, which also logs it.
         """
         verdict = give_up(result.history, self.max_identical_faults, self.max_restarts_without_progress)
         if verdict is None:
             return
         reason, fatal = verdict.reason, verdict.fatal
+        if not fatal:
+            # The identical-fault rule names its fault; the no-progress rule names those of the last iteration.
+            faults = group_faults(store.interruptions())
+            reason += "; the last iteration ended on: " + (
+                "; ".join(g.describe() for g in faults) or "no fault recorded"
+            )
         reports = state.rank == restart_reporter(state.world_size, result.terminated)
         message = f"in-process restart gives up after iteration {state.iteration}: {reason}"
         if reports:

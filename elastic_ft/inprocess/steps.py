@@ -65,12 +65,15 @@ class StepGate:
         recovery: RecoveryClock,
         board: LocalBoard | None,
         planned_lead: float,
+        min_progress_steps: int = 1,
     ) -> None:
         #: Shared with the monitor thread's restart: held for optimizer steps and atomic sections.
         self.atomic_lock = threading.RLock()
         #: Optimizer steps this rank's state has taken (set to the sender's when it is healed).
         self.step = 0
         self.planned_lead = planned_lead
+        #: Steps an iteration makes before its progress is recorded (the Wrapper's ``min_progress_steps``).
+        self.min_progress_steps = min_progress_steps
         self._state = state
         self._steps = steps
         self._ping_watchdog = ping_watchdog
@@ -85,6 +88,7 @@ class StepGate:
         # the node's lease it began under, its monitor thread and its planned restart's step boundary once agreed.
         self._store: IterationView | None = None
         self._progress_marked = False
+        self._steps_this_iteration = 0
         self._fence_generation = 0
         self._monitor: MonitorThread | None = None
         self._restart_step: int | None = None
@@ -108,6 +112,7 @@ class StepGate:
     def begin_iteration(self, state: State, store: IterationView) -> None:
         """An iteration starts: its progress is not recorded yet, and it runs under the node's lease of now."""
         self._state, self._store, self._progress_marked = state, store, False
+        self._steps_this_iteration = 0
         self._fence_generation = self._board.generation() if self._board is not None else 0
 
     def watched_by(self, monitor: MonitorThread) -> None:
@@ -221,14 +226,17 @@ class StepGate:
             raise Fenced(f"rank {state.rank}: {why}, before {what}")
 
     def _mark_progress(self) -> None:
-        """Active rank 0's first step of an iteration: record that the iteration progressed (once).
+        """A step of active rank 0: once the iteration made ``min_progress_steps``, record that it progressed (once).
 
-        The give-up rule counts iterations that end on a fault before any
-        step. Called with ``atomic_lock`` held, so no restart lands inside
-        the store write; a failed write only delays a give-up.
+        The give-up rule counts iterations that end on a fault without
+        progress. Called with ``atomic_lock`` held, so no restart lands
+        inside the store write; a failed write only delays a give-up.
         """
         store, state = self._store, self._state
-        if store is None or self._progress_marked or state.active_rank != 0 or OUTAGES.down_since() is not None:
+        if store is None or self._progress_marked or state.active_rank != 0:
+            return
+        self._steps_this_iteration += 1
+        if self._steps_this_iteration < self.min_progress_steps or OUTAGES.down_since() is not None:
             return  # etcd away: the next step tries again once it answers, and no step waits for it
         try:
             with bounded(_PROGRESS_WRITE_BOUND, "the progress record's bound"):

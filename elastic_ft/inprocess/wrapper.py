@@ -63,6 +63,7 @@ from elastic_ft.inprocess.abort import AbortTorchDistributed
 from elastic_ft.inprocess.arguments import (
     DEFAULT_DURATIONS,
     DEFAULT_LIMITS,
+    DEFAULT_MIN_PROGRESS_STEPS,
     apply_job_config_defaults,
     validate_arguments,
 )
@@ -232,8 +233,13 @@ class Wrapper:
             restart the workers. ``None``: no limit.
         max_restarts_without_progress: the Wrapper gives up (``RestartLimitError``,
             which ``ftrun`` may escalate to a process restart) once this
-            many iterations in a row ended on a fault before any step (an
-            optimizer step or a :meth:`CallWrapper.ping`). ``None``: no limit.
+            many iterations in a row ended on a fault without progress:
+            fewer than ``min_progress_steps`` steps (optimizer steps or
+            :meth:`CallWrapper.ping` calls) on active rank 0. Its message
+            names the last fault. ``None``: no limit.
+        min_progress_steps: the steps an iteration must make to count as
+            progress (``ft_launcher``'s ``--ft-min-progress-iterations``);
+            1, any step, by default.
     """
 
     # Set from the arguments of __init__, once the job config's defaults are applied and checked.
@@ -269,6 +275,7 @@ class Wrapper:
     rank_filter: StateHook | None
     max_identical_faults: int | None
     max_restarts_without_progress: int | None
+    min_progress_steps: int
 
     def __init__(
         self,
@@ -303,6 +310,7 @@ class Wrapper:
         rank_filter: StateHook | None = None,
         max_identical_faults: int | None = DEFAULT_LIMITS["max_identical_faults"],
         max_restarts_without_progress: int | None = DEFAULT_LIMITS["max_restarts_without_progress"],
+        min_progress_steps: int = DEFAULT_MIN_PROGRESS_STEPS,
     ) -> None:
         arguments = dict(locals())
         del arguments["self"]
@@ -719,6 +727,7 @@ class CallWrapper:
             self._recovery,
             self._board,
             _PLANNED_LEAD + 2 * _secs(wrapper.monitor_thread_interval),
+            wrapper.min_progress_steps,
         )
         self._process_hooks = ProcessHooks(self._gate)
         self._connect(wrapper, undo)
@@ -1101,7 +1110,7 @@ class CallWrapper:
         self._recovery.mark("terminated")
         result = _termination_result(payload, state.world_size)
         cause_traceback = self._reporter.report(store, state, result)
-        self._reporter.check_limits(state, result, cause_traceback, self.step)
+        self._reporter.check_limits(store, state, result, cause_traceback, self.step)
         if result.terminated:
             log.info("rank %s: ranks %s left the job in iteration %d", rank, list(result.terminated), state.iteration)
         if result.joined:

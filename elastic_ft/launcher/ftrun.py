@@ -35,7 +35,7 @@ import logging
 import os
 import sys
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import NoReturn
@@ -47,7 +47,7 @@ from torch.distributed.launcher.api import elastic_launch
 from elastic_ft.etcd.client import EtcdClient, EtcdRequestError, EtcdUnavailableError
 from elastic_ft.etcd.event_log import EventLog
 from elastic_ft.etcd.server import EtcdServer, find_etcd_binary
-from elastic_ft.handoff import job_config_to_env
+from elastic_ft.handoff import job_config_from_env, job_config_to_env
 from elastic_ft.job_config import JobConfig, JobConfigError, ObservabilitySection, load_job_config, parse_job_config
 from elastic_ft.launcher.agent import FtAgent
 from elastic_ft.launcher.node_health import (
@@ -126,7 +126,37 @@ def build_parser() -> argparse.ArgumentParser:
         "or etcd on PATH)",
     )
     _add_health_arguments(parser)
+    _add_progress_arguments(parser)
     return parser
+
+
+def _add_progress_arguments(parser: argparse.ArgumentParser) -> None:
+    """The Wrapper's no-progress rule, set for every worker; ft_launcher's names mean the same."""
+    group = parser.add_argument_group("progress-based stop (every worker's elastic_ft.Wrapper)")
+    group.add_argument(
+        "--max-restarts-without-progress",
+        "--ft-max-no-progress-cycles",
+        "--ft-max_no_progress_cycles",
+        dest="max_restarts_without_progress",
+        type=_no_progress_limit,
+        default=None,
+        metavar="N",
+        help="in-process restarts in a row that may end on a fault without progress before the workers give up "
+        "(RestartLimitError, naming the last faults): the job then ends, or restarts its processes while "
+        "--max-restarts allows; 0 or -1: no limit (default: the job config's wrapper.max_restarts_without_progress, "
+        "else 10)",
+    )
+    group.add_argument(
+        "--min-progress-steps",
+        "--ft-min-progress-iterations",
+        "--ft-min_progress_iterations",
+        dest="min_progress_steps",
+        type=_min_progress_steps,
+        default=None,
+        metavar="M",
+        help="training steps an iteration must make to count as progress (default: the job config's "
+        "wrapper.min_progress_steps, else 1)",
+    )
 
 
 def _add_health_arguments(parser: argparse.ArgumentParser) -> None:
@@ -259,6 +289,38 @@ def _spare_nodes(text: str) -> int:
             f"{text!r} is not a number of nodes; expected a whole number from 0 to {MAX_NODES}"
         )
     return int(text)
+
+
+def _no_progress_limit(text: str) -> int:
+    """A restart count; 0 and -1 (ft_launcher's "disabled") both mean no limit, kept as 0 as the job config does."""
+    stripped = text.strip()
+    if stripped == "-1" or (stripped.isdigit() and int(stripped) < 2**31):
+        return max(0, int(stripped))
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a number of restarts; expected a whole number, or 0 or -1 for no limit"
+    )
+
+
+def _min_progress_steps(text: str) -> int:
+    stripped = text.strip()
+    if stripped.isdigit() and 1 <= int(stripped) < 2**31:
+        return int(stripped)
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number of steps; expected a whole number >= 1")
+
+
+def hand_progress_limits(args: argparse.Namespace, environ: MutableMapping[str, str]) -> None:
+    """Put ``--max-restarts-without-progress`` and ``--min-progress-steps`` into the job config the workers
+    inherit (``ELASTIC_FT_JOB_CONFIG``), over what the run's job config says: the flags take precedence."""
+    limits = {
+        name: getattr(args, name)
+        for name in ("max_restarts_without_progress", "min_progress_steps")
+        if getattr(args, name) is not None
+    }
+    if not limits:
+        return
+    config = job_config_from_env(environ) or parse_job_config({})
+    wrapper = config.wrapper.model_copy(update=limits)
+    environ.update(job_config_to_env(config.model_copy(update={"wrapper": wrapper})))
 
 
 def _port(text: str) -> int:
@@ -537,6 +599,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.error(
                 f"--record and --metrics-port need the etcdft rendezvous, not --rdzv-backend={args.rdzv_backend}"
             )
+        hand_progress_limits(args, os.environ)
         if args.master_port is None:
             args.master_port = 29500
         config, entrypoint, entrypoint_args = torchrun.config_from_args(args)

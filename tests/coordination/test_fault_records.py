@@ -160,7 +160,7 @@ def test_restarts_without_progress_give_up_without_being_fatal() -> None:
     history = FaultHistory(None, 0, 10)
     verdict = give_up(history, 3, 10)
     assert verdict is not None and not verdict.fatal  # no progress: a process restart may still help
-    assert "10 iterations in a row ended on a fault before any step" in verdict.reason
+    assert "10 iterations in a row ended on a fault without progress" in verdict.reason
     assert give_up(history, 3, None) is None
 
 

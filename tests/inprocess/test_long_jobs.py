@@ -103,7 +103,27 @@ def test_restarts_without_progress_give_up_after_the_limit(tmp_path: Path) -> No
     for outcome in outcomes:
         assert outcome.error == "RestartLimitError", report
         assert len(calls(outcome)) == 4, report
-        assert "4 iterations in a row ended on a fault before any step" in outcome.report["error_message"], report
+        message = outcome.report["error_message"]
+        assert "4 iterations in a row ended on a fault without progress" in message, report
+        assert "the last iteration ended on: RuntimeError on rank 1" in message, report
+
+
+def test_iterations_with_fewer_steps_than_min_progress_steps_make_no_progress(tmp_path: Path) -> None:
+    # Rank 1 raises at step 3 of every iteration: three steps of progress each time, fewer than the five
+    # min_progress_steps asks for (ft_launcher's --ft-min-progress-iterations), so the no-progress rule counts them.
+    scenario = {
+        "faults": [every_iteration(1, "raise", until=1000, step=3)],
+        "ping": True,
+        "max_identical_faults": None,
+        "max_restarts_without_progress": 3,
+        "min_progress_steps": 5,
+    }
+    outcomes = run_job(scenario, 2, tmp_path, timeout=90)
+    report = describe(outcomes, tmp_path)
+    for outcome in outcomes:
+        assert outcome.error == "RestartLimitError", report
+        assert len(calls(outcome)) == 3, report
+        assert "3 iterations in a row ended on a fault without progress" in outcome.report["error_message"], report
 
 
 @pytest.mark.slow

@@ -350,7 +350,12 @@ def build_wrapper() -> Wrapper:
         hooks["store_factory"] = functools.partial(etcd_store, SCENARIO["etcd_endpoints"], SCENARIO["etcd_prefix"])
     else:
         hooks["store_kwargs"] = {"timeout": datetime.timedelta(seconds=20)}
-    for name in ("max_identical_faults", "max_restarts_without_progress", "monitor_process_pidfile"):
+    for name in (
+        "max_identical_faults",
+        "max_restarts_without_progress",
+        "min_progress_steps",
+        "monitor_process_pidfile",
+    ):
         if name in SCENARIO:
             hooks[name] = SCENARIO[name]
     return Wrapper(

@@ -13,8 +13,9 @@ import pytest
 
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.server import EtcdServer
+from elastic_ft.handoff import job_config_from_env
 from elastic_ft.job_config import load_job_config
-from elastic_ft.launcher.ftrun import apply_job_config, build_parser, parse_args
+from elastic_ft.launcher.ftrun import apply_job_config, build_parser, hand_progress_limits, parse_args
 from elastic_ft.runtime.net import free_port
 
 TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train.py"
@@ -253,3 +254,73 @@ def test_workers_get_wrapper_defaults_from_the_job_config(etcd: EtcdServer, run_
     assert sorted(r["result"] for r in records if r["result"] is not None) == [0]  # one active rank, one spare
     assert sum(r["result"] is None for r in records) == 1
     assert {r["store"] for r in records} == {"EtcdStore"}
+
+
+NO_PROGRESS_SCRIPT = """
+import os, sys
+import torch.distributed as dist
+from elastic_ft import CallWrapper, Wrapper
+
+def fn(call_wrapper: CallWrapper | None = None):
+    with open(os.path.join(sys.argv[1], f"calls-{os.environ['RANK']}"), "a") as file:
+        file.write(f"{call_wrapper.iteration}\\n")
+    for _ in range(3):  # three steps of progress in every iteration
+        call_wrapper.ping()
+    if call_wrapper.iteration < 4 and call_wrapper.state.rank == 1:
+        raise RuntimeError(f"the same fault in iteration {call_wrapper.iteration}")
+    return 0
+
+Wrapper()(fn)()
+"""
+
+
+def test_the_progress_flags_reach_every_worker() -> None:
+    parser = build_parser()
+    args, _ = parse_args(parser, ["--ft-max-no-progress-cycles", "-1", "--ft-min_progress_iterations", "7", "x.py"])
+    assert (args.max_restarts_without_progress, args.min_progress_steps) == (0, 7)
+    environ = {"ELASTIC_FT_JOB_CONFIG": '{"wrapper": {"soft_timeout": 45, "min_progress_steps": 2}}'}
+    hand_progress_limits(args, environ)
+    wrapper = job_config_from_env(environ).wrapper
+    assert (wrapper.soft_timeout, wrapper.max_restarts_without_progress, wrapper.min_progress_steps) == (45, 0, 7)
+    untouched: dict[str, str] = {}
+    hand_progress_limits(parse_args(parser, ["x.py"])[0], untouched)
+    assert untouched == {}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--max-restarts-without-progress=-2", "'-2' is not a number of restarts"),
+        ("--ft-min-progress-iterations=0", "'0' is not a number of steps; expected a whole number >= 1"),
+    ],
+)
+def test_bad_progress_flags_are_one_line_and_exit_2(flag: str, message: str) -> None:
+    done = subprocess.run([*FTRUN, flag, "x.py"], check=False, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("min_steps", [None, 5])
+def test_iterations_short_of_min_progress_steps_end_the_job_with_their_cause(
+    tmp_path: Path, min_steps: int | None
+) -> None:
+    """ft_launcher's progress-based stop, as ftrun flags: each iteration steps three times and then fails on
+    rank 1, four times in all. Three steps are progress by default (the job completes); with
+    --ft-min-progress-iterations 5 they are not, and the second such iteration ends the job, naming its fault."""
+    script = tmp_path / "worker.py"
+    script.write_text(NO_PROGRESS_SCRIPT)
+    flags = ["--ft-max-no-progress-cycles", "2"]
+    if min_steps is not None:
+        flags += ["--ft-min-progress-iterations", str(min_steps)]
+    command = [*FTRUN, "--nproc-per-node=2", "--monitor-interval=0.1", *flags, str(script), str(tmp_path)]
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=180)
+    calls = [(tmp_path / f"calls-{rank}").read_text().split() for rank in (0, 1)]
+    if min_steps is None:
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert calls == [["0", "1", "2", "3", "4"]] * 2
+        return
+    assert done.returncode != 0, done.stderr[-3000:]
+    assert calls == [["0", "1"]] * 2, done.stderr[-3000:]
+    assert "2 iterations in a row ended on a fault without progress (max_restarts_without_progress=2)" in done.stderr
+    assert "the last iteration ended on: RuntimeError on rank 1" in done.stderr, done.stderr[-3000:]
