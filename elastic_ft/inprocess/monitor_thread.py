@@ -47,7 +47,7 @@ from elastic_ft.coordination.iteration import COMPLETED, INTERRUPTED, PLANNED, I
 from elastic_ft.etcd import shield
 from elastic_ft.inprocess.exception import RankShouldRestart, RestartDelivery
 from elastic_ft.inprocess.logs import get_logger
-from elastic_ft.inprocess.progress_watchdog import main_thread_stack
+from elastic_ft.inprocess.main_thread import main_thread_stack
 from elastic_ft.inprocess.state import State
 from elastic_ft.runtime.waits import Backoff
 

@@ -10,7 +10,7 @@ Three heartbeats say that the wrapped function makes progress:
   cannot run either) or released it. The pending call is libc's
   ``sem_post``, not a Python callback: an asynchronous restart exception
   delivered inside a Python callback would be swallowed by ctypes;
-* manual: :meth:`ProgressWatchdog.ping`, called by the wrapped function
+* manual: :meth:`HeartbeatWatchdog.ping`, called by the wrapped function
   through ``CallWrapper.ping()``. Once a rank pings in an iteration, it must
   keep pinging, which catches livelocks that keep executing bytecode. A ping
   is also evidence of progress for the automatic heartbeat, so a helper
@@ -20,6 +20,11 @@ Three heartbeats say that the wrapped function makes progress:
 The timestamps live in a small shared-memory block created before the
 monitor process is forked, so the monitor process reads them without any
 message passing, even when the main process is frozen.
+
+NVIDIA's ``ProgressWatchdog`` (a thread sending ``Timestamp`` objects to a
+connection, with ``pause_and_synchronize``/``resume``/``shutdown``) is
+served here too, from :mod:`elastic_ft.inprocess.timestamp_watchdog`, for
+code written against ``nvidia_resiliency_ext.inprocess.progress_watchdog``.
 """
 
 from __future__ import annotations
@@ -29,7 +34,6 @@ import ctypes
 import math
 import mmap
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +41,10 @@ from collections.abc import Callable
 from elastic_ft.etcd import shield
 from elastic_ft.inprocess.hang_detection import AdaptiveTimeouts, adaptive_timeouts, warmup_timeouts
 from elastic_ft.inprocess.logs import get_logger
+from elastic_ft.inprocess.main_thread import main_thread_probe, main_thread_waits_for_peers
+from elastic_ft.inprocess.timestamp_watchdog import ProgressWatchdog, Timestamp
+
+__all__ = ["HeartbeatWatchdog", "ProgressTimestamps", "ProgressWatchdog", "StepClock", "Timestamp", "progress_age"]
 
 log = get_logger("progress_watchdog")
 
@@ -45,10 +53,6 @@ log = get_logger("progress_watchdog")
     range(11)
 )
 _Slots = ctypes.c_double * 11
-
-#: Modules whose frames on the main thread's stack mean it waits for other ranks: a collective, DDP's
-#: backward (its all-reduces), a process group being built.
-_COLLECTIVE_MODULES = ("torch.distributed", "torch.nn.parallel", "torch.autograd")
 
 
 def progress_age(automatic: float, manual: float, now: float) -> float:
@@ -300,74 +304,8 @@ class StepClock:
             self.timestamps.set_timeouts(*self._adapted)
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_SEM_T_SIZE = 64  # larger than sem_t on every Linux ABI
-
-_add_pending_call = ctypes.pythonapi.Py_AddPendingCall
-_add_pending_call.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
-_add_pending_call.restype = ctypes.c_int
-# The pending call is libc's sem_post itself: it returns 0 and runs no Python code,
-# so an asynchronous exception can never be raised inside it and lost.
-_SEM_POST = ctypes.cast(_libc.sem_post, ctypes.c_void_p)
-
-
-class _MainThreadProbe:
-    """A semaphore that the main thread posts, via a pending call, when it executes bytecode."""
-
-    def __init__(self) -> None:
-        self._semaphore = ctypes.create_string_buffer(_SEM_T_SIZE)
-        if _libc.sem_init(self._semaphore, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "sem_init failed")
-        self.pending = False
-
-    def schedule(self) -> bool:
-        self.pending = _add_pending_call(_SEM_POST, ctypes.addressof(self._semaphore)) == 0
-        return self.pending
-
-    def answered(self) -> bool:
-        """True once the scheduled call ran; consumes the answer."""
-        if self.pending and _libc.sem_trywait(self._semaphore) == 0:
-            self.pending = False
-        return not self.pending
-
-
-_probe: _MainThreadProbe | None = None
-
-
-def _main_thread_probe() -> _MainThreadProbe:
-    """The process's one probe; never freed, since a pending call may still point to it."""
-    global _probe
-    if _probe is None:
-        _probe = _MainThreadProbe()
-    return _probe
-
-
-def main_thread_stack(limit: int = 8) -> str:
-    """Where the main thread is, innermost call last (read from another thread; for logs)."""
-    ident = threading.main_thread().ident
-    frame = sys._current_frames().get(ident) if ident is not None else None
-    frames: list[str] = []
-    while frame is not None and len(frames) < limit:
-        frames.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
-        frame = frame.f_back
-    return " <- ".join(frames) or "unknown"
-
-
-def main_thread_waits_for_peers() -> bool:
-    """Whether the main thread blocks in a collective, DDP's backward or a process group's set-up.
-
-    Read from another thread while the main thread is blocked in C code:
-    its innermost Python frame made the call that blocks (a ``time.sleep``
-    in a model's ``forward`` under DDP is the user's frame, not DDP's).
-    """
-    ident = threading.main_thread().ident
-    frame = sys._current_frames().get(ident) if ident is not None else None
-    module = frame.f_globals.get("__name__", "") if frame is not None else ""
-    return isinstance(module, str) and module.startswith(_COLLECTIVE_MODULES)
-
-
-class ProgressWatchdog(threading.Thread):
-    """Takes the automatic heartbeat every ``interval`` seconds.
+class HeartbeatWatchdog(threading.Thread):
+    """Takes the automatic heartbeat every ``interval`` seconds (the Wrapper's own watchdog).
 
     Each round checks whether the main thread ran the call scheduled in the
     previous round; if it did, that is progress, and a new call is
@@ -393,7 +331,7 @@ class ProgressWatchdog(threading.Thread):
         self.interval = interval
         self.each_round = each_round
         self.on_waiting = on_waiting
-        self._probe = _main_thread_probe()
+        self._probe = main_thread_probe()
         self._stop_requested = threading.Event()
 
     def run(self) -> None:

@@ -90,7 +90,7 @@ from elastic_ft.inprocess.logs import configure_logging, get_logger, release_log
 from elastic_ft.inprocess.monitor_process import MonitorConfig, MonitorProcess
 from elastic_ft.inprocess.monitor_thread import MonitorThread
 from elastic_ft.inprocess.process_groups import ProcessGroupKeeper
-from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps, ProgressWatchdog, StepClock
+from elastic_ft.inprocess.progress_watchdog import HeartbeatWatchdog, ProgressTimestamps, StepClock
 from elastic_ft.inprocess.rank_assignment.base import RankAssignmentCtx, admits_new_ranks
 from elastic_ft.inprocess.rank_assignment.policies import ActivateAllRanks, MaxActiveWorldSize, ShiftRanks
 from elastic_ft.inprocess.rank_assignment.replicas import ReplicaMesh, state_mesh
@@ -710,7 +710,7 @@ class CallWrapper:
         self._board = _agents_board(self._local_rank)
         #: The current iteration's monitor thread.
         self._monitor: MonitorThread | None = None
-        self._watchdog = ProgressWatchdog(
+        self._watchdog = HeartbeatWatchdog(
             self._timestamps,
             _secs(wrapper.progress_watchdog_interval),
             self._groups.observe,

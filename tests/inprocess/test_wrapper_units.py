@@ -18,7 +18,7 @@ from elastic_ft.coordination.job import job_store
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.inprocess.exception import BarrierOverflow, BarrierTimeout, RestartAbort
 from elastic_ft.inprocess.initialize import RetryController
-from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps, ProgressWatchdog, progress_age
+from elastic_ft.inprocess.progress_watchdog import HeartbeatWatchdog, ProgressTimestamps, progress_age
 from elastic_ft.inprocess.sibling_monitor import ring_successor, silent_ranks
 from elastic_ft.inprocess.state import Mode, State
 from elastic_ft.inprocess.wrapper import Wrapper
@@ -121,7 +121,7 @@ def test_ping_counts_for_both_heartbeats() -> None:
 
 def test_watchdog_heartbeat_stops_while_the_main_thread_is_in_c_code() -> None:
     timestamps = ProgressTimestamps()
-    watchdog = ProgressWatchdog(timestamps, 0.01)
+    watchdog = HeartbeatWatchdog(timestamps, 0.01)
     watchdog.start()
     try:
         for _ in range(30):  # executing bytecode: the heartbeat keeps up
@@ -140,7 +140,7 @@ def test_while_a_restart_waits_to_be_taken_only_a_shielded_section_counts_as_pro
     from elastic_ft.etcd import shield
 
     timestamps = ProgressTimestamps()
-    watchdog = ProgressWatchdog(timestamps, 0.01)
+    watchdog = HeartbeatWatchdog(timestamps, 0.01)
     watchdog.start()
     try:
         timestamps.set_restart_pending(True)
