@@ -137,13 +137,22 @@ class WorkerHandoff:
         joining: the process enters a world that is already running (the
             agent respawned it): it waits as a joiner until a restart
             admits it, instead of taking part in the initial barrier.
+        segment: its node's segment label, when the job trains in whole
+            segments (``ftrun --segment-size``); ``None`` otherwise.
+        segment_ranks: the ranks of one segment (its nodes times the workers
+            per node), with ``segment``.
     """
 
     active_world_size: int | None = None
     joining: bool = False
+    segment: str | None = None
+    segment_ranks: int | None = None
 
     def to_env(self) -> dict[str, str]:
-        return {WORKER_ENV: json.dumps({"active_world_size": self.active_world_size, "joining": self.joining})}
+        document: dict[str, object] = {"active_world_size": self.active_world_size, "joining": self.joining}
+        if self.segment is not None:
+            document.update(segment=self.segment, segment_ranks=self.segment_ranks)
+        return {WORKER_ENV: json.dumps(document)}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> WorkerHandoff | None:
@@ -159,18 +168,28 @@ class WorkerHandoff:
             document = json.loads(text)
         except ValueError:
             document = None
-        size = document.get("active_world_size") if isinstance(document, dict) else None
-        joining = document.get("joining") if isinstance(document, dict) else None
+        if not isinstance(document, dict):
+            document = {}
+        size = document.get("active_world_size")
+        joining = document.get("joining")
+        segment, segment_ranks = document.get("segment"), document.get("segment_ranks")
         if (
-            not isinstance(document, dict)
-            or not isinstance(joining, bool)
-            or not (size is None or (isinstance(size, int) and not isinstance(size, bool) and 1 <= size < 2**31))
+            not isinstance(joining, bool)
+            or not _count_or_none(size)
+            or not (segment is None or (isinstance(segment, str) and 0 < len(segment) <= 128))
+            or not _count_or_none(segment_ranks)
+            or (segment is None) != (segment_ranks is None)
         ):
             raise ValueError(
                 f"{WORKER_ENV}={text!r:.200} is not a valid worker hand-off; expected a JSON object with "
-                '"active_world_size" (a positive integer or null) and "joining" (true or false)'
+                '"active_world_size" (a positive integer or null) and "joining" (true or false), and optionally '
+                '"segment" (a label) with "segment_ranks" (a positive integer)'
             )
-        return cls(size, joining)
+        return cls(size, joining, segment, segment_ranks)
+
+
+def _count_or_none(value: object) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value < 2**31)
 
 
 def job_config_to_env(config: JobConfig) -> dict[str, str]:

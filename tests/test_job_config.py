@@ -193,7 +193,10 @@ def test_the_wrapper_section_has_a_field_for_every_wrapper_duration_and_limit() 
     from elastic_ft.job_config import RESTART_LIMITS, WrapperSection
     from elastic_ft.timeouts import MAY_BE_ZERO, WRAPPER_DEFAULTS
 
-    assert list(WrapperSection.model_fields) == [*WRAPPER_DEFAULTS, *RESTART_LIMITS]
+    assert list(WrapperSection.model_fields) == [*WRAPPER_DEFAULTS, *RESTART_LIMITS, "min_progress_steps"]
+    assert WrapperSection.model_validate({"min_progress_steps": 5}).min_progress_steps == 5
+    with pytest.raises(ValidationError):
+        WrapperSection.model_validate({"min_progress_steps": 0})  # progress needs at least one step
     for name in MAY_BE_ZERO:
         assert WrapperSection.model_validate({name: 0}).model_dump()[name] == 0
     for name in set(WRAPPER_DEFAULTS) - set(MAY_BE_ZERO):

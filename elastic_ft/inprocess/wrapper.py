@@ -94,6 +94,7 @@ from elastic_ft.inprocess.progress_watchdog import HeartbeatWatchdog, ProgressTi
 from elastic_ft.inprocess.rank_assignment.base import RankAssignmentCtx, admits_new_ranks
 from elastic_ft.inprocess.rank_assignment.policies import ActivateAllRanks, MaxActiveWorldSize, ShiftRanks
 from elastic_ft.inprocess.rank_assignment.replicas import ReplicaMesh, state_mesh
+from elastic_ft.inprocess.rank_assignment.segments import SegmentSpares
 from elastic_ft.inprocess.rank_hooks import ProcessHooks, RankHooks, _RankLeaves
 from elastic_ft.inprocess.recovery_phases import RecoveryClock
 from elastic_ft.inprocess.restart_report import RestartReporter
@@ -380,8 +381,9 @@ def chain_health_checks(health_check: StateHook | None, environ: typing.Mapping[
     return Compose(*checks) if checks else None
 
 
-def default_rank_assignment() -> Compose:
-    """``ShiftRanks``, then the active ranks: all of them, or under ``ftrun`` the round's active world size.
+def default_rank_assignment() -> Compose | SegmentSpares:
+    """``ShiftRanks``, then the active ranks: all of them, or under ``ftrun`` the round's active world size;
+    under ``ftrun --segment-size``, :class:`SegmentSpares`.
 
     ``ftrun``'s agent hands its workers the number of ranks the round's
     active nodes hold (:class:`~elastic_ft.handoff.WorkerHandoff`); the hot
@@ -389,6 +391,8 @@ def default_rank_assignment() -> Compose:
     that fail, keeping the active world size while reserve ranks last.
     """
     worker = WorkerHandoff.from_env(os.environ)
+    if worker is not None and worker.segment is not None and worker.segment_ranks is not None:
+        return SegmentSpares(worker.active_world_size, worker.segment, worker.segment_ranks)
     if worker is not None and worker.active_world_size is not None:
         return Compose(MaxActiveWorldSize(worker.active_world_size), ShiftRanks())
     return Compose(ActivateAllRanks(), ShiftRanks())

@@ -91,6 +91,7 @@ from elastic_ft.observability.log_format import set_where
 from elastic_ft.observability.metrics import JobMetrics, MetricsEndpoint
 from elastic_ft.observability.sink import EventsHandoff, emit
 from elastic_ft.rendezvous.handler import EtcdftRendezvousHandler
+from elastic_ft.rendezvous.model import RoundResult
 from elastic_ft.runtime.local_board import LocalBoard
 from elastic_ft.runtime.reaper import ensure_reaper
 from elastic_ft.runtime.torch_compat import (
@@ -275,9 +276,9 @@ class FtAgent(LocalElasticAgent):
         for local_rank in range(self._board.ranks):
             self._board.clear_stalls(local_rank)
         os.environ.update(self._board.to_env())
-        self._active_world_size = self._round_active_world_size(worker_group, len(member_of.members))
+        self._active_world_size = self._round_active_world_size(worker_group, member_of)
         late = self._handler.late_place is not None
-        os.environ.update(WorkerHandoff(self._active_world_size, joining=late).to_env())
+        os.environ.update(self._worker_handoff(worker_group, joining=late).to_env())
         if not late:
             world = WorldRecord(
                 world_size=worker_group.workers[0].world_size,  # torch's WorkerSpec has at least one
@@ -343,8 +344,9 @@ class FtAgent(LocalElasticAgent):
             for i in range(count)
         ]
 
-    def _round_active_world_size(self, worker_group: WorkerGroup, members: int) -> int | None:
-        """How many ranks run the training function at most: those of ``max_nodes`` nodes.
+    def _round_active_world_size(self, worker_group: WorkerGroup, result: RoundResult) -> int | None:
+        """How many ranks run the training function at most: those of ``max_nodes`` nodes, or with segments
+        those of the round's whole segments (its first ``result.active`` members).
 
         The round's ranks above it (its hot spares') start as reserve ranks;
         below it, the world grows in-process as nodes join the running round
@@ -353,11 +355,21 @@ class FtAgent(LocalElasticAgent):
         workers = worker_group.workers
         if not workers:
             return None
-        world_size = workers[0].world_size
+        world_size, members = workers[0].world_size, len(result.members)
         if world_size % members:
             log.warning("nodes run different numbers of workers: no reserve ranks, every rank is active")
             return None
-        return world_size // members * self._handler.settings.max_nodes
+        nodes = self._handler.settings.max_nodes if result.active is None else result.active
+        return world_size // members * nodes
+
+    def _worker_handoff(self, worker_group: WorkerGroup, joining: bool) -> WorkerHandoff:
+        """The place of this node's workers: the active world size, and with segments their node's label."""
+        settings = self._handler.settings
+        label = self._handler.segment
+        if settings.segment is None or label is None:
+            return WorkerHandoff(self._active_world_size, joining=joining)
+        ranks = settings.segment * worker_group.spec.local_world_size
+        return WorkerHandoff(self._active_world_size, joining=joining, segment=label, segment_ranks=ranks)
 
     def _publish_node_record(self, worker_group: WorkerGroup) -> None:
         """Tell the other agents this node's initial ranks and pids (they report them if the node dies)."""
@@ -530,7 +542,7 @@ class FtAgent(LocalElasticAgent):
         pcontext = self._subprocesses()
         env = dict(pcontext.envs[local_rank])
         env["RANK"] = str(initial_rank)
-        env.update(WorkerHandoff(self._active_world_size, joining=True).to_env())
+        env.update(self._worker_handoff(worker_group, joining=True).to_env())
         stdout, stderr = (_keep_old_log(paths.get(local_rank)) for paths in (pcontext.stdouts, pcontext.stderrs))
         handler = get_subprocess_handler(
             entrypoint=str(pcontext.entrypoint),

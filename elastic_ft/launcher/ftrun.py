@@ -61,6 +61,7 @@ from elastic_ft.observability import log_format
 from elastic_ft.observability.events import write_events_file
 from elastic_ft.observability.sink import EventSink, install
 from elastic_ft.rendezvous.config import MAX_NODES, EtcdftSettings, RendezvousConfigError, connect, make_settings
+from elastic_ft.rendezvous.handler import SEGMENT_ENV, node_segment
 from elastic_ft.runtime.reaper import ensure_reaper
 from elastic_ft.runtime.torch_compat import launched_agent_class
 
@@ -127,7 +128,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_health_arguments(parser)
     _add_progress_arguments(parser)
+    _add_segment_arguments(parser)
     return parser
+
+
+def _add_segment_arguments(parser: argparse.ArgumentParser) -> None:
+    """Whole segments of nodes (NVLink domains, racks) train; hot spares replace a lost node from its own."""
+    group = parser.add_argument_group("segments (ft_launcher's --ft-segment)")
+    group.add_argument(
+        "--segment-size",
+        "--ft-segment",
+        "--ft_segment",
+        dest="segment_size",
+        type=_segment_size,
+        default=None,
+        metavar="N",
+        help="train in whole segments of N nodes with the same --node-segment label: per label, as many whole "
+        "segments as it has nodes train, on consecutive ranks, and the other nodes wait as hot spares; a lost "
+        "node's ranks are taken by a spare of its own segment first; --nnodes' min and max must be multiples "
+        "of N (the etcdft rendezvous' --rdzv-conf segment=N)",
+    )
+    group.add_argument(
+        "--node-segment",
+        default=None,
+        metavar="LABEL",
+        help="this node's segment label (an NVLink domain, a rack; default: $ELASTIC_FT_NODE_SEGMENT, else the "
+        "switch above the node in Slurm's topology, SLURM_TOPOLOGY_ADDR)",
+    )
 
 
 def _add_progress_arguments(parser: argparse.ArgumentParser) -> None:
@@ -321,6 +348,37 @@ def hand_progress_limits(args: argparse.Namespace, environ: MutableMapping[str, 
     config = job_config_from_env(environ) or parse_job_config({})
     wrapper = config.wrapper.model_copy(update=limits)
     environ.update(job_config_to_env(config.model_copy(update={"wrapper": wrapper})))
+
+
+def _segment_size(text: str) -> int:
+    stripped = text.strip()
+    if stripped.isdigit() and 1 <= int(stripped) <= MAX_NODES:
+        return int(stripped)
+    raise argparse.ArgumentTypeError(f"{text!r} is not a segment size; expected a whole number of nodes >= 1")
+
+
+def apply_segments(args: argparse.Namespace, environ: MutableMapping[str, str]) -> None:
+    """Hand ``--segment-size`` to the rendezvous (``--rdzv-conf segment=N``, which it must not contradict) and
+    ``--node-segment`` to this node's rendezvous handler (``ELASTIC_FT_NODE_SEGMENT``).
+
+    Raises:
+        ValueError: the two give different sizes, or a label is malformed.
+    """
+    conf = _rdzv_conf_keys(args.rdzv_conf)
+    if args.segment_size is not None:
+        if "segment" in conf and conf["segment"] != str(args.segment_size):
+            raise ValueError(
+                f"--segment-size={args.segment_size} disagrees with --rdzv-conf segment={conf['segment']}; "
+                "give one of them"
+            )
+        if "segment" not in conf:
+            args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"segment={args.segment_size}"]))
+    if args.node_segment is not None:
+        environ[SEGMENT_ENV] = args.node_segment
+    try:
+        node_segment(environ)
+    except RendezvousConfigError as error:
+        raise ValueError(str(error)) from None
 
 
 def _port(text: str) -> int:
@@ -573,6 +631,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             apply_spare_nodes(args, given, None)
         except ValueError as exc:
             parser.error(str(exc))
+    if (args.segment_size is not None or args.node_segment is not None) and args.rdzv_backend != "etcdft":
+        parser.error(
+            f"--segment-size and --node-segment need the etcdft rendezvous, not --rdzv-backend={args.rdzv_backend}"
+        )
+    try:
+        apply_segments(args, os.environ)
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         health = node_health_checks(args)
     except NodeHealthSpecError as exc:

@@ -109,6 +109,13 @@ class RendezvousConf(BaseModel):
     spare_nodes: Annotated[int, BeforeValidator(_spare_nodes_check)] = Field(
         0, description="nodes admitted beyond max_nodes as hot spares: members whose workers are reserve ranks"
     )
+    segment: Annotated[int, Field(ge=1, le=MAX_NODES), BeforeValidator(fields.count_check(1, MAX_NODES))] | None = (
+        Field(
+            None,
+            description="nodes train in whole segments of this many nodes of one label (ft_launcher's --ft-segment; "
+            "the label: ELASTIC_FT_NODE_SEGMENT or Slurm's topology); min_nodes and max_nodes must be multiples",
+        )
+    )
     lease_ttl: fields.LeaseSeconds = Field(10, description=fields.LEASE_TTL_HELP)
     etcd_prefix: Annotated[str, BeforeValidator(_etcd_prefix_check)] = Field(
         "/elastic_ft", description="key prefix; every key lives under <etcd_prefix>/<run_id>/"
@@ -255,6 +262,12 @@ def make_settings(
     if not nodes_valid:
         given.pop("spare_nodes", None)  # its bound depends on max_nodes, already reported
     checked = _validated_conf(given, max_nodes if nodes_valid else None, problems)
+    segment = checked.segment
+    if segment is not None and nodes_valid and (min_nodes % segment or max_nodes % segment):
+        problems.add(
+            f"segment={segment} needs min_nodes and max_nodes that are multiples of it, got "
+            f"min_nodes={min_nodes}, max_nodes={max_nodes} (nodes train in whole segments)"
+        )
     endpoints: tuple[EtcdEndpoint, ...] = ()
     try:
         endpoints = parse_endpoints(endpoint)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import secrets
 import socket
 import threading
@@ -77,6 +78,33 @@ def launcher_order(environ: Mapping[str, str]) -> int | None:
     return int(text)
 
 
+#: The node's segment label (an NVLink domain, a rack), for a rendezvous with ``segment`` set.
+SEGMENT_ENV = "ELASTIC_FT_NODE_SEGMENT"
+_SEGMENT_LABEL = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
+
+
+def node_segment(environ: Mapping[str, str]) -> str | None:
+    """This node's segment label: ``ELASTIC_FT_NODE_SEGMENT``, else the switch above it in Slurm's topology
+    (``SLURM_TOPOLOGY_ADDR`` without its last component, the node), else None.
+
+    Raises:
+        RendezvousConfigError: a label that is empty, longer than 128 characters, or has characters other
+            than letters, digits and ``_.:/-``.
+    """
+    label = environ.get(SEGMENT_ENV)
+    if label is None:
+        address = environ.get("SLURM_TOPOLOGY_ADDR", "")
+        label = address.rpartition(".")[0] or None
+        if label is None:
+            return None
+    if not _SEGMENT_LABEL.fullmatch(label):
+        raise RendezvousConfigError(
+            f"{SEGMENT_ENV}={label!r:.200} is not a segment label; expected 1 to 128 letters, digits, '_', '.', "
+            "':', '/' or '-'"
+        )
+    return label
+
+
 def _node_id() -> str:
     host = "".join(c if c.isalnum() or c in "-." else "-" for c in socket.gethostname()) or "host"
     return f"{host}_{os.getpid()}_{secrets.token_hex(3)}"
@@ -94,6 +122,12 @@ class EtcdftRendezvousHandler(RendezvousHandler):
     def __init__(self, settings: EtcdftSettings, client: EtcdClient | None = None) -> None:
         self.settings = settings
         order = launcher_order(os.environ)  # raises on a malformed one, before anything is started
+        segment = node_segment(os.environ) if settings.segment is not None else None
+        if settings.segment is not None and segment is None:
+            raise RendezvousConfigError(
+                f"segment={settings.segment} needs this node's segment label: set {SEGMENT_ENV} (ftrun "
+                "--node-segment), or run under Slurm with a topology (SLURM_TOPOLOGY_ADDR)"
+            )
         self.node = _node_id()
         addr = settings.local_addr or socket.getfqdn()
         keys = settings.keys
@@ -116,7 +150,11 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             keys=keys,
             client=client,
             limits=rules.Limits(
-                settings.min_nodes, settings.max_nodes, settings.last_call_timeout, settings.spare_nodes
+                settings.min_nodes,
+                settings.max_nodes,
+                settings.last_call_timeout,
+                settings.spare_nodes,
+                segment=settings.segment,
             ),
             board=board,
             whole=whole,
@@ -127,6 +165,7 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             skipped=skipped,
             leaving=threading.Event(),
             order=order,
+            segment=segment,
         )
         #: What peers and the fence keeper use: this node's lease, alive record, probe and promises.
         self.presence = presence
@@ -306,6 +345,11 @@ class EtcdftRendezvousHandler(RendezvousHandler):
             self.settings.lease_ttl,
             self.settings.lease_ttl,
         )
+
+    @property
+    def segment(self) -> str | None:
+        """This node's segment label (with a segment size set; None otherwise)."""
+        return self._parts.segment
 
     @property
     def member_of(self) -> model.RoundResult | None:

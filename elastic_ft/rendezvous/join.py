@@ -87,6 +87,8 @@ class NodeParts:
     leaving: threading.Event
     #: This node's place in its launcher's order (``SLURM_PROCID``), which new ranks follow; None: none.
     order: int | None = None
+    #: This node's segment label, with a segment size set (:func:`elastic_ft.rendezvous.rules.segment_layout`).
+    segment: str | None = None
     #: The close verdict last logged, so that each is logged once, when it changes.
     logged_verdict: tuple[int, rules.CloseVerdict] | None = None
 
@@ -260,7 +262,7 @@ class JoinCall:
     def _join(self, number: int, lease: int, version: int, wake: Any) -> bool:
         parts = self._parts
         keys = parts.keys
-        join = model.join_value(parts.addr, free_port(parts.addr), parts.limits.late_joins, parts.order)
+        join = model.join_value(parts.addr, free_port(parts.addr), parts.limits.late_joins, parts.order, parts.segment)
         alive = parts.presence.alive_record()
         # The alive key rides in the join transaction: one revision, one watch
         # event batch for the monitor, instead of two.
@@ -331,7 +333,7 @@ class JoinCall:
         members = action.members
         leader = members[0]
         result = model.RoundResult(
-            number, tuple(model.Member(j.node, j.lease) for j in members), leader.addr, leader.port
+            number, tuple(model.Member(j.node, j.lease) for j in members), leader.addr, leader.port, action.active
         )
         guards = [key_missing(keys.result(number))]
         if len(members) <= rules.MAX_CHECKED_MEMBERS:

@@ -68,6 +68,9 @@ class Join:
     late_joins: bool = False
     #: The node's place in its launcher's order (Slurm's ``SLURM_PROCID``): new ranks go in this order.
     order: int | None = None
+    #: The node's segment label (an NVLink domain, a rack): with a segment size set, nodes train in whole
+    #: segments of one label (:func:`elastic_ft.rendezvous.rules.segment_layout`).
+    segment: str | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,9 @@ class RoundResult:
     members: tuple[Member, ...]  # in rank order
     master_addr: str
     master_port: int
+    #: With segments: how many of the members (the first ones) train; the others are hot spares. None: the
+    #: first ``max_nodes``.
+    active: int | None = None
 
     def rank_of(self, node: str) -> int | None:
         for rank, member in enumerate(self.members):
@@ -90,15 +96,15 @@ class RoundResult:
         return None
 
     def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "round": self.round,
-                "members": [{"node": m.node, "lease": m.lease} for m in self.members],
-                "master_addr": self.master_addr,
-                "master_port": self.master_port,
-            },
-            sort_keys=True,
-        ).encode()
+        document: dict[str, object] = {
+            "round": self.round,
+            "members": [{"node": m.node, "lease": m.lease} for m in self.members],
+            "master_addr": self.master_addr,
+            "master_port": self.master_port,
+        }
+        if self.active is not None:
+            document["active"] = self.active
+        return json.dumps(document, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> RoundResult:
@@ -119,6 +125,7 @@ class RoundResult:
             members=tuple(decoded),
             master_addr=_text(data, "master_addr"),
             master_port=_int(data, "master_port", 1, 65535),
+            active=_int(data, "active", 0, len(decoded)) if "active" in data else None,
         )
 
 
@@ -197,12 +204,16 @@ class RawKey:
     create_revision: int
 
 
-def join_value(addr: str, port: int, late_joins: bool = False, order: int | None = None) -> bytes:
+def join_value(
+    addr: str, port: int, late_joins: bool = False, order: int | None = None, segment: str | None = None
+) -> bytes:
     document: dict[str, object] = {"addr": addr, "port": port}
     if late_joins:
         document["late_joins"] = True
     if order is not None:
         document["order"] = order
+    if segment is not None:
+        document["segment"] = segment
     return json.dumps(document, sort_keys=True).encode()
 
 
@@ -255,6 +266,7 @@ def parse_key(key: str, raw: KeyRecord) -> Fact | None:
                 _int(data, "port", 1, 65535),
                 late_joins,
                 order,
+                _text(data, "segment") if "segment" in data else None,
             )
             return Fact("join", round=shape.round, node=shape.node, join=join)
         if shape.kind == "late":

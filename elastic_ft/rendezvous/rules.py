@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -54,6 +54,8 @@ class Limits:
     #: A node may join a running round as a hot spare (:func:`late_place`); only ``ftrun``'s
     #: agent, which starts such a node's workers as joiners of the running world, allows it.
     late_joins: bool = False
+    #: Nodes train in whole segments of this many nodes of one label (:func:`segment_layout`); None: no segments.
+    segment: int | None = None
 
     @property
     def capacity(self) -> int:
@@ -126,6 +128,41 @@ def assign_ranks(previous: RoundResult | None, joins: Iterable[Join], capacity: 
     return [j for j in ranks if j is not None]
 
 
+def whole_segment_nodes(joins: Iterable[Join], segment: int) -> int:
+    """How many of ``joins`` form whole segments: per label, the largest multiple of ``segment`` (a node without
+    a label is in none)."""
+    counts: dict[str, int] = {}
+    for join in joins:
+        if join.segment is not None:
+            counts[join.segment] = counts.get(join.segment, 0) + 1
+    return sum(count // segment * segment for count in counts.values())
+
+
+def segment_layout(members: Sequence[Join], segment: int, max_nodes: int) -> tuple[list[Join], int]:
+    """Reorder a closing round's ``members`` (in rank order) so that whole segments train: ``(members, active)``.
+
+    As ``ft_launcher --ft-segment`` does: per label (an NVLink domain, a
+    rack), in the order of each label's first member, as many whole
+    segments of ``segment`` nodes as the label has, while ``max_nodes``
+    leaves room for whole segments. Those nodes come first, each label's
+    together, and train; the others (a label's incomplete remainder, the
+    nodes beyond) follow as hot spares, in their order. A segment's nodes
+    hold consecutive ranks, so a job's groups that follow rank order (a
+    tensor-parallel group per segment) stay inside one domain.
+    """
+    by_label: dict[str, list[Join]] = {}
+    for join in members:
+        if join.segment is not None:
+            by_label.setdefault(join.segment, []).append(join)
+    active: list[Join] = []
+    for nodes in by_label.values():
+        whole = len(nodes) // segment * segment
+        room = (max_nodes - len(active)) // segment * segment
+        active += nodes[: min(whole, room)]
+    chosen = {join.node for join in active}
+    return active + [join for join in members if join.node not in chosen], len(active)
+
+
 class CloseVerdict(Enum):
     CLOSE = "close"
     WAIT_FOR_PREVIOUS = "wait for the previous round's members"
@@ -155,7 +192,17 @@ def close_verdict(
             None,
             f"{len(pending)} member(s) of round {number - 1} still run and have not re-joined: {names}",
         )
-    joined = len(state.round(number).joins)
+    joins = state.round(number).joins
+    joined = len(joins)
+    if limits.segment is not None:
+        whole = whole_segment_nodes(joins.values(), limits.segment)
+        if whole < limits.min_nodes:
+            return CloseDecision(
+                CloseVerdict.WAIT_FOR_MIN,
+                None,
+                f"{whole} of min_nodes={limits.min_nodes} node(s) joined in whole segments of {limits.segment} "
+                f"({joined} joined)",
+            )
     if joined >= limits.capacity:
         spares = f" + spare_nodes={limits.spare_nodes}" if limits.spare_nodes else ""
         return CloseDecision(CloseVerdict.CLOSE, None, f"{joined} node(s) joined, max_nodes={limits.max_nodes}{spares}")
@@ -224,6 +271,8 @@ class CloseRound:
     number: int
     members: tuple[Join, ...]
     reason: str = ""
+    #: With segments: how many of the members train (the first ones); None: the first ``max_nodes``.
+    active: int | None = None
 
 
 @dataclass(frozen=True)
@@ -307,7 +356,10 @@ def next_action(
     if decision.verdict is CloseVerdict.CLOSE:
         if closer_of(record.joins) == node:
             members = assign_ranks(state.round(number - 1).result, record.joins.values(), limits.capacity)
-            return CloseRound(number, tuple(members), decision.reason)
+            if limits.segment is None:
+                return CloseRound(number, tuple(members), decision.reason)
+            members, active = segment_layout(members, limits.segment, limits.max_nodes)
+            return CloseRound(number, tuple(members), decision.reason, active)
         return Wait(number, decision.verdict, None, standby=False, reason=decision.reason)
     standby = decision.verdict is CloseVerdict.WAIT_FOR_PREVIOUS and is_spare(state, number, node, limits)
     return Wait(number, decision.verdict, decision.until, standby, decision.reason)

@@ -45,6 +45,7 @@ def start(
     extra_args: tuple[str, ...] = (),
     job_config: Path | None = None,
     conf: str = CONF,
+    env: dict[str, str] | None = None,
 ) -> TorchrunNode:
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
@@ -63,6 +64,7 @@ def start(
             "EFT_OUT": str(out),
             "OMP_NUM_THREADS": "1",
             "LOGLEVEL": "INFO",
+            **(env or {}),
         },
         launcher=ftrun_command(),
         extra_args=(*extra_args, *([f"--job-config={job_config}"] if job_config else [])),

@@ -286,3 +286,37 @@ def test_bad_spare_configuration_fails_before_anything_starts(etcd: EtcdServer, 
         done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
         assert done.returncode != 0 and done.returncode != 3, done.stderr[-2000:]
         assert message in done.stderr, done.stderr[-3000:]
+
+
+def test_with_segments_a_lost_nodes_ranks_go_to_a_spare_of_its_own_segment(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
+) -> None:
+    """``--segment-size 2``: nodes A, B (label x) and C, D (label y) train as two whole segments; the spares E (y)
+    and F (x) wait. SIGKILL B: F, of B's segment, takes B's rank although E's rank is lower, and no other rank
+    moves (with the default assignment, every rank above B's would shift down and E would take the last one)."""
+    labels = {"A": "x", "B": "x", "C": "y", "D": "y", "E": "y", "F": "x"}
+    by_tag = {
+        tag: start(
+            nodes,
+            tmp_path,
+            etcd,
+            run_id,
+            tag,
+            LONG,
+            nnodes="4:4",
+            nproc=1,
+            extra_args=("--spare-nodes=2", "--segment-size=2", f"--node-segment={label}"),
+            env={"SLURM_PROCID": str(order)},
+        )
+        for order, (tag, label) in enumerate(labels.items())
+    }
+    started = _by_node(wait_for(tmp_path, "start-*.json", 6, 120))
+    assert {tag: workers[0]["rank"] for tag, workers in started.items()} == {t: r for r, t in enumerate(labels)}
+    wait_for(tmp_path, "step-*.json", 1, 90)
+    by_tag["B"].kill()
+    assert [by_tag[tag].wait(150) for tag in "ACDEF"] == [0] * 5, logs(nodes)
+    results = {record["node"]: record["result"] for record in read(tmp_path, "done-*.json").values()}
+    assert {tag: results[tag]["rank"] for tag in "ACDF"} == {"A": 0, "C": 2, "D": 3, "F": 1}, results
+    assert {results[tag]["world_size"] for tag in "ACDF"} == {4}
+    assert results["E"] is None, results  # still in reserve
+    assert escalations(etcd, run_id) == []

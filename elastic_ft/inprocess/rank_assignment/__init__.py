@@ -11,6 +11,8 @@ spares that can replace an active rank at a later fault.
   :class:`FilterCountGroupedByKey` and the filters;
 * :mod:`.tree`: :class:`Tree` over :class:`Layer` s, whose decisions are the
   pure functions of :mod:`.tree_engine`;
+* :mod:`.segments`: :class:`SegmentSpares`, hot spare nodes by segment
+  (``ftrun --segment-size``), whose decision is :func:`.segments.next_slots`;
 * :mod:`.replicas`: :class:`ShardedReplicas`, whole replica groups of a
   sharded model (HSDP, FSDP), and the :class:`ReplicaMesh` a rank trains on;
 * :mod:`.exchange`: the one grouping-key exchange through the store;
@@ -33,6 +35,7 @@ from elastic_ft.inprocess.rank_assignment.policies import (
     ranks_failing_group_condition,
 )
 from elastic_ft.inprocess.rank_assignment.replicas import ReplicaMesh, ShardedReplicas
+from elastic_ft.inprocess.rank_assignment.segments import SegmentSpares
 from elastic_ft.inprocess.rank_assignment.tree import Tree
 from elastic_ft.inprocess.rank_assignment.tree_engine import Layer, LayerFlag
 
@@ -51,6 +54,7 @@ __all__ = [
     "RankDiscarded",
     "RankFilter",
     "ReplicaMesh",
+    "SegmentSpares",
     "ShardedReplicas",
     "ShiftRanks",
     "Tree",
