@@ -320,3 +320,31 @@ def test_with_segments_a_lost_nodes_ranks_go_to_a_spare_of_its_own_segment(
     assert {results[tag]["world_size"] for tag in "ACDF"} == {4}
     assert results["E"] is None, results  # still in reserve
     assert escalations(etcd, run_id) == []
+
+
+def test_agents_beyond_max_nodes_and_spares_wait_as_spares_and_end_nothing(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
+) -> None:
+    """ft_launcher's issue #348: more agents alive than a round admits ended the job. Here a fourth agent, beyond
+    max_nodes=2 plus 1 spare, waits outside the round; when an active node is killed, the spare takes its ranks
+    in-process and the fourth joins the running round as the new spare; the job completes and every agent
+    left, the fourth included, exits 0."""
+    # Iteration 0 lasts until the kill; iteration 1 long enough for the fourth node's workers to start.
+    scenario = {"steps": 100, "iteration_steps": {"0": 3000, "1": 400}, "step_seconds": 0.05}
+    by_tag, started = _three_nodes(nodes, tmp_path, etcd, run_id, scenario)
+    wait_for(tmp_path, "step-*.json", 1, 60)
+    extra = start(nodes, tmp_path, etcd, run_id, "D", scenario, extra_args=SPARE)
+    deadline = time.monotonic() + 60
+    while len(status_of(etcd, run_id)["joined_next_round"]) < 1:  # D, the only node outside the round
+        assert time.monotonic() < deadline and extra.process.poll() is None, logs(nodes)
+        time.sleep(0.2)
+    assert not list((tmp_path / "out").glob("start-D-*.json"))  # no worker started: it waits outside
+    spare, victim = _holding(started, {4, 5}), _holding(started, {2, 3})
+    survivor = _holding(started, {0, 1})
+    by_tag[victim].kill()
+    late_workers = _by_node(wait_for(tmp_path, "start-D-*.json", 2, 90))["D"]
+    assert sorted(w["rank"] for w in late_workers) == [6, 7]  # joiners of the running world: its new spare
+    assert [by_tag[survivor].wait(150), by_tag[spare].wait(60), extra.wait(60)] == [0, 0, 0], logs(nodes)
+    done = read(tmp_path, "done-*.json")
+    assert sorted(r["initial_rank"] for r in done.values() if r["result"] is not None) == [0, 1, 4, 5]
+    assert escalations(etcd, run_id) == []
