@@ -375,6 +375,8 @@ def apply_segments(args: argparse.Namespace, environ: MutableMapping[str, str]) 
             args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"segment={args.segment_size}"]))
     if args.node_segment is not None:
         environ[SEGMENT_ENV] = args.node_segment
+    if args.segment_size is None and args.node_segment is None:
+        return  # a label nobody uses is not checked: a job without segments runs whatever the environment says
     try:
         node_segment(environ)
     except RendezvousConfigError as error:

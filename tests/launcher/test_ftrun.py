@@ -15,7 +15,7 @@ from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.handoff import job_config_from_env
 from elastic_ft.job_config import load_job_config
-from elastic_ft.launcher.ftrun import apply_job_config, build_parser, hand_progress_limits, parse_args
+from elastic_ft.launcher.ftrun import apply_job_config, apply_segments, build_parser, hand_progress_limits, parse_args
 from elastic_ft.runtime.net import free_port
 
 TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train.py"
@@ -324,3 +324,19 @@ def test_iterations_short_of_min_progress_steps_end_the_job_with_their_cause(
     assert calls == [["0", "1"]] * 2, done.stderr[-3000:]
     assert "2 iterations in a row ended on a fault without progress (max_restarts_without_progress=2)" in done.stderr
     assert "the last iteration ended on: RuntimeError on rank 1" in done.stderr, done.stderr[-3000:]
+
+
+def test_segment_flags_reach_the_rendezvous_and_a_label_is_checked_only_when_used() -> None:
+    parser = build_parser()
+    args, _ = parse_args(parser, ["--ft-segment", "2", "--node-segment", "nvl-3", "x.py"])
+    environ: dict[str, str] = {}
+    apply_segments(args, environ)
+    assert "segment=2" in args.rdzv_conf and environ == {"ELASTIC_FT_NODE_SEGMENT": "nvl-3"}
+    clash, _ = parse_args(parser, ["--segment-size=2", "--rdzv-conf=segment=4", "x.py"])
+    with pytest.raises(ValueError, match="--segment-size=2 disagrees with --rdzv-conf segment=4"):
+        apply_segments(clash, {})
+    bad, _ = parse_args(parser, ["--segment-size=2", "x.py"])
+    with pytest.raises(ValueError, match="is not a segment label"):
+        apply_segments(bad, {"ELASTIC_FT_NODE_SEGMENT": "a b"})
+    unused, _ = parse_args(parser, ["x.py"])
+    apply_segments(unused, {"SLURM_TOPOLOGY_ADDR": "s[1].n 2"})  # no segments: nothing to check
