@@ -421,10 +421,16 @@ class FtAgent(LocalElasticAgent):
                 kind = WorkerExit.SUCCEEDED
             else:
                 joiner = rank >= worker.world_size
-                kind = classify_exit(exitcode, job.is_wrapped(rank), job.left(rank), joiner)
+                left = job.left(rank)
+                kind = classify_exit(exitcode, job.is_wrapped(rank), left, joiner)
                 failure = ProcessFailure(
                     worker.local_rank, process.pid, exitcode, pcontext.error_files[worker.local_rank]
                 )
+                if kind is WorkerExit.UNWRAPPED:
+                    where = (
+                        "after its elastic_ft.Wrapper completed" if left is not None else "outside elastic_ft.Wrapper"
+                    )
+                    log.warning("rank %d (pid %d) ended with %s %s", rank, process.pid, _describe_exit(exitcode), where)
             if kind is WorkerExit.ABSORBED:
                 # The Wrappers' restart report (one line, by one rank) is the warning users see for it.
                 log.info(
