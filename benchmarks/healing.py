@@ -236,10 +236,10 @@ def _tensors(state: object) -> list[Any]:
 
 
 def measure_throughput(hidden: int, repeats: int) -> dict[str, Any]:
-    from elastic_ft.runtime.net import free_port
+    from elastic_ft.runtime.net import free_ports
 
     out = scratch.workdir("healing-throughput-") / "result.json"
-    store_port, socket_port = free_port(), free_port()
+    store_port, socket_port = free_ports(2)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     peers = []
     for rank in (0, 1):

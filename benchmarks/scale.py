@@ -502,7 +502,7 @@ def bench_exchange(cluster: Any, ranks: int, threads: int = 32) -> dict:
 
     def arrive(rank: int) -> None:
         keys = json.dumps(["root", host(rank)])
-        base.arrive_once(prefix + exchange_published(name, rank), prefix + exchange_arrived(name), keys)
+        base.arrive_batch([(prefix + exchange_published(name, rank), keys)], prefix + exchange_arrived(name))
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(arrive, everyone[:-1]))

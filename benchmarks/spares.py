@@ -30,6 +30,12 @@ lease expires: the rows run with ``--lease-ttl`` (default 1 s), and the
 ``hot_spare_lease10`` row with the rendezvous's default of 10 s, to show
 what detection costs.
 
+The script builds its optimizer in the wrapped function (``--lazy-optimizer``,
+``--eager-optimizer`` to build it before the Wrapper), so a rank's first
+optimizer, and with it ``torch._dynamo``'s import, falls in its first
+iteration unless the Wrapper's warm-up did it while the rank waited:
+``hot_spare_late_no_warmup`` is the late hot spare with ``Wrapper(warmup=None)``.
+
 The respawn part: 2 nodes x 2 workers (ftrun defaults); worker rank 1 is
 SIGKILLed; measured: from the kill to the respawned process registering as a
 ready joiner (it is then an initialised reserve), and, after a second fault
@@ -37,7 +43,11 @@ the benchmark triggers once it is ready (an exception on rank 0), from that
 fault to the respawned rank's first step as an active rank, with the world
 back at 4; and with ``respawn.rejoin: at_once`` (the node asks for the
 restart that admits the new process as soon as it is ready), from the kill
-to the first step at world size 4 again, with no second fault.
+to the first step at world size 4 again, with no second fault: ``at_once``
+kills the worker once its node's warm standby is ready (ftrun's default: the
+standby takes its place), ``at_once_no_standby`` under ``ftrun
+--no-warm-standby`` (a new process), both at least ``--standby-wait``
+seconds after the job trains.
 
 Prints tables and writes ``benchmarks/results/spares.json``.
 """
@@ -61,7 +71,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_ftrun.py"
 RESULTS = Path(__file__).resolve().parent / "results" / "spares.json"
 CONF = "last_call_timeout=1,join_timeout=120,lease_ttl={lease_ttl}"
-SYSTEMS = ("hot_spare", "hot_spare_late", "cold_spare", "torchrun", "hot_spare_lease10")
+SYSTEMS = ("hot_spare", "hot_spare_late", "hot_spare_late_no_warmup", "cold_spare", "torchrun", "hot_spare_lease10")
+#: The respawn rows: ``respawn.rejoin: at_once``, with the node's warm standby (ftrun's default) and without.
+AT_ONCE = ("at_once", "at_once_no_standby")
+#: A respawned worker makes the world whole again within this (median), with a warm standby.
+RESPAWN_GOAL_SECONDS = 1.5
 #: The extra row: hot spares at the rendezvous's default lease_ttl (10 s), the time a dead node takes to be known dead.
 DEFAULT_LEASE_TTL = 10
 GOAL_SECONDS = 2.0
@@ -113,7 +127,8 @@ def processes_started_after(workdir: Path, since: float, surviving_ranks: set[in
 
 def _script(workdir: Path, args: argparse.Namespace, wrapper: bool, extra: list[str] | None = None) -> list[str]:
     command = [str(SCRIPT), "--workdir", str(workdir), "--steps", str(args.steps), "--hidden", str(args.hidden)]
-    return command + ([] if wrapper else ["--no-wrapper"]) + (extra or [])
+    lazy = [] if args.eager_optimizer else ["--lazy-optimizer"]
+    return command + lazy + ([] if wrapper else ["--no-wrapper"]) + (extra or [])
 
 
 def _node(
@@ -125,6 +140,7 @@ def _node(
     launcher: list[str],
     lease_ttl: int,
     extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> Any:
     from elastic_ft.testing.local_cluster import TorchrunNode
 
@@ -138,7 +154,7 @@ def _node(
         rdzv_conf=CONF.format(lease_ttl=lease_ttl),
         max_restarts=3,
         log_path=workdir / f"node-{tag}.log",
-        extra_env={"OMP_NUM_THREADS": "1"},
+        extra_env={"OMP_NUM_THREADS": "1", **(env or {})},
         launcher=launcher,
         extra_args=extra,
     )
@@ -178,14 +194,16 @@ def run_node_kill(system: str, args: argparse.Namespace, etcd: Any) -> dict[str,
     workdir = scratch.workdir(f"spares-{system}-")
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     launcher = torchrun_command() if system == "torchrun" else ftrun_command()
-    script = _script(workdir, args, wrapper=system != "torchrun")
+    script = _script(
+        workdir, args, wrapper=system != "torchrun", extra=["--no-warmup"] if "no_warmup" in system else []
+    )
     hot = system.startswith("hot_spare")
     extra = ("--spare-nodes=1",) if hot else ()
     lease_ttl = DEFAULT_LEASE_TTL if system == "hot_spare_lease10" else args.lease_ttl
     nodes = [_node(tag, workdir, etcd, run_id, script, launcher, lease_ttl, extra) for tag in "AB"]
     try:
         training = lambda: len({e["rank"] for e in _events(workdir) if e["event"] == "first_step"}) >= 4
-        if system == "hot_spare_late":  # joins the running round; its workers register as joiners
+        if system.startswith("hot_spare_late"):  # joins the running round; its workers register as joiners
             _wait(training, args.cap, "training")
             nodes.append(_node("C", workdir, etcd, run_id, script, launcher, lease_ttl, extra))
             _wait(lambda: _joined(etcd, run_id) >= 2, args.cap, "the late spare's workers to register")
@@ -221,31 +239,54 @@ def run_node_kill(system: str, args: argparse.Namespace, etcd: Any) -> dict[str,
     }
 
 
-def run_respawn_at_once(args: argparse.Namespace, etcd: Any) -> dict[str, Any]:
-    """``respawn.rejoin: at_once``: from the worker's SIGKILL to the first step at world size 4 again, no second fault."""
+def run_respawn_at_once(variant: str, args: argparse.Namespace, etcd: Any) -> dict[str, Any]:
+    """``respawn.rejoin: at_once``: from a worker's SIGKILL to the first step at world size 4 again, no second fault.
+
+    The kill comes once the job trains and, with the warm standby (``at_once``), once the victim's node says its
+    standby is ready; ``at_once_no_standby`` runs ``ftrun --no-warm-standby``, killed after as long a wait.
+    """
+    import os
+    import signal
+
     from elastic_ft.testing.local_cluster import ftrun_command
 
-    workdir = scratch.workdir("spares-at-once-")
+    workdir = scratch.workdir(f"spares-{variant}-")
     config = workdir / "job.yaml"
     config.write_text("respawn: {rejoin: at_once}\n")
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
-    extra = ["--fault", "sigkill", "--fault-rank", "1", "--fault-step", str(args.fault_step), "--record-steps"]
-    script = _script(workdir, args, wrapper=True, extra=extra)
-    nodes = [
-        _node(tag, workdir, etcd, run_id, script, ftrun_command(), args.lease_ttl, (f"--job-config={config}",))
-        for tag in "AB"
-    ]
+    stop = workdir / "stop"
+    args_steps = argparse.Namespace(**{**vars(args), "steps": 10**9})
+    script = _script(workdir, args_steps, wrapper=True, extra=["--record-steps", "--stop-file", str(stop)])
+    flags = (f"--job-config={config}",) + (("--no-warm-standby",) if variant == "at_once_no_standby" else ())
+    info = {"LOGLEVEL": "INFO"}  # the agent says when its standby is ready
+    nodes = [_node(tag, workdir, etcd, run_id, script, ftrun_command(), args.lease_ttl, flags, info) for tag in "AB"]
     try:
+        _wait(
+            lambda: len({e["rank"] for e in _events(workdir) if e["event"] == "first_step"}) >= 4, args.cap, "training"
+        )
+        victim = _node_of_rank(workdir, nodes, 1)
+        began = time.monotonic()
+        if variant == "at_once":
+            _wait(lambda: "warm standby ready" in victim.log(), args.cap, "the warm standby")
+        time.sleep(max(0.0, args.standby_wait - (time.monotonic() - began)))
+        pid = next(e["pid"] for e in _events(workdir) if e["rank"] == 1 and e["event"] == "start")
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        _wait(lambda: full_world_seconds(workdir, killed_at) is not None, args.cap, "the world of 4 again")
+        last = max(e.get("step", 0) for e in _events(workdir))
+        stop.with_suffix(".tmp").write_text(str(last + 100))
+        stop.with_suffix(".tmp").replace(stop)
         _wait(lambda: all(node.process.poll() is not None for node in nodes), args.cap, "the job to finish")
         statuses = [node.process.poll() for node in nodes]
     finally:
         for node in nodes:
             node.terminate()
-    faults = [e["t"] for e in _events(workdir) if e["event"] == "fault"]
+    respawned = [e for e in _events(workdir) if e["event"] == "start" and e["rank"] == 4]
     return {
-        "full_world_seconds": full_world_seconds(workdir, faults[0]) if faults else None,
+        "full_world_seconds": full_world_seconds(workdir, killed_at),
         "admission_stall_seconds": admission_stall(workdir),
         "admission_phases": run_phases(run_id, etcd.endpoints, None, last=True),
+        "from_standby": bool(respawned) and "(initial rank 4, the node's warm standby)" in victim.log(),
         "finished": statuses == [0, 0],
         "dir": str(workdir),
     }
@@ -319,12 +360,23 @@ def main() -> None:
     parser.add_argument(
         "--lease-ttl", type=int, default=1, help="the rendezvous lease TTL: a dead node is known dead this long after"
     )
-    parser.add_argument("--only", choices=(*SYSTEMS, "respawn", "at_once"), action="append", help="run only these rows")
+    parser.add_argument("--only", choices=(*SYSTEMS, "respawn", *AT_ONCE), action="append", help="run only these rows")
+    parser.add_argument(
+        "--eager-optimizer",
+        action="store_true",
+        help="build the optimizer before the Wrapper (default: in the wrapped function, --lazy-optimizer)",
+    )
+    parser.add_argument(
+        "--standby-wait",
+        type=float,
+        default=20.0,
+        help="the respawn rows kill a worker at least this long after the job trains (and after the standby is ready)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     from elastic_ft.etcd.server import EtcdServer
 
-    selected = args.only or [*SYSTEMS, "respawn", "at_once"]
+    selected = args.only or [*SYSTEMS, "respawn", *AT_ONCE]
     results: dict[str, Any] = {
         "machine": {
             "cpus": __import__("os").cpu_count(),
@@ -334,7 +386,7 @@ def main() -> None:
         "args": {k: str(v) for k, v in vars(args).items()},
         "node_kill": {},
         "respawn": [],
-        "at_once": [],
+        **{variant: [] for variant in AT_ONCE},
     }
     with EtcdServer() as etcd:
         for repeat in range(args.repeats):
@@ -347,16 +399,19 @@ def main() -> None:
                 run = run_respawn(args, etcd)
                 results["respawn"].append(run)
                 print(f"[{repeat + 1}/{args.repeats}] respawn: {run}", file=sys.stderr, flush=True)
-            if "at_once" in selected:
-                run = run_respawn_at_once(args, etcd)
-                results["at_once"].append(run)
-                print(f"[{repeat + 1}/{args.repeats}] at_once: {run}", file=sys.stderr, flush=True)
+            for variant in AT_ONCE:
+                if variant in selected:
+                    run = run_respawn_at_once(variant, args, etcd)
+                    results[variant].append(run)
+                    print(f"[{repeat + 1}/{args.repeats}] {variant}: {run}", file=sys.stderr, flush=True)
     summary: dict[str, Any] = {}
+    optimizer = "before the Wrapper" if args.eager_optimizer else "in the wrapped function"
     lines = [
         (
             f"Node killed -> first step at the full world size of 4 (seconds; median (min-max) of {args.repeats}; "
-            f"2 active nodes x 2 workers + 1 spare node; DDP + AdamW, Wrapper defaults; lease_ttl={args.lease_ttl}, "
-            f"hot_spare_lease10: the rendezvous default {DEFAULT_LEASE_TTL})"
+            f"2 active nodes x 2 workers + 1 spare node; DDP + AdamW built {optimizer}, Wrapper defaults; "
+            f"lease_ttl={args.lease_ttl}, hot_spare_lease10: the rendezvous default {DEFAULT_LEASE_TTL}; "
+            "no_warmup: Wrapper(warmup=None))"
         ),
         f"  {'system':<18} {'median':>8} {'min-max':>15} {'x hot spare':>12} {'restarted processes':>20} {'ok':>4}",
     ]
@@ -406,17 +461,43 @@ def main() -> None:
             f"  second fault -> respawned rank's first active step: {_fmt(active)} s",
             f"  second fault -> first step at world size 4:         {_fmt(full)} s",
         ]
-    if results["at_once"]:
-        runs = results["at_once"]
-        full = _median([r["full_world_seconds"] for r in runs])
-        stall = _median([r["admission_stall_seconds"] for r in runs])
-        summary["at_once"] = {
-            "full_world_median_seconds": full,
+    at_once_rows = [variant for variant in AT_ONCE if results[variant]]
+    if at_once_rows:
+        lines += [
+            "",
+            (
+                "Worker SIGKILLed, respawn.rejoin=at_once -> first step at world size 4 again, no second fault "
+                f"(seconds; median (min-max); 2 nodes x 2 workers; DDP + AdamW built {optimizer}; "
+                "at_once_no_standby: ftrun --no-warm-standby)"
+            ),
+            f"  {'variant':<20} {'runs':>5} {'median':>8} {'min-max':>15} {'survivors pause':>16} {'standby':>8} {'ok':>4}",
+        ]
+    for variant in at_once_rows:
+        runs = results[variant]
+        full = [r["full_world_seconds"] for r in runs]
+        median, stall = _median(full), _median([r["admission_stall_seconds"] for r in runs])
+        present = [v for v in full if v is not None]
+        spread = f"{min(present):.3f}-{max(present):.3f}" if present else "-"
+        standby = sum(r["from_standby"] for r in runs)
+        ok = all(r["finished"] for r in runs)
+        summary[variant] = {
+            "full_world_median_seconds": median,
+            "runs": full,
             "admission_stall_median_seconds": stall,
-            "ok": all(r["finished"] for r in runs),
+            "from_standby": standby,
+            "ok": ok,
         }
-        lines.append(f"  with respawn.rejoin=at_once, kill -> world size 4 again (no second fault): {_fmt(full)} s")
-        lines.append(f"  the survivors' pause at the restart that admits it (goal under 0.3 s):  {_fmt(stall)} s")
+        lines.append(
+            f"  {variant:<20} {len(runs):>5} {_fmt(median):>8} {spread:>15} {_fmt(stall):>16} "
+            f"{standby:>8} {'yes' if ok else 'NO':>4}"
+        )
+    standby_median = summary.get("at_once", {}).get("full_world_median_seconds")
+    if standby_median is not None:
+        verdict = "met" if standby_median <= RESPAWN_GOAL_SECONDS else "missed"
+        lines.append(
+            f"  goal: with a warm standby, whole again within {RESPAWN_GOAL_SECONDS:g} s (median): {verdict} "
+            f"({standby_median:.3f} s)"
+        )
     results["summary"] = summary
     table = "\n".join(lines)
     print(table)
@@ -424,7 +505,7 @@ def main() -> None:
         "Where the recovery goes, per phase (ms; the longest across ranks, median of runs; detection: from the "
         "kill to the record of the node's death)",
         {system: [r["phases"] for r in runs] for system, runs in results["node_kill"].items() if system != "torchrun"}
-        | ({"at_once admission": [r["admission_phases"] for r in results["at_once"]]} if results["at_once"] else {}),
+        | {f"{variant} admission": [r["admission_phases"] for r in results[variant]] for variant in at_once_rows},
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({**results, "table": table}, indent=2))

@@ -31,6 +31,13 @@ from elastic_ft.timeouts import check_seconds
 STORE_ENV = "ELASTIC_FT_STORE"
 JOB_CONFIG_ENV = "ELASTIC_FT_JOB_CONFIG"
 WORKER_ENV = "ELASTIC_FT_WORKER"
+#: The warm standby process (:mod:`elastic_ft.inprocess.standby_process`) that ``ftrun``'s agent
+#: (:mod:`elastic_ft.launcher.standby`) starts: the module it runs, named here so that the node side starts it
+#: without importing the worker side; the variable naming its status pipe's write end; what it writes there once
+#: warm.
+STANDBY_PROCESS_MODULE = "elastic_ft.inprocess.standby_process"
+STANDBY_STATUS_FD_ENV = "ELASTIC_FT_STANDBY_STATUS_FD"
+STANDBY_READY = b"ready\n"
 
 
 @dataclass(frozen=True)

@@ -239,6 +239,9 @@ WRAPPED = "wrapped/"
 POSITION = "position/"
 LEFT = "left/"
 HEARTBEAT = "heartbeat/"
+#: The hang judge's last look at every peer of an iteration (one record, rewritten each look): the stalled
+#: ranks read it instead of every peer's records (``coordination.fault_records.PeerLook``).
+PEER_LOOK = "peer_look"
 #: Growing the world: a respawned process registers (append, one initial rank a line), a
 #: restart admits it (``admitted/<r>``: the iteration it starts in, or ``withdrawn``).
 JOINERS = "joiners"
@@ -310,6 +313,16 @@ def barrier_count(name: str) -> str:
     return f"{name}/count"
 
 
+def barrier_count_slots(name: str) -> str:
+    """The prefix of an etcd store's arrival counters for barrier ``name``: an arrival of ``k`` ranks in one
+    transaction rewrites slots ``0 .. k-1`` once each, and the arrivals are the sum of the slots' versions."""
+    return f"{name}/counted/"
+
+
+def barrier_count_slot(name: str, slot: int) -> str:
+    return f"{barrier_count_slots(name)}{slot}"
+
+
 def barrier_done(name: str) -> str:
     return f"{name}/done"
 
@@ -329,7 +342,8 @@ def exchange_published(exchange: str, rank: int) -> str:
 
 
 def exchange_arrived(exchange: str) -> str:
-    return f"{exchange}/arrived"
+    """The counter prefix of an exchange's arrivals (on etcd, slots as :func:`barrier_count_slots`'s)."""
+    return f"{exchange}/arrived/"
 
 
 def exchange_table(exchange: str) -> str:

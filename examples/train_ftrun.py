@@ -88,13 +88,23 @@ class TrainingState:
     cut by a restart, so a rank's state is never half a step.
     """
 
-    def __init__(self, hidden: int, samples: int) -> None:
+    def __init__(self, hidden: int, samples: int, lazy_optimizer: bool = False) -> None:
         self.model = build_model(hidden)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self._optimizer: torch.optim.Optimizer | None = None
         self.data = dataset(samples)
         self.position = {"step": 0, "epoch": 0, "batch": 0}
         self._next: dict[str, int] | None = None
-        self.optimizer.register_step_post_hook(self._commit_position)
+        if not lazy_optimizer:
+            self.optimizer  # noqa: B018 (built now, before the Wrapper)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """Built on first use: before the Wrapper by default, else (``--lazy-optimizer``) inside the wrapped
+        function or a heal, as in a script that builds its optimizer in the function."""
+        if self._optimizer is None:
+            self._optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+            self._optimizer.register_step_post_hook(self._commit_position)
+        return self._optimizer
 
     def advance(self, epoch: int, batch: int) -> None:
         """The position the next optimizer step reaches (committed by the step itself)."""
@@ -433,6 +443,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--fault-dir", type=Path, help=f"inject the fault a file DIR/fault-<initial rank> names: {REQUESTED_FAULTS}"
     )
+    parser.add_argument(
+        "--lazy-optimizer",
+        action="store_true",
+        help="build the optimizer on first use (inside the wrapped function, or a heal), not before the Wrapper",
+    )
+    parser.add_argument("--no-warmup", action="store_true", help="Wrapper(warmup=None): no warm-up while waiting")
     parser.add_argument("--stop-file", type=Path, help="end training at the step this file holds, once it exists")
     args = parser.parse_args(argv)
     if not args.step_wait >= 0:  # NaN too
@@ -448,19 +464,23 @@ def main(argv: list[str] | None = None) -> None:
     if args.pin_cpu:
         cpus = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cpus[int(os.environ["LOCAL_RANK"]) % len(cpus)]})
-    state = TrainingState(args.hidden, args.samples)
+    state = TrainingState(args.hidden, args.samples, lazy_optimizer=args.lazy_optimizer)
     if args.record_steps:  # the process is ready to train: what a join is timed from
         record(args, "ready", node=os.environ.get("NODE_TAG", "?"))
-    logfile = str(args.workdir.resolve() / "monitor-{rank}.log") if args.monitor_logs else None
+    settings: dict[str, Any] = {}  # the Wrapper's defaults, but for these flags
+    if args.monitor_logs:
+        settings["monitor_process_logfile"] = str(args.workdir.resolve() / "monitor-{rank}.log")
+    if args.no_warmup:
+        settings["warmup"] = None
     if args.no_wrapper:
         result = train(args, state)
     elif args.reload_checkpoint:
-        result = Wrapper(monitor_process_logfile=logfile)(train)(args, state)
+        result = Wrapper(**settings)(train)(args, state)
     else:
         healing = {"state_dict": state.state_dict, "load_state_dict": state.load_state_dict}
         if args.kill_first_sender or args.fail_load_rank is not None:
             healing = faulty_healing(args, state)
-        result = Wrapper(monitor_process_logfile=logfile, **healing)(train)(args, state)
+        result = Wrapper(**settings, **healing)(train)(args, state)
     if result is None:
         return  # a spare rank: it never trained
     done = {

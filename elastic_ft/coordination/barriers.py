@@ -25,13 +25,14 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch.distributed as dist
 
 from elastic_ft import keys
 from elastic_ft.coordination.errors import BarrierOverflow, BarrierTimeout
+from elastic_ft.etcd.kv import BATCH_ARRIVALS
 from elastic_ft.etcd.outage import bounded, grace
 from elastic_ft.etcd.shield import shield
 from elastic_ft.runtime.waits import pause, poll
@@ -61,12 +62,13 @@ class KeyWatch(Protocol):
 
 @runtime_checkable
 class CountingStore(Protocol):
-    """A store that counts a barrier's arrival in one request and watches for a key (:class:`EtcdStore
-    <elastic_ft.etcd.store.EtcdStore>`): the barriers use these where a store has them."""
+    """A store that counts many ranks' arrivals at a barrier in one request and watches for a key
+    (:class:`EtcdStore <elastic_ft.etcd.store.EtcdStore>`, directly or through its node's relay): the barriers
+    use these where a store has them."""
 
-    def arrive_once(self, arrived: str, counter: str, token: str) -> tuple[bool, int]: ...
+    def arrive_batch(self, arrivals: Sequence[tuple[str, str]], slots: str) -> list[int | None]: ...
 
-    def arrivals(self, counter: str) -> int: ...
+    def arrivals(self, slots: str) -> int: ...
 
     def watch_for(self, key: str) -> KeyWatch: ...
 
@@ -76,7 +78,7 @@ class BatchReadStore(Protocol):
     """A store that reads many keys, those that exist, in a few requests (:class:`EtcdStore
     <elastic_ft.etcd.store.EtcdStore>`: one per 128 keys)."""
 
-    def get_existing(self, keys: list[str]) -> dict[str, bytes]: ...
+    def get_existing(self, keys: list[str], *, periodic: bool = False) -> dict[str, bytes]: ...
 
 
 def _store_under(view: object) -> tuple[object, str]:
@@ -85,6 +87,36 @@ def _store_under(view: object) -> tuple[object, str]:
     if prefix is not None and isinstance(view, dist.PrefixStore):
         return view.underlying_store, f"{prefix}/"
     return view, ""
+
+
+@runtime_checkable
+class LatestWriteStore(Protocol):
+    """A store that writes a value whose only contract is that the newest wins in one request, batched with its
+    host's others where it can (:class:`EtcdStore <elastic_ft.etcd.store.EtcdStore>`, through the node's relay)."""
+
+    def put_latest(self, values: Mapping[str, bytes], read: Sequence[str] = ()) -> dict[str, bytes]: ...
+
+
+class KeyWriter(Protocol):
+    """What :func:`write_latest` needs of a store it cannot batch on."""
+
+    set: Callable[..., None]
+    get: Callable[[str], bytes]
+    check: Callable[[list[str]], bool]
+
+
+def write_latest(view: KeyWriter, name: str, value: str, read: Sequence[str] = ()) -> dict[str, bytes]:
+    """Set key ``name`` of ``view`` to ``value``, the newest value winning (a heartbeat): on an etcd store one
+    request (through the node's relay, one per host for all its heartbeats); elsewhere ``set``.
+
+    ``read``: keys of ``view`` read after the write, in the same request on an etcd store; returns the values of
+    those that exist (as :func:`read_existing`)."""
+    store, prefix = _store_under(view)
+    if isinstance(store, LatestWriteStore):
+        found = store.put_latest({prefix + name: value.encode()}, [prefix + key for key in read])
+        return {key: found[prefix + key] for key in read if prefix + key in found}
+    view.set(name, value)
+    return {key: view.get(key) for key in read if view.check([key])}
 
 
 class KeyReader(Protocol):
@@ -96,18 +128,22 @@ class KeyReader(Protocol):
 
 def counting_store(view: object) -> tuple[CountingStore, str] | None:
     """The store under ``view`` if it counts a barrier's arrivals in one request (an etcd store's
-    ``arrive_once``), and the key prefix of the view; None for any other store (its ``add`` counts).
+    ``arrive_batch``), and the key prefix of the view; None for any other store (its ``add`` counts).
 
     A counter that every rank reads, changes and writes back costs each rank
     retries that grow with the number arriving at once; one transaction per
-    arrival does not.
+    arrival, or per node's batch of arrivals, does not.
     """
     store, prefix = _store_under(view)
     return (store, prefix) if isinstance(store, CountingStore) else None
 
 
-def read_existing(view: KeyReader, names: Sequence[str]) -> dict[str, bytes]:
+def read_existing(view: KeyReader, names: Sequence[str], *, periodic: bool = False) -> dict[str, bytes]:
     """The values of those of ``names`` (keys of ``view``) that exist.
+
+    ``periodic``: a read every rank of a host makes at the same instants
+    (the monitors' ring checks and looks at their peers): the node relay
+    gathers the host's into one read, at the cost of a short wait.
 
     On an etcd store, one request per 128 keys (:class:`BatchReadStore`):
     a monitor that reads every peer's heartbeat must not cost a request per
@@ -118,8 +154,20 @@ def read_existing(view: KeyReader, names: Sequence[str]) -> dict[str, bytes]:
     store, prefix = _store_under(view)
     if not isinstance(store, BatchReadStore):
         return {name: view.get(name) for name in names if view.check([name])}
-    found = store.get_existing([prefix + name for name in names])
+    found = store.get_existing([prefix + name for name in names], periodic=periodic)
     return {name: found[prefix + name] for name in names if prefix + name in found}
+
+
+def read_one(view: KeyReader, name: str) -> bytes | None:
+    """The value of ``name`` (a key of ``view``), None while it does not exist.
+
+    On an etcd store one request, through the node's relay when there is
+    one (merged with the host's reads of the moment): a restart's ranks all
+    read the same records at once (the outcome, the termination result, the
+    interruptions), and a ``check`` and a ``get`` each would cost etcd two
+    requests per rank for each. On another store, a ``check`` and a ``get``.
+    """
+    return read_existing(view, [name]).get(name)
 
 
 #: How often a rank waiting at a barrier reads the barrier itself, past the watch: a lost watch event
@@ -207,6 +255,73 @@ def _await_watch(watch: KeyWatch, look: Callable[[], bool], limit: float | None)
             watch.appeared.wait(left)
 
 
+def await_value(view: dist.Store, name: str, timeout: datetime.timedelta) -> bytes | None:
+    """The value of key ``name`` of ``view`` once it exists, or None after ``timeout`` (the store unreachable
+    meanwhile included).
+
+    On a store that watches, the value comes with the watch's event: through
+    the node's relay one etcd watch serves the host's ranks, where a wait
+    and a read per rank cost etcd two requests per rank (a rank assignment's
+    table, read by every rank at once). Elsewhere ``wait``, then ``get``.
+    """
+    counting = counting_store(view)
+    try:
+        if counting is None:
+            view.wait([name], timeout)
+            return view.get(name)
+        watch = counting[0].watch_for(counting[1] + name)
+        try:
+            found, value = _await_watch(
+                watch, lambda: watch.must_read() and view.check([name]), timeout.total_seconds()
+            )
+        finally:
+            watch.stop()
+        if not found:
+            return None
+        return value if value is not None else view.get(name)
+    except RuntimeError:  # torch.distributed.DistStoreError: timed out, or the store did not answer in time
+        return None
+
+
+def await_key(view: object, name: str, look: Callable[[], bool], *, poll_interval: float, recheck: float = 1.0) -> None:
+    """Block until ``look()`` holds, for as long as it takes: a reserve rank's wait for the iteration's end, a
+    joiner's for its admission.
+
+    On a store that watches (etcd, through the node's relay where there is
+    one), ``look`` runs when the watch on key ``name`` (of ``view``) sees it
+    put or may have missed it, and every ``recheck`` seconds for what the key
+    does not tell (the job finished); a rank waiting in reserve then costs
+    etcd one watch, where a read every few milliseconds cost it tens of
+    requests a second. Elsewhere, and once the watch broke (or the store did
+    not answer when it was made), ``look`` runs every ``poll_interval``. The
+    loop executes Python bytecode, so an asynchronous restart interrupts it.
+    """
+    counting = counting_store(view)
+    watch: KeyWatch | None = None
+    if counting is not None:
+        try:
+            watch = counting[0].watch_for(counting[1] + name)
+        except ConnectionError:
+            watch = None  # etcd away: look as a poll until it is back
+    try:
+        next_look = 0.0
+        while True:
+            now = time.monotonic()
+            polling = watch is None or watch.broken or watch.value is not None
+            if polling or now >= next_look or (watch is not None and watch.must_read()):
+                if look():
+                    return
+                next_look = now + recheck
+            if polling or watch is None:
+                pause(poll_interval)
+                continue
+            with shield():  # a restart raised inside the event's wait could leave its lock held
+                watch.appeared.wait(min(_WAIT_SLICE, max(0.0, next_look - time.monotonic())))
+    finally:
+        if watch is not None:
+            watch.stop()
+
+
 def as_text(value: bytes) -> str:
     """A store value as text (a store returns bytes; a test double may return str)."""
     return value.decode() if isinstance(value, bytes | bytearray) else str(value)
@@ -268,19 +383,7 @@ class Barriers:
     ) -> str | None:
         done_key = keys.barrier_done(name)
         counting = counting_store(self)
-        for rank in ranks:
-            token = uuid.uuid4().hex
-            if counting is not None:
-                base, prefix = counting
-                counted, count = base.arrive_once(
-                    prefix + keys.barrier_arrived(name, rank), prefix + keys.barrier_count(name), token
-                )
-                if not counted:
-                    continue  # this rank had already arrived
-            else:
-                if as_text(self.compare_set(keys.barrier_arrived(name, rank), "", token)) != token:
-                    continue  # this rank had already arrived
-                count = self.add(keys.barrier_count(name), 1)
+        for rank, count in self._count_arrivals(name, list(ranks), counting):
             if count > world_size:
                 raise BarrierOverflow(f"{name}: rank {rank} arrived as number {count} of {world_size}")
             if count == world_size:
@@ -331,10 +434,34 @@ class Barriers:
             raise BarrierTimeout(f"{name}: {arrived} of {world_size} ranks arrived within {limit:g} s")
         return as_text(self.get(done_key))
 
+    def _count_arrivals(
+        self, name: str, ranks: list[int], counting: tuple[CountingStore, str] | None
+    ) -> list[tuple[int, int]]:
+        """Count ``ranks``' arrivals at barrier ``name``: ``(rank, its number among the arrivals)`` for each
+        rank this call counted (a rank that had arrived already is left out).
+
+        On an etcd store, one transaction per :data:`~elastic_ft.etcd.store.BATCH_ARRIVALS` ranks (a node's
+        relay merges its ranks' calls into one); elsewhere a ``compare_set`` and an ``add`` per rank.
+        """
+        counted: list[tuple[int, int]] = []
+        if counting is not None:
+            base, prefix = counting
+            for start in range(0, len(ranks), BATCH_ARRIVALS):
+                chunk = ranks[start : start + BATCH_ARRIVALS]
+                arrivals = [(prefix + keys.barrier_arrived(name, rank), uuid.uuid4().hex) for rank in chunk]
+                numbers = base.arrive_batch(arrivals, prefix + keys.barrier_count_slots(name))
+                counted += [(rank, number) for rank, number in zip(chunk, numbers, strict=True) if number is not None]
+            return counted
+        for rank in ranks:
+            token = uuid.uuid4().hex
+            if as_text(self.compare_set(keys.barrier_arrived(name, rank), "", token)) == token:
+                counted.append((rank, self.add(keys.barrier_count(name), 1)))
+        return counted
+
     def _arrivals(self, name: str) -> int:
         counting = counting_store(self)
         if counting is not None:
-            return counting[0].arrivals(counting[1] + keys.barrier_count(name))
+            return counting[0].arrivals(counting[1] + keys.barrier_count_slots(name))
         return self.add(keys.barrier_count(name), 0)
 
     def _publish(self, name: str, world_size: int, *, admit: bool) -> None:

@@ -305,18 +305,32 @@ class Heartbeat:
     """A rank's heartbeat: when it was sent and when the rank was last active (wall clock), whether its main
     thread, blocked in C code, waits for other ranks (``waiting``; None: it was not blocked), whether the
     rank is a reserve rank (a spare, not running the function), and when its next heartbeat is due (``due_at``,
-    wall clock; None: no promise). Past that, what the heartbeat says of the rank's activity is out of date."""
+    wall clock; None: no promise). Past that, what the heartbeat says of the rank's activity is out of date.
+    ``notice``: the rank was active when it was sent, and the next heartbeat comes as soon as it stops being
+    (a stall notice, :func:`~elastic_ft.inprocess.hang_detection.notice_pending`), not only when due."""
 
     sent_at: float
     active_at: float
     waiting: bool | None = None
     reserve: bool = False
     due_at: float | None = None
+    notice: bool = False
 
 
 def encode_heartbeat(
-    sent_at: float, active_at: float, waiting: bool | None = None, reserve: bool = False, due_at: float | None = None
+    sent_at: float,
+    active_at: float,
+    waiting: bool | None = None,
+    reserve: bool = False,
+    due_at: float | None = None,
+    notice: bool = False,
 ) -> str:
+    return json.dumps(_heartbeat_fields(sent_at, active_at, waiting, reserve, due_at, notice))
+
+
+def _heartbeat_fields(
+    sent_at: float, active_at: float, waiting: bool | None, reserve: bool, due_at: float | None, notice: bool
+) -> dict[str, object]:
     record: dict[str, object] = {"t": sent_at, "active": active_at}
     if waiting is not None:
         record["waiting"] = waiting
@@ -324,23 +338,88 @@ def encode_heartbeat(
         record["reserve"] = True
     if due_at is not None:
         record["due"] = due_at
-    return json.dumps(record)
+    if notice:
+        record["notice"] = True
+    return record
 
 
 def parse_heartbeat_record(text: str) -> Heartbeat | None:
     """The heartbeat in ``text``, with finite times; None for anything else (untrusted)."""
     try:
-        record = json.loads(text)
-        due = record.get("due")
-        values = (record["t"], record["active"], *(() if due is None else (due,)))
-        waiting, reserve = record.get("waiting"), record.get("reserve", False)
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return _heartbeat_from(json.loads(text))
+    except (ValueError, RecursionError):
+        return None
+
+
+def _heartbeat_from(record: object) -> Heartbeat | None:
+    """The heartbeat a decoded record holds; None for anything else (untrusted)."""
+    try:
+        due = record.get("due")  # type: ignore[attr-defined]
+        values = (record["t"], record["active"], *(() if due is None else (due,)))  # type: ignore[index]
+        waiting, reserve = record.get("waiting"), record.get("reserve", False)  # type: ignore[attr-defined]
+        notice = record.get("notice", False)  # type: ignore[attr-defined]
+    except (KeyError, TypeError, AttributeError):
         return None
     if any(isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) for v in values):
         return None
-    if (waiting is not None and not isinstance(waiting, bool)) or not isinstance(reserve, bool):
+    if (waiting is not None and not isinstance(waiting, bool)) or not all(
+        isinstance(b, bool) for b in (reserve, notice)
+    ):
         return None
-    return Heartbeat(float(values[0]), float(values[1]), waiting, reserve, None if due is None else float(due))
+    due_at = None if due is None else float(due)
+    return Heartbeat(float(values[0]), float(values[1]), waiting, reserve, due_at, notice)
+
+
+@dataclass(frozen=True)
+class PeerLook:
+    """The hang judge's last look at the peers of an iteration, as the other stalled ranks read it.
+
+    ``judge``: the initial rank whose monitor process looks (the iteration's
+    rank 0). ``read_at``: when it read every peer's records (wall clock; None:
+    it announced itself and has not looked yet). ``beats``: the heartbeats,
+    by initial rank, that decide every other rank's verdict and the hang's
+    culprit (``hang_detection.select_evidence``), its own rank's activity
+    among them.
+    """
+
+    iteration: int
+    judge: int
+    read_at: float | None = None
+    beats: dict[int, Heartbeat] = dataclasses.field(default_factory=dict)
+
+
+def encode_peer_look(look: PeerLook) -> str:
+    beats = {
+        str(rank): _heartbeat_fields(beat.sent_at, beat.active_at, beat.waiting, beat.reserve, beat.due_at, beat.notice)
+        for rank, beat in look.beats.items()
+    }
+    return json.dumps({"iteration": look.iteration, "judge": look.judge, "read_at": look.read_at, "beats": beats})
+
+
+#: The most heartbeats a look may carry: a judge sends a handful (``select_evidence``).
+_LOOK_BEATS_MAX = 64
+
+
+def parse_peer_look(text: str) -> PeerLook | None:
+    """The look in ``text``; None for anything else (untrusted: counts, finite times, well-formed heartbeats)."""
+    try:
+        record = json.loads(text)
+        iteration, judge, read_at, beats = record["iteration"], record["judge"], record["read_at"], record["beats"]
+    except (ValueError, RecursionError, KeyError, TypeError):
+        return None
+    if not is_count(iteration) or not is_count(judge) or not isinstance(beats, dict) or len(beats) > _LOOK_BEATS_MAX:
+        return None
+    if read_at is not None and (
+        isinstance(read_at, bool) or not isinstance(read_at, int | float) or not math.isfinite(read_at)
+    ):
+        return None
+    parsed: dict[int, Heartbeat] = {}
+    for rank, fields in beats.items():
+        beat = _heartbeat_from(fields)
+        if not (rank.isascii() and rank.isdigit()) or beat is None:
+            return None
+        parsed[int(rank)] = beat
+    return PeerLook(iteration, judge, None if read_at is None else float(read_at), parsed)
 
 
 def parse_heartbeat(text: str) -> tuple[float, float] | None:

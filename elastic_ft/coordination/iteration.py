@@ -18,7 +18,17 @@ from typing import cast
 import torch.distributed as dist
 
 from elastic_ft import keys
-from elastic_ft.coordination.barriers import NO_WAIT, Barriers, as_text, log, read_existing, underlying
+from elastic_ft.coordination.barriers import (
+    NO_WAIT,
+    Barriers,
+    KeyWatch,
+    as_text,
+    counting_store,
+    log,
+    read_existing,
+    read_one,
+    underlying,
+)
 from elastic_ft.coordination.fault_records import (
     FaultHistory,
     Interruption,
@@ -73,8 +83,7 @@ class IterationRecords(Barriers):
             job = job_store(base)
             joined = admit_joiners(job, iteration + 1) if admit else admitted_joiners(job, iteration + 1)
             job.set(keys.LATEST_ITERATION, str(iteration + 1))
-            recorded = as_text(self.get(keys.INTERRUPTIONS)) if self.check([keys.INTERRUPTIONS]) else ""
-            records, _ = parse_interruptions(recorded)
+            records, _ = parse_interruptions(as_text(read_one(self, keys.INTERRUPTIONS) or b""))
             history = next_history(previous_history(base, iteration), records, self.progressed())
             return TerminationResult(world_size, tuple(self.terminated_ranks()), tuple(joined), history).to_json()
         return ""
@@ -103,11 +112,8 @@ class IterationRecords(Barriers):
 
     def lost_ranks(self) -> list[int]:
         """Initial ranks of the processes recorded lost before they took their place in this iteration."""
-        if not self.check([keys.LOST_RANKS]):
-            return []
-        return sorted(
-            {n for line in as_text(self.get(keys.LOST_RANKS)).split() if (n := keys.parse_count(line)) is not None}
-        )
+        lines = as_text(read_one(self, keys.LOST_RANKS) or b"").split()
+        return sorted({n for line in lines if (n := keys.parse_count(line)) is not None})
 
     def stand_in_for_lost(self, name: str, world_size: int) -> bool:
         """At the iteration barrier: once every rank arrived but as many as are known lost, those missing are
@@ -160,15 +166,40 @@ class IterationRecords(Barriers):
         return keys.parse_count(held) or 0
 
     def outcome(self) -> str | None:
-        return as_text(self.get(keys.OUTCOME)) if self.check([keys.OUTCOME]) else None
+        found = read_one(self, keys.OUTCOME)
+        return None if found is None else as_text(found)
 
-    def wait_for_outcome(self, timeout: float, poll_interval: float) -> str | None:
+    def watch_outcome(self) -> KeyWatch | None:
+        """A watch for the iteration's outcome, for :meth:`wait_for_outcome` to wait on for the whole iteration;
+        None on a store that cannot watch (the caller stops it: ``stop()``).
+
+        One watch per iteration (on an etcd store; through the node's relay, one per host) rather than a new
+        one every wait: the monitor thread waits for the outcome all the time the rank trains, and a watch
+        created and cancelled every second cost each rank about five etcd requests a second.
+        """
+        counting = counting_store(self)
+        return None if counting is None else counting[0].watch_for(counting[1] + keys.OUTCOME)
+
+    def wait_for_outcome(self, timeout: float, poll_interval: float, watch: KeyWatch | None = None) -> str | None:
         """The iteration's outcome once decided, or None after ``timeout`` seconds.
 
-        Event-driven on a store that waits without polling (an etcd store
-        watches the key); elsewhere polled every ``poll_interval``, since a
-        TCPStore client holds its connection for the whole of a ``wait``.
+        On ``watch`` (:meth:`watch_outcome`) when given and not broken: no
+        request until it sees the key (or may have missed it: one read), and
+        none for a final outcome it saw.
+        Otherwise event-driven on a store that waits without polling (a
+        watch for this wait alone), and elsewhere polled every
+        ``poll_interval``, since a TCPStore client holds its connection for
+        the whole of a ``wait``.
         """
+        if watch is not None and not watch.broken:
+            if watch.value is None and not watch.must_read():
+                watch.appeared.wait(timeout)
+                if watch.value is None and not watch.broken and not watch.must_read():
+                    return None
+            seen = None if watch.value is None else as_text(watch.value)
+            if seen is not None and seen != PLANNED:
+                return seen  # final: it never changes, so every rank of a restart is spared a read
+            return self.outcome()
         if getattr(underlying(self), "waits_without_polling", False):
             try:
                 self.wait([keys.OUTCOME], datetime.timedelta(seconds=timeout))
@@ -202,13 +233,14 @@ class IterationRecords(Barriers):
         self.set(keys.PROGRESSED, "1")
 
     def progressed(self) -> bool:
-        return self.check([keys.PROGRESSED])
+        return read_one(self, keys.PROGRESSED) is not None
 
     def interruptions(self) -> list[Interruption]:
         """The iteration's well-formed interruption records (a malformed line is logged and skipped)."""
-        if not self.check([keys.INTERRUPTIONS]):
+        found = read_one(self, keys.INTERRUPTIONS)
+        if found is None:
             return []
-        records, malformed = parse_interruptions(as_text(self.get(keys.INTERRUPTIONS)))
+        records, malformed = parse_interruptions(as_text(found))
         for line in malformed:
             _SKIPPED.skip(MalformedRecord(f"{line:.200}", keys.INTERRUPTIONS), "an interruption record")
         return records
@@ -220,24 +252,21 @@ class IterationRecords(Barriers):
             self.append(keys.TERMINATED, lines)
 
     def terminated_ranks(self) -> list[int]:
-        if not self.check([keys.TERMINATED]):
-            return []
-        return sorted({int(line) for line in as_text(self.get(keys.TERMINATED)).split()})
+        return sorted({int(line) for line in as_text(read_one(self, keys.TERMINATED) or b"").split()})
 
     def set_active_world_size(self, size: int) -> None:
         """Publish the iteration's active world size: a joiner's rank assignment starts from it."""
         self.set(keys.ACTIVE_WORLD_SIZE, str(int(size)))
 
     def active_world_size(self) -> int | None:
-        if not self.check([keys.ACTIVE_WORLD_SIZE]):
-            return None
-        size = keys.parse_count(as_text(self.get(keys.ACTIVE_WORLD_SIZE)))
+        found = read_one(self, keys.ACTIVE_WORLD_SIZE)
+        size = None if found is None else keys.parse_count(as_text(found))
         return size if size else None
 
     def termination_result(self) -> str | None:
         """The termination barrier's published result, once it completed."""
-        key = keys.barrier_done(TERMINATION_BARRIER)
-        return as_text(self.get(key)) if self.check([key]) else None
+        found = read_one(self, keys.barrier_done(TERMINATION_BARRIER))
+        return None if found is None else as_text(found)
 
     def set_heal_progress(self, active_rank: int, step: int, fresh: bool, shard: tuple[int, int] | None = None) -> None:
         """Record an active rank's progress: its step, whether it holds no state, and the shard it holds."""
@@ -247,24 +276,23 @@ class IterationRecords(Barriers):
         self.set(keys.heal_progress(active_rank), json.dumps(record))
 
     def heal_progresses(self, active_world_size: int) -> list[object]:
-        """Every active rank's progress record, in rank order (see :meth:`heal_progress`): two requests when
-        all are there (the usual case: each rank records its own before it arrives), else one rank at a time
-        (a rank arrived for by another, dead before it recorded, has None)."""
+        """Every active rank's progress record, in rank order (see :meth:`heal_progress`), in one read (batched:
+        one request per 128 ranks on an etcd store); a rank arrived for by another, dead before it recorded,
+        has None."""
         names = [keys.heal_progress(rank) for rank in range(active_world_size)]
-        if names and self.check(names):
-            return [json_object(raw) for raw in self.multi_get(names)]
-        return [self.heal_progress(rank) for rank in range(active_world_size)]
+        found = read_existing(self, names)
+        return [json_object(found[name]) if name in found else None for name in names]
 
     def heal_progress(self, active_rank: int) -> object:
         """An active rank's progress record as stored (untrusted: decoded, not checked), None if absent."""
-        key = keys.heal_progress(active_rank)
-        return json_object(self.get(key)) if self.check([key]) else None
+        found = read_one(self, keys.heal_progress(active_rank))
+        return None if found is None else json_object(found)
 
     def mark_any_completed(self) -> None:
         self.set(keys.ANY_COMPLETED, "")
 
     def any_completed(self) -> bool:
-        return self.check([keys.ANY_COMPLETED])
+        return read_one(self, keys.ANY_COMPLETED) is not None
 
     # ---- identity ----
 
@@ -273,8 +301,8 @@ class IterationRecords(Barriers):
         self.set(f"{keys.RANK_OF_INITIAL}{initial_rank}", str(rank))
 
     def rank_of_initial(self, initial_rank: int) -> int | None:
-        key = f"{keys.RANK_OF_INITIAL}{initial_rank}"
-        return int(as_text(self.get(key))) if self.check([key]) else None
+        found = read_one(self, f"{keys.RANK_OF_INITIAL}{initial_rank}")
+        return None if found is None else int(as_text(found))
 
 
 class IterationView(dist.PrefixStore, IterationRecords):

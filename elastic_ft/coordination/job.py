@@ -15,18 +15,35 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from elastic_ft import keys
-from elastic_ft.coordination.barriers import Barriers, as_text, log, read_existing
-from elastic_ft.coordination.fault_records import Heartbeat, encode_heartbeat, parse_heartbeat_record
+from elastic_ft.coordination.barriers import Barriers, as_text, log, read_existing, read_one, write_latest
+from elastic_ft.coordination.fault_records import (
+    Heartbeat,
+    PeerLook,
+    encode_heartbeat,
+    encode_peer_look,
+    parse_heartbeat_record,
+    parse_peer_look,
+)
 from elastic_ft.untrusted import is_count, json_object
 
 #: A joiner's admission when it died before any restart admitted it.
 WITHDRAWN = "withdrawn"
 #: Joiners one restart admits: far beyond any respawn budget.
 JOINED_MAX = 4096
+
+
+@dataclass(frozen=True)
+class PeerRecords:
+    """Peers' records as one read found them: who left, and the others' heartbeats and positions."""
+
+    left: set[int]
+    heartbeats: dict[int, Heartbeat]
+    positions: dict[int, dict[str, int]]
 
 
 class JobRecords(Barriers):
@@ -41,29 +58,34 @@ class JobRecords(Barriers):
         waiting: bool | None = None,
         reserve: bool = False,
         next_in: float | None = None,
-    ) -> None:
+        ring: int | None = None,
+        notice: bool = False,
+    ) -> tuple[bool, Heartbeat | None] | None:
         """A heartbeat for initial rank ``rank`` (:class:`~elastic_ft.coordination.fault_records.Heartbeat`), sent now; the
-        next one is due ``next_in`` seconds later (None: no promise)."""
+        next one is due ``next_in`` seconds later (None: no promise), or sooner as a stall notice (``notice``).
+
+        ``ring``: the same request also reads what a monitor's ring check needs of initial rank ``ring``, and
+        returns it: whether that rank left (arrived at the exit barrier), and its last well-formed heartbeat (one
+        request a second for a monitor's heartbeat and its check; through the node relay, the host's periodic
+        read of the moment)."""
         now = time.time()
         due = None if next_in is None else now + next_in
-        text = encode_heartbeat(now, now if active_at is None else active_at, waiting, reserve, due)
-        self.set(f"{keys.HEARTBEAT}{rank}", text)
+        text = encode_heartbeat(now, now if active_at is None else active_at, waiting, reserve, due, notice)
+        if ring is None:
+            write_latest(self, f"{keys.HEARTBEAT}{rank}", text)
+            return None
+        left, beat = keys.barrier_arrived(keys.EXIT_BARRIER, ring), f"{keys.HEARTBEAT}{ring}"
+        return _ring_record(write_latest(self, f"{keys.HEARTBEAT}{rank}", text, [left, beat]), left, beat)
 
     def heartbeat(self, rank: int) -> Heartbeat | None:
         """Initial rank ``rank``'s last heartbeat; None without one, or with one that is not well-formed."""
-        key = f"{keys.HEARTBEAT}{rank}"
-        if not self.check([key]):
-            return None
-        return parse_heartbeat_record(as_text(self.get(key)))
+        found = read_one(self, f"{keys.HEARTBEAT}{rank}")
+        return None if found is None else parse_heartbeat_record(as_text(found))
 
     def _heartbeat(self, rank: int) -> tuple[float, float] | None:
         """(sent at, last active at); None without a heartbeat or with one that is not well-formed."""
         record = self.heartbeat(rank)
         return None if record is None else (record.sent_at, record.active_at)
-
-    def last_heartbeat(self, rank: int) -> float | None:
-        record = self._heartbeat(rank)
-        return None if record is None else record[0]
 
     def last_activity(self, rank: int) -> float | None:
         """When (wall clock) initial rank ``rank`` was last active, per its last heartbeat."""
@@ -76,7 +98,7 @@ class JobRecords(Barriers):
         self.set(f"{keys.WRAPPED}{initial_rank}", json.dumps({"pid": pid}))
 
     def is_wrapped(self, initial_rank: int) -> bool:
-        return self.check([f"{keys.WRAPPED}{initial_rank}"])
+        return read_one(self, f"{keys.WRAPPED}{initial_rank}") is not None
 
     def record_position(self, initial_rank: int, iteration: int, rank: int, world_size: int, active: bool) -> None:
         self.set(
@@ -89,8 +111,8 @@ class JobRecords(Barriers):
 
         ``active`` is 1 for a rank that runs the function, 0 for a reserve rank.
         """
-        key = f"{keys.POSITION}{initial_rank}"
-        return _parse_position(self.get(key)) if self.check([key]) else None
+        found = read_one(self, f"{keys.POSITION}{initial_rank}")
+        return None if found is None else _parse_position(found)
 
     # ---- many ranks at once (a monitor's look at its peers: a few requests, however many ranks) ----
 
@@ -99,6 +121,46 @@ class JobRecords(Barriers):
         found = self._by_rank(keys.HEARTBEAT, ranks)
         parsed = {rank: parse_heartbeat_record(as_text(value)) for rank, value in found.items()}
         return {rank: heartbeat for rank, heartbeat in parsed.items() if heartbeat is not None}
+
+    def peer_records(self, ranks: Sequence[int]) -> PeerRecords:
+        """What a monitor's look at its peers needs of initial ranks ``ranks``, in one read (batched: one request
+        per 128 keys; through the node relay, one read for the host's monitors looking at the same moment): who
+        left (arrived at the exit barrier), and the others' well-formed heartbeats and positions."""
+        names = {
+            **{keys.barrier_arrived(keys.EXIT_BARRIER, rank): ("left", rank) for rank in ranks},
+            **{f"{keys.HEARTBEAT}{rank}": ("heartbeat", rank) for rank in ranks},
+            **{f"{keys.POSITION}{rank}": ("position", rank) for rank in ranks},
+        }
+        found: dict[str, dict[int, bytes]] = {"left": {}, "heartbeat": {}, "position": {}}
+        for key, value in read_existing(self, list(names), periodic=True).items():
+            kind, rank = names[key]
+            found[kind][rank] = value
+        left = set(found["left"])
+        beats = {rank: parse_heartbeat_record(as_text(value)) for rank, value in found["heartbeat"].items()}
+        places = {rank: _parse_position(value) for rank, value in found["position"].items()}
+        return PeerRecords(
+            left,
+            {rank: beat for rank, beat in beats.items() if beat is not None and rank not in left},
+            {rank: place for rank, place in places.items() if place is not None and rank not in left},
+        )
+
+    # ---- the hang judge's look (what a stalled rank reads instead of every peer) ----
+
+    def publish_peer_look(self, look: PeerLook) -> None:
+        """The judge's look, replacing the last (one request; through the node relay, with the host's beats)."""
+        write_latest(self, keys.PEER_LOOK, encode_peer_look(look))
+
+    def peer_look(self, judge: int | None) -> tuple[PeerLook | None, Heartbeat | None]:
+        """The judge's last look (None: none, or not well-formed), and initial rank ``judge``'s last heartbeat
+        (None when ``judge`` is None, or without a well-formed one): one read, gathered with the host's."""
+        names = [keys.PEER_LOOK] + ([] if judge is None else [f"{keys.HEARTBEAT}{judge}"])
+        found = read_existing(self, names, periodic=True)
+        look = found.get(keys.PEER_LOOK)
+        beat = None if judge is None else found.get(names[1])
+        return (
+            None if look is None else parse_peer_look(as_text(look)),
+            None if beat is None else parse_heartbeat_record(as_text(beat)),
+        )
 
     def positions(self, ranks: Sequence[int]) -> dict[int, dict[str, int]]:
         """The last published positions of those of ``ranks`` that published a well-formed one."""
@@ -129,9 +191,8 @@ class JobRecords(Barriers):
 
     def joiners_accepted(self) -> bool | None:
         """Whether the world can grow: None until its ranks said (they say so as they enter the Wrapper)."""
-        if not self.check([keys.ACCEPTS_JOINERS]):
-            return None
-        return as_text(self.get(keys.ACCEPTS_JOINERS)) == "1"
+        found = read_one(self, keys.ACCEPTS_JOINERS)
+        return None if found is None else as_text(found) == "1"
 
     def register_joiner(self, initial_rank: int) -> None:
         """A process that is not in the world asks to join it at the next restart."""
@@ -139,10 +200,8 @@ class JobRecords(Barriers):
 
     def joiners(self) -> list[int]:
         """Initial ranks that registered, in registration order (a malformed line is skipped)."""
-        if not self.check([keys.JOINERS]):
-            return []
         seen: dict[int, None] = {}
-        for line in as_text(self.get(keys.JOINERS)).split():
+        for line in as_text(read_one(self, keys.JOINERS) or b"").split():
             rank = keys.parse_count(line)
             if rank is not None:
                 seen.setdefault(rank, None)
@@ -153,8 +212,8 @@ class JobRecords(Barriers):
         return as_text(self.compare_set(f"{keys.ADMITTED}{initial_rank}", "", value))
 
     def admission(self, initial_rank: int) -> str | None:
-        key = f"{keys.ADMITTED}{initial_rank}"
-        return as_text(self.get(key)) if self.check([key]) else None
+        found = read_one(self, f"{keys.ADMITTED}{initial_rank}")
+        return None if found is None else as_text(found)
 
     def record_activation(self, initial_rank: int, iteration: int) -> None:
         """A reserve rank (or a joiner) runs the function from ``iteration`` on."""
@@ -164,15 +223,14 @@ class JobRecords(Barriers):
 
     def latest_iteration(self) -> int:
         """The iteration the last restart began (0 before any; a malformed record reads as 0)."""
-        if not self.check([keys.LATEST_ITERATION]):
-            return 0
-        return keys.parse_count(as_text(self.get(keys.LATEST_ITERATION))) or 0
+        found = read_one(self, keys.LATEST_ITERATION)
+        return 0 if found is None else keys.parse_count(as_text(found)) or 0
 
     def mark_finished(self) -> None:
         self.set(keys.FINISHED, "1")
 
     def finished(self) -> bool:
-        return self.check([keys.FINISHED])
+        return read_one(self, keys.FINISHED) is not None
 
     def record_left(self, initial_rank: int, kind: str, gave_up: bool, message: str = "", fatal: bool = False) -> None:
         """How the rank left the Wrapper; ``fatal``: it gave up on the job for good (a fault repeats: the node side
@@ -182,10 +240,8 @@ class JobRecords(Barriers):
 
     def left(self, initial_rank: int) -> dict[str, object] | None:
         """How the rank left the Wrapper; None if it did not. A malformed record still says it left."""
-        key = f"{keys.LEFT}{initial_rank}"
-        if not self.check([key]):
-            return None
-        return json_object(self.get(key)) or {"kind": "malformed"}
+        found = read_one(self, f"{keys.LEFT}{initial_rank}")
+        return None if found is None else json_object(found) or {"kind": "malformed"}
 
 
 class JobView(dist.PrefixStore, JobRecords):
@@ -264,3 +320,8 @@ def admitted_joiners(job: JobView, iteration: int) -> list[int]:
     joiners = job.joiners()[:JOINED_MAX]
     admissions = job.admissions(joiners)
     return [rank for rank in joiners if admissions.get(rank) == str(iteration)]
+
+
+def _ring_record(found: dict[str, bytes], left: str, beat: str) -> tuple[bool, Heartbeat | None]:
+    """Whether a rank left, and its last well-formed heartbeat, from the values read of its two keys."""
+    return left in found, parse_heartbeat_record(as_text(found[beat])) if beat in found else None

@@ -30,6 +30,7 @@ which logs each outage once; callers decide whether to wait on
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -42,6 +43,8 @@ import grpc
 from etcd3 import etcdrpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
+from elastic_ft.etcd import accounting
+from elastic_ft.etcd.accounting import current_source
 from elastic_ft.etcd.channels import Connections, TokenAuth, transient
 from elastic_ft.etcd.endpoints import EtcdCredentials, EtcdEndpoint, TlsFiles
 from elastic_ft.etcd.kv import (
@@ -134,11 +137,55 @@ def get_op(key: str) -> Op:
     return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=key.encode()))
 
 
+def prefix_op(prefix: str) -> Op:
+    """Read every key under ``prefix``."""
+    return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=prefix.encode(), range_end=prefix_end(prefix)))
+
+
 def first_key_op(prefix: str) -> Op:
     """Read one key under ``prefix`` (its name only): whether there is any."""
     return etcdrpc.RequestOp(
         request_range=etcdrpc.RangeRequest(key=prefix.encode(), range_end=prefix_end(prefix), limit=1, keys_only=True)
     )
+
+
+def txn_request(compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()) -> Any:
+    """A ``TxnRequest`` (what :meth:`EtcdClient.txn` sends; a node relay carries it as its bytes)."""
+    return etcdrpc.TxnRequest(compare=list(compare), success=list(success), failure=list(failure))
+
+
+def txn_result(response: Any) -> TxnResult:
+    """What a ``TxnResponse`` says: the branch taken, the revision, each operation's key-values (ranges only)."""
+    ranges: list[list[KeyValue] | None] = []
+    for op in response.responses:
+        if op.WhichOneof("response") == "response_range":
+            ranges.append([KeyValue.from_proto(kv) for kv in op.response_range.kvs])
+        else:
+            ranges.append(None)
+    return TxnResult(response.succeeded, response.header.revision, ranges)
+
+
+def txn_keys(request: Any) -> tuple[list[bytes], list[bytes]]:
+    """The keys a ``TxnRequest`` touches (its guards', reads' and writes' keys and range ends), and the keys it
+    may write (puts and deletes, either branch): what a relay checks before it carries one."""
+    touched: list[bytes] = [compare.key for compare in request.compare]
+    written: list[bytes] = []
+    for op in [*request.success, *request.failure]:
+        kind = op.WhichOneof("request")
+        inner = getattr(op, kind) if kind else None
+        if kind == "request_txn":
+            nested_touched, nested_written = txn_keys(inner)
+            touched += nested_touched
+            written += nested_written
+            continue
+        if inner is None:
+            continue
+        touched.append(inner.key)
+        if getattr(inner, "range_end", b""):
+            touched.append(inner.range_end)
+        if kind in ("request_put", "request_delete_range"):
+            written.append(inner.key)
+    return touched, written
 
 
 def _watch_create_message() -> Any:
@@ -211,6 +258,9 @@ class EtcdClient:
         self._lock = threading.Lock()
         self._watch_ids = itertools.count(1)
         self.requests_by_kind: Counter[str] = Counter()
+        #: The same requests, and the messages sent on long-lived streams (a lease's renewals), by (source,
+        #: kind): who asked (:mod:`elastic_ft.etcd.accounting`).
+        self.requests_by_source: Counter[tuple[str, str]] = Counter()
         #: Failed sends by request kind and error (``("put", "UNAVAILABLE")``), retried ones included.
         self.errors_by_kind: Counter[tuple[str, str]] = Counter()
         #: When etcd last answered a request of this client (``time.monotonic()``).
@@ -218,6 +268,7 @@ class EtcdClient:
         #: etcd has answered this client once: from then on, not answering is an outage (until then, a first
         #: contact that fails, which its caller reports).
         self.answered_once = False
+        accounting.track(self)
 
     def avoid(self, endpoint: EtcdEndpoint) -> None:
         """A stream on ``endpoint`` broke: send what comes next to the following endpoint."""
@@ -232,8 +283,16 @@ class EtcdClient:
         return sum(self.requests_by_kind.values())
 
     def _count(self, kind: str) -> None:
+        source = current_source()
         with self._lock:
             self.requests_by_kind[kind] += 1
+            self.requests_by_source[(source, kind)] += 1
+
+    def _count_message(self, kind: str) -> None:
+        """A message on a stream: accounted for by source, not a request."""
+        source = current_source()
+        with self._lock:
+            self.requests_by_source[(source, kind)] += 1
 
     def _call(
         self, kind: str, method: Callable[[grpc.Channel, dict[str, Any]], Any], budget: float | None = None
@@ -369,15 +428,19 @@ class EtcdClient:
         failure: Sequence[Op] = (),
     ) -> TxnResult:
         """One transaction; it may be sent twice, so its guards must make a second application a no-op."""
-        request = etcdrpc.TxnRequest(compare=list(compare), success=list(success), failure=list(failure))
-        response = self._call("txn", lambda ch, call: etcdrpc.KVStub(ch).Txn(request, **call))
-        ranges: list[list[KeyValue] | None] = []
-        for op in response.responses:
-            if op.WhichOneof("response") == "response_range":
-                ranges.append([KeyValue.from_proto(kv) for kv in op.response_range.kvs])
-            else:
-                ranges.append(None)
-        return TxnResult(response.succeeded, response.header.revision, ranges)
+        return txn_result(self.txn_request(txn_request(compare, success, failure)))
+
+    def txn_request(self, request: Any) -> Any:
+        """Send a ``TxnRequest`` as it is; its ``TxnResponse``."""
+        return self._call("txn", lambda ch, call: etcdrpc.KVStub(ch).Txn(request, **call))
+
+    def txns(self, requests: Sequence[Any]) -> list[Any]:
+        """Several independent transactions in one request (nested in one that has no guard: etcd 3.3 on), each
+        with its own guards and its own outcome; their ``TxnResponse``s. They must not write a key twice
+        between them (etcd refuses the whole request)."""
+        outer = etcdrpc.TxnRequest(success=[etcdrpc.RequestOp(request_txn=request) for request in requests])
+        response = self.txn_request(outer)
+        return [op.response_txn for op in response.responses]
 
     def grant_lease(self, ttl: int) -> tuple[int, int]:
         """Create a lease; returns its id and the TTL etcd granted.
@@ -400,10 +463,19 @@ class EtcdClient:
         """Open one long-lived keep-alive stream (see :mod:`elastic_ft.etcd.session`, which shares it among
         every lease of this client)."""
         endpoint = self._connections.order()[0]
-        self._count("keep_alive")
+        self._count("keep_alive")  # the stream; each renewal it carries is accounted for by its source
         channel = self._connections.channel(endpoint)
         metadata = self._auth.stream_metadata(channel)
-        return self._connections.track(KeepAliveStream(channel, endpoint, on_answer, on_end, metadata))
+        return self._connections.track(
+            KeepAliveStream(
+                channel,
+                endpoint,
+                on_answer,
+                on_end,
+                metadata,
+                on_send=functools.partial(self._count_message, "keep_alive_message"),
+            )
+        )
 
     def revoke_lease(self, lease_id: int) -> None:
         """Revoke a lease, deleting every key attached to it; a lease that

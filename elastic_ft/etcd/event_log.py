@@ -10,7 +10,11 @@ number the next event takes, and the event numbered ``seq`` is stored at
 the capacity still bound it by the largest.
 
 An append is one transaction guarded by the counter's revision, so
-concurrent writers get distinct numbers. It is applied exactly once: each
+concurrent writers get distinct numbers. The transaction reads the
+counter back, so a writer's next append needs no read of its own (a node
+relay, its host's only writer, appends with one request); a writer that
+another overtook meanwhile loses the race once and learns the counter from
+the refusal. It is applied exactly once: each
 event carries a unique id, and when etcd's answer is lost the writer reads
 the slot it tried before trying again, in the same call or in a later one
 with the same ``event_id`` (a sender that waits out an etcd outage).
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from elastic_ft.config_fields import EVENTS_KEPT_DEFAULT, MAX_EVENTS_KEPT
@@ -31,6 +36,8 @@ from elastic_ft.untrusted import MalformedRecord
 
 #: The settings' default and bound (``events_kept``), spelled once in elastic_ft.config_fields.
 DEFAULT_CAPACITY, MAX_CAPACITY = EVENTS_KEPT_DEFAULT, MAX_EVENTS_KEPT
+#: The most events one :meth:`EventLog.append_many` stores (a transaction's slots, within etcd's 128 operations).
+APPEND_BATCH = 64
 
 
 @dataclass
@@ -53,6 +60,8 @@ class EventLog:
         self.capacity = capacity
         #: The last append that may have committed without an answer: its event id and the number it tried.
         self._unanswered: tuple[str, int] | None = None
+        #: Each stream's counter as this writer last saw it (the guard of its next append).
+        self._counters: dict[str, KeyValue | None] = {}
 
     def append(self, event: JobEvent, event_id: str | None = None) -> int:
         """Store ``event`` in its stream; returns its sequence number there. Raises the client's errors.
@@ -62,34 +71,62 @@ class EventLog:
         so the next attempt needs no read of its own. ``event_id``: the same
         for every call that sends the same event (a new one by default).
         """
-        stream = EVENTS_PROGRESS if event.name == "progress" else EVENTS_MAIN
-        counter_key = self.keys.events_next(stream)
-        event_id = event_id or uuid.uuid4().hex
+        return self.append_many([(event, event_id or uuid.uuid4().hex)])[0]
+
+    def append_many(self, batch: Sequence[tuple[JobEvent, str]]) -> list[int]:
+        """Store events of one stream, each with its ``event_id``, in one transaction (consecutive numbers): what a
+        node relay sends for its host's events of the moment, and :meth:`append` for one. Raises the client's
+        errors.
+
+        A transaction whose answer was lost is found committed by its first
+        slot holding its first event's id, in this call or in a later one
+        for the same first event.
+        """
+        if not 0 < len(batch) <= min(self.capacity, APPEND_BATCH):
+            raise ValueError(f"append_many takes 1 to {min(self.capacity, APPEND_BATCH)} events, got {len(batch)}")
+        streams = {EVENTS_PROGRESS if event.name == "progress" else EVENTS_MAIN for event, _ in batch}
+        if len(streams) != 1:
+            raise ValueError("append_many takes the events of one stream")
+        (stream,) = streams
+        counter_key, first_id = self.keys.events_next(stream), batch[0][1]
         unanswered = self._unanswered
-        if unanswered is not None and unanswered[0] == event_id and self._holds(unanswered[1], stream, event_id):
+        if unanswered is not None and unanswered[0] == first_id and self._holds(unanswered[1], stream, first_id):
             self._unanswered = None
-            return unanswered[1]  # an earlier call's send committed, its answer was lost
-        counter, _ = self.client.get(counter_key)
+            return list(range(unanswered[1], unanswered[1] + len(batch)))  # an earlier call's send committed
+        counter = self._counters[stream] if stream in self._counters else self.client.get(counter_key)[0]
         while True:
-            seq, guard = self._next_number(counter_key, counter)
-            self._unanswered = (event_id, seq)
-            slot_key = self.keys.event_slot(seq % self.capacity, stream)
-            document = {**event.to_document(), "seq": seq, "id": event_id}
-            ops = [put_op(counter_key, str(seq + 1).encode()), put_op(slot_key, json.dumps(document).encode())]
             try:
-                result = self.client.txn([guard], ops, [get_op(counter_key), get_op(slot_key)])
+                first, guard = self._next_number(counter_key, counter)
+            except MalformedRecord:
+                self._counters.pop(stream, None)  # read again next time: the record may be repaired
+                raise
+            self._unanswered = (first_id, first)
+            numbers = list(range(first, first + len(batch)))
+            ops = [put_op(counter_key, str(first + len(batch)).encode())]
+            for seq, (event, event_id) in zip(numbers, batch, strict=True):
+                document = {**event.to_document(), "seq": seq, "id": event_id}
+                ops.append(put_op(self.keys.event_slot(seq % self.capacity, stream), json.dumps(document).encode()))
+            ops.append(get_op(counter_key))  # the counter as this append leaves it: the next one's guard
+            first_slot = self.keys.event_slot(first % self.capacity, stream)
+            try:
+                result = self.client.txn([guard], ops, [get_op(counter_key), get_op(first_slot)])
             except EtcdUnavailableError:
-                if self._holds(seq, stream, event_id):  # raises if etcd is still unreachable
-                    return seq  # the answer was lost, but it committed
+                self._counters.pop(stream, None)
+                if self._holds(first, stream, first_id):  # raises if etcd is still unreachable
+                    return numbers  # the answer was lost, but it committed
                 counter, _ = self.client.get(counter_key)
                 continue
             self._unanswered = None
             if result.succeeded:
-                return seq
+                after = result.ranges[-1]
+                if after:
+                    self._counters[stream] = after[0]
+                return numbers
             now, slot = result.ranges
-            if slot and _event_id(slot[0].value) == event_id:
-                return seq  # a resend of a transaction that had committed
-            counter = now[0] if now else None  # another writer took the number: take the next
+            if slot and _event_id(slot[0].value) == first_id:
+                return numbers  # a resend of a transaction that had committed
+            counter = now[0] if now else None  # another writer took the numbers: take the next
+            self._counters[stream] = counter
 
     @staticmethod
     def _next_number(counter_key: str, counter: KeyValue | None) -> tuple[int, Compare]:
@@ -118,7 +155,8 @@ class EventLog:
                 return EventLogRead([], [], revision)
         ring = self.keys.events_ring(stream)
         kvs, revision = self.client.get_prefix(ring)
-        events, malformed = [], []
+        found: list[tuple[JobEvent, str | None]] = []
+        malformed = []
         for kv in kvs:
             if count_suffix(kv.key, ring) is None:
                 malformed.append({"key": kv.key, "reason": "not an event slot"})
@@ -132,8 +170,18 @@ class EventLog:
                 malformed.append({"key": kv.key, "reason": f"not an event of the {stream} stream with its number"})
                 continue
             if after is None or event.seq > after:
-                events.append(event)
-        events.sort(key=lambda event: event.seq or 0)
+                found.append((event, _event_id(kv.value)))
+        found.sort(key=lambda pair: pair[0].seq or 0)
+        # An event sent through a node relay that stalled after it committed, and sent again by its writer, is
+        # stored twice under one id (elastic_ft.etcd.node_relay); readers keep the first.
+        seen: set[str] = set()
+        events = []
+        for event, event_id in found:
+            if event_id is not None:
+                if event_id in seen:
+                    continue
+                seen.add(event_id)
+            events.append(event)
         return EventLogRead(events, malformed, revision)
 
     def read_all(self) -> EventLogRead:

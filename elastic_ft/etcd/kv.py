@@ -8,6 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+#: The most arrivals one barrier transaction counts (``EtcdStore.arrive_batch``): ``2k + 1`` operations, within
+#: etcd's default limit of 128 per transaction (``--max-txn-ops``).
+BATCH_ARRIVALS = 32
+
 
 class EtcdUnavailableError(ConnectionError):
     """No etcd endpoint answered within the allowed time."""
@@ -64,3 +68,8 @@ class TxnResult:
     # One entry per operation of the branch taken; a range op gives its
     # key-values, other ops give None.
     ranges: list[list[KeyValue] | None]
+
+
+class RelayUnavailable(ConnectionError):
+    """A node relay (:mod:`elastic_ft.etcd.node_relay`) did not take or answer a request: the caller sends it to
+    etcd itself."""

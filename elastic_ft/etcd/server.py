@@ -25,7 +25,7 @@ from pathlib import Path
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.endpoints import EtcdEndpoint, TlsFiles
 from elastic_ft.etcd.kv import EtcdUnavailableError
-from elastic_ft.runtime.net import free_port
+from elastic_ft.runtime.net import free_ports
 from elastic_ft.runtime.reaper import current_reaper
 from elastic_ft.runtime.waits import pause
 
@@ -136,11 +136,12 @@ class EtcdServer:
             reaper = current_reaper()  # this process's reaper: the members and their data go with it
             if reaper is not None:
                 reaper.remove_on_exit(self._workdir)
+            ports = free_ports(2 * self.member_count, self.host)
             self._members = [
                 _Member(
                     name=f"m{i}",
-                    client_port=free_port(self.host),
-                    peer_port=free_port(self.host),
+                    client_port=ports[2 * i],
+                    peer_port=ports[2 * i + 1],
                     data_dir=self._workdir / f"m{i}.data",
                     log_path=self._workdir / f"m{i}.log",
                 )

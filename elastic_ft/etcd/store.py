@@ -48,22 +48,29 @@ import functools
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
 
 from elastic_ft.etcd.client import (
+    Compare,
     EtcdClient,
     EtcdUnavailableError,
+    Op,
+    TxnResult,
     WatchEvent,
     delete_op,
     get_op,
     key_missing,
     key_modified_at,
+    prefix_op,
     put_op,
+    txn_request,
+    txn_result,
 )
+from elastic_ft.etcd.kv import BATCH_ARRIVALS, RelayUnavailable
 from elastic_ft.etcd.outage import bounded
 from elastic_ft.etcd.shield import shielded
 from elastic_ft.etcd.store_ops import (
@@ -77,7 +84,7 @@ from elastic_ft.etcd.store_ops import (
 )
 from elastic_ft.keys import store_queue_prefix
 
-__all__ = ["EtcdStore", "EtcdStoreUnavailable", "KeyWatch", "StoreWriteOutcomeUnknown"]
+__all__ = ["BATCH_ARRIVALS", "EtcdStore", "EtcdStoreUnavailable", "KeyWatch", "StoreWriteOutcomeUnknown"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -151,6 +158,23 @@ class KeyWatch:
         return True
 
 
+class Relay(Protocol):
+    """What a store asks of its node's relay (:class:`elastic_ft.etcd.node_relay.RelayClient`): full etcd keys in,
+    :class:`RelayUnavailable` when the relay cannot serve."""
+
+    def arrive_batch(self, arrivals: Sequence[tuple[str, str]], slots: str, timeout: float) -> list[int | None]: ...
+
+    def watch_for(self, key: str) -> KeyWatch: ...
+
+    def put_latest(self, key: str, value: bytes, timeout: float, read: Sequence[str] = ()) -> dict[str, bytes]: ...
+
+    def txn(self, request: Any, timeout: float) -> Any: ...
+
+    def append_event(self, event: Any, event_id: str) -> int: ...
+
+    def get_existing(self, keys: Sequence[str], timeout: float, *, periodic: bool = False) -> dict[str, bytes]: ...
+
+
 class EtcdStore(dist.Store):
     """Keys live under ``prefix`` in etcd; see the module docstring."""
 
@@ -166,6 +190,7 @@ class EtcdStore(dist.Store):
         timeout: timedelta = timedelta(seconds=300),
         *,
         tokens: TokenLease | None = None,
+        relay: Relay | None = None,
     ) -> None:
         super().__init__()
         if not prefix.endswith("/"):
@@ -177,9 +202,24 @@ class EtcdStore(dist.Store):
         self._keys = StoreKeys(client, prefix)
         self._reads = StoreReader(self._keys, lambda: self.timeout)
         #: ``tokens``: the lease write tokens go on, shared with the stores made from this one (``group_store``).
-        self._writes = OnceWriter(self._keys, lambda: self.timeout, tokens or TokenLease())
+        self._writes = OnceWriter(self._keys, lambda: self.timeout, tokens or TokenLease(), self._txn)
         self._clones_lock = threading.Lock()
         self._clones: list[EtcdStore] = []
+        #: The node's relay (:mod:`elastic_ft.etcd.node_relay`), which batches barrier arrivals and shares watches
+        #: among the host's ranks; None: every request goes to etcd.
+        self.relay = relay
+
+    def _txn(self, compare: list[Compare], success: list[Op], failure: list[Op]) -> TxnResult:
+        """A write's transaction: through the node's relay, merged with its host's writes of the moment, when
+        there is one; else to etcd. The same request either way, its token included: a resend to etcd after
+        the relay, which may have committed it, applies it at most once."""
+        request = txn_request(compare, success, failure)
+        if self.relay is not None:
+            try:
+                return txn_result(self.relay.txn(request, self.timeout.total_seconds()))
+            except RelayUnavailable:
+                pass
+        return txn_result(self.client.txn_request(request))
 
     @property
     def writes_recovered(self) -> int:
@@ -196,10 +236,49 @@ class EtcdStore(dist.Store):
         return [found[k].value for k in keys]
 
     @_bounded_op
-    def get_existing(self, keys: list[str]) -> dict[str, bytes]:
-        """The values of those of ``keys`` that exist (no wait for the others): one request per 128 keys."""
-        found, _ = self._reads.fetch(keys)
-        return {key: kv.value for key, kv in found.items()}
+    def get_existing(self, keys: list[str], *, periodic: bool = False) -> dict[str, bytes]:
+        """The values of those of ``keys`` that exist (no wait for the others): one request per 128 keys; through
+        the node's relay when there is one, merged with the host's other reads of the moment (``periodic``: a
+        read every rank of the host makes at the same instants, which the relay gathers)."""
+        if not keys:
+            return {}
+        if self.relay is not None:
+            full = {self._keys.key(key): key for key in keys}
+            try:
+                found = self.relay.get_existing(list(full), self.timeout.total_seconds(), periodic=periodic)
+                return {full[key]: value for key, value in found.items()}
+            except RelayUnavailable:
+                pass
+        read, _ = self._reads.fetch(keys)
+        return {key: kv.value for key, kv in read.items()}
+
+    @_bounded_op
+    def put_latest(self, values: Mapping[str, bytes], read: Sequence[str] = ()) -> dict[str, bytes]:
+        """Write values whose only contract is that the newest one of each key wins (a heartbeat): one request,
+        without the exactly-once token of ``set`` (a resend writes the same value again). One key goes through
+        the node's relay when there is one, which writes its host's heartbeats in one transaction.
+
+        ``read``: keys the same request reads after its writes (a monitor's heartbeat carries its ring check:
+        one request a second for both); returns the values of those that exist. Through the relay, the read
+        rides in the same transaction as the host's heartbeats of the moment."""
+        names = {self._keys.key(key): key for key in read}
+        if self.relay is not None and len(values) == 1:
+            ((key, value),) = values.items()
+            try:
+                relayed = self.relay.put_latest(self._keys.key(key), value, self.timeout.total_seconds(), list(names))
+                return {names[full]: read_value for full, read_value in relayed.items()}
+            except RelayUnavailable:
+                pass
+        ops = [put_op(self._keys.key(key), value) for key, value in values.items()]
+        ops += [get_op(full) for full in names]
+        found: dict[str, bytes] = {}
+        for start in range(0, len(ops), TXN_OPS):
+            result = self._keys.ask(functools.partial(self.client.txn, [], ops[start : start + TXN_OPS]))
+            for kvs in result.ranges:
+                for kv in kvs or ():
+                    if kv.key in names:
+                        found[names[kv.key]] = kv.value
+        return found
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         self._reads.await_keys(keys, timeout, queues=True)
@@ -233,7 +312,7 @@ class EtcdStore(dist.Store):
         return True
 
     def clone(self) -> EtcdStore:
-        copy = EtcdStore(self.client, self.prefix, self.timeout, tokens=self._writes.tokens)
+        copy = EtcdStore(self.client, self.prefix, self.timeout, tokens=self._writes.tokens, relay=self.relay)
         with self._clones_lock:
             self._clones.append(copy)
         return copy
@@ -304,38 +383,82 @@ class EtcdStore(dist.Store):
                 return True
 
     @_bounded_op
-    def arrive_once(self, arrived: str, counter: str, token: str) -> tuple[bool, int]:
-        """Count one arrival at a barrier, at most once: ``(counted, arrivals so far)``.
+    def arrive_batch(self, arrivals: Sequence[tuple[str, str]], slots: str) -> list[int | None]:
+        """Count many ranks' arrivals at one barrier, each at most once, in one transaction.
 
-        One transaction creates ``arrived`` with ``token`` and rewrites
-        ``counter``, whose version (etcd counts a key's writes) is then the
-        number of arrivals: one request however many ranks arrive at once,
-        where ``add`` is a read and a compare-and-swap that concurrent ranks
-        retry. A resend of an arrival that committed finds its own token and
-        counts it once. ``counted`` is False when another token arrived first.
+        ``arrivals`` holds ``(arrived key, token)`` pairs (at most
+        :data:`BATCH_ARRIVALS`); ``slots`` is the barrier's counter prefix
+        (:func:`elastic_ft.keys.barrier_count_slots`). The transaction creates
+        every arrived key with its token and rewrites slots ``0 .. k-1`` once
+        each, so the sum of the slots' versions is the number of arrivals,
+        and reads the slots back: one request for a node's ranks, where a
+        request per rank made a barrier's cost grow with the ranks. etcd
+        applies transactions one after another, so the sums the arrivals see
+        are distinct and the one that completes the barrier is unique.
+
+        Returns, for each pair, its number among the barrier's arrivals
+        (``1 .. world``) when this call counted it, ``None`` when another token
+        had arrived for that key first. A resend of a transaction that had
+        committed finds its own tokens and counts them once; their numbers are
+        then read from the current sum (a later arrival may be in it: whoever
+        then publishes the barrier's result does so with ``compare_set``, and
+        the first result holds).
+
+        Raises:
+            StoreWriteOutcomeUnknown: etcd did not answer within the bound; the arrivals may have counted (a
+                resend with the same tokens counts them once).
         """
-        arrived_key, counter_key = self._keys.key(arrived), self._keys.key(counter)
-        try:
-            outcome = self._keys.ask(
-                lambda: self.client.txn(
-                    [key_missing(arrived_key)],
-                    [put_op(arrived_key, token.encode()), put_op(counter_key, b""), get_op(counter_key)],
-                    [get_op(arrived_key), get_op(counter_key)],
+        if not 0 < len(arrivals) <= BATCH_ARRIVALS:
+            raise ValueError(f"arrive_batch takes 1 to {BATCH_ARRIVALS} arrivals, got {len(arrivals)}")
+        full = [(self._keys.key(key), token.encode()) for key, token in arrivals]
+        slot_prefix = self._keys.key(slots)
+        if self.relay is not None:
+            relayed = [(key, token) for (key, _), (_, token) in zip(full, arrivals, strict=True)]
+            try:
+                return self.relay.arrive_batch(relayed, slot_prefix, self.timeout.total_seconds())
+            except RelayUnavailable:
+                pass  # to etcd with the same tokens: an arrival the relay did commit counts once
+        numbers: list[int | None] = [None] * len(full)
+        todo = list(range(len(full)))
+        while todo:
+            batch = [full[i] for i in todo]
+            puts = [put_op(key, token) for key, token in batch]
+            puts += [put_op(f"{slot_prefix}{slot}", b"") for slot in range(len(batch))]
+            try:
+                outcome = self._keys.ask(
+                    functools.partial(
+                        self.client.txn,
+                        [key_missing(key) for key, _ in batch],
+                        [*puts, prefix_op(slot_prefix)],
+                        [*(get_op(key) for key, _ in batch), prefix_op(slot_prefix)],
+                    )
                 )
-            )
-        except EtcdUnavailableError as exc:
-            raise StoreWriteOutcomeUnknown(f"arrive({arrived!r}): etcd did not answer, it may count: {exc}") from exc
-        count = outcome.ranges[-1]
-        arrivals = count[0].version if count else 0
-        if outcome.succeeded:
-            return True, arrivals
-        mine = outcome.ranges[0]
-        return bool(mine and mine[0].value == token.encode()), arrivals
+            except EtcdUnavailableError as exc:
+                raise StoreWriteOutcomeUnknown(
+                    f"arrive_batch({len(batch)} under {slots!r}): etcd did not answer, they may count: {exc}"
+                ) from exc
+            total = sum(kv.version for kv in outcome.ranges[-1] or [])
+            if outcome.succeeded:
+                mine = todo
+                todo = []
+            else:
+                held = {i: kvs[0].value if kvs else None for i, kvs in zip(todo, outcome.ranges[:-1], strict=True)}
+                mine = [i for i in todo if held[i] == full[i][1]]
+                todo = [i for i in todo if held[i] is None]  # arrived for by nobody yet: try them again
+            for offset, i in enumerate(mine):
+                numbers[i] = total - len(mine) + 1 + offset
+        return numbers
 
     @_bounded_op
     def watch_for(self, key: str) -> KeyWatch:
-        """A watch for ``key`` to exist (no request while it does not): see :class:`KeyWatch`."""
+        """A watch for ``key`` to exist (no request while it does not): see :class:`KeyWatch`. Through the node's
+        relay when there is one: one etcd watch per host, whatever the number of its ranks waiting."""
         full = self._keys.key(key)
+        if self.relay is not None:
+            try:
+                return self.relay.watch_for(full)
+            except RelayUnavailable:
+                pass
         kv, revision = self._keys.ask(lambda: self.client.get(full))
         found = KeyWatch()
         if kv is not None:
@@ -358,10 +481,10 @@ class EtcdStore(dist.Store):
         return found
 
     @_bounded_op
-    def arrivals(self, counter: str) -> int:
-        """The number of arrivals :meth:`arrive_once` counted under ``counter``."""
-        kv, _ = self._keys.ask(lambda: self.client.get(self._keys.key(counter)))
-        return kv.version if kv is not None else 0
+    def arrivals(self, slots: str) -> int:
+        """The number of arrivals :meth:`arrive_batch` counted under the counter prefix ``slots``."""
+        kvs, _ = self._keys.ask(lambda: self.client.get_prefix(self._keys.key(slots)))
+        return sum(kv.version for kv in kvs)
 
     @_bounded_op
     def add(self, key: str, amount: int) -> int:

@@ -23,6 +23,7 @@ from elastic_ft.etcd.client import (
     EtcdWatch,
     KeyValue,
     Op,
+    TxnResult,
     WatchEvent,
     first_key_op,
     get_op,
@@ -305,8 +306,16 @@ class StoreReader:
 class OnceWriter:
     """A store's writes, each committed at most once (its token, ``store.py``'s docstring)."""
 
-    def __init__(self, keys: StoreKeys, timeout: Callable[[], timedelta], tokens: TokenLease) -> None:
+    def __init__(
+        self,
+        keys: StoreKeys,
+        timeout: Callable[[], timedelta],
+        tokens: TokenLease,
+        txn: Callable[[list[Compare], list[Op], list[Op]], TxnResult] | None = None,
+    ) -> None:
         self._client = keys.client
+        #: How a write's transaction is sent: to etcd, or through the node's relay (``EtcdStore``).
+        self._txn = txn or self._client.txn
         self.prefix = keys.prefix
         self._key = keys.key
         self._ask = keys.ask
@@ -348,7 +357,7 @@ class OnceWriter:
         compare, success = [*guards, key_missing(token_key)], [*ops, put_op(token_key, result, lease)]
         try:
             # The same request each time, token included: a resend of a write that committed finds the token.
-            outcome = self._ask(lambda: self._client.txn(compare, success, [get_op(token_key)]))
+            outcome = self._ask(lambda: self._txn(compare, success, [get_op(token_key)]))
         except EtcdUnavailableError as exc:
             raise StoreWriteOutcomeUnknown(f"{what}: etcd did not answer, the write may have committed: {exc}") from exc
         if outcome.succeeded:

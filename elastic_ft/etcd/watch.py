@@ -257,13 +257,17 @@ class KeepAliveStream(Stream):
         on_answer: Callable[[int, int], None],
         on_end: Callable[[Exception], None],
         metadata: tuple[tuple[str, str], ...] = (),
+        on_send: Callable[[], None] = lambda: None,
     ) -> None:
         super().__init__(etcdrpc.LeaseStub(channel).LeaseKeepAlive, endpoint, "etcd-keepalive", metadata)
         self._on_answer = on_answer
         self._on_end = on_end
+        self._on_send = on_send
         self._start()
 
     def send(self, lease_id: int) -> None:
+        """Ask etcd to renew lease ``lease_id`` (``on_send`` counts the message, as the client counts requests)."""
+        self._on_send()
         self._requests.put(etcdrpc.LeaseKeepAliveRequest(ID=lease_id))
 
     def _run(self) -> None:

@@ -60,7 +60,7 @@ def validate_arguments(arguments: dict[str, Any]) -> None:
         if not callable(arguments[name]):
             raise TypeError(f"Wrapper {name} must be callable, got {arguments[name]!r}")
     hooks = ("initialize", "abort", "finalize", "health_check", "completion", "terminate", "rank_filter")
-    for name in (*hooks, "state_dict", "load_state_dict"):
+    for name in (*hooks, "state_dict", "load_state_dict", "warmup"):
         if arguments[name] is not None and not callable(arguments[name]):
             raise TypeError(f"Wrapper {name} must be callable or None, got {arguments[name]!r}")
     for name in DEFAULT_LIMITS:

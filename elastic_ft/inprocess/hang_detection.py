@@ -70,6 +70,24 @@ until it reports or is late by the adaptive hard timeout (then its silence
 is its own: it is dead or frozen, and its last activity stands). Only a
 peer whose last heartbeat said it was active within a soft timeout holds it
 so (:func:`overdue_for`): one already inactive that long hides nothing.
+
+**Stall notices.** A peer that steps says so at its next heartbeat, a
+second later: a rank that stopped while the peer still stepped, then spent
+its soft timeout waiting for the peer's slow step, would find the peer's
+last heartbeat older than that, and restart a healthy job. So a heartbeat
+sent while its rank is active (within :func:`stall_notice_after`) promises
+a *stall notice*: the monitor beats again as soon as its rank has been
+inactive that long, not only when the next beat is due; and until that
+notice or the next beat could have come (:func:`notice_pending`), the
+peer's activity is not known, and holds a verdict. In a hang every rank
+turns inactive and sends its notice within a quarter of its soft timeout,
+well before the others' soft timeouts end: the verdict costs nothing more.
+
+**One look for the job.** Rules 2 and 3 and the culprit depend on the
+peers only through extremes (the latest active, the most overdue, the
+earliest stopped), so one rank's look at every peer serves every stalled
+rank: :func:`select_evidence` keeps the few heartbeats that decide, which
+the other ranks read instead of every peer's.
 """
 
 from __future__ import annotations
@@ -77,8 +95,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
+import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+from elastic_ft.coordination.fault_records import Heartbeat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +249,21 @@ def heartbeat_period(rank: RankActivity, soft: float, interval: float) -> float:
     return min(interval, soft / 4) if working_without_progress else interval
 
 
+def stall_notice_after(soft: float) -> float:
+    """How long a rank whose last heartbeat said it was active may be inactive before its monitor beats again,
+    a stall notice (a quarter of ``soft``; see the module docstring); a heartbeat sent while the rank was inactive
+    for less promises that notice."""
+    return soft / 4
+
+
+def notice_pending(beat: Heartbeat, now: float, soft: float) -> bool:
+    """Whether a peer's stall notice may still come: its last heartbeat promised one, and neither its next
+    heartbeat is due nor the slack a late one gets (:func:`overdue_slack`) has passed. Until then the peer
+    may be at work, however long ago the heartbeat said it was active; past it, a late heartbeat is
+    :func:`overdue_for`'s."""
+    return beat.notice and beat.due_at is not None and now <= beat.due_at + overdue_slack(soft)
+
+
 def overdue_slack(soft: float) -> float:
     """How late a peer's heartbeat may come before what it said of the peer's activity no longer counts (a
     quarter of ``soft``): a busy peer on a saturated host may send late, and its last heartbeat must not then
@@ -266,6 +302,7 @@ def judge_stall(
     peers_inactive_for: float | None,
     restart_requested_for: float | None,
     peer_overdue_for: float | None = None,
+    peer_notice_pending: bool = False,
 ) -> StallVerdict:
     """What the monitor process does about its rank now (see the module docstring).
 
@@ -282,12 +319,20 @@ def judge_stall(
         peer_overdue_for: how late the latest heartbeat of the most overdue peer is, past its promise, when
             by more than :func:`overdue_slack` (None: every peer's is on time): that peer's activity is not
             known, until it is late by the adaptive hard timeout.
+        peer_notice_pending: a peer's stall notice may still come (:func:`notice_pending`): its activity since
+            its last heartbeat is not known.
     """
     return (
         _wedged(rank, timeouts)
         or _past_a_configured_limit(rank, timeouts, restart_requested_for)
         or _adaptive_verdict(
-            rank, timeouts, gil_held_limit, peers_inactive_for, restart_requested_for, peer_overdue_for
+            rank,
+            timeouts,
+            gil_held_limit,
+            peers_inactive_for,
+            restart_requested_for,
+            peer_overdue_for,
+            peer_notice_pending,
         )
     )
 
@@ -335,6 +380,7 @@ def _adaptive_verdict(
     peers_inactive_for: float | None,
     restart_requested_for: float | None,
     peer_overdue_for: float | None,
+    peer_notice_pending: bool,
 ) -> StallVerdict:
     """The adaptive timeouts, for a rank without progress: act on it only if it is inactive and every peer's
     activity says it does not wait for a slow peer."""
@@ -384,6 +430,13 @@ def _adaptive_verdict(
             f"{peers_inactive_for:.1f} s ago: it waits for a slow peer",
             "peer active",
         )
+    if peer_notice_pending:
+        return StallVerdict(
+            StallAction.NONE,
+            f"inactive for {rank.inactive_for:.1f} s ({timeouts.describe_soft()}), but a peer was active at its "
+            "last heartbeat and its stall notice may still come: its activity is not known yet",
+            "peer unheard",
+        )
     if peer_overdue_for is not None and peer_overdue_for < timeouts.hard:
         # No news is not news of inactivity: a busy peer on a saturated host may heartbeat late. Later than
         # the adaptive hard timeout, the silence is the peer's (dead or frozen) and its last activity stands.
@@ -424,3 +477,44 @@ def hang_culprit(ranks: Sequence[StalledRank]) -> tuple[StalledRank, str]:
     else:
         why = "its progress stopped first"
     return culprit, why
+
+
+#: How many ranks of each extreme a judge's look keeps (:func:`select_evidence`).
+EVIDENCE_KEPT = 4
+
+
+def select_evidence(beats: Mapping[int, Heartbeat], soft: float, keep: int = EVIDENCE_KEPT) -> dict[int, Heartbeat]:
+    """The heartbeats among ``beats`` (by initial rank) that decide every stalled rank's verdict and the hang's
+    culprit: at most ``5 * keep`` of them, however many ranks.
+
+    A rank's verdict depends on its peers only through extremes: the latest
+    active one (was anyone active within the soft timeout), the most
+    overdue heartbeat that may hide activity (:func:`overdue_for`, whose
+    lateness grows with the reader's clock but whose order does not), the
+    latest promised stall notice (:func:`notice_pending`: if any is pending
+    at the reader's clock, the one due last is), and
+    the culprit (:func:`hang_culprit`: the earliest active of the ranks
+    blocked outside a collective, else of all). A reader leaves out its own
+    rank and those it reported silent: ``keep`` of each extreme give it the
+    same answer as every heartbeat would while it leaves out fewer than
+    ``keep`` of them. What is lost is only the list of the ranks that wait
+    in a collective, which the culprit's reason names.
+    """
+    ranks = list(beats)
+
+    def stopped_first(rank: int) -> tuple[float, int]:
+        return beats[rank].active_at, rank
+
+    outside = [rank for rank in ranks if beats[rank].waiting is not True]
+    may_hide = [
+        rank for rank in ranks if beats[rank].due_at is not None and beats[rank].sent_at - beats[rank].active_at < soft
+    ]
+    noticing = [rank for rank in ranks if beats[rank].notice and beats[rank].due_at is not None]
+    chosen = {
+        *heapq.nlargest(keep, ranks, key=lambda rank: (beats[rank].active_at, -rank)),
+        *heapq.nsmallest(keep, ranks, key=stopped_first),
+        *heapq.nsmallest(keep, outside, key=stopped_first),
+        *heapq.nsmallest(keep, may_hide, key=lambda rank: (beats[rank].due_at, rank)),
+        *heapq.nlargest(keep, noticing, key=lambda rank: (beats[rank].due_at, -rank)),
+    }
+    return {rank: beats[rank] for rank in sorted(chosen)}

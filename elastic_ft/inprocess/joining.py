@@ -15,10 +15,11 @@ import dataclasses
 import datetime
 import os
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
-from elastic_ft.coordination.barriers import NO_WAIT
+from elastic_ft.coordination.barriers import NO_WAIT, await_key
 from elastic_ft.coordination.iteration import IterationView, TerminationResult, iteration_store
 from elastic_ft.coordination.job import JOINER_ACTIVITY_LIMIT, WITHDRAWN, JobView
 from elastic_ft.inprocess.bounds import restart_bound, unless_unreachable
@@ -28,7 +29,7 @@ from elastic_ft.inprocess.logs import get_logger
 from elastic_ft.inprocess.monitor_process import MonitorProcess
 from elastic_ft.inprocess.recovery_phases import RecoveryClock
 from elastic_ft.inprocess.state import State
-from elastic_ft.keys import EXIT_BARRIER, FTRUN_NEXT_RANK, INITIAL_BARRIER, parse_count
+from elastic_ft.keys import ADMITTED, EXIT_BARRIER, FTRUN_NEXT_RANK, INITIAL_BARRIER, parse_count
 from elastic_ft.observability import sink as event_sink
 from elastic_ft.runtime.local_board import LocalBoard
 from elastic_ft.runtime.waits import Backoff, pause, poll
@@ -78,14 +79,21 @@ class Joining:
         self._last_rejoin: float | None = None
 
     def enter_world(
-        self, state: State, joining: bool, accepts_joiners: bool, barrier_timeout: datetime.timedelta
+        self,
+        state: State,
+        joining: bool,
+        accepts_joiners: bool,
+        barrier_timeout: datetime.timedelta,
+        warm_up: Callable[[], object] = lambda: None,
     ) -> None:
         """Join the running world (register, to be admitted by a restart), or meet the initial world at its
-        first barrier; the monitor process starts using the store either way."""
+        first barrier; the monitor process starts using the store either way. A joiner calls ``warm_up``
+        before it registers: the others train on meanwhile, and admit it once it is ready to train at once."""
         if joining:
             if getattr(self._base_store, "critical_ranks", ()):
                 raise RuntimeError("a process can join a running world only through a store no rank hosts")
             self._monitor_process.store_ready()
+            warm_up()
             self.register_when_reported_active(state.initial_rank or 0)
             return
         self._job.set_accepts_joiners(accepts_joiners)
@@ -133,8 +141,8 @@ class Joining:
                 admitted.append(admission)
             return admission is not None or job.finished()
 
-        # For as long as the job runs, etcd away included.
-        poll(unless_unreachable(admitted_or_finished), None, interval_max=JOIN_POLL)
+        # For as long as the job runs, etcd away included; on a watch of its admission where the store has one.
+        await_key(job, f"{ADMITTED}{initial_rank}", unless_unreachable(admitted_or_finished), poll_interval=JOIN_POLL)
         if not admitted:
             return None
         admission = admitted[0]

@@ -40,9 +40,11 @@ from typing import Any
 import torch.distributed as dist
 
 from elastic_ft.coordination.barriers import NO_WAIT
+from elastic_ft.coordination.fault_records import Heartbeat, PeerLook
 from elastic_ft.coordination.iteration import COMPLETED, IterationView, iteration_store, report_rank_gone
 from elastic_ft.coordination.job import JobView, job_store, joined_ranks
 from elastic_ft.coordination.reports import report_process_gone
+from elastic_ft.etcd.accounting import on_behalf_of, set_role
 from elastic_ft.etcd.kv import EtcdRequestError
 from elastic_ft.etcd.outage import OUTAGES, bounded, patiently
 from elastic_ft.inprocess.hang_detection import (
@@ -53,8 +55,12 @@ from elastic_ft.inprocess.hang_detection import (
     hang_culprit,
     heartbeat_period,
     judge_stall,
+    notice_pending,
     overdue_for,
+    overdue_slack,
     peer_read_period,
+    select_evidence,
+    stall_notice_after,
 )
 from elastic_ft.inprocess.logs import get_logger, log_to_file
 from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps
@@ -64,7 +70,8 @@ from elastic_ft.inprocess.store import forbid_hosting
 from elastic_ft.inprocess.worker_events import close_events, install_store_events
 from elastic_ft.keys import EXIT_BARRIER
 from elastic_ft.observability.sink import EventSink, emit
-from elastic_ft.runtime.waits import Backoff, pause, poll
+from elastic_ft.runtime.reaper import process_is_alive
+from elastic_ft.runtime.waits import Backoff, aligned_instant, pause, poll
 
 log = get_logger("monitor_process")
 
@@ -99,7 +106,35 @@ BUSY_CPU_SHARE = 0.1
 #: short still tells 20 ms of work from none.
 _CPU_SAMPLE_PERIOD = 0.1
 _STACK_DUMP_PAUSE = 0.05
+#: A ring check rides on the first heartbeat at least this share of a heartbeat interval after the last check:
+#: on every heartbeat at the interval, on one in four while a rank without progress heartbeats four times faster.
+_CHECK_SPACING = 0.75
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def beat_due(now: float, last: float, next_due: float, period: float, notice_owed: bool = False) -> bool:
+    """Whether a heartbeat is due at ``now``: the last one (sent at ``last``) promised ``next_due``, and the period
+    may have shortened since (a rank working without progress heartbeats faster); at once when a stall notice is
+    owed (``notice_owed``: the last one promised it and the rank has been inactive that long since).
+
+    The earlier instant is the next multiple of the current period after ``last`` (``aligned_instant``), never
+    ``last + period``: a beat that was late by over half a period would then stay that far off its host's
+    others for good, and the node relay would write the host's heartbeats in two requests a second, not one.
+    A wall clock set back past ``last`` makes a beat due at once, not after the jump. Every monitor process of
+    the job heartbeats at the same instants, so that the node relay writes its host's heartbeats in one
+    transaction (:mod:`elastic_ft.etcd.node_relay`); each heartbeat promises its next instant, so no peer reads
+    it as late.
+    """
+    if notice_owed or now < last or last == -math.inf:
+        return True
+    return now >= min(next_due, aligned_instant(last, period))
+
+
+def aligned_check(now: float, period: float) -> float:
+    """When the look at the peers after one at ``now`` is due (a hang verdict's): half a period off the
+    heartbeats' instants, so that the host's looks read together (one read through the node relay) and read
+    the beats just written."""
+    return (math.floor(now / period - 0.5) + 1.5) * period
 
 
 def _stat_fields(pid: int, thread: int | None = None) -> list[str] | None:
@@ -111,18 +146,6 @@ def _stat_fields(pid: int, thread: int | None = None) -> list[str] | None:
             return stat.read().rpartition(")")[2].split()
     except OSError:
         return None
-
-
-def process_is_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie waiting to be reaped."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    fields = _stat_fields(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
 
 
 def process_is_stopped(pid: int) -> bool:
@@ -144,15 +167,27 @@ def cpu_seconds(pid: int, exclude: int) -> float:
     thread (and an OpenMP team includes it).
     """
     total = 0.0
+    for fields in _work_stats(pid, exclude):
+        total += (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    return total
+
+
+def wants_cpu(pid: int, exclude: int) -> bool:
+    """Whether the main thread of ``pid`` or a child it started (but ``exclude``) is running or waiting for a core
+    now (state ``R``): working, however little CPU a saturated host gave it. A rank that waits (in a collective,
+    a lock, a sleep) sleeps in the kernel instead."""
+    return any(fields[0] == "R" for fields in _work_stats(pid, exclude))
+
+
+def _work_stats(pid: int, exclude: int) -> list[list[str]]:
+    """The stat fields of the rank's working threads: its main thread and its children (data loader workers)."""
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as children:
             workers = [int(child) for child in children.read().split() if int(child) != exclude]
     except OSError:
         workers = []
-    for fields in (_stat_fields(pid, thread=pid), *(_stat_fields(worker) for worker in workers)):
-        if fields is not None:
-            total += (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
-    return total
+    found = (_stat_fields(pid, thread=pid), *(_stat_fields(worker) for worker in workers))
+    return [fields for fields in found if fields is not None]
 
 
 def terminate_process(pid: int, grace_time: float) -> None:
@@ -324,10 +359,13 @@ class _Iteration:
     active: bool = True
     #: Why the rank, without progress for its soft timeout, is left alone (logged when it changes).
     waits_because: str = ""
+    #: The iteration's hang judge (its rank 0) published that it judges (``PeerLook`` without a look).
+    announced: bool = False
 
 
 class _CpuMeter:
-    """When the rank last used CPU, sampled every ``_CPU_SAMPLE_PERIOD`` (``time.monotonic()``)."""
+    """When the rank last worked (used CPU, or was runnable and waited for a core), sampled every
+    ``_CPU_SAMPLE_PERIOD`` (``time.monotonic()``)."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -340,7 +378,8 @@ class _CpuMeter:
         if elapsed < _CPU_SAMPLE_PERIOD:
             return
         used = cpu_seconds(self.pid, os.getpid())
-        if (used - self._used) / elapsed > BUSY_CPU_SHARE:
+        # Starved of CPU on a saturated host, a computing rank uses little but stays runnable: still working.
+        if (used - self._used) / elapsed > BUSY_CPU_SHARE or wants_cpu(self.pid, os.getpid()):
             self.busy_at = now
         self._used, self._sampled_at = used, now
 
@@ -392,12 +431,16 @@ class _Monitor:
         self._peers: tuple[float, float | None] = (-float("inf"), None)  # (read at, inactive for then)
         #: The peer whose heartbeat was overdue at the last read, and by how long then (None: none was).
         self._overdue_peer: tuple[int, float] | None = None
+        #: A peer whose stall notice could still come at the last read (None: none could).
+        self._unheard_peer: int | None = None
         #: The other active ranks, as their heartbeats last read said.
         self._stalled_peers: list[StalledRank] = []
         #: The initial rank whose heartbeat was the latest active one, as last read.
         self._latest_active_peer: int | None = None
         #: The joiners admitted so far, as read in iteration ``[0]``.
         self._joined: tuple[int, list[int]] | None = None
+        #: The initial rank of the hang judge of iteration ``[0]`` (learned from its look; -1: none yet).
+        self._judge_rank: tuple[int, int] = (-1, -1)
         self.events: EventSink | None = None
 
     @staticmethod
@@ -412,6 +455,7 @@ class _Monitor:
         config = self.config
         logfile = config.logfile.format(rank=config.initial_rank) if config.logfile else None
         log_to_file(logfile, config.log_level)
+        set_role("monitor process")
         log.info("monitoring target_pid=%d as initial rank %d", self.target_pid, config.initial_rank)
         if config.pidfile:
             _append_pid(config.pidfile.format(rank=config.initial_rank))
@@ -441,7 +485,10 @@ class _Monitor:
         # The last heartbeat's time and the period it promised: the next one is sent at the shorter of that
         # period and the one the rank's activity asks for now (a rank that starts working without progress
         # heartbeats faster at once, and none comes later than promised).
-        last_heartbeat, promised = -math.inf, 0.0
+        last_heartbeat, next_due = -math.inf, -math.inf
+        # Whether the last heartbeat promised a stall notice: the next one then comes as soon as the rank has been
+        # inactive for stall_notice_after (hang_detection's "Stall notices").
+        notice_promised = False
         backoff = Backoff()
         refused = ""  # the last refusal logged: each new one once
         while True:
@@ -450,7 +497,8 @@ class _Monitor:
             if taken == "stop":
                 return
             if taken == "rejoined":
-                last_heartbeat = -math.inf
+                last_heartbeat = next_due = -math.inf
+                notice_promised = False
             if not process_is_alive(self.target_pid):
                 self._report_terminated(base_store, "terminated", f"process {self.target_pid} died")
                 return
@@ -462,11 +510,22 @@ class _Monitor:
             # etcd away: the rank trains on; its death is still seen (pidfd), and reported once etcd answers.
             unreachable = False
             period = heartbeat_period(activity, timeouts.soft, config.heartbeat_interval)
-            if now >= last_heartbeat + min(period, promised):
-                last_heartbeat, promised = now, period
+            look: tuple[int, tuple[bool, Heartbeat | None]] | None = None
+            notice_after = stall_notice_after(timeouts.soft)
+            stalled = notice_promised and activity.inactive_for >= notice_after
+            if beat_due(now, last_heartbeat, next_due, period, stalled):
+                last_heartbeat, next_due = now, aligned_instant(now, period)
+                # The ring check rides on a heartbeat, once a heartbeat interval: one request for both.
+                successor = self._ring_successor() if now >= next_check and OUTAGES.down_since() is None else None
+                reserve = self.iteration is not None and not self.iteration.active
+                notice = not reserve and activity.inactive_for < notice_after
+                # Unsent (etcd away), a promised notice is still owed: it is sent again at the next pass.
+                notice_promised = notice or stalled
                 try:
-                    reserve = self.iteration is not None and not self.iteration.active
-                    self._heartbeat(job, now - activity.inactive_for, reserve, period)
+                    seen = self._heartbeat(job, now - activity.inactive_for, reserve, next_due - now, successor, notice)
+                    notice_promised = notice
+                    if successor is not None and seen is not None:
+                        look, next_check = (successor, seen), now + _CHECK_SPACING * config.heartbeat_interval
                 except ConnectionError:
                     unreachable = True
                 except EtcdRequestError as error:  # a refusal ends no watch: the monitor goes on guarding its rank
@@ -475,9 +534,8 @@ class _Monitor:
             try:
                 # A look waits for etcd a heartbeat interval at most: the loop stays free to see the rank die.
                 with bounded(max(1.0, config.heartbeat_interval), "a look of the monitor process"):
-                    if now >= next_check and OUTAGES.down_since() is None:
-                        self._check_heartbeats(job, now, watching_since)
-                        next_check = now + config.heartbeat_interval
+                    if look is not None:
+                        self._check_ring(job, now, watching_since, *look)
                     if self.iteration is not None and self._judge(base_store, job, self.iteration, activity, timeouts):
                         return
             except ConnectionError:
@@ -516,12 +574,17 @@ class _Monitor:
                 log.info("the rank joins the running world again as initial rank %d", self.config.initial_rank)
         return taken
 
-    def _heartbeat(self, job: JobView, active_at: float, reserve: bool, next_in: float) -> None:
-        """One heartbeat, the next due ``next_in`` seconds later, waiting at most a heartbeat interval for etcd:
-        the loop must stay free to see the rank die or stall (a heartbeat that etcd's absence loses is no
-        fault: the next one follows)."""
-        with bounded(self.config.heartbeat_interval, "a heartbeat interval"):
-            job.send_heartbeat(self.config.initial_rank, active_at, self.timestamps.waiting(), reserve, next_in)
+    def _heartbeat(
+        self, job: JobView, active_at: float, reserve: bool, next_in: float, ring: int | None, notice: bool
+    ) -> tuple[bool, Heartbeat | None] | None:
+        """One heartbeat, the next due ``next_in`` seconds later (or sooner, a stall notice, if ``notice``), waiting
+        at most a heartbeat interval for etcd: the loop must stay free to see the rank die or stall (a heartbeat
+        that etcd's absence loses is no fault: the next one follows). ``ring``: the ring successor whose records
+        the same request reads (``JobView.send_heartbeat``), returned."""
+        with bounded(self.config.heartbeat_interval, "a heartbeat interval"), on_behalf_of("heartbeat"):
+            return job.send_heartbeat(
+                self.config.initial_rank, active_at, self.timestamps.waiting(), reserve, next_in, ring, notice
+            )
 
     def _activity(self, now: float) -> RankActivity:
         stopped = process_is_stopped(self.target_pid)
@@ -559,10 +622,25 @@ class _Monitor:
         peers = None
         requested = iteration.restart_requested_at
         requested_for = None if requested is None else time.monotonic() - requested
+        read_period = peer_read_period(timeouts.soft, config.heartbeat_interval)
+        judge = iteration.rank == 0 and iteration.active
+        # The judge's work for the others never holds this rank's own verdict: etcd away, it is tried again at
+        # the next pass, and a stopped or wedged rank is still killed meanwhile.
+        if judge and not iteration.announced:
+            # The other monitors learn who judges from the look, before the first one: while this rank is active
+            # they read its heartbeat, not every peer.
+            with contextlib.suppress(ConnectionError, EtcdRequestError):
+                job.publish_peer_look(PeerLook(iteration.number, config.initial_rank))
+                iteration.announced = True
         if activity.inactive_for >= timeouts.soft and requested_for is None:
-            peers = self._peers_inactive_for(job, peer_read_period(timeouts.soft, config.heartbeat_interval))
+            peers = self._peers_inactive_for(job, read_period, activity)
+        elif judge and activity.inactive_for >= timeouts.soft / 2:
+            # The judge looks from half its soft timeout on: the others, stalled for theirs, find a fresh look.
+            with contextlib.suppress(ConnectionError, EtcdRequestError):
+                self._peers_inactive_for(job, read_period, activity)
         overdue = None if peers is None or self._overdue_peer is None else self._overdue_peer[1]
-        verdict = judge_stall(activity, timeouts, config.gil_held_limit, peers, requested_for, overdue)
+        unheard = peers is not None and self._unheard_peer is not None
+        verdict = judge_stall(activity, timeouts, config.gil_held_limit, peers, requested_for, overdue, unheard)
         if verdict.waits_because != iteration.waits_because:
             iteration.waits_because = verdict.waits_because
             if verdict.waits_because:
@@ -571,6 +649,8 @@ class _Monitor:
                     peer = f" (initial rank {self._latest_active_peer})"
                 elif verdict.waits_because == "peer overdue" and self._overdue_peer is not None:
                     peer = f" (initial rank {self._overdue_peer[0]})"
+                elif verdict.waits_because == "peer unheard":
+                    peer = f" (initial rank {self._unheard_peer})"
                 log.info("not hung yet: %s%s", verdict.reason, peer)
         if verdict.action is StallAction.RESTART:
             self._report_hang(job, iteration, activity, verdict.reason)  # etcd away: asked again at the next look
@@ -610,13 +690,12 @@ class _Monitor:
         shows the hang once (:func:`~elastic_ft.inprocess.hang_detection.hang_culprit`).
         """
         config = self.config
-        self._peers_inactive_for(job, peer_read_period(self._timeouts().soft, config.heartbeat_interval))
-        me = StalledRank(config.initial_rank, time.time() - activity.inactive_for, self.timestamps.waiting())
-        culprit, why = hang_culprit([me, *self._stalled_peers])
+        culprit, why = self.culprit(job, activity)
         rank = iteration.rank if culprit.rank == config.initial_rank else None
         if rank is None:
             rank = iteration.store.rank_of_initial(culprit.rank)
         if rank is None:
+            me = StalledRank(config.initial_rank, time.time() - activity.inactive_for, self.timestamps.waiting())
             culprit, why, rank = me, "the rank it was blamed on is not in this iteration", iteration.rank
         message = (
             f"rank {rank} (initial rank {culprit.rank}) made no progress for {time.time() - culprit.active_at:.1f} s: "
@@ -625,6 +704,14 @@ class _Monitor:
         iteration.store.record_interruption(rank, "hang", message)
         log.warning("soft timeout: %s", message)
         emit("fault_detected", rank=culprit.rank, iteration=iteration.number, kind="hang", message=message)
+
+    def culprit(self, job: JobView, activity: RankActivity) -> tuple[StalledRank, str]:
+        """The rank this monitor blames a hang on, and why: from its rank's ``activity`` and its last look at
+        the peers (read again if older than a look's period)."""
+        config = self.config
+        self._peers_inactive_for(job, peer_read_period(self._timeouts().soft, config.heartbeat_interval), activity)
+        me = StalledRank(config.initial_rank, time.time() - activity.inactive_for, self.timestamps.waiting())
+        return hang_culprit([me, *self._stalled_peers])
 
     def _dump_stacks(self, reason: str) -> None:
         """Have the rank write every thread's stack to its stderr, under a line that says whose and why.
@@ -651,30 +738,22 @@ class _Monitor:
             self._joined = (number, joined_ranks(job))
         return [*range(self.config.initial_world_size), *self._joined[1]]
 
-    def _peers_inactive_for(self, job: JobView, read_period: float) -> float | None:
+    def _peers_inactive_for(self, job: JobView, read_period: float, activity: RankActivity) -> float | None:
         """Seconds since any other rank was last active, from their heartbeats (read once per ``read_period``)."""
         read_at, inactive_for = self._peers
         now = time.time()
-        if now - read_at < read_period:
+        if now - read_at < read_period and now < aligned_check(read_at, read_period):
             return None if inactive_for is None else inactive_for + (now - read_at)
-        config = self.config
+        soft = self._timeouts().soft
+        with on_behalf_of("peer look"):
+            beats = self._evidence(job, now, soft, read_period, activity)
         latest, latest_rank = None, None
         stalled = []
         overdue: tuple[int, float] | None = None
-        soft = self._timeouts().soft
-        number = self.iteration.number if self.iteration is not None else None
-        # A few requests however many peers (batched reads): one per peer would outgrow the look's bound in a
-        # large world, or in a long job whose respawned ranks all stay candidates.
-        peers = [r for r in self._candidate_peers(job) if r != config.initial_rank and r not in self.reported_silent]
-        left = job.arrivals(EXIT_BARRIER, peers)
-        heartbeats = job.heartbeats([rank for rank in peers if rank not in left])
-        positions = job.positions(list(heartbeats)) if number is not None else {}
-        for rank, heartbeat in heartbeats.items():
-            if heartbeat.reserve:
-                continue  # a reserve rank waits by design: its activity says nothing of the iteration's
-            if number is not None and not _in_iteration(positions.get(rank), number):
-                # Gone before this iteration began (a joiner that died: the exit barrier does not count joiners);
-                # its last heartbeat, ever more overdue, says nothing of this iteration.
+        unheard: int | None = None
+        skip = self.reported_silent | {self.config.initial_rank}
+        for rank, heartbeat in beats.items():
+            if rank in skip:
                 continue
             stalled.append(StalledRank(rank, heartbeat.active_at, heartbeat.waiting))
             if latest is None or heartbeat.active_at > latest:
@@ -682,10 +761,68 @@ class _Monitor:
             late = overdue_for(heartbeat.sent_at, heartbeat.active_at, heartbeat.due_at, now, soft)
             if late is not None and (overdue is None or late > overdue[1]):
                 overdue = (rank, late)
+            if unheard is None and notice_pending(heartbeat, now, soft):
+                unheard = rank
         inactive_for = None if latest is None else max(0.0, now - latest)
         self._peers, self._latest_active_peer = (now, inactive_for), latest_rank
-        self._stalled_peers, self._overdue_peer = stalled, overdue
+        self._stalled_peers, self._overdue_peer, self._unheard_peer = stalled, overdue, unheard
         return inactive_for
+
+    def _evidence(
+        self, job: JobView, now: float, soft: float, read_period: float, activity: RankActivity
+    ) -> dict[int, Heartbeat]:
+        """The peers' heartbeats a look judges by (:func:`_peers_inactive_for`).
+
+        The iteration's rank 0 is the judge: its monitor reads every peer and
+        publishes what decides the others' verdicts (``select_evidence``: a
+        few heartbeats, its own rank's activity among them). Another monitor
+        reads that look and the judge's heartbeat, one small read however
+        many ranks: the judge's fresh look; else, while the judge's rank was
+        active within ``soft``, that activity alone (a peer active within the
+        soft timeout is all a verdict needs to wait); else (no judge, its look
+        late: its monitor dead or starved) every peer itself, as the judge does.
+        """
+        config, iteration = self.config, self.iteration
+        number = None if iteration is None else iteration.number
+        if iteration is not None and iteration.rank == 0 and iteration.active:
+            beats = self._every_peer(job, number)
+            active = activity.inactive_for < stall_notice_after(soft)
+            mine = Heartbeat(
+                now, now - activity.inactive_for, self.timestamps.waiting(), False, now + read_period, active
+            )
+            evidence = select_evidence({**beats, config.initial_rank: mine}, soft)
+            job.publish_peer_look(PeerLook(iteration.number, config.initial_rank, now, evidence))
+            return beats
+        if number is not None:
+            judge = self._judge_rank[1] if self._judge_rank[0] == number else None
+            look, judge_beat = job.peer_look(judge)
+            if look is not None and look.iteration == number:
+                if look.read_at is not None and now - look.read_at <= 2 * read_period + overdue_slack(soft):
+                    return look.beats
+                if judge is None:
+                    self._judge_rank = (number, look.judge)
+                    _, judge_beat = job.peer_look(look.judge)
+                if judge_beat is not None and not judge_beat.reserve and now - judge_beat.active_at < soft:
+                    return {look.judge: judge_beat}
+        return self._every_peer(job, number)
+
+    def _every_peer(self, job: JobView, number: int | None) -> dict[int, Heartbeat]:
+        """Every other candidate's heartbeat that speaks for this iteration (not a reserve rank's, not one of a
+        rank gone before it began), in one batched read: a few requests however many peers (one per peer would
+        outgrow the look's bound in a large world, or in a long job whose respawned ranks all stay candidates)."""
+        config = self.config
+        peers = [r for r in self._candidate_peers(job) if r != config.initial_rank and r not in self.reported_silent]
+        records = job.peer_records(peers)
+        beats = {}
+        for rank, heartbeat in records.heartbeats.items():
+            if heartbeat.reserve:
+                continue  # a reserve rank waits by design: its activity says nothing of the iteration's
+            if number is not None and not _in_iteration(records.positions.get(rank), number):
+                # Gone before this iteration began (a joiner that died: the exit barrier does not count joiners);
+                # its last heartbeat, ever more overdue, says nothing of this iteration.
+                continue
+            beats[rank] = heartbeat
+        return beats
 
     def _receive(self, timeout: float) -> list[dict[str, Any]]:
         """Messages from the main process, waiting up to ``timeout``; returns early when the target exits."""
@@ -716,16 +853,29 @@ class _Monitor:
             "the report of the rank's end",
         )
 
-    def _check_heartbeats(self, job: JobView, now: float, watching_since: float) -> None:
+    def _ring_successor(self) -> int | None:
+        """The initial rank whose heartbeats this monitor checks (the next one in the ring not known silent);
+        None for a joiner (the ring is the initial world's) or when no other is left."""
         config = self.config
         if config.initial_rank >= config.initial_world_size:
-            return  # a joiner: the ring of heartbeats is the initial world's
+            return None
+        return ring_successor(
+            config.initial_rank, config.initial_world_size, self.reported_silent | {config.initial_rank}
+        )
+
+    def _check_ring(
+        self, job: JobView, now: float, watching_since: float, successor: int, look: tuple[bool, Heartbeat | None]
+    ) -> None:
+        """The ring check, on what the heartbeat read of ``successor``: whether it left, and its last heartbeat.
+        A successor silent for the heartbeat timeout makes this monitor read every rank's heartbeat, and report
+        each silent one gone."""
+        config = self.config
         skip = self.reported_silent | {config.initial_rank}
-        successor = ring_successor(config.initial_rank, config.initial_world_size, skip)
-        if successor is None or job.has_arrived(EXIT_BARRIER, successor):
-            return
         reachable_since = OUTAGES.last_ended_wall
-        beat = {successor: job.last_heartbeat(successor)}
+        successor_left, heartbeat = look
+        if successor_left:
+            return
+        beat = {successor: None if heartbeat is None else heartbeat.sent_at}
         if not silent_ranks(beat, now, watching_since, config.heartbeat_timeout, reachable_since):
             return
         others = [rank for rank in range(config.initial_world_size) if rank not in skip]

@@ -43,8 +43,10 @@ import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 
+from elastic_ft.coordination.barriers import KeyWatch
 from elastic_ft.coordination.iteration import COMPLETED, INTERRUPTED, PLANNED, IterationView
 from elastic_ft.etcd import shield
+from elastic_ft.etcd.outage import bounded
 from elastic_ft.inprocess.exception import RankShouldRestart, RestartDelivery
 from elastic_ft.inprocess.logs import get_logger
 from elastic_ft.inprocess.main_thread import main_thread_stack
@@ -283,28 +285,49 @@ class MonitorThread(threading.Thread):
         waited for, however long: the thread that delivers the next fault must outlive any outage."""
         backoff = Backoff()
         failures: set[str] = set()  # each kind of failure is logged once
-        while not self._stop_requested.is_set():
-            try:
-                outcome = self.store.wait_for_outcome(self.WAIT_SLICE, self.interval)
-                if outcome == PLANNED:
-                    outcome = self._await_step_boundary()
-                if self._stop_requested.is_set() or outcome == COMPLETED:
+        watch: KeyWatch | None = None
+        try:
+            while not self._stop_requested.is_set():
+                if watch is None or watch.broken:
+                    if watch is not None:
+                        watch.stop()
+                    watch = self._watch_outcome()
+                if self._look(watch, backoff, failures):
                     return
-                if outcome is not None:
-                    self._restart()
-                    return
-                backoff.reset()
-            except ConnectionError:
-                self._stop_requested.wait(backoff.next())  # the process's outage record logs the outage once
-            except Exception as error:
-                if self._stop_requested.is_set():
-                    return
-                if type(error).__name__ not in failures:
-                    failures.add(type(error).__name__)
-                    log.exception(
-                        "rank %s: the monitor thread's look at the store failed; looking again", self.state.rank
-                    )
-                self._stop_requested.wait(backoff.next())
+        finally:
+            if watch is not None:
+                watch.stop()
+
+    def _watch_outcome(self) -> KeyWatch | None:
+        """The iteration's outcome watch (None: the store cannot watch, or did not answer: the wait makes its own)."""
+        try:
+            with bounded(self.WAIT_SLICE, "the monitor thread's wait slice"):  # the thread stays free to stop
+                return self.store.watch_outcome()
+        except ConnectionError:
+            return None
+
+    def _look(self, watch: KeyWatch | None, backoff: Backoff, failures: set[str]) -> bool:
+        """One wait for the outcome, and what it calls for; True when the thread is done."""
+        try:
+            outcome = self.store.wait_for_outcome(self.WAIT_SLICE, self.interval, watch)
+            if outcome == PLANNED:
+                outcome = self._await_step_boundary()
+            if self._stop_requested.is_set() or outcome == COMPLETED:
+                return True
+            if outcome is not None:
+                self._restart()
+                return True
+            backoff.reset()
+        except ConnectionError:
+            self._stop_requested.wait(backoff.next())  # the process's outage record logs the outage once
+        except Exception as error:
+            if self._stop_requested.is_set():
+                return True
+            if type(error).__name__ not in failures:
+                failures.add(type(error).__name__)
+                log.exception("rank %s: the monitor thread's look at the store failed; looking again", self.state.rank)
+            self._stop_requested.wait(backoff.next())
+        return False
 
     def _await_step_boundary(self) -> str | None:
         """A planned restart: let the main thread reach the agreed step boundary, where it turns the outcome

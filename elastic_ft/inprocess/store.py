@@ -79,7 +79,9 @@ def default_store(**kwargs: Any) -> dist.Store:
     Under ``ftrun`` (a :class:`~elastic_ft.handoff.StoreHandoff` in the
     environment), the etcd store of the current rendezvous round, which no
     rank hosts: the job survives the loss of any process, and the agent
-    reads the Wrapper's records there. ``timeout`` applies; the keywords that
+    reads the Wrapper's records there. Its barrier arrivals and waits go
+    through the node's relay when the agent runs one
+    (:mod:`elastic_ft.etcd.node_relay`), so a barrier costs etcd per node. ``timeout`` applies; the keywords that
     place a TCPStore (``port``, ``host_name``, ...: NVIDIA's examples pass
     ``store_kwargs={'port': MASTER_PORT + 1}``) are accepted and ignored, with
     one log line. Otherwise a :class:`TCPStore` hosted by initial rank 0, with
@@ -101,6 +103,7 @@ def default_store(**kwargs: Any) -> dist.Store:
                 {name: kwargs[name] for name in ignored},
             )
         from elastic_ft.etcd.client import EtcdClient
+        from elastic_ft.etcd.node_relay import relay_from_env
         from elastic_ft.etcd.store import EtcdStore
 
         client = EtcdClient(
@@ -110,7 +113,8 @@ def default_store(**kwargs: Any) -> dist.Store:
             tls=handoff.tls,
             credentials=handoff.credentials,
         )
-        return EtcdStore(client, handoff.prefix, kwargs.get("timeout") or datetime.timedelta(seconds=handoff.timeout))
+        timeout = kwargs.get("timeout") or datetime.timedelta(seconds=handoff.timeout)
+        return EtcdStore(client, handoff.prefix, timeout, relay=relay_from_env(os.environ))
     return TCPStore(**kwargs)
 
 

@@ -45,7 +45,7 @@ from typing import Any, NoReturn, TypeVar
 
 import torch.distributed as dist
 
-from elastic_ft.coordination.barriers import NO_WAIT
+from elastic_ft.coordination.barriers import NO_WAIT, await_key
 from elastic_ft.coordination.fault_records import (
     PEER_LOST,
     fault_kind,
@@ -58,6 +58,7 @@ from elastic_ft.coordination.iteration import (
     report_rank_gone,
 )
 from elastic_ft.coordination.job import JobView, job_store
+from elastic_ft.etcd import accounting
 from elastic_ft.handoff import WorkerHandoff
 from elastic_ft.inprocess.abort import AbortTorchDistributed
 from elastic_ft.inprocess.arguments import (
@@ -104,8 +105,10 @@ from elastic_ft.inprocess.sockets import (
 from elastic_ft.inprocess.state import Mode, State
 from elastic_ft.inprocess.steps import StepGate, note_collective_wait
 from elastic_ft.inprocess.store import default_store
+from elastic_ft.inprocess.warmup import import_lazy_modules, warm_up
 from elastic_ft.inprocess.worker_events import close_events, install_rank_events
 from elastic_ft.keys import (
+    ANY_COMPLETED,
     COMPLETION_BARRIER,
     EXIT_BARRIER,
     ITERATION_BARRIER,
@@ -114,7 +117,7 @@ from elastic_ft.keys import (
 from elastic_ft.observability import sink as event_sink
 from elastic_ft.observability.log_format import set_where
 from elastic_ft.runtime.local_board import LocalBoard, at_barrier
-from elastic_ft.runtime.torch_compat import check_torch
+from elastic_ft.runtime.torch_compat import check_torch, forget_mesh_caches
 from elastic_ft.runtime.waits import poll
 from elastic_ft.untrusted import MalformedRecord
 
@@ -241,6 +244,16 @@ class Wrapper:
         min_progress_steps: the steps an iteration must make to count as
             progress (``ft_launcher``'s ``--ft-min-progress-iterations``);
             1, any step, by default.
+        warmup: called once per process while it waits before it trains for
+            the first time (a joiner before it registers for admission, a
+            reserve rank while it waits in reserve), before any process group
+            exists, to do what torch would otherwise do in the rank's first
+            iteration while the others wait for it (:mod:`elastic_ft.inprocess.warmup`).
+            The default, :func:`~elastic_ft.inprocess.warmup.import_lazy_modules`,
+            imports what a script's first optimizer and checkpoint read import
+            (``torch._dynamo`` first: 1.5 to 2 s); a callable of your own
+            replaces it (call the default from it to keep both); ``None``: no
+            warm-up. What it raises is logged, not raised.
     """
 
     # Set from the arguments of __init__, once the job config's defaults are applied and checked.
@@ -277,6 +290,7 @@ class Wrapper:
     max_identical_faults: int | None
     max_restarts_without_progress: int | None
     min_progress_steps: int
+    warmup: Callable[[], Any] | None
 
     def __init__(
         self,
@@ -312,6 +326,7 @@ class Wrapper:
         max_identical_faults: int | None = DEFAULT_LIMITS["max_identical_faults"],
         max_restarts_without_progress: int | None = DEFAULT_LIMITS["max_restarts_without_progress"],
         min_progress_steps: int = DEFAULT_MIN_PROGRESS_STEPS,
+        warmup: Callable[[], Any] | None = import_lazy_modules,
     ) -> None:
         arguments = dict(locals())
         del arguments["self"]
@@ -350,6 +365,7 @@ class Wrapper:
 
 def _call(wrapper: Wrapper, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """One call of a wrapped function, from its set-up to its shutdown."""
+    accounting.set_role("rank")
     with CallWrapper(wrapper) as call_wrapper:
         return call_wrapper(fn, args, kwargs)
 
@@ -766,7 +782,11 @@ class CallWrapper:
             wrapper.barrier_timeout,
         )
         self._joining.enter_world(
-            self.state, self.joining, admits_new_ranks(wrapper.rank_assignment), wrapper.barrier_timeout
+            self.state,
+            self.joining,
+            admits_new_ranks(wrapper.rank_assignment),
+            wrapper.barrier_timeout,
+            functools.partial(warm_up, wrapper.warmup, "it waited to register as a joiner"),
         )
 
     @property
@@ -1062,7 +1082,12 @@ class CallWrapper:
             self._watchdog.reset()  # the Wrapper's code runs now: pings stop by design (RankHooks)
             store.mark_any_completed()
         elif state.mode is Mode.INACTIVE:
-            poll(store.any_completed, None, interval_max=_secs(wrapper.progress_watchdog_interval) / 4)
+            # Atomic: a restart that activates this rank waits for the warm-up's end (an import interrupted
+            # half-way leaves its module broken), and the work is done when the rank's function needs it.
+            with self._gate.atomic():
+                warm_up(wrapper.warmup, "it waited in reserve")
+            interval = _secs(wrapper.progress_watchdog_interval) / 4
+            await_key(store, ANY_COMPLETED, store.any_completed, poll_interval=interval)
         else:
             raise InternalError(
                 f"the rank assignment left rank {rank} in mode {state.mode.name}; expected ACTIVE or "
@@ -1092,6 +1117,8 @@ class CallWrapper:
         rank = state.rank or 0
         state = dataclasses.replace(state, fn_exception=self.fn_exception)
         self._hooks.abort(state)
+        # DTensor's caches would answer the next iteration's meshes with this one's, and their dead groups.
+        forget_mesh_caches()
         # Free what the unwound function left in reference cycles (its frames, DDP's reducer), then
         # the process groups retired one restart ago, which nothing else can hold by now.
         gc.collect()

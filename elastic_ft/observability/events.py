@@ -30,7 +30,8 @@ EVENTS: dict[str, str] = {
     # node side: the agent
     "workers_started": "an agent started its workers (data: ranks, pids)",
     "node_died": "a member node's lease expired; its ranks were reported terminated (data: ranks)",
-    "respawned": "a dead worker was replaced by a new process joining the running world (data: local_rank, pid)",
+    "respawned": "a dead worker was replaced by a new process joining the running world (data: local_rank, pid, "
+    "standby: whether the node's warm standby took the place)",
     "escalated": "in-process restart could not absorb a fault: a process-level restart (data: reason)",
     "job_finished": "the job ended (data: state)",
     # worker side: elastic_ft.Wrapper

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic_ft.observability.events import JobEvent
+from elastic_ft.runtime.waits import aligned_instant
 from elastic_ft.untrusted import MalformedRecord
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class EventSink:
         self._warned: set[str] = set()
         self.dropped = 0
         self.sent = 0
-        self._progress: tuple[Callable[[], dict[str, Any] | None], float] | None = None
+        self._progress: tuple[Callable[[], dict[str, Any] | None], float, bool] | None = None
         self._last_progress: dict[str, Any] | None = None
 
     def emit(self, name: str, **fields: Any) -> None:
@@ -151,9 +152,16 @@ class EventSink:
             **where,
         )
 
-    def sample_progress(self, probe: Callable[[], dict[str, Any] | None], interval: float) -> None:
-        """Every ``interval`` s, emit a ``progress`` event from ``probe()`` (event fields) when it changed."""
-        self._progress = (probe, interval)
+    def sample_progress(
+        self, probe: Callable[[], dict[str, Any] | None], interval: float, *, aligned: bool = False
+    ) -> None:
+        """Every ``interval`` s, emit a ``progress`` event from ``probe()`` (event fields) when it changed.
+
+        ``aligned``: at the wall clock's multiples of ``interval``, the same instants on every rank, so that a
+        node relay stores its host's samples in one transaction. Not without a relay: the ranks' appends of one
+        instant would race for the log's counter, each loser sending again.
+        """
+        self._progress = (probe, interval, aligned)
 
     def start(self) -> EventSink:
         """Start the sending thread (:func:`install` does); events emitted before wait for it."""
@@ -181,8 +189,10 @@ class EventSink:
                     continue  # what is left goes out while close() waits for it
                 return
             if progress is not None and time.monotonic() >= next_sample:
-                next_sample = time.monotonic() + progress[1]
-                self._sample(progress[0])
+                probe, interval, aligned = progress
+                now = time.time()
+                next_sample = time.monotonic() + (aligned_instant(now, interval) - now if aligned else interval)
+                self._sample(probe)
 
     def _sample(self, probe: Callable[[], dict[str, Any] | None]) -> None:
         try:

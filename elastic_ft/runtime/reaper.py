@@ -45,7 +45,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from elastic_ft.runtime.waits import pause
+from elastic_ft.runtime.waits import pause, poll
 
 #: The environment variable that marks the processes a launcher started: ``<launcher pid>:<random>``.
 REAPER_ENV = "ELASTIC_FT_REAPER"
@@ -53,6 +53,8 @@ REAPER_ENV = "ELASTIC_FT_REAPER"
 _SWEEP_SECONDS = 2.0
 #: The pause between two sweeps.
 _SWEEP_PAUSE = 0.05
+#: How long the reaper waits for the processes it killed to be gone before it removes their directories.
+_GONE_WITHIN = 10.0
 #: How long the reaper lets each command of :meth:`Reaper.run_on_exit` run.
 _COMMAND_SECONDS = 10.0
 
@@ -149,6 +151,21 @@ def _processes_with(token: str) -> Iterator[int]:
             continue
 
 
+def process_is_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie waiting to be reaped (a zombie has stopped writing)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def kill_marked(token: str, sweep: float = _SWEEP_SECONDS) -> list[int]:
     """SIGKILL every process marked with ``token``, sweeping again for ``sweep`` seconds (forks during the
     first pass); returns the PIDs signalled."""
@@ -192,7 +209,10 @@ def _watch(launcher: int, token: str) -> None:
                     tasks.remove(task.removeprefix("forget "))
             elif task.startswith(("rmtree ", "run ")):
                 tasks.append(task)
-    kill_marked(token)
+    killed = kill_marked(token)
+    # A SIGKILLed process finishes the system call it is in: an etcd member may still create a file in the
+    # directory being removed, which then stays. Its directories go once it is gone.
+    poll(lambda: not any(process_is_alive(pid) for pid in killed), _GONE_WITHIN, interval_max=0.05)
     for task in tasks:
         command, _, argument = task.partition(" ")
         if command == "run":

@@ -145,6 +145,48 @@ def forget_group_numbers() -> None:
             unregister()
 
 
+def forget_mesh_caches() -> None:
+    """Empty torch's DTensor caches that keep device meshes, once the process groups behind them are gone.
+
+    A ``DeviceMesh`` compares equal to any other of the same layout and
+    dimension names, whatever its process groups. DTensor caches results
+    keyed by meshes (the sharding propagation of each operator, the
+    redistribution planners, the mesh topology): after a restart, an
+    operator on the new mesh (a ``detach`` in ``get_model_state_dict``) is
+    answered from the cache with the *old* mesh, and its collectives then
+    look up the old iteration's group names, unknown or another group's
+    by now ("Could not resolve the process group registered under the
+    name 4"). The caches are per process (the Python sharding propagation's
+    per thread: this clears the calling thread's, the main thread's at a
+    restart).
+    """
+    import sys
+
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # DTensor was never used: nothing is cached
+    import torch
+    import torch.distributed.tensor as dtensor
+    from torch.distributed.tensor import _collective_utils, _redistribute
+
+    propagator = dtensor.DTensor._op_dispatcher.sharding_propagator
+    for cached in (
+        propagator.propagate_op_sharding,
+        getattr(propagator, "_propagate_tensor_meta_cached", None),
+        getattr(_redistribute, "_gen_transform_infos", None),
+        getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None),
+    ):
+        clear = getattr(cached, "cache_clear", None)
+        if clear is not None:
+            clear()
+    # The C++ fast path of DTensor's dispatch keeps its own copy of the sharding propagation (torch >= 2.9).
+    for clear_module_cache in (
+        getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),
+        getattr(_redistribute, "clear_redistribute_planner_cache", None),
+    ):
+        if clear_module_cache is not None:
+            clear_module_cache()
+
+
 def dump_flight_recorder() -> bytes:
     """This process's Flight Recorder entries (every backend's, gloo included), pickled, without stack traces:
     collecting those takes the GIL, which a hung main thread may hold."""

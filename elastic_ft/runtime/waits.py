@@ -9,6 +9,9 @@ A thread that another thread can wake waits on a ``threading.Condition`` or
   until it holds or the deadline passes;
 * :class:`Backoff`: the pauses between tries of a call that failed because
   its peer was away (etcd), doubling and jittered, with :meth:`Backoff.pause`;
+* :func:`aligned_instant`: when a periodic action of many processes is
+  next due, the same instants on every host's wall clock, so that a node's
+  relay carries its host's actions of one instant in one request;
 * :func:`pause`: the one sleep. The main thread of a rank waits in it, in
   short slices, wherever the Wrapper's restart must reach it: a restart is
   raised asynchronously, and raised inside a lock-based wait
@@ -19,6 +22,7 @@ Nothing here imports the rest of the package.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable
@@ -30,6 +34,16 @@ POLL_MAX = 0.02
 #: The first pause of a backoff, and the longest: a caller is back within about a second of its peer's return.
 BACKOFF_FIRST = 0.05
 BACKOFF_CAP = 1.0
+
+
+def aligned_instant(now: float, period: float) -> float:
+    """The next multiple of ``period`` on the wall clock, between half a period and one and a half after ``now``.
+
+    Processes that schedule a periodic action by it (the monitors' heartbeats, the ranks' progress samples) act
+    at the same instants, within their loops' periods, wherever they started; the half period of margin keeps
+    two actions from landing in one instant.
+    """
+    return math.floor(now / period + 1.5) * period
 
 
 def pause(seconds: float) -> None:

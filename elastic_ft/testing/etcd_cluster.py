@@ -10,6 +10,7 @@ from pathlib import Path
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.kv import EtcdUnavailableError
 from elastic_ft.etcd.server import EtcdServer, find_etcd_binary
+from elastic_ft.runtime.waits import poll
 
 
 @dataclass
@@ -31,8 +32,13 @@ class EtcdCluster(EtcdServer):
             member.process.wait()
 
     def pause_member(self, index: int) -> None:
-        """SIGSTOP one member: it keeps its connections open and answers nothing (a frozen server)."""
+        """SIGSTOP one member: it keeps its connections open and answers nothing (a frozen server). Returns once
+        every thread of it stopped: a request sent afterwards finds it frozen, however loaded the host."""
         self._signal(index, signal.SIGSTOP)
+        process = self._members[index].process
+        assert process is not None
+        if not poll(lambda: _all_stopped(process.pid), 10.0):
+            raise RuntimeError(f"etcd member {index} (pid {process.pid}) did not stop within 10 s of SIGSTOP")
 
     def resume_member(self, index: int) -> None:
         self._signal(index, signal.SIGCONT)
@@ -43,8 +49,22 @@ class EtcdCluster(EtcdServer):
             raise RuntimeError(f"etcd member {index} is not running")
         process.send_signal(sig)
 
-    def leader(self) -> int:
-        """Index of the member that leads the cluster now (asked of each running member)."""
+    def leader(self, within: float = 20.0) -> int:
+        """Index of the member that leads the cluster now (asked of each running member). Asks again until one
+        does, for up to ``within`` seconds: a cluster just started, or just back from a fault, may be electing."""
+        found: list[int] = []
+
+        def elected() -> bool:
+            index = self._current_leader()
+            if index is not None:
+                found.append(index)
+            return index is not None
+
+        if not poll(elected, within):
+            raise RuntimeError(f"no etcd member reported itself the leader within {within} s")
+        return found[-1]
+
+    def _current_leader(self) -> int | None:
         for index, endpoint in enumerate(self.endpoints):
             process = self._members[index].process
             if process is None or process.poll() is not None:
@@ -58,7 +78,7 @@ class EtcdCluster(EtcdServer):
                 client.close()
             if member == leader:
                 return index
-        raise RuntimeError("no etcd member reports itself the leader")
+        return None
 
     def exited_members(self) -> list[int]:
         """The members whose process has exited (killed, or crashed)."""
@@ -90,3 +110,16 @@ def etcd_binaries() -> list[str]:
     extra = os.environ.get("ETCD_EXTRA_BINARIES", "")
     binaries += [b for b in extra.split(",") if b.strip()]
     return binaries
+
+
+def _all_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (state ``T``; a group stop reaches the threads one by one)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        states = []
+        for task in tasks:
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                states.append(stat.read().rpartition(")")[2].split()[0])
+    except OSError:
+        return False
+    return bool(states) and all(state in ("T", "t") for state in states)

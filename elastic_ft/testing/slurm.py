@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from elastic_ft.runtime.net import free_port
+from elastic_ft.runtime.net import free_ports
 
 #: What a test needs installed: ``apt-get install slurmd slurmctld slurm-client munge``.
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "sinfo", "squeue", "scancel")
@@ -66,7 +66,7 @@ class SlurmCluster:
             "munged",
         )
         _wait(socket.exists, timeout, lambda: "munged did not create its socket")
-        ports = [free_port() for _ in range(self.nodes + 1)]
+        ports = free_ports(self.nodes + 1)
         (work / "slurm.conf").write_text(self._config(socket, ports[0], ports[1:]))
         self._spawn([_binary("slurmctld"), "-D", "-c"], "slurmctld")
         for n in range(1, self.nodes + 1):

@@ -100,6 +100,14 @@ def test_a_heartbeat_says_when_the_next_is_due_and_a_forged_promise_is_refused()
         assert parse_heartbeat_record(forged) is None
 
 
+def test_a_heartbeat_says_whether_it_promises_a_stall_notice() -> None:
+    promising = encode_heartbeat(10.0, 9.99, due_at=11.0, notice=True)
+    assert parse_heartbeat_record(promising) == Heartbeat(10.0, 9.99, due_at=11.0, notice=True)
+    assert parse_heartbeat_record(encode_heartbeat(10.0, 9.5, due_at=11.0)).notice is False
+    for forged in ('{"t": 1, "active": 1, "notice": 1}', '{"t": 1, "active": 1, "notice": "yes"}'):
+        assert parse_heartbeat_record(forged) is None
+
+
 def test_an_exception_records_its_step_origin_and_traceback() -> None:
     line = encode_interruption(
         1, "KeyError", "KeyError('x')", 5.0, step=7, origin="/job/train.py:42 in train", traceback="t" * 10_000

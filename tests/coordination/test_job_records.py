@@ -25,7 +25,10 @@ def job(request: pytest.FixtureRequest, etcd: EtcdServer, run_id: str) -> Iterat
         yield job_store(dist.HashStore()), None
         return
     client = EtcdClient(etcd.endpoints)
-    yield job_store(EtcdStore(client, f"/elastic_ft/{run_id}/round/0/store/", timedelta(seconds=5))), client
+    # The test holds the store: a PrefixStore keeps only the C++ part of a Python store alive, and once the
+    # collector freed the Python object, the view's store answers as a bare torch Store ("Not implemented").
+    store = EtcdStore(client, f"/elastic_ft/{run_id}/round/0/store/", timedelta(seconds=5))
+    yield job_store(store), client
     client.close()
 
 
@@ -59,6 +62,16 @@ def test_batched_reads_answer_as_one_read_per_rank_does(job: tuple[JobView, Etcd
     assert view.admissions([400, 401, 402]) == {400: "7", 402: "withdrawn"}
     assert joined_ranks(view) == [400]
     assert view.heartbeats([]) == {} and view.arrivals(EXIT_BARRIER, []) == set()
+    records = view.peer_records(ranks)  # the monitor's look: the same answers in one read
+    assert records.left == {10, 11}
+    assert records.heartbeats == {rank: beat for rank, beat in heartbeats.items() if rank not in {10, 11}}
+    assert records.positions == {rank: place for rank, place in positions.items() if rank not in {10, 11}}
+    # A monitor's heartbeat reads its ring successor's records in the same request: whether it left, its beat.
+    beyond = RANKS + 1
+    assert view.send_heartbeat(beyond, ring=10) == (True, heartbeats[10])
+    assert view.send_heartbeat(beyond, ring=8) == (False, heartbeats[8])
+    assert view.send_heartbeat(beyond, ring=3) == (False, None)
+    assert view.send_heartbeat(beyond) is None and view.heartbeat(beyond) is not None
 
 
 def test_on_etcd_reading_every_peer_costs_a_request_per_128_ranks(job: tuple[JobView, EtcdClient | None]) -> None:
@@ -70,3 +83,66 @@ def test_on_etcd_reading_every_peer_costs_a_request_per_128_ranks(job: tuple[Job
     view.heartbeats(list(range(RANKS)))
     view.arrivals(EXIT_BARRIER, list(range(RANKS)))
     assert client.requests - before == 2 * -(-RANKS // 128)  # one per rank each would be 1200
+    before = client.requests
+    view.peer_records(list(range(RANKS)))
+    assert client.requests - before == -(-3 * RANKS // 128)  # left, heartbeats and positions in one read
+    successor = view.heartbeat(2)
+    before = client.requests
+    assert view.send_heartbeat(1, ring=2) == (False, successor)
+    assert client.requests - before == 1  # the heartbeat with its ring check in one request
+
+
+def test_a_record_read_is_one_request_on_etcd_and_reads_as_before(job: tuple[JobView, EtcdClient | None]) -> None:
+    """A restart's ranks all read the same single records at once: each read is one request (not an existence
+    check and a read), with the same answers on any store, absent records included."""
+    from elastic_ft.coordination.iteration import COMPLETED, iteration_store
+
+    view, client = job
+    base = view.underlying_store
+    iteration = iteration_store(base, 3)
+    absent = (
+        iteration.outcome(),
+        iteration.interruptions(),
+        iteration.terminated_ranks(),
+        iteration.active_world_size(),
+        iteration.termination_result(),
+        iteration.progressed(),
+        view.heartbeat(7),
+        view.position(7),
+        view.latest_iteration(),
+        view.left(7),
+        view.joiners(),
+    )
+    assert absent == (None, [], [], None, None, False, None, None, 0, None, [])
+    iteration.decide_outcome(COMPLETED)
+    iteration.record_interruption(2, "exception", "boom")
+    iteration.record_terminated([2, 5])
+    iteration.set_active_world_size(6)
+    iteration.mark_progressed()
+    iteration.set_heal_progress(0, 40, fresh=False)
+    view.send_heartbeat(7)
+    view.record_position(7, iteration=3, rank=1, world_size=6, active=True)
+    view.set(keys.LATEST_ITERATION, "3")
+    view.record_left(7, "exception", gave_up=False)
+    view.register_joiner(9)
+    if client is not None:
+        before = client.requests
+    assert iteration.outcome() == COMPLETED
+    assert [(r.rank, r.kind) for r in iteration.interruptions()] == [(2, "exception")]
+    assert iteration.terminated_ranks() == [2, 5] and iteration.active_world_size() == 6 and iteration.progressed()
+    assert iteration.heal_progresses(2) == [{"step": 40, "fresh": False}, None]
+    assert view.heartbeat(7) is not None and view.position(7) == {
+        "iteration": 3,
+        "rank": 1,
+        "world_size": 6,
+        "active": 1,
+    }
+    assert view.latest_iteration() == 3 and view.left(7) == {
+        "kind": "exception",
+        "gave_up": False,
+        "message": "",
+        "fatal": False,
+    }
+    assert view.joiners() == [9]
+    if client is not None:
+        assert client.requests - before == 11  # one a read: eleven reads

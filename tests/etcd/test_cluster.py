@@ -85,3 +85,21 @@ def test_members_that_exit_unasked_are_found_and_restarted_together(etcd_cluster
     client = EtcdClient(etcd_cluster.endpoints, request_timeout=2, connect_timeout=10)
     client.put("/after", b"1")
     client.close()
+
+
+def test_the_leader_is_found_through_an_election(etcd_cluster: EtcdCluster) -> None:
+    """Asked while the members elect (the old leader just died), ``leader`` waits for the new one, and gives up
+    with a clear error when no member is left to lead."""
+    old = etcd_cluster.leader()
+    etcd_cluster.kill_member(old)
+    new = etcd_cluster.leader()
+    assert new != old
+    client = EtcdClient([etcd_cluster.endpoints[new]], request_timeout=2, connect_timeout=10)
+    member, leader = client.member_status()
+    client.close()
+    assert member == leader
+    etcd_cluster.kill_member(new)
+    etcd_cluster.kill_member(next(index for index in range(3) if index not in (old, new)))
+    with pytest.raises(RuntimeError, match="no etcd member reported itself the leader within 1.0 s"):
+        etcd_cluster.leader(within=1.0)
+    etcd_cluster.restart_members([0, 1, 2])

@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.endpoints import parse_endpoints
-from elastic_ft.etcd.server import EtcdServer
+from elastic_ft.etcd.server import EtcdServer, etcd_version
 from elastic_ft.etcd.store import EtcdStore, EtcdStoreUnavailable, StoreWriteOutcomeUnknown
-from elastic_ft.testing.etcd_cluster import EtcdCluster
+from elastic_ft.testing.etcd_cluster import EtcdCluster, etcd_binaries
 from elastic_ft.testing.fault_proxy import FaultProxy
 from elastic_ft.testing.history import FAILED, OK, UNKNOWN, History, check_appends, check_cas_chain, check_counter
 
@@ -269,8 +269,30 @@ def test_history_with_lost_answers_and_resets(etcd: EtcdServer, proxy: FaultProx
     assert proxy.replies_lost > 20 and workload.writes_recovered > 0, (proxy.replies_lost, counts)
 
 
+def _crash_consistent(binary: str) -> bool:
+    """Whether a member of this etcd comes back from a SIGKILL with the data it acknowledged. etcd 3.5.0 to 3.5.2
+    did not save the applied index atomically with the data: a member killed under load may apply entries again
+    or skip them on restart and diverge from the others (etcd-io/etcd#13766, fixed in 3.5.3). A history checked
+    through such a member shows lost and repeated writes that no client could prevent."""
+    return not ((3, 5, 0) <= etcd_version(binary) <= (3, 5, 2))
+
+
+_CRASH_CONSISTENT = [binary for binary in etcd_binaries() if _crash_consistent(binary)]
+
+
+@pytest.fixture(
+    params=_CRASH_CONSISTENT
+    or [pytest.param(None, marks=pytest.mark.skip(reason="only etcd 3.5.0-3.5.2 here (etcd-io/etcd#13766)"))],
+    ids=lambda binary: "etcd-{}.{}.{}".format(*etcd_version(binary)) if binary else "none",
+)
+def crash_consistent_cluster(request: pytest.FixtureRequest) -> Iterator[EtcdCluster]:
+    with EtcdCluster(binary=request.param, members=3) as cluster:
+        yield cluster
+
+
 @pytest.mark.slow
-def test_history_through_member_and_leader_kills(etcd_cluster: EtcdCluster) -> None:
+def test_history_through_member_and_leader_kills(crash_consistent_cluster: EtcdCluster) -> None:
+    etcd_cluster = crash_consistent_cluster
     endpoints = ",".join(e.target for e in etcd_cluster.endpoints)
     workload = Workload([endpoints], f"/test/{uuid.uuid4().hex}/store/")
     kills = {"leader": 0, "member": 0}

@@ -29,11 +29,13 @@ def _choose_ports(monkeypatch: pytest.MonkeyPatch, port: int, taken: Callable[[i
     """Make the server's port choice ``i`` return ``port`` (taken) where ``taken(i)``; returns every choice."""
     chosen: list[int] = []
 
-    def choose(host: str = "127.0.0.1") -> int:
-        chosen.append(port if taken(len(chosen)) else net.free_port(host))
-        return chosen[-1]
+    def choose(count: int, host: str = "127.0.0.1") -> list[int]:
+        free = iter(net.free_ports(count, host))
+        start = len(chosen)
+        chosen.extend(port if taken(start + i) else next(free) for i in range(count))
+        return chosen[start:]
 
-    monkeypatch.setattr(etcd_server, "free_port", choose)
+    monkeypatch.setattr(etcd_server, "free_ports", choose)
     return chosen
 
 
@@ -63,3 +65,16 @@ def test_a_port_taken_at_every_attempt_fails_with_etcds_reason(
         server.start()
     assert len(chosen) == 2 * PORT_ATTEMPTS
     assert server.workdir is None
+
+
+def test_ports_chosen_together_are_distinct() -> None:
+    # Chosen one at a time, a port just released can come back at once; a cluster given one port twice
+    # refuses to start ("has duplicate url"). Chosen together, they never repeat.
+    for _ in range(200):
+        ports = net.free_ports(6)
+        assert len(set(ports)) == 6, ports
+
+
+def test_a_count_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="count must be at least 1, got 0"):
+        net.free_ports(0)

@@ -365,28 +365,32 @@ def test_concurrent_pops_take_each_item_once(store_pair: tuple[dist.Store, dist.
     assert sorted(int(x) for x in taken) == list(range(30))
 
 
-def test_arrivals_are_counted_once_in_one_request_each(etcd: EtcdServer, run_id: str) -> None:
-    """The barrier's arrival: concurrent ranks each counted once, a resend of a counted arrival not again."""
+def test_a_batch_of_arrivals_is_one_transaction_and_counts_each_rank_once(etcd: EtcdServer, run_id: str) -> None:
+    """A node's ranks arrive in one transaction; concurrent batches (nodes) number every arrival once, in
+    order within a batch; a resend of a batch that committed counts nothing twice, and a rank another process
+    arrived for is left out of the batch, not the whole batch."""
     client = EtcdClient(etcd.endpoints)
     store = EtcdStore(client, f"/elastic_ft/{run_id}/round/0/store/", TIMEOUT)
-    counts: list[tuple[bool, int]] = []
+    numbers: list[int | None] = []
 
-    def arrive(first: int) -> None:
-        for rank in range(first, first + 25):
-            counts.append(store.arrive_once(f"arrived/{rank}", "count", f"token{rank}"))
+    def node(first: int) -> None:
+        numbers.extend(store.arrive_batch([(f"arrived/{r}", f"token{r}") for r in range(first, first + 8)], "slots/"))
 
     before = client.requests_by_kind["txn"]
-    threads = [threading.Thread(target=arrive, args=(25 * i,)) for i in range(8)]
+    threads = [threading.Thread(target=node, args=(8 * i,)) for i in range(16)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert client.requests_by_kind["txn"] - before == 200  # one transaction per arrival, no retries
-    assert all(counted for counted, _ in counts)
-    assert sorted(count for _, count in counts) == list(range(1, 201))  # every number once
-    assert store.arrive_once("arrived/7", "count", "token7") == (True, 200)  # a resend: counted, not again
-    assert store.arrive_once("arrived/7", "count", "other") == (False, 200)  # another process for the rank
-    assert store.arrivals("count") == 200 and store.arrivals("nothing") == 0
+    assert client.requests_by_kind["txn"] - before == 16  # one transaction per node of 8 ranks, no retries
+    assert sorted(n for n in numbers if n is not None) == list(range(1, 129))  # every number once
+    assert store.arrivals("slots/") == 128 and store.arrivals("nothing/") == 0
+    resent = store.arrive_batch([(f"arrived/{r}", f"token{r}") for r in range(8)], "slots/")
+    assert None not in resent and store.arrivals("slots/") == 128  # a resend: counted, not again
+    mixed = store.arrive_batch([("arrived/3", "other"), ("arrived/500", "t500"), ("arrived/501", "t501")], "slots/")
+    assert mixed == [None, 129, 130]  # rank 3 is another process's arrival; the rest counted in order
+    with pytest.raises(ValueError, match="1 to 32 arrivals, got 33"):
+        store.arrive_batch([(f"x/{r}", "t") for r in range(33)], "slots/")
     client.close()
 
 

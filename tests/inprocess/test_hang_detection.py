@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import math
 import os
 import signal
@@ -20,10 +21,17 @@ import pytest
 import torch.distributed as dist
 
 from elastic_ft import keys
-from elastic_ft.coordination.fault_records import encode_heartbeat
+from elastic_ft.coordination.fault_records import (
+    Heartbeat,
+    PeerLook,
+    encode_heartbeat,
+    encode_peer_look,
+    parse_peer_look,
+)
 from elastic_ft.coordination.iteration import iteration_store
 from elastic_ft.coordination.job import job_store
 from elastic_ft.inprocess.hang_detection import (
+    EVIDENCE_KEPT,
     AdaptiveTimeouts,
     RankActivity,
     StallAction,
@@ -34,13 +42,23 @@ from elastic_ft.inprocess.hang_detection import (
     hang_culprit,
     heartbeat_period,
     judge_stall,
+    notice_pending,
     overdue_for,
     overdue_slack,
     peer_read_period,
     percentile,
+    select_evidence,
+    stall_notice_after,
     warmup_timeouts,
 )
-from elastic_ft.inprocess.monitor_process import MonitorConfig, _Iteration, _Monitor, cpu_seconds
+from elastic_ft.inprocess.monitor_process import (
+    MonitorConfig,
+    _Iteration,
+    _Monitor,
+    aligned_check,
+    beat_due,
+    cpu_seconds,
+)
 from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps, StepClock
 from elastic_ft.inprocess.sockets import (
     TcpSocket,
@@ -53,6 +71,7 @@ from elastic_ft.inprocess.sockets import (
     tcp_sockets,
     unblock_listeners,
 )
+from elastic_ft.runtime.waits import aligned_instant, poll
 
 CONFIG = AdaptiveTimeouts()
 
@@ -243,6 +262,97 @@ def test_a_peer_whose_heartbeat_is_overdue_is_not_taken_for_inactive() -> None:
     configured = judge_stall(activity(61), TIMEOUTS, 1.0, 3.0, None, peer_overdue_for=1.0)
     assert configured.action is StallAction.RESTART and "soft_timeout" in configured.reason
     assert overdue_slack(0.5) == 0.125
+
+
+def test_a_peer_whose_stall_notice_may_still_come_is_not_taken_for_inactive() -> None:
+    verdict = judge_stall(activity(5), TIMEOUTS, 1.0, 3.0, None, peer_notice_pending=True)
+    assert verdict.action is StallAction.NONE and verdict.waits_because == "peer unheard"
+    assert "stall notice may still come" in verdict.reason
+    # The configured limits still apply, and a stopped rank is still killed.
+    assert judge_stall(activity(61), TIMEOUTS, 1.0, 3.0, None, peer_notice_pending=True).action is StallAction.RESTART
+    stopped = judge_stall(activity(5, stopped=True), TIMEOUTS, 1.0, 3.0, None, peer_notice_pending=True)
+    assert stopped.action is StallAction.KILL
+
+
+def test_a_stall_notice_is_pending_until_the_next_heartbeat_could_have_come() -> None:
+    soft, now = 0.5, 1000.0
+    promising = Heartbeat(now - 0.9, now - 0.9, due_at=now + 0.1, notice=True)
+    assert stall_notice_after(soft) == 0.125
+    assert notice_pending(promising, now, soft)
+    assert notice_pending(promising, now + 0.1 + overdue_slack(soft), soft)
+    # Past the slack a late heartbeat is overdue_for's (held only until the adaptive hard timeout).
+    assert not notice_pending(promising, now + 0.11 + overdue_slack(soft), soft)
+    assert not notice_pending(dataclasses.replace(promising, notice=False), now, soft)
+    assert not notice_pending(dataclasses.replace(promising, due_at=None), now, soft)
+
+
+def _monitor_beats(activity_at: Callable[[float], RankActivity], soft: float, start: float, until: float) -> list:
+    """The heartbeats a monitor loop waking every 0.1 s sends from ``start`` to ``until``, its rank's activity at
+    each instant ``activity_at(now)`` (monitor_process._watch's choice of when and what)."""
+    interval, tick = 1.0, 0.1
+    last = next_due = -math.inf
+    promised = False
+    beats, now = [], start
+    while now < until:
+        rank = activity_at(now)
+        notice_after = stall_notice_after(soft)
+        if beat_due(
+            now, last, next_due, heartbeat_period(rank, soft, interval), promised and rank.inactive_for >= notice_after
+        ):
+            last, next_due = now, aligned_instant(now, heartbeat_period(rank, soft, interval))
+            promised = rank.inactive_for < notice_after
+            beats.append(Heartbeat(now, now - rank.inactive_for, None, False, next_due, promised))
+        now = round(now + tick, 6)
+    return beats
+
+
+def _verdicts(peer: Callable[[float], RankActivity], soft: float, phase: float, until: float) -> list:
+    """(time, verdict) of a rank that stopped at ``phase`` (inactive since: blocked in a collective) at each
+    look at its one peer (at the aligned look instants, seeing the beats sent 50 ms before or earlier)."""
+    beats = _monitor_beats(peer, soft, phase - 3.0, until)
+    timeouts = Timeouts(soft, 2 * soft, 60, 90)
+    read_period, now, found = peer_read_period(soft, 1.0), phase, []
+    while now < until:
+        now = aligned_check(now, read_period)
+        beat = max((b for b in beats if b.sent_at + 0.05 <= now), key=lambda b: b.sent_at)
+        waiting = RankActivity(now - phase, now - phase, False, 0.0)
+        late = overdue_for(beat.sent_at, beat.active_at, beat.due_at, now, soft)
+        pending = notice_pending(beat, now, soft)
+        found.append((now, judge_stall(waiting, timeouts, 1.0, now - beat.active_at, None, late, pending)))
+    return found
+
+
+@pytest.mark.parametrize("soft", [0.5, 1.0, 2.0])
+def test_a_peer_whose_slow_step_begins_after_a_rank_stopped_is_seen_busy(soft: float) -> None:
+    """A rank stops (it waits for its peer in a collective); its peer still steps for up to its soft timeout,
+    then starts a long computation (CPU busy, no progress). The peer's last regular heartbeat may be older
+    than the waiting rank's soft timeout when that ends: CI saw a 4 s step restart the job, its step begun
+    0.3 s after the others stopped. Whatever the phases, the waiting rank must not restart the job."""
+    for phase in (10.0, 10.2, 10.45, 10.7, 10.95):
+        for delay in (0.0, 0.1 * soft, 0.3 * soft, 0.6 * soft, 0.9 * soft):
+
+            def slow_peer(now: float, start: float = phase + delay) -> RankActivity:
+                return RankActivity(max(0.0, now - start), 0.0, False, 0.0)
+
+            for now, verdict in _verdicts(slow_peer, soft, phase, phase + 3 * soft):
+                assert verdict.action is StallAction.NONE, (phase, delay, round(now - phase, 3), verdict)
+
+
+@pytest.mark.parametrize("soft", [0.5, 1.0, 2.0])
+def test_stall_notices_cost_a_hang_verdict_nothing(soft: float) -> None:
+    """The peer stops too (a hang): the verdict comes at the first look a soft timeout after the last rank
+    stopped, as without notices (the peer's notice comes a quarter of that after it stopped), never at the
+    peer's next regular heartbeat."""
+    for phase in (10.0, 10.2, 10.45, 10.7, 10.95):
+        for delay in (0.0, 0.1 * soft, 0.3 * soft, 0.6 * soft):
+
+            def hung_peer(now: float, start: float = phase + delay) -> RankActivity:
+                idle = max(0.0, now - start)
+                return RankActivity(idle, idle, False, 0.0)
+
+            verdicts = _verdicts(hung_peer, soft, phase, phase + 3 * soft)
+            first = next(now for now, verdict in verdicts if verdict.action is StallAction.RESTART)
+            assert first - phase <= delay + soft + peer_read_period(soft, 1.0) + 1e-6, (phase, delay, first)
 
 
 def test_why_a_rank_without_progress_is_left_alone_is_named_in_a_stable_word() -> None:
@@ -500,6 +610,16 @@ def test_messages_after_store_ready_in_the_same_read_are_kept() -> None:
     assert after_store_ready([{"type": "stop"}, {"type": "store_ready"}]) == (True, None)
 
 
+def _spun(pid: int) -> float:
+    """CPU seconds used by every thread of ``pid`` and by its children, whoever spins among them."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    total = 0.0
+    for each in (pid, *map(int, children)):
+        fields = Path(f"/proc/{each}/stat").read_text().rpartition(")")[2].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 @pytest.mark.integration  # starts a process
 @pytest.mark.parametrize(("spinner", "counted"), [("main", True), ("helper", False), ("worker", True)])
 def test_cpu_seconds_count_the_main_thread_and_its_workers_not_other_threads(spinner: str, counted: bool) -> None:
@@ -515,15 +635,48 @@ def test_cpu_seconds_count_the_main_thread_and_its_workers_not_other_threads(spi
     process = subprocess.Popen([sys.executable, "-c", code])
     try:
         time.sleep(0.5)  # started, and its spinner running
-        before = cpu_seconds(process.pid, exclude=-1)
-        time.sleep(1.0)
+        before, spun_before = cpu_seconds(process.pid, exclude=-1), _spun(process.pid)
+        # Sized by the CPU the spinner got, not by the clock: on a loaded host a second gives it a fraction of one.
+        deadline = time.monotonic() + 30
+        while _spun(process.pid) - spun_before < 0.6 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        spun = _spun(process.pid) - spun_before
         used = cpu_seconds(process.pid, exclude=-1) - before
-        assert (used > 0.3) is counted, used
+        assert spun >= 0.6, f"the spinner got {spun:.2f} s of CPU in 30 s"
+        assert (used > 0.4) is counted, (used, spun)
     finally:
         for child in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split():
             os.kill(int(child), signal.SIGKILL)
         process.kill()
         process.wait()
+
+
+@pytest.mark.integration  # starts processes
+def test_a_computing_rank_starved_of_cpu_is_still_seen_working() -> None:
+    # On a saturated host a rank in a long computation may get almost no CPU for a while: its main thread is
+    # runnable, not waiting, and a slow step must not read as a hang. Here it shares one core, at the lowest
+    # priority, with three spinners: under 1% of a core, under the CPU share that counts as work.
+    from elastic_ft.inprocess.monitor_process import BUSY_CPU_SHARE, _CpuMeter, process_is_stopped
+
+    pinned = "import os\nos.sched_setaffinity(0, {0})\nos.nice(%d)\nwhile True: pass"
+    spinners = [subprocess.Popen([sys.executable, "-c", pinned % 0]) for _ in range(3)]
+    rank = subprocess.Popen([sys.executable, "-c", pinned % 19])
+    try:
+        time.sleep(1.0)  # all started and spinning
+        meter = _CpuMeter(rank.pid)
+        time.sleep(0.5)
+        before, now = meter._used, time.monotonic()
+        meter.sample(now)
+        assert (meter._used - before) / 0.5 < BUSY_CPU_SHARE  # starved: its CPU time alone says idle
+        assert meter.busy_at == now  # runnable: working
+        rank.send_signal(signal.SIGSTOP)  # stopped: not runnable, and no CPU
+        assert poll(lambda: process_is_stopped(rank.pid), 10.0)  # once scheduled, however starved
+        meter.sample(time.monotonic())
+        assert meter.busy_at == now
+    finally:
+        for process in (*spinners, rank):
+            process.kill()
+            process.wait()
 
 
 def _detach_in_a_child(stderr: Path | None) -> tuple[int, list[int], str]:
@@ -593,12 +746,13 @@ def test_a_joiner_gone_before_this_iteration_neither_holds_nor_takes_the_blame()
     monitor = _Monitor(config, ProgressTimestamps(1.5, 3.0), dict, {}, os.getpid(), read_end, 2)
     try:
         monitor.iteration = _Iteration(2, 0, 3, iteration_store(base, 2))
-        inactive_for = monitor._peers_inactive_for(job, read_period=0.0)
+        idle = RankActivity(progress_age=2.0, cpu_idle_for=2.0, stopped=False, threads_silent_for=0.1)
+        inactive_for = monitor._peers_inactive_for(job, 0.0, idle)
         assert inactive_for is not None and 0.9 < inactive_for < 5.0
         assert monitor._overdue_peer is None
         assert sorted(peer.rank for peer in monitor._stalled_peers) == [1, 2]
         monitor.iteration = _Iteration(1, 0, 4, iteration_store(base, 1))  # in its iteration, it counts
-        monitor._peers_inactive_for(job, read_period=0.0)
+        monitor._peers_inactive_for(job, 0.0, idle)
         assert monitor._overdue_peer is not None and monitor._overdue_peer[0] == 3
     finally:
         for fd in (read_end, write_end):
@@ -617,3 +771,197 @@ def test_a_late_heartbeat_holds_a_verdict_only_if_its_peer_was_recently_active()
     assert overdue_for(sent_at=now - 1.0, active_at=now - 9.0, due_at=due, now=now, soft=soft) is None  # blocked
     assert overdue_for(sent_at=now - 1.0, active_at=now - 1.1, due_at=now - 0.2, now=now, soft=soft) is None
     assert overdue_for(sent_at=now - 1.0, active_at=now - 1.1, due_at=None, now=now, soft=soft) is None
+
+
+def _beats(start: float, periods: Callable[[float], float], until: float, tick: float = 0.1) -> list[float]:
+    """When a monitor loop waking every ``tick`` s from ``start`` heartbeats, with the period ``periods(now)``."""
+    last = next_due = -math.inf
+    sent = []
+    now = start
+    while now < until:
+        period = periods(now)
+        if beat_due(now, last, next_due, period):
+            last, next_due = now, aligned_instant(now, period)
+            sent.append(now)
+        now = round(now + tick, 6)
+    return sent
+
+
+@pytest.mark.parametrize("start", [10.0, 10.3, 10.5, 10.6, 10.9])
+def test_every_monitor_heartbeats_at_the_same_instants_whatever_its_phase(start: float) -> None:
+    # A host's heartbeats of one second arrive together, so that its node relay writes them in one request:
+    # after its first beat, a monitor beats at the whole seconds of the wall clock (its loop's tick late at most).
+    sent = _beats(start, lambda _: 1.0, until=30.0)
+    assert all(b - a <= 1.5 + 1e-9 for a, b in itertools.pairwise(sent)), sent
+    assert [round(t % 1.0, 6) for t in sent[2:]] == [0.0] * len(sent[2:]), sent
+
+
+def test_a_shorter_period_takes_effect_at_its_own_instants() -> None:
+    # A rank that works without progress heartbeats four times a second, at the quarter seconds.
+    sent = _beats(10.6, lambda now: 1.0 if now < 15.0 else 0.25, until=20.0)
+    later = [t for t in sent if t > 15.3]
+    # At the first tick of the loop past each quarter second: never a tick or more after it.
+    assert len(later) >= 4 * 4 and all(round(t % 0.25, 6) < 0.1 for t in later), later
+
+
+def test_a_wall_clock_set_back_makes_a_heartbeat_due_at_once() -> None:
+    assert beat_due(100.0, last=200.0, next_due=201.0, period=1.0)
+    assert not beat_due(200.5, last=200.0, next_due=201.0, period=1.0)
+    assert beat_due(0.0, last=-math.inf, next_due=-math.inf, period=1.0)
+
+
+def _look_from(beats: dict[int, Heartbeat], skip: set[int], now: float, soft: float) -> tuple:
+    """What a look decides by, from ``beats`` less ``skip``: the latest activity, the most overdue heartbeat
+    that may hide activity, and the culprit with a waiting rank of the reader's own."""
+    kept = {rank: beat for rank, beat in beats.items() if rank not in skip}
+    latest = max((beat.active_at for beat in kept.values()), default=None)
+    lates = [overdue_for(beat.sent_at, beat.active_at, beat.due_at, now, soft) for beat in kept.values()]
+    overdue = max((late for late in lates if late is not None), default=None)
+    pending = any(notice_pending(beat, now, soft) for beat in kept.values())
+    me = StalledRank(-1, now - 1000.0, True)
+    culprit = hang_culprit([me, *(StalledRank(rank, beat.active_at, beat.waiting) for rank, beat in kept.items())])
+    return latest, overdue, pending, culprit[0].rank
+
+
+def test_the_judges_evidence_decides_each_look_as_every_heartbeat_would() -> None:
+    """A stalled rank reads a few heartbeats the judge picked, not every peer's: for any reader that leaves out
+    fewer than EVIDENCE_KEPT ranks (its own, those it reported silent), the latest activity, the most overdue
+    heartbeat, whether a stall notice may still come and the culprit are the same as from every heartbeat."""
+    import random
+
+    chooser = random.Random(49)
+    soft, now = 2.0, 10_000.0
+    for trial in range(300):
+        count = chooser.randint(1, 300)
+        beats = {}
+        for rank in range(count):
+            active_at = now - chooser.choice([chooser.uniform(0, 40), 5.0])  # ties too
+            sent_at = max(active_at, now - chooser.uniform(0, 3))
+            due_at = chooser.choice([None, sent_at + chooser.uniform(0, 2)])
+            notice = due_at is not None and sent_at - active_at < stall_notice_after(soft) and chooser.random() < 0.3
+            beats[rank] = Heartbeat(sent_at, active_at, chooser.choice([True, False, None]), False, due_at, notice)
+        evidence = select_evidence(beats, soft)
+        assert len(evidence) <= 5 * EVIDENCE_KEPT
+        assert all(evidence[rank] is beats[rank] for rank in evidence)
+        skip = set(chooser.sample(range(count), min(count, chooser.randint(0, EVIDENCE_KEPT - 1))))
+        later = now + chooser.uniform(0, 1)  # a reader reads the look a little after the judge wrote it
+        assert _look_from(evidence, skip, later, soft) == _look_from(beats, skip, later, soft), trial
+
+
+def test_a_peer_look_reads_back_and_anything_malformed_reads_as_none() -> None:
+    beats = {3: Heartbeat(10.0, 9.0, True, False, 11.0), 12: Heartbeat(10.0, 2.0, None, False, None)}
+    look = PeerLook(4, 0, 10.5, beats)
+    assert parse_peer_look(encode_peer_look(look)) == look
+    assert parse_peer_look(encode_peer_look(PeerLook(4, 0))) == PeerLook(4, 0)
+    good = '{"iteration": 4, "judge": 0, "read_at": 1.0, "beats": {"3": {"t": 1.0, "active": 1.0}}}'
+    assert parse_peer_look(good) is not None
+    for bad in (
+        "nope",
+        "[]",
+        good.replace('"iteration": 4', '"iteration": -1'),
+        good.replace('"judge": 0', '"judge": true'),
+        good.replace('"read_at": 1.0', '"read_at": "soon"'),
+        good.replace('"read_at": 1.0', '"read_at": NaN'),
+        good.replace('"3"', '"three"'),
+        good.replace('"3"', '"\u00b2"'),
+        good.replace('"t": 1.0', '"t": Infinity'),
+        good.replace('{"t": 1.0, "active": 1.0}', "[]"),
+        good.replace('"3": {"t": 1.0, "active": 1.0}', ", ".join(f'"{r}": {{"t": 1, "active": 1}}' for r in range(65))),
+    ):
+        assert parse_peer_look(bad) is None, bad
+
+
+def test_a_stalled_rank_reads_the_judges_look_else_its_activity_else_every_peer() -> None:
+    """The look a monitor judges by: the judge's fresh look (its few heartbeats); a late look while the judge's
+    rank was active within the soft timeout (that activity alone: the rank waits); a late look of an inactive
+    judge, or none for this iteration (every peer, as before a judge existed)."""
+    base = dist.HashStore()
+    job = job_store(base)
+    now = time.time()
+    for rank in range(40):  # iteration 2, everyone waiting in a collective for 10 s but rank 7, stopped first
+        job.record_position(rank, 2, rank, 40, True)
+        job.send_heartbeat(rank, active_at=now - (12.0 if rank == 7 else 10.0), waiting=rank != 7, next_in=1.0)
+    idle = RankActivity(progress_age=10.0, cpu_idle_for=10.0, stopped=False, threads_silent_for=0.1)
+    read_end, write_end = os.pipe()
+    made: list[_Monitor] = []
+
+    def monitor(rank: int) -> _Monitor:
+        config = MonitorConfig(rank, 40, 0.05, 0.5, 20.0, 60.0, 90.0, 1.0, 5.0, None, None, 20)
+        made.append(_Monitor(config, ProgressTimestamps(1.5, 3.0), dict, {}, os.getpid(), read_end, 2))
+        made[-1].iteration = _Iteration(2, rank, 40, iteration_store(base, 2))
+        return made[-1]
+
+    try:
+        reader = monitor(5)
+        assert reader.culprit(job, idle)[0].rank == 7
+        assert len(reader._stalled_peers) == 39  # no judge yet: every peer
+        judge = monitor(0)
+        judge.timestamps.set_waiting(True)
+        assert judge.culprit(job, idle)[0].rank == 7
+        look, _ = job.peer_look(None)
+        assert look is not None and look.judge == 0 and look.iteration == 2 and 0 in look.beats
+        assert len(look.beats) <= 4 * EVIDENCE_KEPT
+        reader = monitor(5)
+        inactive_for = reader._peers_inactive_for(job, 0.0, idle)
+        assert inactive_for is not None and 9.5 < inactive_for < 12.0
+        assert reader.culprit(job, idle)[0].rank == 7 and len(reader._stalled_peers) < 39
+        # A late look: the judge's rank works again (its heartbeat says so), and that alone decides.
+        job.publish_peer_look(dataclasses.replace(look, read_at=now - 30.0))
+        job.send_heartbeat(0, active_at=time.time(), waiting=None, next_in=1.0)
+        reader = monitor(5)
+        assert reader._peers_inactive_for(job, 0.0, idle) < 1.0
+        assert [peer.rank for peer in reader._stalled_peers] == [0]
+        # A late look of an inactive judge (its monitor starved or dead): every peer.
+        job.send_heartbeat(0, active_at=now - 10.0, waiting=True, next_in=1.0)
+        reader = monitor(5)
+        assert reader.culprit(job, idle)[0].rank == 7 and len(reader._stalled_peers) == 39
+        # Another iteration's look says nothing of this one: every peer.
+        job.publish_peer_look(dataclasses.replace(look, iteration=1, read_at=time.time()))
+        reader = monitor(5)
+        assert reader.culprit(job, idle)[0].rank == 7 and len(reader._stalled_peers) == 39
+    finally:
+        for each in made:
+            if each.pidfd is not None:
+                os.close(each.pidfd)
+        for fd in (read_end, write_end):
+            os.close(fd)
+
+
+def test_the_judges_work_for_the_others_never_holds_its_own_verdict_while_etcd_is_away(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The iteration's rank 0 announces itself and, from half its soft timeout, looks for the others; with etcd
+    unreachable both fail, and its own verdict (a stopped or wedged rank killed) is still reached, the
+    announcement retried at the next pass."""
+    from elastic_ft.inprocess import monitor_process
+
+    def unreachable(*_: object) -> None:
+        raise ConnectionError("etcd at 127.0.0.1:2379 is unreachable")
+
+    verdicts: list[StallVerdict] = []
+
+    def judged(*args: object) -> StallVerdict:
+        verdicts.append(judge_stall(*args))  # type: ignore[arg-type]
+        return verdicts[-1]
+
+    monkeypatch.setattr(monitor_process, "judge_stall", judged)
+    base = dist.HashStore()
+    job = job_store(base)
+    job.publish_peer_look = unreachable  # type: ignore[method-assign]
+    job.peer_records = unreachable  # type: ignore[method-assign]
+    config = MonitorConfig(0, 2, 0.05, 0.5, 20.0, 60.0, 90.0, 1.0, 5.0, None, None, 20)
+    read_end, write_end = os.pipe()
+    monitor = _Monitor(config, ProgressTimestamps(1.5, 3.0), dict, {}, os.getpid(), read_end, 2)
+    try:
+        iteration = _Iteration(0, 0, 2, iteration_store(base, 0))
+        monitor.iteration = iteration
+        half = RankActivity(progress_age=1.0, cpu_idle_for=1.0, stopped=False, threads_silent_for=0.1)
+        for _ in range(2):
+            assert monitor._judge(base, job, iteration, half, Timeouts(1.5, 3.0, 60.0, 90.0)) is False
+            assert not iteration.announced
+        assert [verdict.action for verdict in verdicts] == [StallAction.NONE, StallAction.NONE]
+    finally:
+        for fd in (read_end, write_end):
+            os.close(fd)
+        if monitor.pidfd is not None:
+            os.close(monitor.pidfd)

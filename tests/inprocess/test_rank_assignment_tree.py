@@ -339,8 +339,10 @@ def test_ranks_with_different_layer_counts_get_a_clear_error() -> None:
 
 def test_keys_that_are_not_json_get_a_clear_error() -> None:
     store = torch.distributed.HashStore()
-    store.set("elastic_ft/rank_assignment/garbled/0/keys/1", "not json")
-    store.add("elastic_ft/rank_assignment/garbled/0/arrived", 1)
+    from elastic_ft.keys import exchange_arrived, exchange_published
+
+    store.set(exchange_published("elastic_ft/rank_assignment/garbled/0", 1), "not json")
+    store.add(exchange_arrived("elastic_ft/rank_assignment/garbled/0"), 1)
     policy = Tree([Layer(key_or_fn="root")], name="garbled")
     with pytest.raises(ValueError, match="Tree 'garbled': a rank published keys that are not JSON"):
         policy(RankAssignmentCtx(State(0, 2), store, set()))

@@ -115,8 +115,9 @@ def stop_once(nodes: list[TorchrunNode], tmp_path: Path, seen: Callable[[dict[st
 
 
 def assert_same_model(tmp_path: Path, fault_free: Path, step: int, *, exact: bool) -> None:
-    """The run's final model against the fault-free run's at ``step``: bit for bit (``exact``), else within 1e-6
-    relative (the world size changed for some steps, and with it the gradient's reduction order)."""
+    """The run's final model against the fault-free run's at ``step``: bit for bit (``exact``), else within 1e-5
+    relative: the world size changed for some steps, and with it the gradient's reduction order, for as many
+    steps as the respawned process took to come back (1.1e-6 was seen on a loaded host)."""
     final = torch.load(tmp_path / "work" / "final.pt", weights_only=True)
     expected = torch.load(fault_free / f"full-{step}.pt", weights_only=True)
     assert set(final) == set(expected)
@@ -124,12 +125,21 @@ def assert_same_model(tmp_path: Path, fault_free: Path, step: int, *, exact: boo
         if exact:
             assert torch.equal(final[name], tensor), name
         else:
-            assert float((final[name] - tensor).norm()) <= 1e-6 * float(tensor.norm()), name
+            assert float((final[name] - tensor).norm()) <= 1e-5 * float(tensor.norm()), name
 
 
 def heals(log: str) -> list[tuple[int, int, int]]:
     """Every transfer the recovery plans logged: (sender, receiver, shard)."""
     return [tuple(map(int, m)) for m in re.findall(r"(\d+)->(\d+) \(shard (\d+)\)", log)]  # type: ignore[misc]
+
+
+def lost_ranks(log: str, fault: str) -> set[int]:
+    """The initial ranks whose process the fault ended: rank 3 unless it restarts in-process, and any rank its
+    monitor process terminated because the restart could not reach it (``restart_blocked``: gloo's race, in
+    which a collective posted as its peer's connection closes waits with no socket left to cut, see
+    :mod:`elastic_ft.inprocess.process_groups`; seen on a loaded machine)."""
+    lost = {int(rank) for rank in re.findall(r"restart_blocked on rank (\d+)", log)}
+    return lost if fault in ("exception", "hang_gil_released") else lost | {3}
 
 
 @pytest.mark.parametrize("fault", ["exception", "sigkill", "hang_gil_released", "hang_gil_held"])
@@ -140,10 +150,15 @@ def test_hsdp_survives_a_fault_without_a_checkpoint_read_or_a_step_redone(
     a lost one takes its replica group out (1 x 2), and its respawned process brings the world back to 2 x 2,
     every new rank healed with its own shard from the other replica."""
     # Steps idle 0.1 s (an accelerator's share): a respawned process has at least 38 s to start, however loaded
-    # the machine; the run ends 20 steps after what it waits for: the respawned process training, or the restart.
+    # the machine; the run ends 20 steps after what it waits for: the last respawned process training, or the
+    # restart.
     node = run(nodes, tmp_path, etcd, run_id, "--fault", fault, "--step-wait", "0.1")
-    lives = fault in ("exception", "hang_gil_released")  # restarts in-process; the others are killed and respawned
-    stop = stop_once(nodes, tmp_path, lambda e: e["rank"] == 4 or (lives and e["iteration"] >= 1))
+
+    def recovered(event: dict[str, Any]) -> bool:
+        lost = lost_ranks(node.log(), fault)
+        return event["rank"] == 3 + len(lost) if lost else event["iteration"] >= 1
+
+    stop = stop_once(nodes, tmp_path, recovered)
     assert node.wait(300) == 0, logs(nodes)
     assert events(tmp_path, "checkpoint_read") == [], logs(nodes)
     assert steps_redone(tmp_path) == 0, logs(nodes)
@@ -154,16 +169,18 @@ def test_hsdp_survives_a_fault_without_a_checkpoint_read_or_a_step_redone(
     assert {e["step"] for e in done} == {stop}, done
     log = node.log()
     assert all(receiver % 2 == shard for _, receiver, shard in heals(log)), heals(log)  # each its own shard
-    if sorted(e["rank"] for e in done) == [0, 1, 2, 3]:  # the faulty rank restarted in-process with the others
-        assert fault in ("exception", "hang_gil_released") and not heals(log), logs(nodes)
-        assert all(e["world_size"] == 4 for e in done), done
+    lost = lost_ranks(log, fault)
+    if not lost:  # the faulty rank restarted in-process with the others
+        assert sorted(e["rank"] for e in done) == [0, 1, 2, 3], logs(nodes)
+        assert not heals(log) and all(e["world_size"] == 4 for e in done), done
         assert_same_model(tmp_path, fault_free, stop, exact=True)
         return
-    assert not lives, logs(nodes)
     shrunk = [e for e in starts if e["iteration"] == 1]
     assert shrunk and all(e["mesh"] == [1, 2] and e["step"] == 20 for e in shrunk), shrunk
-    assert sorted(e["rank"] for e in done) == [0, 1, 2, 4] and all(e["world_size"] == 4 for e in done), done
-    # The reserve and the new process, each from the other replica (every rank logs the plan).
+    respawned = set(range(4, 4 + len(lost)))
+    assert sorted(e["rank"] for e in done) == sorted({0, 1, 2, 3} - lost | respawned), done
+    assert all(e["world_size"] == 4 for e in done), done
+    # The reserve and the new process, or two new processes, each from the other replica (every rank logs the plan).
     assert sorted({receiver for _, receiver, _ in heals(log)}) == [2, 3], log
     assert_same_model(tmp_path, fault_free, stop, exact=False)
 

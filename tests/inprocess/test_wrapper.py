@@ -314,11 +314,17 @@ def test_swallowed_restart_is_raised_again_and_logged_with_its_location(tmp_path
 
 
 def test_spare_rank_is_activated_after_a_failure(tmp_path: Path) -> None:
-    scenario = {"faults": [fault(1, "exit")], "max_active_world_size": 3}
+    scenario = {"faults": [fault(1, "exit")], "max_active_world_size": 3, "warmup_probe": True}
     outcomes = job(scenario, 4, tmp_path)
     assert outcomes[1].returncode == 17, details()
     # Rank 3 was a spare in iteration 0 (never called), active in iteration 1.
     assert [call["iteration"] for call in outcomes[3].report["calls"]] == [1], details()
+    # It warmed up once, while it waited in reserve, before any process group existed in it; an active rank
+    # never waited, and never warmed up (the workers here fork from a server that imported torch already:
+    # tests/launcher/test_spares.py checks what the warm-up saves a fresh process).
+    assert [(w["groups"], w["initialized"]) for w in outcomes[3].report["warmups"]] == [(0, False)], details()
+    assert outcomes[3].report["warmups"][0]["at"] < outcomes[3].report["calls"][0]["entered"], details()
+    assert all(outcomes[rank].report["warmups"] == [] for rank in (0, 2)), details()
     assert_finished(outcomes[0], iteration=1, rank=0, world_size=3)
     assert_finished(outcomes[2], iteration=1, rank=1, world_size=3)
     assert_finished(outcomes[3], iteration=1, rank=2, world_size=3)
@@ -328,7 +334,7 @@ def test_spare_returns_none_when_no_fault(tmp_path: Path) -> None:
     outcomes = job({"max_active_world_size": 2}, 3, tmp_path)
     assert_finished(outcomes[0], iteration=0, rank=0, world_size=2)
     assert_finished(outcomes[1], iteration=0, rank=1, world_size=2)
-    assert outcomes[2].returncode == 0 and outcomes[2].report == {"calls": [], "result": None}, details()
+    assert outcomes[2].returncode == 0 and outcomes[2].report == {"calls": [], "warmups": [], "result": None}, details()
 
 
 def test_nvidia_hook_forms_rank_filter_fault_counter_completion_terminate(tmp_path: Path) -> None:
@@ -391,3 +397,24 @@ def test_etcd_store_factory(tmp_path: Path, etcd: Any) -> None:
     outcomes = job(scenario, 2, tmp_path)
     for rank, outcome in enumerate(outcomes):
         assert_finished(outcome, iteration=1, rank=rank, world_size=2)
+
+
+def test_a_restart_leaves_no_mesh_of_the_last_iteration_in_dtensors_caches(tmp_path: Path) -> None:
+    # A DeviceMesh equals any other of its layout, whatever its groups: DTensor's caches would answer iteration 1's
+    # detach with iteration 0's mesh, whose group names iteration 1 gave to other groups, or to none.
+    outcomes = job({"dtensor_gather": True, "faults": [fault(1, "raise", step=0)]}, 4, tmp_path)
+    for rank, outcome in enumerate(outcomes):
+        assert_finished(outcome, iteration=1, rank=rank, world_size=4)
+        assert [call.get("gathered") for call in outcome.report["calls"]] == [list(map(float, range(8)))] * 2
+
+
+def test_a_rank_frozen_with_its_monitor_is_reported_by_its_ring_predecessor(tmp_path: Path) -> None:
+    # Rank 1 and its monitor process stop (a frozen host): no heartbeat comes, and nothing of rank 1 reports.
+    # Rank 0's monitor checks rank 1's heartbeats with its own (one request for both) and, after the heartbeat
+    # timeout, reports it gone: ranks 0 and 2 finish without it, long before their soft timeout.
+    scenario = {"faults": [fault(1, "sigstop_with_monitor")], "heartbeat_timeout": 2}
+    outcomes = job(scenario, 3, tmp_path, timeout=30)
+    assert_finished(outcomes[0], iteration=1, rank=0, world_size=2)
+    assert_finished(outcomes[2], iteration=1, rank=1, world_size=2)
+    assert outcomes[1].returncode == -9, details()  # still stopped: the test ends it
+    assert "initial rank 1 sent no heartbeat for 2 s" in (tmp_path / "monitor0.log").read_text(), details()

@@ -42,6 +42,7 @@ OUT = os.environ["EFT_OUT"]
 INITIAL_RANK = int(os.environ["RANK"])
 CALLS: list[dict[str, Any]] = []
 HOOK_CALLS: list[dict[str, Any]] = []
+WARMUPS: list[dict[str, Any]] = []
 
 
 def seconds(name: str, default: float) -> datetime.timedelta:
@@ -93,6 +94,13 @@ def inject(kind: str, call_wrapper: CallWrapper) -> None:
         with call_wrapper.disable_hang_protection():
             time.sleep(SCENARIO["unprotected_seconds"])
     if kind == "sigstop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if kind == "sigstop_with_monitor":
+        # A frozen host as its peers see it: the rank and its monitor process stop, so no heartbeat comes.
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as children:
+                for child in children.read().split():
+                    os.kill(int(child), signal.SIGSTOP)
         os.kill(os.getpid(), signal.SIGSTOP)
     if kind == "wedged":
         # Blocked in C code that neither the interrupt signal nor released connections end (as gloo
@@ -241,6 +249,8 @@ def train(pg_store: dist.Store, call_wrapper: CallWrapper | None = None) -> dict
     try:
         if "dcp_optimizer_steps" in SCENARIO:
             call.update(dcp_steps(call_wrapper, SCENARIO["dcp_optimizer_steps"]))
+        if SCENARIO.get("dtensor_gather"):
+            call["gathered"] = dtensor_gather(iteration, world_size)
         value = torch.ones(1)
         for step in range(SCENARIO.get("steps", 5)):
             kind = fault_here(iteration, step)
@@ -261,6 +271,21 @@ def train(pg_store: dist.Store, call_wrapper: CallWrapper | None = None) -> dict
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def dtensor_gather(iteration: int, world_size: int) -> list[float]:
+    """A 2-D mesh of the whole world, a sharded tensor detached and gathered back, as ``get_model_state_dict``
+    does. Each iteration first makes ``iteration`` more groups than the last, so the mesh's groups get other
+    names than the same mesh's in earlier iterations, as a restart with new groups (a healing, a new policy)
+    can give them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    for _ in range(iteration):
+        dist.new_group(list(range(world_size)))
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    tensor = distribute_tensor(torch.arange(8.0), mesh, [Replicate(), Shard(0)])
+    return tensor.detach().full_tensor().tolist()
 
 
 def dcp_steps(call_wrapper: CallWrapper, steps: int) -> dict[str, Any]:
@@ -334,8 +359,19 @@ def nvidia_hooks() -> dict[str, Any]:
     }
 
 
+def probed_warmup() -> None:
+    """The default warm-up, recording when it ran and whether a process group existed then."""
+    from elastic_ft.inprocess.warmup import import_lazy_modules
+    from elastic_ft.runtime.torch_compat import registered_groups
+
+    WARMUPS.append({"at": time.time(), "groups": len(registered_groups()), "initialized": dist.is_initialized()})
+    import_lazy_modules()
+
+
 def build_wrapper() -> Wrapper:
     hooks: dict[str, Any] = {}
+    if SCENARIO.get("warmup_probe"):
+        hooks["warmup"] = probed_warmup
     if SCENARIO.get("nvidia_hooks"):
         hooks.update(nvidia_hooks())
     if "rank_filter_divisor" in SCENARIO:
@@ -395,7 +431,7 @@ def main() -> None:
         datetime.timedelta(seconds=30),
         wait_for_workers=False,
     )
-    record: dict[str, Any] = {"calls": CALLS}
+    record: dict[str, Any] = {"calls": CALLS, "warmups": WARMUPS}
     if SCENARIO.get("nvidia_hooks"):
         record["hooks"] = HOOK_CALLS
     try:

@@ -137,18 +137,24 @@ def finish(nodes: list[TorchrunNode], timeout: float = 120) -> list[int]:
         pytest.fail(f"a node still runs after {timeout} s\n{text}")
 
 
-@pytest.mark.parametrize(("kind", "victim"), [("sigkill", 3), ("sigkill", 0), ("raise", 3)])
+@pytest.mark.parametrize(
+    ("kind", "victim", "relay"),
+    [("sigkill", 3, False), ("sigkill", 0, False), ("raise", 3, False), ("sigkill", 0, True)],
+)
 def test_worker_fault_keeps_the_healthy_workers(
-    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode], kind: str, victim: int
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode], kind: str, victim: int, relay: bool
 ) -> None:
     """2 nodes x 2 workers; one worker fails at step 5: the other processes keep their PIDs.
 
     Killing initial rank 0 shows that no rank hosts the coordination: the
-    Wrapper's store and the process groups' bootstrap live in etcd.
+    Wrapper's store and the process groups' bootstrap live in etcd. With
+    ``--node-relay``, the same through each node's relay.
     """
     scenario = {"steps": 20, "faults": [{"rank": victim, "kind": kind, "step": 5}]}
-    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
+    extra = ("--node-relay",) if relay else ()
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario, extra_args=extra) for tag in "AB")
     assert finish([a, b]) == [0, 0], logs(nodes)
+    assert ("its 2 workers reach etcd through it" in a.log() + b.log()) == relay
     started = read(tmp_path, "start-*.json")
     assert sorted(started) == ["start-A-0-0", "start-A-1-0", "start-B-0-0", "start-B-1-0"]  # never restarted
     done = read(tmp_path, "done-*.json")
@@ -200,14 +206,17 @@ def test_killed_node_is_absorbed_in_process(
     scenario = {"steps": 120, "step_seconds": 0.05}
     a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
     started = wait_for(tmp_path, "start-*.json", 4, 90)
-    time.sleep(2)  # training
+    # Every worker trains inside the Wrapper (its step 1), however slowly the loaded host started it: a node
+    # killed before its workers entered the Wrapper is restarted by its node's agent, not absorbed in-process.
+    wait_for(tmp_path, "step-*.json", 4, 90)
     killed = b.kill()
-    assert a.wait(120) == 0, logs(nodes)
+    assert finish([a]) == [0], logs(nodes)
     done = read(tmp_path, "done-*.json")
     a_ranks = sorted(r["rank"] for name, r in started.items() if name.startswith("start-A"))
     assert sorted(r["initial_rank"] for r in done.values()) == a_ranks
     for record in done.values():
-        assert record["result"]["world_size"] == 2 and record["result"]["iteration"] == 1
+        assert record["result"] is not None, (done, logs(nodes))
+        assert record["result"]["world_size"] == 2 and record["result"]["iteration"] == 1, (done, logs(nodes))
         assert record["restart"] == 0  # same processes
     assert not any(alive(pid) for pid in killed)
     assert "reported its rank(s)" in a.log()
@@ -220,9 +229,11 @@ def test_a_respawned_worker_the_job_completed_without_is_stopped(
     """A respawned process still blocked before the Wrapper when the others completed does not hold the job."""
     scenario = {"steps": 20, "faults": [{"rank": 3, "kind": "sigkill", "step": 5}], "respawn_blocks": True}
     a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
-    started = time.monotonic()
-    assert finish([a, b], 90) == [0, 0], logs(nodes)
-    assert time.monotonic() - started < 60, "the blocked respawned process held the job"
+    assert finish([a, b], 150) == [0, 0], logs(nodes)
+    # Held from the last rank's completion to the nodes' exit: the retirement (a SIGTERM, a short grace), not
+    # the blocked process's 600 s. Timed from the completion, not from the start, which a loaded host slows.
+    completed = max(path.stat().st_mtime for path in (tmp_path / "out").glob("done-*.json"))
+    assert time.time() - completed < 30, ("the blocked respawned process held the job", logs(nodes))
     both = a.log() + b.log()
     assert re.search(
         r"the job completed before respawned rank 4 \(pid \d+\) entered elastic_ft\.Wrapper: "
@@ -340,18 +351,24 @@ def test_spare_node_waits_without_error_and_exits_with_the_job(
 
 
 def test_spare_replaces_a_killed_node(etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]) -> None:
-    # 15 s of training: the spare's workers start (torch 2.15 imports slower) and are admitted before it ends.
-    scenario = {"steps": 300, "step_seconds": 0.05}
+    # The job trains until the spare's workers train in it (however slowly they start under load), then a few
+    # steps more: it ends at that event, not at a step count.
+    scenario = {"steps": 6000, "step_seconds": 0.05, "stop_file": "stop"}
     a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
-    wait_for(tmp_path, "start-*.json", 4, 90)
+    wait_for(tmp_path, "step-*.json", 4, 90)  # every worker trains inside the Wrapper
     spare = start(nodes, tmp_path, etcd, run_id, "C", scenario)
     time.sleep(2)
     b.kill()
-    assert a.wait(150) == 0, logs(nodes)
-    assert spare.wait(150) == 0, logs(nodes)
+    deadline = time.monotonic() + 150
+    while sum(r.get("node") == "C" for r in read(tmp_path, "step-*.json").values()) < 2:
+        assert time.monotonic() < deadline, ("the spare's workers did not train within 150 s", logs(nodes))
+        time.sleep(0.2)
+    time.sleep(1)
+    (tmp_path / "out" / "stop").touch()
+    assert finish([a, spare], 150) == [0, 0], logs(nodes)
     done = read(tmp_path, "done-*.json")
     assert sorted(r["node"] for r in done.values()) == ["A", "A", "C", "C"], (done, logs(nodes))
-    assert {r["result"]["world_size"] for r in done.values()} == {4}
+    assert {(r["result"] or {}).get("world_size") for r in done.values()} == {4}, (done, logs(nodes))
     # The waiting node takes the dead one's place in the running round: its workers join the running
     # world in-process, and A's workers are not restarted (no rule-4 restart into a new round).
     assert "joined running round 0" in spare.log(), spare.log()

@@ -53,6 +53,11 @@ def run(tmp_path: Path, scenarios: str, downtime: float = 3.0) -> dict[str, dict
             "0.05",
             "--downtime",
             str(downtime),
+            # A SIGKILLed host comes back as new processes: its launcher and workers import torch while the
+            # other hosts train on the same two cores (20 to 25 s on an idle machine, over the default 60 s
+            # cap once the other pytest process loads it too). The checks below bound what they time.
+            "--cap",
+            "150",
             "--out",
             str(out),
         ],

@@ -42,6 +42,14 @@ def _names(pids: list[int]) -> list[str]:
     return names
 
 
+def _runs_standby(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return b"elastic_ft.inprocess.standby_process" in cmdline.read()
+    except OSError:
+        return False
+
+
 def _train(launcher: list[str], tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
     """Start a launcher training two workers, wait until both train, return it and what it started."""
     work = tmp_path / "work"
@@ -73,10 +81,16 @@ def _sigkill_and_watch(process: subprocess.Popen[bytes], started: list[int]) -> 
 
 @pytest.mark.slow
 def test_a_sigkilled_ftrun_leaves_nothing_behind(tmp_path: Path) -> None:
-    process, started = _train([*FTRUN, "--nproc-per-node=2", "--monitor-interval=0.1"], tmp_path)
+    process, _ = _train([*FTRUN, "--nproc-per-node=2", "--monitor-interval=0.1"], tmp_path)
+    deadline = time.monotonic() + 90  # the node's warm standby starts once the workers have run a while
+    while not (standby := [pid for pid in descendants(process.pid) if _runs_standby(pid)]):
+        assert time.monotonic() < deadline, (tmp_path / "launcher.log").read_text()
+        time.sleep(0.1)
+    started = descendants(process.pid)
     names = _names(started)
-    # Two workers, their monitor processes and data loader workers, the embedded etcd, the reaper.
+    # Two workers, their monitor processes and data loader workers, the embedded etcd, the reaper, the standby.
     assert names.count("eft-monitor") == 2 and "etcd" in names and "eft-reaper" in names, names
+    assert set(standby) <= set(started), (standby, started)
     etcd_pid = started[names.index("etcd")]
     with open(f"/proc/{etcd_pid}/cmdline", "rb") as cmdline:
         arguments = cmdline.read().split(b"\0")

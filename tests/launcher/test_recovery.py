@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,12 @@ pytestmark = pytest.mark.slow
 
 
 def run_job(nodes: list[TorchrunNode], tmp_path: Path, etcd: EtcdServer, run_id: str, *script_args: str) -> list[int]:
+    start_job(nodes, tmp_path, etcd, run_id, *script_args)
+    return [node.wait(240) for node in nodes]
+
+
+def start_job(nodes: list[TorchrunNode], tmp_path: Path, etcd: EtcdServer, run_id: str, *script_args: str) -> None:
+    """Start the two nodes of the job, without waiting for them."""
     workdir = tmp_path / "work"
     for tag in "AB":
         nodes.append(
@@ -58,7 +65,20 @@ def run_job(nodes: list[TorchrunNode], tmp_path: Path, etcd: EtcdServer, run_id:
                 launcher=ftrun_command(),
             )
         )
-    return [node.wait(240) for node in nodes]
+
+
+def stop_once_iteration_started(nodes: list[TorchrunNode], tmp_path: Path, iteration: int, steps_after: int) -> None:
+    """Once all four ranks started ``iteration``, end training ``steps_after`` steps past where they resumed
+    (the script's ``--stop-file``). Sized by the event, not by a step count, the run stays right however
+    slowly a new process starts on a loaded machine."""
+    deadline = time.monotonic() + 180
+    while len(found := [e for e in events(tmp_path) if e["event"] == "start" and e["iteration"] == iteration]) < 4:
+        assert time.monotonic() < deadline, f"{len(found)} of 4 ranks started iteration {iteration}\n{logs(nodes)}"
+        assert all(node.process.poll() is None for node in nodes), logs(nodes, tmp_path / "work")
+        time.sleep(0.2)
+    stop = tmp_path / "work" / "stop"
+    stop.with_suffix(".tmp").write_text(str(max(e["resumed_at"] for e in found) + steps_after))
+    stop.with_suffix(".tmp").replace(stop)
 
 
 def events(tmp_path: Path) -> list[dict[str, Any]]:
@@ -182,7 +202,7 @@ def test_a_joiners_admission_stalls_the_survivors_for_one_planned_restart(
     """Rank 1 is SIGKILLed and its node respawns it (``respawn.rejoin: at_once``, the default). The survivors
     train on at world size 3 while the new process starts, never waiting for it, and its admission costs them
     one planned restart: one short gap in their steps, and no other restart."""
-    codes = run_job(
+    start_job(
         nodes,
         tmp_path,
         etcd,
@@ -192,11 +212,15 @@ def test_a_joiners_admission_stalls_the_survivors_for_one_planned_restart(
         "--fault-rank",
         "1",
         "--steps",
-        "400",
+        str(10**9),
+        "--stop-file",
+        str(tmp_path / "work" / "stop"),
         "--step-wait",
         "0.02",
         "--record-steps",
     )
+    stop_once_iteration_started(nodes, tmp_path, iteration=2, steps_after=100)
+    codes = [node.wait(240) for node in nodes]
     assert codes == [0, 0], logs(nodes, tmp_path / "work")
     recorded = sorted(events(tmp_path), key=lambda e: e["t"])
     (fault,) = [e for e in recorded if e["event"] == "fault"]

@@ -16,6 +16,9 @@ Faults (``faults``: list of ``{"rank", "kind", "restart", "iteration", "step"}``
 ``step`` on at which ``$EFT_OUT/NAME`` exists, so a test can time it by an
 event rather than a step count. ``steps`` is each iteration's length;
 ``iteration_steps`` (``{"<iteration>": steps}``) overrides it for some.
+``stop_file``: NAME ends the loop, at the same step on every rank (the
+ranks agree on it in the step's all-reduce), once ``$EFT_OUT/NAME`` exists:
+a test ends the job at an event, not a step count.
 ``node_exit``: ``{"group_rank", "restart"}`` makes every worker of that node
 exit with code 19 at step 2 of its first iteration.
 ``slow_start_group_rank``: the workers of that node sleep 60 s before entering
@@ -30,6 +33,7 @@ import datetime
 import json
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -79,24 +83,30 @@ def inject(iteration: int, step: int) -> None:
 def train(store: dist.Store | None, iteration: int) -> dict[str, Any]:
     rank, world_size = init_gloo(store, iteration, datetime.timedelta(seconds=30))
     try:
-        value = torch.ones(1)
+        value = torch.ones(2)
         steps = SCENARIO.get("iteration_steps", {}).get(str(iteration), SCENARIO.get("steps", 20))
+        stop = os.path.join(OUT, SCENARIO["stop_file"]) if "stop_file" in SCENARIO else None
         for step in range(steps):
             inject(iteration, step)
             if step == 1:
-                write(f"step-{INITIAL_RANK}.json", {"iteration": iteration, "world_size": world_size})
-            value = torch.ones(1)
+                write(f"step-{INITIAL_RANK}.json", {"iteration": iteration, "world_size": world_size, "node": NODE})
+            value = torch.tensor([1.0, float(stop is not None and os.path.exists(stop))])
             dist.all_reduce(value)
+            if value[1] > 0:
+                break
             time.sleep(SCENARIO.get("step_seconds", 0.05))
-        return {"iteration": iteration, "rank": rank, "world_size": world_size, "value": value.item()}
+        return {"iteration": iteration, "rank": rank, "world_size": world_size, "value": value[0].item()}
     finally:
         dist.destroy_process_group()
 
 
 def wrapped(call_wrapper: CallWrapper | None = None) -> dict[str, Any]:
     assert call_wrapper is not None
+    # Whether a first torch.optim optimizer built here would still import torch._dynamo on this call's path
+    # (this loop builds none: a rank that warmed up while it waited has it imported).
+    warm = "torch._dynamo" in sys.modules
     result = train(call_wrapper.base_store, call_wrapper.iteration)
-    return {**result, "store": type(call_wrapper.base_store).__name__}
+    return {**result, "store": type(call_wrapper.base_store).__name__, "dynamo_imported": warm}
 
 
 def main() -> None:

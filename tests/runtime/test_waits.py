@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from elastic_ft.runtime.waits import Backoff, pause, poll
+from elastic_ft.runtime.waits import Backoff, aligned_instant, pause, poll
 
 
 def test_poll_returns_once_the_predicate_holds_and_false_at_its_deadline() -> None:
@@ -44,3 +44,13 @@ def test_a_backoff_pause_keeps_to_the_callers_limit_and_pause_of_nothing_returns
     pause(0)
     pause(-1)
     assert time.monotonic() - started < 0.5
+
+
+def test_aligned_instants_are_the_wall_clocks_multiples_half_a_period_away_at_least() -> None:
+    # Wherever a process starts, its next instant is a multiple of the period, and never under half a period
+    # away (two actions in one instant) nor over one and a half.
+    for now in (100.0, 100.2, 100.5, 100.7, 100.99):
+        due = aligned_instant(now, 1.0)
+        assert due == round(due) and 0.5 <= due - now <= 1.5, (now, due)
+    assert aligned_instant(12.3, 5.0) == 15.0
+    assert aligned_instant(13.0, 5.0) == 20.0  # 2 s away is under half the period

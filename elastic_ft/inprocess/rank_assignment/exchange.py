@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from elastic_ft.coordination.barriers import counting_store
+from elastic_ft.coordination.barriers import await_value, counting_store
 from elastic_ft.inprocess.exception import RankAssignmentTimeout
 from elastic_ft.inprocess.rank_assignment.base import grouping_key
 from elastic_ft.inprocess.state import State
@@ -68,7 +68,9 @@ def gather_keys(
         # An etcd store publishes and counts in one transaction (a rank's keys are its token: a resend,
         # or another process of the rank with the same keys, is counted once).
         base, view = counting
-        _, arrived = base.arrive_once(view + rank_key(rank), view + exchange_arrived(prefix), published)
+        slots = view + exchange_arrived(prefix)
+        (number,) = base.arrive_batch([(view + rank_key(rank), published)], slots)
+        arrived = base.arrivals(slots) if number is None else number
     else:
         store.set(rank_key(rank), published)
         arrived = store.add(exchange_arrived(prefix), 1)
@@ -76,9 +78,8 @@ def gather_keys(
         values = store.multi_get([rank_key(peer) for peer in ranks])
         # torch's Store.set takes bytes as well as str; its stub names only str.
         store.set(table_key, _encode_table(values, len(keys)))  # type: ignore[arg-type]
-    try:
-        store.wait([table_key], timeout)
-    except RuntimeError as error:  # torch.distributed.DistStoreError on timeout
+    table = await_value(store, table_key, timeout)
+    if table is None:
         missing = [peer for peer in ranks if not store.check([rank_key(peer)])]
         if missing:
             detail = f"{len(missing)} of {len(ranks)} ranks did not publish: {missing[:32]}"
@@ -86,8 +87,8 @@ def gather_keys(
             detail = "every rank published, but the last to arrive never published the table"
         raise RankAssignmentTimeout(
             f"{what}: timed out after {timeout.total_seconds():g} s gathering grouping keys under {prefix!r}; {detail}"
-        ) from error
-    return _decode_table(store.get(table_key), len(ranks), len(keys), what, table_key)
+        )
+    return _decode_table(table, len(ranks), len(keys), what, table_key)
 
 
 def _encode_table(values: list[bytes], width: int) -> bytes:
