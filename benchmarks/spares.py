@@ -349,7 +349,8 @@ def _fmt(value: float | None) -> str:
     return "never" if value is None else f"{value:.3f}"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's options (``benchmarks/recovery.py`` runs two of its rows with their defaults)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2000, help="long enough that training outlives the recovery")
@@ -373,7 +374,11 @@ def main() -> None:
         help="the respawn rows kill a worker at least this long after the job trains (and after the standby is ready)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     from elastic_ft.etcd.server import EtcdServer
 
     selected = args.only or [*SYSTEMS, "respawn", *AT_ONCE]

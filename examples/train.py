@@ -27,6 +27,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step (simulated work)")
     parser.add_argument("--checkpoint-every", type=int, default=5)
     parser.add_argument("--workdir", type=Path, required=True, help="checkpoint and result files go here")
+    parser.add_argument(
+        "--until-world-size",
+        type=int,
+        default=0,
+        help="train past --steps while the world is smaller than this (a test whose late node must find the job)",
+    )
     return parser.parse_args()
 
 
@@ -60,7 +66,8 @@ def main() -> None:
         dist.broadcast(param.data, src=0)
 
     loss = torch.tensor(0.0)
-    for step in range(start, args.steps):
+    step = start
+    while step < args.steps or world_size < args.until_world_size:
         generator = torch.Generator().manual_seed(step * 1000 + rank)
         x = torch.randn(16, 32, generator=generator)
         y = x.sum(dim=1, keepdim=True)
@@ -74,6 +81,7 @@ def main() -> None:
         if rank == 0 and step % args.checkpoint_every == 0:
             save_checkpoint(checkpoint, model, step)
         time.sleep(args.step_time)
+        step += 1
 
     result = {
         "rank": rank,

@@ -50,12 +50,14 @@ def start(
     nnodes: str = "1:2",
     nproc: int = 1,
     step_time: float = 0.05,
+    until_world_size: int = 0,
 ) -> TorchrunNode:
+    script = [str(TRAIN), "--workdir", str(tmp_path / "work"), "--steps", str(steps), "--step-time", str(step_time)]
     node = TorchrunNode(
         tag,
         endpoint=etcd.endpoint,
         run_id=run_id,
-        script=[str(TRAIN), "--workdir", str(tmp_path / "work"), "--steps", str(steps), "--step-time", str(step_time)],
+        script=[*script, "--until-world-size", str(until_world_size)],
         nnodes=nnodes,
         nproc_per_node=nproc,
         rdzv_conf=CONF,
@@ -135,7 +137,8 @@ def test_killed_node_survivors_rerendezvous_and_finish(
 
 @pytest.mark.slow
 def test_late_node_joins_next_round(etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]) -> None:
-    a = start(nodes, tmp_path, etcd, run_id, "A", steps=80, step_time=0.1)
+    # A trains on past its 80 steps until B is in: however slowly B starts, it finds the job running.
+    a = start(nodes, tmp_path, etcd, run_id, "A", steps=80, step_time=0.1, until_world_size=2)
     work = tmp_path / "work"
     wait_for("checkpoint.pt", work, 1, 90)  # A trains alone (min 1)
     b = start(nodes, tmp_path, etcd, run_id, "B", steps=80, step_time=0.1)
