@@ -429,7 +429,8 @@ class MembershipChange:
     """How the rendezvous moved on around the round a node belongs to.
 
     ``rejoined``: members that joined the next round (their node restarts
-    its workers); ``dead``: members whose lease is gone without a clean
+    its workers), late members too (a late member's join is deleted when
+    it takes its place, so a new one means its node restarts); ``dead``: members whose lease is gone without a clean
     ``shutdown()``; ``left``: members that left it through ``shutdown()``
     (finished, or failed and gave up); ``admissible``: nodes waiting in the
     next round for which the round has room (fewer members than its
@@ -462,13 +463,14 @@ def membership_change(state: RendezvousState, member_of: RoundResult | None, lim
     left = record.left
     dead = tuple(m.node for m in member_of.members if not state.is_alive(m) and m.node not in left)
     present = sum(1 for m in member_of.members if state.is_alive(m) or m.node in left) + len(record.slots)
-    waiting = [n for n in next_joins if n not in members]
+    rejoined = tuple(sorted(n for n in next_joins if n in members or n in record.late))
+    waiting = [n for n in next_joins if n not in members and n not in record.late]
     if waiting and late_place(state, "", dataclasses.replace(limits, late_joins=True)) is not None:
         waiting = [n for n in waiting if not next_joins[n].late_joins]
     dead += late_members_dead(state, member_of.round)
     last = state.last_closed
     return MembershipChange(
-        rejoined=tuple(sorted(n for n in next_joins if n in members)),
+        rejoined=rejoined,
         dead=dead,
         left=tuple(sorted(m.node for m in member_of.members if m.node in left)),
         admissible=tuple(sorted(waiting)) if present < limits.max_nodes else (),

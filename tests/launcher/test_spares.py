@@ -52,6 +52,15 @@ def _holding(started: dict[str, list[dict[str, Any]]], ranks: set[int]) -> str:
     return next(tag for tag, workers in started.items() if {w["rank"] for w in workers} == ranks)
 
 
+def _reserve_ready(etcd: EtcdServer, run_id: str, nodes: list[TorchrunNode], ranks: set[int]) -> None:
+    """Until ``ranks`` (initial ranks) wait in reserve: on a loaded machine the spare's workers may still be
+    starting when the active ones train, and a fault before they are ready shrinks the world instead."""
+    deadline = time.monotonic() + 90
+    while not ranks <= {w["rank"] for w in status_of(etcd, run_id)["workers"] if w.get("mode") == "reserve"}:
+        assert time.monotonic() < deadline, logs(nodes)
+        time.sleep(0.5)
+
+
 def test_a_killed_node_is_replaced_by_the_hot_spare_in_process(
     etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
 ) -> None:
@@ -60,6 +69,7 @@ def test_a_killed_node_is_replaced_by_the_hot_spare_in_process(
     spare, victim = _holding(started, {4, 5}), _holding(started, {2, 3})
     survivor = _holding(started, {0, 1})
     wait_for(tmp_path, "step-*.json", 1, 60)  # training
+    _reserve_ready(etcd, run_id, nodes, {4, 5})
     killed = by_tag[victim].kill()
     assert by_tag[survivor].wait(150) == 0, logs(nodes)
     assert by_tag[spare].wait(60) == 0, logs(nodes)
@@ -108,10 +118,11 @@ def test_when_spares_run_out_the_world_shrinks(
     spare, victim = _holding(started, {4, 5}), _holding(started, {2, 3})
     survivor = _holding(started, {0, 1})
     wait_for(tmp_path, "step-*.json", 1, 60)
+    _reserve_ready(etcd, run_id, nodes, {4, 5})
     by_tag[victim].kill()
     # The spare is activated (iteration 1), then it dies too: the world shrinks to the survivor's 2 ranks.
     deadline = time.monotonic() + 60
-    while not any(r.get("iteration") == 1 for r in read(tmp_path, "step-*.json").values()):
+    while not any(r.get("iteration") == 1 and r.get("node") == spare for r in read(tmp_path, "step-*.json").values()):
         assert time.monotonic() < deadline, logs(nodes)
         time.sleep(0.1)
     by_tag[spare].kill()

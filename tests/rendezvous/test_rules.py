@@ -125,6 +125,14 @@ def test_late_members_hold_places_and_count_dead_when_their_lease_goes() -> None
     )
     assert rules.membership_change(gone, running, late).dead == ("x",)
     assert rules.late_place(gone, "y", late) is None and rules.late_place(gone, "z", late) == (0, 2)
+    # A late member whose node restarts its workers (an escalation) joins the next round: the members follow it,
+    # as they follow a member that re-joined, rather than train on while it waits for them.
+    escalated = make_state(
+        alive=["a", "b", "x"],
+        rounds=[RoundRecord(0, result=running, late={"x": x}, slots={2: "x"}), RoundRecord(1, joins(join("x", 5)))],
+    )
+    change = rules.membership_change(escalated, running, late)
+    assert (change.rejoined, change.admissible, rules.waiting_count(change)) == (("x",), (), 1)
     # A restart under way (a member re-joined the next round) or a member leaving: no late joins.
     restarting = make_state(
         alive=["a", "b", "y"], rounds=[RoundRecord(0, result=running), RoundRecord(1, joins(join("a", 5)))]
