@@ -230,6 +230,23 @@ def run_job(etcd: Any, workers: int, relay: bool, args: argparse.Namespace) -> d
     }
 
 
+def _print_breakdowns(
+    rows: list[dict[str, Any]], part: str, title: str, method_format: str, source_format: str
+) -> None:
+    """``part``'s (``steady`` or ``restart``) requests of each row, by gRPC method, then by role and source."""
+    print(f"\n{title} by gRPC method:")
+    for row in rows:
+        methods = ", ".join(
+            f"{name} {value:{method_format}}" for name, value in sorted(row[f"{part}_by_method"].items())
+        )
+        print(f"- {row['workers_per_node']} per node, {'node relay' if row['relay'] else 'per rank'}: {methods}")
+    print(f"\n{title} by role and source (the clients' own counts):")
+    for row in rows:
+        print(f"- {row['workers_per_node']} per node, {'node relay' if row['relay'] else 'per rank'}:")
+        for name, value in sorted(row[f"{part}_by_source"].items(), key=lambda item: -item[1]):
+            print(f"  - {name}: {value:{source_format}}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", default="1,4,8", help="workers per node")
@@ -274,24 +291,8 @@ def main() -> None:
             f"{row['restart_requests_per_node']:.0f} | {row['restart_requests_per_node'] / workers:.0f} | "
             f"{row['restart_seconds']:.2f} |"
         )
-    print("\nSteady training, etcd requests a second per node by gRPC method:")
-    for row in rows:
-        methods = ", ".join(f"{name} {rate:.1f}" for name, rate in sorted(row["steady_by_method"].items()))
-        print(f"- {row['workers_per_node']} per node, {'node relay' if row['relay'] else 'per rank'}: {methods}")
-    print("\nSteady training, requests a second per node by role and source (the clients' own counts):")
-    for row in rows:
-        print(f"- {row['workers_per_node']} per node, {'node relay' if row['relay'] else 'per rank'}:")
-        for name, rate in sorted(row["steady_by_source"].items(), key=lambda item: -item[1]):
-            print(f"  - {name}: {rate:.2f}")
-    print("\nOne restart, etcd requests per node by gRPC method:")
-    for row in rows:
-        methods = ", ".join(f"{name} {count:.0f}" for name, count in sorted(row["restart_by_method"].items()))
-        print(f"- {row['workers_per_node']} per node, {'node relay' if row['relay'] else 'per rank'}: {methods}")
-    print("\nOne restart, requests per node by role and source (the clients' own counts):")
-    for row in rows:
-        print(f"- {row['workers_per_node']} per node, {'node relay' if row['relay'] else 'per rank'}:")
-        for name, count in sorted(row["restart_by_source"].items(), key=lambda item: -item[1]):
-            print(f"  - {name}: {count:.0f}")
+    _print_breakdowns(rows, "steady", "Steady training, etcd requests a second per node", ".1f", ".2f")
+    _print_breakdowns(rows, "restart", "One restart, etcd requests per node", ".0f", ".0f")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": os.uname().nodename, "rows": rows}, indent=2))
     print(f"wrote {args.out}")
