@@ -429,8 +429,9 @@ class MembershipChange:
     """How the rendezvous moved on around the round a node belongs to.
 
     ``rejoined``: members that joined the next round (their node restarts
-    its workers), late members too (a late member's join is deleted when
-    it takes its place, so a new one means its node restarts); ``dead``: members whose lease is gone without a clean
+    its workers), late members holding their place too (a late member's
+    join is deleted when it takes its place, so a new one means its node
+    restarts; one whose place is gone with its lease joins as any node); ``dead``: members whose lease is gone without a clean
     ``shutdown()``; ``left``: members that left it through ``shutdown()``
     (finished, or failed and gave up); ``admissible``: nodes waiting in the
     next round for which the round has room (fewer members than its
@@ -463,8 +464,9 @@ def membership_change(state: RendezvousState, member_of: RoundResult | None, lim
     left = record.left
     dead = tuple(m.node for m in member_of.members if not state.is_alive(m) and m.node not in left)
     present = sum(1 for m in member_of.members if state.is_alive(m) or m.node in left) + len(record.slots)
-    rejoined = tuple(sorted(n for n in next_joins if n in members or n in record.late))
-    waiting = [n for n in next_joins if n not in members and n not in record.late]
+    holding = set(record.slots.values())  # late members in their place: alive, not left
+    rejoined = tuple(sorted(n for n in next_joins if n in members or n in holding))
+    waiting = [n for n in next_joins if n not in members and n not in holding]
     if waiting and late_place(state, "", dataclasses.replace(limits, late_joins=True)) is not None:
         waiting = [n for n in waiting if not next_joins[n].late_joins]
     dead += late_members_dead(state, member_of.round)

@@ -133,6 +133,12 @@ def test_late_members_hold_places_and_count_dead_when_their_lease_goes() -> None
     )
     change = rules.membership_change(escalated, running, late)
     assert (change.rejoined, change.admissible, rules.waiting_count(change)) == (("x",), (), 1)
+    # One whose place went with its lease (cut off, back on a new one) is a node like any other.
+    returned = make_state(
+        alive=["a", "x"],
+        rounds=[RoundRecord(0, result=running, late={"x": x}), RoundRecord(1, joins(join("x", 5)))],
+    )
+    assert rules.membership_change(returned, running, late).rejoined == ()
     # A restart under way (a member re-joined the next round) or a member leaving: no late joins.
     restarting = make_state(
         alive=["a", "b", "y"], rounds=[RoundRecord(0, result=running), RoundRecord(1, joins(join("a", 5)))]
