@@ -69,7 +69,6 @@ def test_a_killed_node_is_replaced_by_the_hot_spare_in_process(
     spare, victim = _holding(started, {4, 5}), _holding(started, {2, 3})
     survivor = _holding(started, {0, 1})
     wait_for(tmp_path, "step-*.json", 1, 60)  # training
-    _reserve_ready(etcd, run_id, nodes, {4, 5})
     killed = by_tag[victim].kill()
     assert by_tag[survivor].wait(150) == 0, logs(nodes)
     assert by_tag[spare].wait(60) == 0, logs(nodes)
@@ -114,7 +113,8 @@ def test_a_spare_that_dies_while_reserve_costs_the_active_ranks_nothing(
 def test_when_spares_run_out_the_world_shrinks(
     etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
 ) -> None:
-    by_tag, started = _three_nodes(nodes, tmp_path, etcd, run_id, {"steps": 500, "step_seconds": 0.05})
+    # 1,000 steps (50 s): the job outlives the wait for the spare's reserve ranks however loaded the machine.
+    by_tag, started = _three_nodes(nodes, tmp_path, etcd, run_id, {"steps": 1000, "step_seconds": 0.05})
     spare, victim = _holding(started, {4, 5}), _holding(started, {2, 3})
     survivor = _holding(started, {0, 1})
     wait_for(tmp_path, "step-*.json", 1, 60)
