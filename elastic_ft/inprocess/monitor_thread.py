@@ -60,6 +60,12 @@ _SCHEDULE_AFTER = 4
 #: Rounds (of ``interval``) after which a restart still not delivered releases every connection of the
 #: function, initiated ones too: a peer that is frozen, not dead, releases none (see sockets.py).
 _RELEASE_EVERYTHING_AFTER = 10
+#: Rounds after which a main thread still blocked, with no connection of the function left open, is reported
+#: as out of reach (see sockets.py: a gloo send in flight when its connection failed); checked every round
+#: from then on, as the monitor process's hard timeout may come soon after.
+_OUT_OF_REACH_AFTER = _RELEASE_EVERYTHING_AFTER + 4
+#: How that report starts: the benchmarks and tests look for it in the rank's log.
+OUT_OF_REACH = "the main thread stays blocked with no connection of the function left open"
 
 _set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
 _set_async_exc.argtypes = (ctypes.c_ulong, ctypes.py_object)
@@ -229,6 +235,7 @@ class MonitorThread(threading.Thread):
         state: this rank's state, handed to ``abort``.
         abort: callable unblocking the main thread, or ``None``.
         release: ``release(everything)`` releases the wrapped function's connections (see sockets.py).
+        connections_open: how many of those are still established, or ``None`` (nothing is reported).
         interval: seconds between two polls of a store that cannot watch,
             and between two raises of an unacknowledged restart.
         last_call_wait: seconds to wait for concurrent faults.
@@ -258,12 +265,14 @@ class MonitorThread(threading.Thread):
         interrupt: InterruptSignal | None,
         pending: Callable[[bool], None] | None = None,
         planned_bound: float = 1.5,
+        connections_open: Callable[[], int] | None = None,
     ) -> None:
         super().__init__(name=f"elastic_ft-monitor-thread-{state.rank}", daemon=True)
         self.store = store
         self.state = state
         self.abort = abort
         self.release = release
+        self.connections_open = connections_open
         self.interval = interval
         self.last_call_wait = last_call_wait
         self.atomic_lock = atomic_lock
@@ -387,7 +396,7 @@ class MonitorThread(threading.Thread):
         with every connection of the function released (a peer may be frozen)."""
         started = time.monotonic()
         scheduled = self._deliver(schedule=self.interrupt is None)
-        blocked_logged = released_everything = False
+        blocked_logged = released_everything = out_of_reach = False
         while not self._acknowledged.wait(self.interval):
             if self._stop_requested.is_set():
                 return
@@ -424,6 +433,31 @@ class MonitorThread(threading.Thread):
                         )
                     except Exception:
                         log.exception("rank %s: releasing connections failed", self.state.rank)
+                elif not out_of_reach and time.monotonic() - started > _OUT_OF_REACH_AFTER * self.interval:
+                    out_of_reach = self._report_out_of_reach()
+
+    def _report_out_of_reach(self) -> bool:
+        """Say so when nothing a release can end holds the main thread: every connection of the function is
+        closed and it still has not come back (a gloo send in flight when its connection failed waits for the
+        group's timeout). The monitor process replaces the process; the warning names the cause first. True when
+        nothing is left to check: reported, or nothing to count with."""
+        if self.connections_open is None:
+            return True
+        try:
+            still_open = self.connections_open()
+        except OSError as error:  # /proc unreadable: nothing to conclude
+            log.debug("rank %s: could not count the open connections: %s", self.state.rank, error)
+            return True
+        if still_open == 0:
+            log.warning(
+                "rank %s: %s: nothing a release can end holds it (gloo never fails a send that was in flight when "
+                "its connection failed, until the group's timeout); its monitor process replaces this process. "
+                "The main thread is at %s",
+                self.state.rank,
+                OUT_OF_REACH,
+                main_thread_stack(),
+            )
+        return still_open == 0
 
     def _deliver(self, schedule: bool) -> bool:
         """Signal the main thread; with ``schedule``, schedule the exception too. True if it was scheduled."""

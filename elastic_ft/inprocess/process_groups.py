@@ -2,10 +2,11 @@
 
 Freeing a gloo process group joins its worker threads. A thread still
 inside a collective of the interrupted iteration normally fails at once on
-the released connections (:mod:`elastic_ft.inprocess.sockets`), but gloo
-has a race in which an operation posted as its peer's connection closes
-waits for the group's timeout (30 minutes by default) with no socket left;
-the destructor then waits that long in ``std::thread::join``.
+the released connections (:mod:`elastic_ft.inprocess.sockets`), but a
+send gloo was writing when its connection failed waits for the group's
+timeout (30 minutes by default) with no socket left (gloo fails every
+other operation of the connection, not that one); the destructor then
+waits that long in ``std::thread::join``.
 
 torch's Python binding of a process group releases the GIL around that
 destructor when the *Python* object drops the last reference. The danger is

@@ -27,6 +27,7 @@ from elastic_ft.inprocess.monitor_thread import InterruptSignal
 from elastic_ft.inprocess.process_groups import ProcessGroupKeeper
 from elastic_ft.inprocess.sockets import (
     close_inherited_in_child,
+    established_connections,
     gloo_listeners,
     release_connections,
     tcp_sockets,
@@ -91,6 +92,10 @@ class RankHooks:
             if unblocked:
                 log.info("rank %s: ended gloo's waits on %d listener(s)", state.rank, len(listeners))
         return released
+
+    def connections_open(self) -> int:
+        """How many connections of the function are still established (see :func:`established_connections`)."""
+        return established_connections(self.socket_baseline)
 
     def abort(self, state: State) -> None:
         """Release the function's connections, then the ``abort`` hook (idempotent; the monitor thread ran both)."""

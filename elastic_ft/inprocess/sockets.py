@@ -29,6 +29,15 @@ the Wrapper also releases **the connections it initiated since entry**
 function opened meanwhile loses its connection too, and reconnects as
 clients do. Connections accepted by a store this rank hosts stay.
 
+One wait no release ends: gloo fails every operation of a connection that
+fails except a send already being written (its data partly in the
+kernel's buffer), whose wait lasts until the group's timeout (30 minutes
+by default). A rank whose collective was sending when its peer died or
+released stays blocked with no connection left open
+(:func:`established_connections` is 0); the monitor thread says so, and
+the monitor process replaces the process (its hard timeout). NCCL's
+abort has no such gap.
+
 A process forked while the function runs (a ``DataLoader`` worker) inherits
 the function's sockets; if the rank then dies, those copies would keep its
 connections open, and its peers blocked on them, until the orphaned worker
@@ -259,6 +268,12 @@ def created_connections(sockets: list[TcpSocket], baseline: frozenset[int]) -> l
     taken (pure). Connections accepted on a listener that existed at entry (a store this rank hosts, which its
     monitor process and its peers use) stay out."""
     return accepted_connections(sockets, baseline) + _initiated_connections(sockets, baseline)
+
+
+def established_connections(baseline: frozenset[int]) -> int:
+    """How many connections created since ``baseline`` are still established: what a read or write of the
+    function blocked on the network can still be waiting for (a connection its peer closed ends both)."""
+    return sum(1 for s in created_connections(tcp_sockets(), baseline) if s.state == _ESTABLISHED)
 
 
 def release_connections(baseline: frozenset[int], *, everything: bool = False) -> int:

@@ -1045,6 +1045,7 @@ class CallWrapper:
             self._process_hooks.interrupt,
             self._timestamps.set_restart_pending,
             planned_bound=self._gate.planned_lead + _PLANNED_GRACE,
+            connections_open=self._hooks.connections_open,
         )
         self._monitor = monitor
         self._gate.watched_by(monitor)

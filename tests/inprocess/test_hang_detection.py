@@ -64,6 +64,7 @@ from elastic_ft.inprocess.sockets import (
     TcpSocket,
     accepted_connections,
     created_connections,
+    established_connections,
     gloo_listeners,
     release_connections,
     released_by_peers,
@@ -596,6 +597,49 @@ def test_a_write_blocked_on_a_peer_that_released_the_connection_ends_at_the_rele
     finally:
         for end in (writer, peer):
             end.close()
+
+
+def test_established_connections_count_what_the_function_opened_and_its_peers_still_hold() -> None:
+    baseline = socket_inodes()
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    accepted, _ = listener.accept()
+    try:
+        assert established_connections(baseline) == 2  # both ends are this process's
+        accepted.close()  # the peer closed its end: ours is in CLOSE_WAIT, no read or write can wait on it
+        assert poll(lambda: established_connections(baseline) == 0, timeout=5)
+        assert established_connections(socket_inodes()) == 0  # what existed at the baseline never counts
+    finally:
+        client.close()
+        listener.close()
+
+
+@pytest.mark.parametrize(("still_open", "reported"), [(0, True), (1, False)])
+def test_a_main_thread_blocked_with_no_connection_left_is_reported_out_of_reach(
+    still_open: int, reported: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A gloo send in flight when its connection failed holds the main thread with nothing left to release:
+    the monitor thread says so (the monitor process then replaces the process); a connection still open may
+    yet end the wait, and nothing is said."""
+    from elastic_ft.inprocess.monitor_thread import OUT_OF_REACH, MonitorThread
+    from elastic_ft.inprocess.state import State
+
+    monitor = MonitorThread(
+        store=None,  # type: ignore[arg-type]  # the report reads no store
+        state=State(rank=3, world_size=4),
+        abort=None,
+        release=lambda everything: 0,
+        interval=0.05,
+        last_call_wait=0.0,
+        atomic_lock=threading.RLock(),
+        interrupt=None,
+        connections_open=lambda: still_open,
+    )
+    with caplog.at_level("WARNING", logger="elastic_ft.inprocess.monitor_thread"):
+        monitor._report_out_of_reach()
+    assert (OUT_OF_REACH in caplog.text) is reported
+    if reported:
+        assert "rank 3" in caplog.text and "test_a_main_thread_blocked" in caplog.text  # where it is blocked
 
 
 def test_messages_after_store_ready_in_the_same_read_are_kept() -> None:
