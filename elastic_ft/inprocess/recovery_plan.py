@@ -174,8 +174,20 @@ def _plan_shards(progress: Sequence[RankProgress], rotation: int, shards: int) -
         sources[rank] = senders[(index + rotation) % len(senders)]
     if not behind:
         return RecoveryPlan(max_step, {}, f"all {len(progress)} active ranks hold their shard at step {max_step}")
-    transfers = ", ".join(f"{sender}->{receiver} (shard {receiver % shards})" for receiver, sender in sources.items())
-    parts = [f"{len(sources)} rank(s) heal their shard of {shards} to step {max_step}: {transfers or 'none'}"]
     if unhealable:
-        parts.append(f"{sorted(unhealable)} load the checkpoint: " + "; ".join(sorted(set(unhealable.values()))))
-    return RecoveryPlan(max_step, sources, "; ".join(parts), unhealable)
+        # A shard nobody holds at the highest step exists only in the checkpoint: the model is whole only if every
+        # rank goes back to it (shards of one model at different steps are no model), and DCP's load is a
+        # collective of every rank.
+        return RecoveryPlan(
+            max_step,
+            {},
+            f"{sorted(unhealable)} cannot heal: "
+            + "; ".join(sorted(set(unhealable.values())))
+            + ": every rank loads the checkpoint",
+            unhealable,
+            state_held=False,
+        )
+    transfers = ", ".join(f"{sender}->{receiver} (shard {receiver % shards})" for receiver, sender in sources.items())
+    return RecoveryPlan(
+        max_step, sources, f"{len(sources)} rank(s) heal their shard of {shards} to step {max_step}: {transfers}"
+    )

@@ -131,14 +131,25 @@ def test_a_rank_holding_another_shard_is_not_in_place_and_heals_its_own() -> Non
     assert dict(plan.sources) == {3: 1}
 
 
-def test_a_mismatched_shard_is_refused_and_the_rank_loads_the_checkpoint() -> None:
-    # Nobody up to date holds shard 1: rank 1 is behind and rank 3 holds shard 1 of another layout (of 4).
+def test_a_shard_nobody_holds_sends_every_rank_to_the_checkpoint() -> None:
+    # Nobody up to date holds shard 1: rank 1 is behind and rank 3 holds shard 1 of another layout (of 4). Shard
+    # 0's holders go back too: a model whose shards are at different steps is no model, and DCP's load is a
+    # collective of every rank (ranks 1 and 3 alone in it crashed gloo: "collective mismatch").
     ranks = sharded((40, False, (0, 2)), (39, False, (1, 2)), (40, False, (0, 2)), (40, False, (1, 4)))
     plan = plan_recovery(ranks, shards=2)
     assert dict(plan.sources) == {}  # shard 0's holders are never sent to a rank needing shard 1
-    assert set(plan.unhealable) == {1, 3} and not plan.holds_state(1) and plan.holds_state(0)
+    assert set(plan.unhealable) == {1, 3} and not plan.state_held
+    assert not any(plan.holds_state(rank) for rank in range(4))
     assert "no rank holds shard 1 of 2 at step 40" in plan.unhealable[3]
-    assert "[1, 3] load the checkpoint" in plan.reason
+    assert "[1, 3] cannot heal" in plan.reason and "every rank loads the checkpoint" in plan.reason
+
+
+def test_a_shard_lost_with_every_replica_of_it_sends_every_rank_to_the_checkpoint() -> None:
+    # HSDP 2 x 2 lost both holders of shard 1 (ranks 1 and 3): the survivors, renumbered 0 and 1 in a 1 x 2 mesh,
+    # hold shard 0 twice and shard 1 nowhere.
+    plan = plan_recovery(sharded((20, False, (0, 2)), (20, False, (0, 2))), shards=2)
+    assert plan.unhealable.keys() == {1} and not plan.heals
+    assert not plan.holds_state(0) and not plan.holds_state(1)
 
 
 def test_a_changed_shard_layout_has_no_holder_so_every_rank_loads_the_checkpoint() -> None:

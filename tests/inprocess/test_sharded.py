@@ -160,14 +160,21 @@ def test_hsdp_survives_a_fault_without_a_checkpoint_read_or_a_step_redone(
 
     stop = stop_once(nodes, tmp_path, recovered)
     assert node.wait(300) == 0, logs(nodes)
-    assert events(tmp_path, "checkpoint_read") == [], logs(nodes)
-    assert steps_redone(tmp_path) == 0, logs(nodes)
     starts = events(tmp_path, "start")
     pids = {e["rank"]: {s["pid"] for s in starts if s["rank"] == e["rank"]} for e in starts}
     assert all(len(p) == 1 for p in pids.values()), pids  # no survivor's process restarted
     done = events(tmp_path, "done")
     assert {e["step"] for e in done} == {stop}, done
     log = node.log()
+    if {1, 3} <= lost_ranks(log, fault):
+        # Gloo's gap took the other holder of shard 1 too: it lives only in the checkpoint, and every rank of
+        # the shrunk world goes back to it (recovery_plan: a model's shards are never at different steps).
+        shrunk = {e["rank"] for e in starts if e["iteration"] == 1}
+        assert {e["rank"] for e in events(tmp_path, "checkpoint_read") if e["iteration"] == 1} == shrunk, log
+        assert "every rank loads the checkpoint" in log and all(e["world_size"] == 4 for e in done), done
+        return
+    assert events(tmp_path, "checkpoint_read") == [], logs(nodes)
+    assert steps_redone(tmp_path) == 0, logs(nodes)
     assert all(receiver % 2 == shard for _, receiver, shard in heals(log)), heals(log)  # each its own shard
     lost = lost_ranks(log, fault)
     if not lost:  # the faulty rank restarted in-process with the others
