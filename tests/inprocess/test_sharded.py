@@ -135,9 +135,9 @@ def heals(log: str) -> list[tuple[int, int, int]]:
 
 def lost_ranks(log: str, fault: str) -> set[int]:
     """The initial ranks whose process the fault ended: rank 3 unless it restarts in-process, and any rank its
-    monitor process terminated because the restart could not reach it (``restart_blocked``: gloo's race, in
-    which a collective posted as its peer's connection closes waits with no socket left to cut, see
-    :mod:`elastic_ft.inprocess.process_groups`; seen on a loaded machine)."""
+    monitor process terminated because the restart could not reach it (``restart_blocked``: gloo's gap, in
+    which a send being written when its connection failed waits with no socket left to cut, see
+    :mod:`elastic_ft.inprocess.sockets`; seen on a loaded machine)."""
     lost = {int(rank) for rank in re.findall(r"restart_blocked on rank (\d+)", log)}
     return lost if fault in ("exception", "hang_gil_released") else lost | {3}
 
