@@ -431,12 +431,13 @@ class MembershipChange:
     ``rejoined``: members that joined the next round (their node restarts
     its workers), late members holding their place too (a late member's
     join is deleted when it takes its place, so a new one means its node
-    restarts; one whose place is gone with its lease joins as any node); ``dead``: members whose lease is gone without a clean
-    ``shutdown()``; ``left``: members that left it through ``shutdown()``
-    (finished, or failed and gave up); ``admissible``: nodes waiting in the
-    next round for which the round has room (fewer members than its
-    capacity, ``max_nodes`` plus hot spares, or a dead one); ``moved_on``: a later round closed
-    without this node.
+    restarts; one whose place is gone with its lease joins as any node);
+    ``dead``: members whose lease is gone without a clean ``shutdown()``;
+    ``left``: members that left it through ``shutdown()`` (finished, or
+    failed and gave up); ``admissible``: nodes waiting in the next round
+    for which the round has room (fewer members than its capacity,
+    ``max_nodes`` plus hot spares, or a dead one); ``moved_on``: a later
+    round closed without this node.
     """
 
     rejoined: tuple[str, ...] = ()
