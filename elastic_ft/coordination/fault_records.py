@@ -141,9 +141,19 @@ _PEER_LOST_TEXT = re.compile(
 
 
 def fault_kind(error: BaseException) -> str:
-    """An exception's fault kind: :data:`PEER_LOST` for a broken collective connection, else its type's name."""
-    if isinstance(error, (RuntimeError, OSError)) and _PEER_LOST_TEXT.search(str(error)):
-        return PEER_LOST
+    """An exception's fault kind: :data:`PEER_LOST` for a broken collective connection, else its type's name.
+
+    The exception's causes count too: an error raised ``from`` a broken
+    connection (a peer-to-peer state transfer whose gloo group lost its
+    peer) says only that a peer went away, like the connection's own error.
+    """
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, (RuntimeError, OSError)) and _PEER_LOST_TEXT.search(str(cause)):
+            return PEER_LOST
+        seen.add(id(cause))
+        cause = cause.__cause__
     return type(error).__name__
 
 
@@ -238,7 +248,12 @@ def next_history(previous: FaultHistory, records: Iterable[Interruption], progre
     fault recorded elsewhere) leave the history as it was, but for progress:
     an iteration that stepped (a joiner's admission, planned at a step
     boundary) ends every run of faults "in a row". The cause is the earliest
-    exception among the iteration's faults, if any.
+    exception among the iteration's faults, if exceptions alone ended it:
+    beside a lost node, a dead process or a hang (faults with no origin), an
+    exception may be their consequence (a store wait for the dead rank, a
+    transfer to a host cut off from its peers, which comes back and is lost
+    again at the same step), so it identifies no bug that repeats; the
+    iteration counts as one without progress.
     """
     faults = [r for r in records if r.kind not in NOT_FAULTS and r.kind != PEER_LOST]
     if not faults:
@@ -247,7 +262,7 @@ def next_history(previous: FaultHistory, records: Iterable[Interruption], progre
         (r for r in faults if fault_signature(r) is not None),
         key=lambda r: (r.time is None, r.time or 0.0, r.rank),
     )
-    signature = fault_signature(exceptions[0]) if exceptions else None
+    signature = fault_signature(exceptions[0]) if exceptions and len(exceptions) == len(faults) else None
     if signature is None:
         repeats = 0
     elif signature == previous.signature and not progressed:

@@ -424,6 +424,8 @@ class MonitorThread(threading.Thread):
                     released_everything = True
                     try:
                         released = self.release(True)
+                        if self._acknowledged.is_set():  # it came back meanwhile: nothing held it
+                            return
                         log.warning(
                             "rank %s: still blocked; released every connection of the function (%s), "
                             "initiated ones too: a peer may be frozen; the main thread is at %s",

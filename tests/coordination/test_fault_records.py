@@ -14,6 +14,7 @@ from elastic_ft.coordination.fault_records import (
     Interruption,
     encode_heartbeat,
     encode_interruption,
+    fault_kind,
     fault_signature,
     give_up,
     group_faults,
@@ -162,6 +163,37 @@ def test_the_cause_is_the_earliest_exception_and_consequences_do_not_count() -> 
     # A joiner's admission after steps ends the run: a rank that fails to join again and again (its link to
     # the peers still down) does not make the others give up while they train in between.
     assert next_history(previous, [admit], progressed=True) == FaultHistory("x", 0, 0)
+
+
+def test_an_exception_beside_a_lost_rank_repeats_no_fault() -> None:
+    # A host cut off from its peers but not from etcd is lost, comes back, and is lost again at the same step;
+    # its transfer's error each time is the loss's consequence, not a bug: nothing counts up to the fatal rule.
+    history = FaultHistory()
+    for _ in range(5):
+        node_died = Interruption(4, "node_died", "node n2 died again", 2.0)
+        history = next_history(history, [exception(4, 92, at=1.0), node_died], progressed=False)
+    assert (history.signature, history.repeats, history.stalled) == (None, 0, 5)
+    assert give_up(history, 3, None) is None
+    # A hang beside it (no origin either) likewise; exceptions alone still name their cause.
+    hang = Interruption(3, "hang", "rank 3 made no progress", 1.5)
+    assert next_history(FaultHistory(), [exception(1, 5), hang], progressed=False).signature is None
+    assert next_history(FaultHistory(), [exception(1, 5), exception(2, 5)], progressed=False).repeats == 1
+
+
+def test_an_error_raised_from_a_broken_connection_is_a_lost_peer() -> None:
+    class TransferFailed(Exception):
+        pass
+
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [::1]:1")
+    try:
+        raise TransferFailed("the state transfer from rank 0 to [4] failed") from gloo
+    except TransferFailed as error:
+        assert fault_kind(error) == PEER_LOST
+    assert fault_kind(TransferFailed("the header is not JSON")) == "TransferFailed"
+    assert fault_kind(ValueError("Connection closed by peer")) == "ValueError"  # not a connection's error
+    looped = RuntimeError("bad value")
+    looped.__cause__ = looped  # a cycle ends the walk
+    assert fault_kind(looped) == "RuntimeError"
 
 
 def test_restarts_without_progress_give_up_without_being_fatal() -> None:

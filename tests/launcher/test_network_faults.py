@@ -72,6 +72,7 @@ def run(tmp_path: Path, scenarios: str, downtime: float = 3.0) -> dict[str, dict
     for row in rows.values():
         assert "error" not in row, (row, done.stdout[-5000:])
         row["faulty_host_log"] = _warnings_of_the_faulty_host(Path(row["workdir"]))
+        row["restarts_log"] = _restart_reports(Path(row["workdir"]))
         row["out_of_reach"] = _out_of_reach_on_the_faulty_host(Path(row["workdir"]))
     kept = re.search(r"work directories kept in (\S+)", done.stderr)
     if kept:  # its logs are read: a failed check below shows the faulty host's side
@@ -81,8 +82,11 @@ def run(tmp_path: Path, scenarios: str, downtime: float = 3.0) -> dict[str, dict
 
 def _why(scenario: str, row: dict) -> str:
     """A failed check's message: the scenario's row, then what the faulty host logged (pytest shortens a repr)."""
-    fields = {key: value for key, value in row.items() if key != "faulty_host_log"}
-    return f"{scenario}: {fields}\nhost {FAULTY_HOST} logged:\n{row.get('faulty_host_log', '')}"
+    fields = {key: value for key, value in row.items() if key not in ("faulty_host_log", "restarts_log")}
+    return (
+        f"{scenario}: {fields}\nthe job's restarts:\n{row.get('restarts_log', '')}\n"
+        f"host {FAULTY_HOST} logged:\n{row.get('faulty_host_log', '')}"
+    )
 
 
 def _warnings_of_the_faulty_host(workdir: Path) -> str:
@@ -94,6 +98,19 @@ def _warnings_of_the_faulty_host(workdir: Path) -> str:
         if line[:1] in ("W", "E")
     ]
     return "\n".join(lines)[-4000:]
+
+
+def _restart_reports(workdir: Path) -> str:
+    """Every host's restart reports (one per iteration: its faults) and give-up reasons (the last 3,000
+    characters): what ended each iteration, whichever host saw it."""
+    marks = (" restarts (", "RestartLimitError", "the same fault ended", "iterations in a row")
+    lines = [
+        line
+        for log in sorted(workdir.glob("host*.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if any(mark in line for mark in marks)
+    ]
+    return "\n".join(lines)[-3000:]
 
 
 def _out_of_reach_on_the_faulty_host(workdir: Path) -> int:
