@@ -491,8 +491,12 @@ class _Monitor:
         notice_promised = False
         backoff = Backoff()
         refused = ""  # the last refusal logged: each new one once
+        # The first pass waits for no message: the first heartbeat goes out at once (a joiner registers only
+        # once its monitor's heartbeat is in the store).
+        wait = 0.0
         while True:
-            messages, early = [*early, *self._receive(0.0 if early else config.interval)], []
+            messages, early = [*early, *self._receive(0.0 if early else wait)], []
+            wait = config.interval
             taken = self._take(messages, base_store)
             if taken == "stop":
                 return

@@ -2,7 +2,8 @@
 
 Started by ``ftrun``'s agent (``elastic_ft.launcher.standby.Standby``)
 with the interpreter options of its workers. It imports what every worker
-imports first (torch, ``torch.distributed``, elastic-ft's Wrapper), runs the
+imports first (torch, ``torch.distributed``, elastic-ft's Wrapper and the
+etcd store it connects to under ``ftrun``, with gRPC), runs the
 Wrapper's default warm-up
 (:func:`elastic_ft.inprocess.warmup.import_lazy_modules`: ``torch._dynamo``
 through a throwaway optimizer, distributed checkpointing), says ``ready`` on
@@ -52,6 +53,10 @@ def _warm() -> None:
     import torch.distributed
     import torch.nn.parallel  # noqa: F401 (DistributedDataParallel)
 
+    import elastic_ft.etcd.event_log  # the rank's event log in the store
+    import elastic_ft.etcd.group_store  # the process groups' stores
+    import elastic_ft.etcd.node_relay  # the node relay's client
+    import elastic_ft.etcd.store  # the Wrapper's default store under ftrun: gRPC, etcd's API
     import elastic_ft.inprocess.wrapper  # noqa: F401 (the Wrapper and what it imports)
     from elastic_ft.inprocess.warmup import import_lazy_modules
 

@@ -17,6 +17,7 @@ skips it (it trained before, and paid the imports then).
 
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 from collections.abc import Callable
@@ -38,8 +39,12 @@ def import_lazy_modules() -> None:
     the compiler's modules behind it), whichever optimizer the script builds;
     a throwaway one on a one-element tensor does it without touching the
     job's state. Distributed checkpointing is imported too: a script that
-    resumes from a checkpoint reads it in its first iteration.
+    resumes from a checkpoint reads it in its first iteration; and what a
+    ``DataLoader`` with worker processes imports when it starts them.
     """
+    for name in ("multiprocessing.popen_fork", "multiprocessing.queues"):  # a DataLoader's worker processes
+        importlib.import_module(name)
+
     import torch
     import torch.distributed.checkpoint  # the modules a first checkpoint read loads
 

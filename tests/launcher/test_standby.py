@@ -84,6 +84,7 @@ print("to stderr", file=sys.stderr)
 json.dump({
     "argv": sys.argv, "name": __name__, "path0": sys.path[0], "value": os.environ.get("PROBE_VALUE"),
     "dynamo": "torch._dynamo" in sys.modules, "stdin": sys.stdin.read(),
+    "etcd_store": "elastic_ft.etcd.store" in sys.modules and "grpc" in sys.modules,
     "groups": __import__("torch").distributed.is_initialized(),
     "policies": sorted({os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}),
     "session_nice": open("/proc/self/autogroup").read().split()[-1],
@@ -128,6 +129,7 @@ def test_a_standby_runs_a_script_as_python_would(tmp_path: Path) -> None:
         "path0": str(script.parent),
         "value": "the worker's",
         "dynamo": True,  # warmed before the hand-over
+        "etcd_store": True,  # the store the Wrapper connects to under ftrun, gRPC with it
         "stdin": "",
         "groups": False,
         "policies": [os.SCHED_OTHER],  # every thread of the worker, torch's too, at the usual priority
