@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -153,6 +154,40 @@ def test_a_hand_over_too_big_for_the_pipe_is_refused_and_a_stopped_standby_ends(
     standby.stop()
     assert process.poll() == -signal.SIGTERM and not _alive(pid)
     assert standby.hand_over(dict(os.environ), "", "") is None  # nothing left to hand over
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_standbys_started_handed_over_and_stopped_again_and_again_leave_the_agent_nothing(tmp_path: Path) -> None:
+    """An agent starts a standby after every respawn: over many, its descriptors and threads stay flat, and
+    every standby and worker it started is gone."""
+    script = tmp_path / "exits.py"
+    script.write_text("import sys\nsys.exit(0)\n")
+    plan = standby_plan(PYTHON, ["-u", str(script)])
+    assert isinstance(plan, StandbyPlan)
+    pids: list[int] = []
+
+    def cycle(hand_over: bool) -> None:
+        standby = Standby(plan, dict(os.environ))
+        pids.append(standby.start())
+        if not hand_over:  # the job ended, or the standby was not needed: stopped while it warms
+            standby.stop()
+            return
+        worker = standby.hand_over(dict(os.environ), str(tmp_path / "out.log"), str(tmp_path / "err.log"))
+        assert worker is not None and worker.wait(120) == 0
+        assert standby.process is None and not standby.poll_ready()  # nothing of it left to the agent
+
+    cycle(True)
+    cycle(False)
+    fds, threads = _open_fds(), threading.active_count()
+    for hand_over in (True, False, True, False, False, True):
+        cycle(hand_over)
+    assert (_open_fds(), threading.active_count()) == (fds, threads)
+    assert not [pid for pid in pids if _alive(pid)]
 
 
 @pytest.mark.integration
