@@ -169,7 +169,7 @@ def transfer_peer(rank: int, store_port: int, socket_port: int, hidden: int, rep
     import torch
     import torch.distributed as dist
 
-    from elastic_ft.inprocess.state_transfer import receive_state, send_state
+    from elastic_ft.inprocess.healing.transfer import receive_state, send_state
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", store_port, 2, rank == 0, timeout=datetime.timedelta(seconds=120))
@@ -230,7 +230,7 @@ def transfer_peer(rank: int, store_port: int, socket_port: int, hidden: int, rep
 
 
 def _tensors(state: object) -> list[Any]:
-    from elastic_ft.inprocess.state_transfer import flatten_state
+    from elastic_ft.inprocess.healing.transfer import flatten_state
 
     return flatten_state(state)[1]
 

@@ -2,7 +2,7 @@
 
 Each rank records, at its first step after a restart (or its admission),
 the wall time of each moment of its recovery and the seconds of each phase
-between them (``elastic_ft/inprocess/recovery_phases.py``). A run's phases
+between them (``elastic_ft/inprocess/restart/phases.py``). A run's phases
 are taken on its critical path: each phase's longest across the ranks.
 Two come before the ranks' moments: ``detection``, from the fault (as the
 script recorded it) to the restart's fault record (``restart_decided``'s
@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from elastic_ft.inprocess.recovery_phases import MOMENTS
+from elastic_ft.inprocess.restart.phases import MOMENTS
 
 #: The phases of a recovery in order: the two before the ranks' moments, then each moment's.
 PHASES = ("detection", "decision", *MOMENTS[1:])

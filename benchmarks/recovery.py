@@ -260,8 +260,8 @@ def _monitor_cpu_rate(running: subprocess.Popen[bytes]) -> float:
 
 def _step_hook_seconds() -> float:
     """Seconds per call of the Wrapper's optimizer-step hook (the adaptive timeouts' step clock), default settings."""
-    from elastic_ft.inprocess.hang_detection import AdaptiveTimeouts
-    from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps, StepClock
+    from elastic_ft.inprocess.hangs.heartbeats import ProgressTimestamps, StepClock
+    from elastic_ft.inprocess.hangs.verdicts import AdaptiveTimeouts
 
     clock = StepClock(ProgressTimestamps(), AdaptiveTimeouts(), 60.0, 90.0)
     calls = 100_000

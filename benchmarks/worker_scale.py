@@ -180,9 +180,9 @@ def exchange_on_etcd(cluster: Any, ranks: int, *, relay: bool, threads: int, cli
     connections = [EtcdClient(cluster.endpoints, connect_timeout=30, request_timeout=30) for _ in range(clients)]
     base_prefix = f"/elastic_ft/worker-scale-{uuid.uuid4().hex[:8]}/round/0/store/"
     bases = [EtcdStore(client, base_prefix, WAIT) for client in connections]
-    views = [iteration_store(base, 0) for base in bases]
+    views = [iteration_store(base, 0).store for base in bases]
     name = "elastic_ft/rank_assignment/tree/0"
-    prefix = f"{views[0].key_prefix}/"
+    prefix = f"{iteration_store(bases[0], 0).key_prefix}/"
     size = RANKS_PER_NODE if relay else 1
     callers = [list(range(first, min(first + size, ranks))) for first in range(0, ranks, size)]
     nodes = ranks // RANKS_PER_NODE
@@ -239,7 +239,7 @@ def verdict_on_etcd(cluster: Any, ranks: int, *, judged: bool, threads: int, cli
     from elastic_ft.coordination.job import job_store
     from elastic_ft.etcd.client import EtcdClient
     from elastic_ft.etcd.store import EtcdStore
-    from elastic_ft.inprocess.hang_detection import StalledRank, hang_culprit, select_evidence
+    from elastic_ft.inprocess.hangs.verdicts import StalledRank, hang_culprit, select_evidence
     from elastic_ft.keys import HEARTBEAT, POSITION, WRAPPER_JOB
 
     connections = [EtcdClient(cluster.endpoints, connect_timeout=30, request_timeout=30) for _ in range(clients)]
@@ -273,11 +273,11 @@ def verdict_on_etcd(cluster: Any, ranks: int, *, judged: bool, threads: int, cli
         )
 
     def every_peer(node: int) -> None:
-        found = jobs[node % clients].peer_records(others)
+        found = jobs[node % clients].liveness.peer_records(others)
         blame(found.heartbeats)
 
     def judges_look(node: int) -> None:
-        look, _ = jobs[node % clients].peer_look(None)
+        look, _ = jobs[node % clients].liveness.peer_look(None)
         if look is None or look.read_at is None:
             raise RuntimeError("the judge's look is not there")
         blame(look.beats)
@@ -285,9 +285,9 @@ def verdict_on_etcd(cluster: Any, ranks: int, *, judged: bool, threads: int, cli
     counts = Requests(cluster, connections)
     start = time.perf_counter()
     if judged:
-        found = jobs[0].peer_records(others)
+        found = jobs[0].liveness.peer_records(others)
         evidence = select_evidence(found.heartbeats, 2.0)
-        jobs[0].publish_peer_look(PeerLook(0, 0, time.time(), evidence))
+        jobs[0].liveness.publish_peer_look(PeerLook(0, 0, time.time(), evidence))
     looked = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(judges_look if judged else every_peer, range(nodes)))

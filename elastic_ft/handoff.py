@@ -25,17 +25,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic_ft.etcd.endpoints import EndpointError, EtcdCredentials, EtcdEndpoint, TlsFiles, parse_endpoints
-from elastic_ft.job_config import JobConfig, JobConfigError, parse_job_config
+from elastic_ft.job_config import JobConfig, JobConfigError, parse_stored_job_config
 from elastic_ft.timeouts import check_seconds
+from elastic_ft.untrusted import json_document, json_object
 
 STORE_ENV = "ELASTIC_FT_STORE"
 JOB_CONFIG_ENV = "ELASTIC_FT_JOB_CONFIG"
 WORKER_ENV = "ELASTIC_FT_WORKER"
-#: The warm standby process (:mod:`elastic_ft.inprocess.standby_process`) that ``ftrun``'s agent
+#: The warm standby process (:mod:`elastic_ft.inprocess.restart.standby`) that ``ftrun``'s agent
 #: (:mod:`elastic_ft.launcher.standby`) starts: the module it runs, named here so that the node side starts it
 #: without importing the worker side; the variable naming its status pipe's write end; what it writes there once
 #: warm.
-STANDBY_PROCESS_MODULE = "elastic_ft.inprocess.standby_process"
+STANDBY_PROCESS_MODULE = "elastic_ft.inprocess.restart.standby"
 STANDBY_STATUS_FD_ENV = "ELASTIC_FT_STANDBY_STATUS_FD"
 STANDBY_READY = b"ready\n"
 
@@ -78,14 +79,12 @@ class StoreHandoff:
         if not text:
             return None
         try:
-            return cls._decode(json.loads(text))
+            return cls._decode(json_document(text, "the store description"))
         except (ValueError, TypeError, KeyError) as error:
             raise ValueError(f"{STORE_ENV}={text!r} is not a valid etcd store description: {error}") from None
 
     @classmethod
-    def _decode(cls, document: Any) -> StoreHandoff:
-        if not isinstance(document, dict):
-            raise TypeError("expected a JSON object")
+    def _decode(cls, document: dict[str, Any]) -> StoreHandoff:
         endpoints = document["endpoints"]
         if not isinstance(endpoints, list) or not endpoints or not all(isinstance(e, str) for e in endpoints):
             raise ValueError(f"endpoints={endpoints!r}: expected a non-empty list of strings")
@@ -171,12 +170,7 @@ class WorkerHandoff:
         text = environ.get(WORKER_ENV)
         if not text:
             return None
-        try:
-            document = json.loads(text)
-        except ValueError:
-            document = None
-        if not isinstance(document, dict):
-            document = {}
+        document = json_object(text) or {}
         size = document.get("active_world_size")
         joining = document.get("joining")
         segment, segment_ranks = document.get("segment"), document.get("segment_ranks")
@@ -213,6 +207,6 @@ def job_config_from_env(environ: Mapping[str, str]) -> JobConfig | None:
     if not text:
         return None
     try:
-        return parse_job_config(json.loads(text))
-    except (ValueError, JobConfigError) as error:
+        return parse_stored_job_config(text, JOB_CONFIG_ENV)
+    except JobConfigError as error:
         raise ValueError(f"{JOB_CONFIG_ENV} holds an invalid job config: {error}") from error

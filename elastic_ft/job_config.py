@@ -83,6 +83,7 @@ from elastic_ft.config_fields import (
     shown,
 )
 from elastic_ft.timeouts import WRAPPER_DEFAULTS, WRAPPER_ORDER
+from elastic_ft.untrusted import MalformedRecord, json_document
 
 _LAYER_FLAGS = ("RESERVE", "BACKFILL")
 #: When a respawned worker joins the running world: at the next restart, or through one asked for at once.
@@ -566,6 +567,20 @@ def _raise(issues: list[ConfigIssue], source: str | None) -> NoReturn:
         raise JobConfigError(f"job config {issues[0].describe(source)}", tuple(issues))
     listed = "\n".join(f"  {issue.describe(source)}" for issue in issues)
     raise JobConfigError(f"job config has {len(issues)} errors:\n{listed}", tuple(issues))
+
+
+def parse_stored_job_config(raw: bytes | str, where: str) -> JobConfig:
+    """A job config as ``to_json`` stored it (in etcd, in a worker's environment), read back at ``where``: the
+    value is untrusted, so bad JSON is an error like any invalid field.
+
+    Raises:
+        JobConfigError: ``where`` holds no valid job config; every problem listed.
+    """
+    try:
+        return parse_job_config(json_document(raw, "the value"))
+    except (MalformedRecord, RecursionError, JobConfigError) as error:
+        issues = error.issues if isinstance(error, JobConfigError) else ()
+        raise JobConfigError(f"the job config stored at {where} is not valid: {str(error)[:500]}", issues) from None
 
 
 def parse_job_config(

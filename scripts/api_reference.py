@@ -27,6 +27,7 @@ OUTPUT = ROOT / "docs" / "api.md"
 #: The modules a user imports, in reading order: the worker side, then the node side and the tools.
 MODULES = (
     "elastic_ft.inprocess.wrapper",
+    "elastic_ft.inprocess.restart.call",
     "elastic_ft.inprocess.state",
     "elastic_ft.inprocess.compose",
     "elastic_ft.inprocess.initialize",
@@ -38,11 +39,11 @@ MODULES = (
     "elastic_ft.inprocess.nested_restarter",
     "elastic_ft.inprocess.exception",
     "elastic_ft.inprocess.store",
-    "elastic_ft.inprocess.hang_detection",
-    "elastic_ft.inprocess.monitor_thread",
+    "elastic_ft.inprocess.hangs.verdicts",
+    "elastic_ft.inprocess.delivery.watcher",
     "elastic_ft.inprocess.rank_assignment",
     "elastic_ft.inprocess.rank_filter",
-    "elastic_ft.inprocess.healing",
+    "elastic_ft.inprocess.healing.heal",
     "elastic_ft.rendezvous.config",
     "elastic_ft.rendezvous.handler",
     "elastic_ft.etcd.store",

@@ -1,8 +1,8 @@
-"""Barriers on any store with torch's ``Store`` primitives: the base of both views of the protocol.
+"""Barriers on any store with torch's ``Store`` primitives, used by both views of the protocol.
 
 A barrier counts each rank's arrival once (a monitor process or the agent
 may arrive for a dead rank), and whoever completes it publishes its result
-(:meth:`Barriers.barrier_result`), which every waiting rank reads back. On
+(what the view's :class:`BarrierRules` decide), which every waiting rank reads back. On
 an etcd store (:class:`CountingStore`) an arrival is one transaction and a
 wait is a watch; on any other store, ``compare_set`` and ``add``, and a poll.
 
@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch.distributed as dist
 
@@ -81,6 +81,15 @@ class BatchReadStore(Protocol):
     def get_existing(self, keys: list[str], *, periodic: bool = False) -> dict[str, bytes]: ...
 
 
+class KeyedPrefixStore(dist.PrefixStore):
+    """torch's prefix view, with its prefix readable (torch keeps it to itself): the barriers count arrivals, and
+    read many keys at once, in the store below it, under the prefix."""
+
+    def __init__(self, prefix: str, store: dist.Store) -> None:
+        super().__init__(prefix, store)
+        self.key_prefix = prefix
+
+
 def _store_under(view: object) -> tuple[object, str]:
     """The store under a prefix view, with the view's key prefix; any other store itself, with none."""
     prefix = getattr(view, "key_prefix", None)
@@ -97,12 +106,18 @@ class LatestWriteStore(Protocol):
     def put_latest(self, values: Mapping[str, bytes], read: Sequence[str] = ()) -> dict[str, bytes]: ...
 
 
-class KeyWriter(Protocol):
+class KeyReader(Protocol):
+    """What :func:`read_existing` needs of a store it cannot batch on."""
+
+    def get(self, key: str, /) -> bytes: ...
+
+    def check(self, keys: list[str], /) -> bool: ...
+
+
+class KeyWriter(KeyReader, Protocol):
     """What :func:`write_latest` needs of a store it cannot batch on."""
 
-    set: Callable[..., None]
-    get: Callable[[str], bytes]
-    check: Callable[[list[str]], bool]
+    def set(self, key: str, value: str, /) -> None: ...
 
 
 def write_latest(view: KeyWriter, name: str, value: str, read: Sequence[str] = ()) -> dict[str, bytes]:
@@ -119,14 +134,7 @@ def write_latest(view: KeyWriter, name: str, value: str, read: Sequence[str] = (
     return {key: view.get(key) for key in read if view.check([key])}
 
 
-class KeyReader(Protocol):
-    """What :func:`read_existing` needs of a store it cannot batch on."""
-
-    get: Callable[[str], bytes]
-    check: Callable[[list[str]], bool]
-
-
-def counting_store(view: object) -> tuple[CountingStore, str] | None:
+def counting_store(view: dist.Store) -> tuple[CountingStore, str] | None:
     """The store under ``view`` if it counts a barrier's arrivals in one request (an etcd store's
     ``arrive_batch``), and the key prefix of the view; None for any other store (its ``add`` counts).
 
@@ -195,8 +203,8 @@ class _StalledBarrier:
     (or unknown).
     """
 
-    def __init__(self, store: Barriers, name: str, world_size: int) -> None:
-        self.store, self.name, self.world_size = store, name, world_size
+    def __init__(self, barriers: Barriers, name: str, world_size: int) -> None:
+        self.barriers, self.name, self.world_size = barriers, name, world_size
         self.interval = max(_STALL_CHECK, world_size / _STALL_READS_PER_SECOND)
         self.next_check = time.monotonic() + self.interval
         self.stalled_since: float | None = None
@@ -207,18 +215,18 @@ class _StalledBarrier:
         if now < self.next_check:
             return False
         self.next_check = now + self.interval
-        store = self.store
+        barriers, store = self.barriers, self.barriers.store
         if store.check([keys.barrier_done(self.name)]):
             return True
-        if store._arrivals(self.name) < self.world_size:
+        if barriers._arrivals(self.name) < self.world_size:
             self.stalled_since = None
-            return store.stand_in_for_lost(self.name, self.world_size)
+            return barriers.rules.stand_in_for_lost(self.name, self.world_size)
         if self.stalled_since is None:
             self.stalled_since = now
         last_key = keys.barrier_last(self.name)
         last = keys.parse_count(as_text(store.get(last_key))) if store.check([last_key]) else None
         grace = _STALL_UNKNOWN if last is None else _STALL_GONE
-        if now - self.stalled_since < grace or (last is not None and last not in store.gone_ranks()):
+        if now - self.stalled_since < grace or (last is not None and last not in barriers.rules.gone_ranks()):
             return False
         log.warning(
             "%s: all %d ranks arrived %.1f s ago, but the last (%s) published no result: publishing it in its place",
@@ -227,7 +235,7 @@ class _StalledBarrier:
             now - self.stalled_since,
             "unknown" if last is None else f"rank {last}, gone",
         )
-        store._publish(self.name, self.world_size, admit=False)
+        barriers._publish(self.name, self.world_size, admit=False)
         return True
 
 
@@ -283,7 +291,9 @@ def await_value(view: dist.Store, name: str, timeout: datetime.timedelta) -> byt
         return None
 
 
-def await_key(view: object, name: str, look: Callable[[], bool], *, poll_interval: float, recheck: float = 1.0) -> None:
+def await_key(
+    view: dist.Store, name: str, look: Callable[[], bool], *, poll_interval: float, recheck: float = 1.0
+) -> None:
     """Block until ``look()`` holds, for as long as it takes: a reserve rank's wait for the iteration's end, a
     joiner's for its admission.
 
@@ -322,6 +332,12 @@ def await_key(view: object, name: str, look: Callable[[], bool], *, poll_interva
             watch.stop()
 
 
+def append(store: dist.Store, key: str, text: str) -> None:
+    """``store.append(key, text)``: every store the protocol runs on appends (TCPStore, FileStore, etcd's), but
+    torch's type stubs leave the method out."""
+    cast(Any, store).append(key, text)
+
+
 def as_text(value: bytes) -> str:
     """A store value as text (a store returns bytes; a test double may return str)."""
     return value.decode() if isinstance(value, bytes | bytearray) else str(value)
@@ -334,18 +350,42 @@ def underlying(store: object) -> object:
     return store
 
 
-class Barriers:
-    """Barriers, on top of the primitive operations of the ``torch.distributed.Store`` this is mixed into."""
+class BarrierRules(Protocol):
+    """What a view's barriers decide beyond arrivals (an iteration's: its outcome, who left, who joins)."""
 
-    # Provided by the torch.distributed.Store this is mixed into.
-    set: Callable[..., None]
-    get: Callable[[str], bytes]
-    add: Callable[[str, int], int]
-    append: Callable[[str, str], None]
-    check: Callable[[list[str]], bool]
-    compare_set: Callable[[str, str, str], bytes]
-    wait: Callable[..., None]
-    multi_get: Callable[[list[str]], list[bytes]]
+    def barrier_result(self, name: str, world_size: int, *, admit: bool) -> str:
+        """What the rank completing barrier ``name`` publishes (``admit``: see ``IterationRules``)."""
+        ...
+
+    def gone_ranks(self) -> list[int]:
+        """Ranks recorded gone from the barriers' world: a last arriver among them is not waited for."""
+        ...
+
+    def stand_in_for_lost(self, name: str, world_size: int) -> bool:
+        """Arrive at barrier ``name`` for ranks known lost before they could arrive; True once it is complete."""
+        ...
+
+
+class NoRules:
+    """Barriers that decide nothing: they publish an empty result, and know of no rank gone or lost."""
+
+    def barrier_result(self, name: str, world_size: int, *, admit: bool) -> str:
+        return ""
+
+    def gone_ranks(self) -> list[int]:
+        return []
+
+    def stand_in_for_lost(self, name: str, world_size: int) -> bool:
+        return False
+
+
+class Barriers:
+    """Barriers on ``store`` (any ``torch.distributed.Store``, a prefix view included); ``rules`` say what they
+    publish and which ranks are gone."""
+
+    def __init__(self, store: dist.Store, rules: BarrierRules | None = None) -> None:
+        self.store = store
+        self.rules: BarrierRules = rules if rules is not None else NoRules()
 
     def arrive_and_wait(
         self,
@@ -382,12 +422,12 @@ class Barriers:
         self, name: str, ranks: Iterable[int], world_size: int, timeout: datetime.timedelta
     ) -> str | None:
         done_key = keys.barrier_done(name)
-        counting = counting_store(self)
+        counting = counting_store(self.store)
         for rank, count in self._count_arrivals(name, list(ranks), counting):
             if count > world_size:
                 raise BarrierOverflow(f"{name}: rank {rank} arrived as number {count} of {world_size}")
             if count == world_size:
-                self.set(keys.barrier_last(name), str(rank))
+                self.store.set(keys.barrier_last(name), str(rank))
                 self._publish(name, world_size, admit=True)
         if timeout <= datetime.timedelta(0):
             return None
@@ -414,7 +454,7 @@ class Barriers:
             try:
                 completed, published = _await_watch(
                     watch,
-                    answered(lambda: (watch.must_read() and self.check([done_key])) or stalled.repaired()),
+                    answered(lambda: (watch.must_read() and self.store.check([done_key])) or stalled.repaired()),
                     limit,
                 )
             finally:
@@ -422,7 +462,7 @@ class Barriers:
             if published is not None:
                 return as_text(published)
         else:
-            completed = poll(answered(lambda: self.check([done_key]) or stalled.repaired()), limit)
+            completed = poll(answered(lambda: self.store.check([done_key]) or stalled.repaired()), limit)
         if not completed:
             if unreachable:
                 raise BarrierTimeout(f"{name}: did not complete within {limit:g} s: {unreachable[0]}")
@@ -432,7 +472,7 @@ class Barriers:
             except ConnectionError:
                 arrived = "?"
             raise BarrierTimeout(f"{name}: {arrived} of {world_size} ranks arrived within {limit:g} s")
-        return as_text(self.get(done_key))
+        return as_text(self.store.get(done_key))
 
     def _count_arrivals(
         self, name: str, ranks: list[int], counting: tuple[CountingStore, str] | None
@@ -454,40 +494,23 @@ class Barriers:
             return counted
         for rank in ranks:
             token = uuid.uuid4().hex
-            if as_text(self.compare_set(keys.barrier_arrived(name, rank), "", token)) == token:
-                counted.append((rank, self.add(keys.barrier_count(name), 1)))
+            if as_text(self.store.compare_set(keys.barrier_arrived(name, rank), "", token)) == token:
+                counted.append((rank, self.store.add(keys.barrier_count(name), 1)))
         return counted
 
     def _arrivals(self, name: str) -> int:
-        counting = counting_store(self)
+        counting = counting_store(self.store)
         if counting is not None:
             return counting[0].arrivals(counting[1] + keys.barrier_count_slots(name))
-        return self.add(keys.barrier_count(name), 0)
+        return self.store.add(keys.barrier_count(name), 0)
 
     def _publish(self, name: str, world_size: int, *, admit: bool) -> None:
         """Publish barrier ``name``'s result unless one is already published (the first one holds)."""
         done_key = keys.barrier_done(name)
-        result = self.barrier_result(name, world_size, admit=admit)
-        held = as_text(self.compare_set(done_key, "", result))
+        result = self.rules.barrier_result(name, world_size, admit=admit)
+        held = as_text(self.store.compare_set(done_key, "", result))
         if held != result:
             log.warning("%s: a result was published before this one, which is dropped: %.200s", name, result)
 
-    def barrier_result(self, name: str, world_size: int, *, admit: bool = True) -> str:
-        """What the rank completing barrier ``name`` publishes: nothing here; a view whose barriers decide
-        something (:class:`~elastic_ft.coordination.iteration.IterationRecords`) says what."""
-        return ""
-
-    def gone_ranks(self) -> list[int]:
-        """Ranks recorded gone from the barriers' world: none here; an iteration's view says which."""
-        return []
-
-    def stand_in_for_lost(self, name: str, world_size: int) -> bool:
-        """Arrive at barrier ``name`` for ranks known lost before they could arrive; True once it is complete.
-
-        Nothing here; an iteration's view stands in for the joiners it
-        admitted that died before taking their place.
-        """
-        return False
-
     def has_arrived(self, name: str, rank: int) -> bool:
-        return self.check([keys.barrier_arrived(name, rank)])
+        return self.store.check([keys.barrier_arrived(name, rank)])

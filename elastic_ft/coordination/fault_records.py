@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from elastic_ft.untrusted import is_count
+from elastic_ft.untrusted import is_count, json_object
 
 #: The longest message kept in an interruption record.
 MESSAGE_LIMIT = 500
@@ -73,8 +73,10 @@ def encode_interruption(
 def parse_interruption(line: str) -> Interruption | None:
     """The record on ``line``; None unless it is one (a rank >= 0, a kind, a finite time if any, a step >= 0 if
     any, text origin and traceback if any)."""
+    record = json_object(line)
+    if record is None:
+        return None
     try:
-        record = json.loads(line)
         rank, kind = record["rank"], record["kind"]
         at = record.get("time")
         message = record.get("message", "")
@@ -322,7 +324,7 @@ class Heartbeat:
     rank is a reserve rank (a spare, not running the function), and when its next heartbeat is due (``due_at``,
     wall clock; None: no promise). Past that, what the heartbeat says of the rank's activity is out of date.
     ``notice``: the rank was active when it was sent, and the next heartbeat comes as soon as it stops being
-    (a stall notice, :func:`~elastic_ft.inprocess.hang_detection.notice_pending`), not only when due."""
+    (a stall notice, :func:`~elastic_ft.inprocess.hangs.verdicts.notice_pending`), not only when due."""
 
     sent_at: float
     active_at: float
@@ -360,10 +362,7 @@ def _heartbeat_fields(
 
 def parse_heartbeat_record(text: str) -> Heartbeat | None:
     """The heartbeat in ``text``, with finite times; None for anything else (untrusted)."""
-    try:
-        return _heartbeat_from(json.loads(text))
-    except (ValueError, RecursionError):
-        return None
+    return _heartbeat_from(json_object(text))
 
 
 def _heartbeat_from(record: object) -> Heartbeat | None:
@@ -393,7 +392,7 @@ class PeerLook:
     rank 0). ``read_at``: when it read every peer's records (wall clock; None:
     it announced itself and has not looked yet). ``beats``: the heartbeats,
     by initial rank, that decide every other rank's verdict and the hang's
-    culprit (``hang_detection.select_evidence``), its own rank's activity
+    culprit (``hangs.verdicts.select_evidence``), its own rank's activity
     among them.
     """
 
@@ -417,8 +416,10 @@ _LOOK_BEATS_MAX = 64
 
 def parse_peer_look(text: str) -> PeerLook | None:
     """The look in ``text``; None for anything else (untrusted: counts, finite times, well-formed heartbeats)."""
+    record = json_object(text)
+    if record is None:
+        return None
     try:
-        record = json.loads(text)
         iteration, judge, read_at, beats = record["iteration"], record["judge"], record["read_at"], record["beats"]
     except (ValueError, RecursionError, KeyError, TypeError):
         return None

@@ -12,15 +12,25 @@ and reports a dead process without waiting for a heartbeat timeout
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from elastic_ft import keys
-from elastic_ft.coordination.barriers import Barriers, as_text, log, read_existing, read_one, write_latest
+from elastic_ft.coordination.barriers import (
+    Barriers,
+    KeyedPrefixStore,
+    append,
+    as_text,
+    log,
+    read_existing,
+    read_one,
+    write_latest,
+)
 from elastic_ft.coordination.fault_records import (
     Heartbeat,
     PeerLook,
@@ -29,12 +39,11 @@ from elastic_ft.coordination.fault_records import (
     parse_heartbeat_record,
     parse_peer_look,
 )
+from elastic_ft.coordination.termination import JOINED_MAX
 from elastic_ft.untrusted import is_count, json_object
 
 #: A joiner's admission when it died before any restart admitted it.
 WITHDRAWN = "withdrawn"
-#: Joiners one restart admits: far beyond any respawn budget.
-JOINED_MAX = 4096
 
 
 @dataclass(frozen=True)
@@ -46,10 +55,12 @@ class PeerRecords:
     positions: dict[int, dict[str, int]]
 
 
-class JobRecords(Barriers):
-    """The job-wide records, on top of a store's primitive operations (the job's barriers too)."""
+class LivenessRecords:
+    """The ranks' heartbeats and the hang judge's look, on the job-wide ``store``: what the monitor processes write
+    and read every second, a few requests however many ranks."""
 
-    # ---- liveness ----
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
 
     def send_heartbeat(
         self,
@@ -72,14 +83,14 @@ class JobRecords(Barriers):
         due = None if next_in is None else now + next_in
         text = encode_heartbeat(now, now if active_at is None else active_at, waiting, reserve, due, notice)
         if ring is None:
-            write_latest(self, f"{keys.HEARTBEAT}{rank}", text)
+            write_latest(self.store, f"{keys.HEARTBEAT}{rank}", text)
             return None
         left, beat = keys.barrier_arrived(keys.EXIT_BARRIER, ring), f"{keys.HEARTBEAT}{ring}"
-        return _ring_record(write_latest(self, f"{keys.HEARTBEAT}{rank}", text, [left, beat]), left, beat)
+        return _ring_record(write_latest(self.store, f"{keys.HEARTBEAT}{rank}", text, [left, beat]), left, beat)
 
     def heartbeat(self, rank: int) -> Heartbeat | None:
         """Initial rank ``rank``'s last heartbeat; None without one, or with one that is not well-formed."""
-        found = read_one(self, f"{keys.HEARTBEAT}{rank}")
+        found = read_one(self.store, f"{keys.HEARTBEAT}{rank}")
         return None if found is None else parse_heartbeat_record(as_text(found))
 
     def _heartbeat(self, rank: int) -> tuple[float, float] | None:
@@ -92,33 +103,9 @@ class JobRecords(Barriers):
         record = self._heartbeat(rank)
         return None if record is None else record[1]
 
-    # ---- what the node side reads (job-wide view) ----
-
-    def record_wrapped(self, initial_rank: int, pid: int) -> None:
-        self.set(f"{keys.WRAPPED}{initial_rank}", json.dumps({"pid": pid}))
-
-    def is_wrapped(self, initial_rank: int) -> bool:
-        return read_one(self, f"{keys.WRAPPED}{initial_rank}") is not None
-
-    def record_position(self, initial_rank: int, iteration: int, rank: int, world_size: int, active: bool) -> None:
-        self.set(
-            f"{keys.POSITION}{initial_rank}",
-            json.dumps({"iteration": iteration, "rank": rank, "world_size": world_size, "active": active}),
-        )
-
-    def position(self, initial_rank: int) -> dict[str, int] | None:
-        """The rank's last published position; None if none, or if the record is malformed (untrusted).
-
-        ``active`` is 1 for a rank that runs the function, 0 for a reserve rank.
-        """
-        found = read_one(self, f"{keys.POSITION}{initial_rank}")
-        return None if found is None else _parse_position(found)
-
-    # ---- many ranks at once (a monitor's look at its peers: a few requests, however many ranks) ----
-
     def heartbeats(self, ranks: Sequence[int]) -> dict[int, Heartbeat]:
         """The last heartbeats of those of initial ranks ``ranks`` that sent a well-formed one."""
-        found = self._by_rank(keys.HEARTBEAT, ranks)
+        found = by_rank(self.store, keys.HEARTBEAT, ranks)
         parsed = {rank: parse_heartbeat_record(as_text(value)) for rank, value in found.items()}
         return {rank: heartbeat for rank, heartbeat in parsed.items() if heartbeat is not None}
 
@@ -132,7 +119,7 @@ class JobRecords(Barriers):
             **{f"{keys.POSITION}{rank}": ("position", rank) for rank in ranks},
         }
         found: dict[str, dict[int, bytes]] = {"left": {}, "heartbeat": {}, "position": {}}
-        for key, value in read_existing(self, list(names), periodic=True).items():
+        for key, value in read_existing(self.store, list(names), periodic=True).items():
             kind, rank = names[key]
             found[kind][rank] = value
         left = set(found["left"])
@@ -148,13 +135,13 @@ class JobRecords(Barriers):
 
     def publish_peer_look(self, look: PeerLook) -> None:
         """The judge's look, replacing the last (one request; through the node relay, with the host's beats)."""
-        write_latest(self, keys.PEER_LOOK, encode_peer_look(look))
+        write_latest(self.store, keys.PEER_LOOK, encode_peer_look(look))
 
     def peer_look(self, judge: int | None) -> tuple[PeerLook | None, Heartbeat | None]:
         """The judge's last look (None: none, or not well-formed), and initial rank ``judge``'s last heartbeat
         (None when ``judge`` is None, or without a well-formed one): one read, gathered with the host's."""
         names = [keys.PEER_LOOK] + ([] if judge is None else [f"{keys.HEARTBEAT}{judge}"])
-        found = read_existing(self, names, periodic=True)
+        found = read_existing(self.store, names, periodic=True)
         look = found.get(keys.PEER_LOOK)
         beat = None if judge is None else found.get(names[1])
         return (
@@ -162,46 +149,91 @@ class JobRecords(Barriers):
             None if beat is None else parse_heartbeat_record(as_text(beat)),
         )
 
+
+def by_rank(store: dist.Store, prefix: str, ranks: Sequence[int]) -> dict[int, bytes]:
+    """The values of keys ``<prefix><r>`` of ``store`` for those of ``ranks`` that have one, in one read."""
+    names = {f"{prefix}{rank}": rank for rank in ranks}
+    return {names[key]: value for key, value in read_existing(store, list(names)).items()}
+
+
+class JobRecords:
+    """The job-wide records, on ``store`` (the job's view of the Wrapper's store), and the job's barriers."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
+        self.barriers = Barriers(store)
+        self.liveness = LivenessRecords(store)
+
+    def arrive_and_wait(
+        self, name: str, ranks: Iterable[int], world_size: int, timeout: datetime.timedelta
+    ) -> str | None:
+        """Arrive at the job's barrier ``name`` (:meth:`Barriers.arrive_and_wait`)."""
+        return self.barriers.arrive_and_wait(name, ranks, world_size, timeout)
+
+    def record_latest_iteration(self, iteration: int) -> None:
+        """The iteration the last restart began (the termination barrier's last arriver writes it)."""
+        self.store.set(keys.LATEST_ITERATION, str(int(iteration)))
+
+    # ---- what the node side reads (job-wide view) ----
+
+    def record_wrapped(self, initial_rank: int, pid: int) -> None:
+        self.store.set(f"{keys.WRAPPED}{initial_rank}", json.dumps({"pid": pid}))
+
+    def is_wrapped(self, initial_rank: int) -> bool:
+        return read_one(self.store, f"{keys.WRAPPED}{initial_rank}") is not None
+
+    def record_position(self, initial_rank: int, iteration: int, rank: int, world_size: int, active: bool) -> None:
+        self.store.set(
+            f"{keys.POSITION}{initial_rank}",
+            json.dumps({"iteration": iteration, "rank": rank, "world_size": world_size, "active": active}),
+        )
+
+    def position(self, initial_rank: int) -> dict[str, int] | None:
+        """The rank's last published position; None if none, or if the record is malformed (untrusted).
+
+        ``active`` is 1 for a rank that runs the function, 0 for a reserve rank.
+        """
+        found = read_one(self.store, f"{keys.POSITION}{initial_rank}")
+        return None if found is None else _parse_position(found)
+
+    # ---- many ranks at once (a monitor's look at its peers: a few requests, however many ranks) ----
+
     def positions(self, ranks: Sequence[int]) -> dict[int, dict[str, int]]:
         """The last published positions of those of ``ranks`` that published a well-formed one."""
-        parsed = {rank: _parse_position(value) for rank, value in self._by_rank(keys.POSITION, ranks).items()}
+        parsed = {rank: _parse_position(value) for rank, value in by_rank(self.store, keys.POSITION, ranks).items()}
         return {rank: position for rank, position in parsed.items() if position is not None}
 
     def arrivals(self, name: str, ranks: Sequence[int]) -> set[int]:
         """Those of ``ranks`` that arrived at barrier ``name``."""
         names = {keys.barrier_arrived(name, rank): rank for rank in ranks}
-        return {names[key] for key in read_existing(self, list(names))}
+        return {names[key] for key in read_existing(self.store, list(names))}
 
     def admissions(self, ranks: Sequence[int]) -> dict[int, str]:
         """The admissions (``admitted/<r>``) of those of joiners ``ranks`` that hold one."""
-        return {rank: as_text(value) for rank, value in self._by_rank(keys.ADMITTED, ranks).items()}
-
-    def _by_rank(self, prefix: str, ranks: Sequence[int]) -> dict[int, bytes]:
-        names = {f"{prefix}{rank}": rank for rank in ranks}
-        return {names[key]: value for key, value in read_existing(self, list(names)).items()}
+        return {rank: as_text(value) for rank, value in by_rank(self.store, keys.ADMITTED, ranks).items()}
 
     # ---- growing the world (job-wide view) ----
 
     def set_accepts_joiners(self, accepts: bool = True) -> None:
         """Whether the ranks' rank assignment can grow the world (every rank of the world writes the same)."""
-        self.set(keys.ACCEPTS_JOINERS, "1" if accepts else "0")
+        self.store.set(keys.ACCEPTS_JOINERS, "1" if accepts else "0")
 
     def accepts_joiners(self) -> bool:
         return self.joiners_accepted() is True
 
     def joiners_accepted(self) -> bool | None:
         """Whether the world can grow: None until its ranks said (they say so as they enter the Wrapper)."""
-        found = read_one(self, keys.ACCEPTS_JOINERS)
+        found = read_one(self.store, keys.ACCEPTS_JOINERS)
         return None if found is None else as_text(found) == "1"
 
     def register_joiner(self, initial_rank: int) -> None:
         """A process that is not in the world asks to join it at the next restart."""
-        self.append(keys.JOINERS, f"{int(initial_rank)}\n")
+        append(self.store, keys.JOINERS, f"{int(initial_rank)}\n")
 
     def joiners(self) -> list[int]:
         """Initial ranks that registered, in registration order (a malformed line is skipped)."""
         seen: dict[int, None] = {}
-        for line in as_text(read_one(self, keys.JOINERS) or b"").split():
+        for line in as_text(read_one(self.store, keys.JOINERS) or b"").split():
             rank = keys.parse_count(line)
             if rank is not None:
                 seen.setdefault(rank, None)
@@ -209,47 +241,49 @@ class JobRecords(Barriers):
 
     def claim_admission(self, initial_rank: int, value: str) -> str:
         """Set ``admitted/<r>`` unless set already (``value``: an iteration, or ``withdrawn``); returns what holds."""
-        return as_text(self.compare_set(f"{keys.ADMITTED}{initial_rank}", "", value))
+        return as_text(self.store.compare_set(f"{keys.ADMITTED}{initial_rank}", "", value))
 
     def admission(self, initial_rank: int) -> str | None:
-        found = read_one(self, f"{keys.ADMITTED}{initial_rank}")
+        found = read_one(self.store, f"{keys.ADMITTED}{initial_rank}")
         return None if found is None else as_text(found)
 
     def record_activation(self, initial_rank: int, iteration: int) -> None:
         """A reserve rank (or a joiner) runs the function from ``iteration`` on."""
-        self.append(
-            keys.ACTIVATIONS, json.dumps({"initial_rank": int(initial_rank), "iteration": int(iteration)}) + "\n"
+        append(
+            self.store,
+            keys.ACTIVATIONS,
+            json.dumps({"initial_rank": int(initial_rank), "iteration": int(iteration)}) + "\n",
         )
 
     def latest_iteration(self) -> int:
         """The iteration the last restart began (0 before any; a malformed record reads as 0)."""
-        found = read_one(self, keys.LATEST_ITERATION)
+        found = read_one(self.store, keys.LATEST_ITERATION)
         return 0 if found is None else keys.parse_count(as_text(found)) or 0
 
     def mark_finished(self) -> None:
-        self.set(keys.FINISHED, "1")
+        self.store.set(keys.FINISHED, "1")
 
     def finished(self) -> bool:
-        return read_one(self, keys.FINISHED) is not None
+        return read_one(self.store, keys.FINISHED) is not None
 
     def record_left(self, initial_rank: int, kind: str, gave_up: bool, message: str = "", fatal: bool = False) -> None:
         """How the rank left the Wrapper; ``fatal``: it gave up on the job for good (a fault repeats: the node side
         must not restart the workers)."""
         record = {"kind": kind, "gave_up": gave_up, "message": message[:500], "fatal": fatal}
-        self.set(f"{keys.LEFT}{initial_rank}", json.dumps(record))
+        self.store.set(f"{keys.LEFT}{initial_rank}", json.dumps(record))
 
     def left(self, initial_rank: int) -> dict[str, object] | None:
         """How the rank left the Wrapper; None if it did not. A malformed record still says it left."""
-        found = read_one(self, f"{keys.LEFT}{initial_rank}")
+        found = read_one(self.store, f"{keys.LEFT}{initial_rank}")
         return None if found is None else json_object(found) or {"kind": "malformed"}
 
 
-class JobView(dist.PrefixStore, JobRecords):
+class JobView(JobRecords):
     """The job-wide view of the Wrapper's store (its keys under ``keys.WRAPPER_JOB``)."""
 
-    def __init__(self, prefix: str, store: dist.Store) -> None:
-        super().__init__(prefix, store)
-        #: torch's view keeps its prefix to itself; the barriers need it to count arrivals in the base store.
+    def __init__(self, prefix: str, base: dist.Store) -> None:
+        super().__init__(KeyedPrefixStore(prefix, base))
+        self.base = base
         self.key_prefix = prefix
 
 
@@ -265,7 +299,7 @@ JOINER_ACTIVITY_LIMIT = 10.0
 
 def joiner_ready(job: JobView, initial_rank: int, now: float | None = None) -> bool:
     """The joiner's heartbeat says its process was active within :data:`JOINER_ACTIVITY_LIMIT`."""
-    return _active_recently(job.last_activity(initial_rank), time.time() if now is None else now)
+    return _active_recently(job.liveness.last_activity(initial_rank), time.time() if now is None else now)
 
 
 def _active_recently(active_at: float | None, now: float) -> bool:
@@ -283,7 +317,7 @@ def admit_joiners(job: JobView, iteration: int) -> list[int]:
     joiners = job.joiners()[:JOINED_MAX]
     held = job.admissions(joiners)  # a few requests for all of them: this runs in every restart
     waiting = [rank for rank in joiners if rank not in held]
-    heartbeats = job.heartbeats(waiting)
+    heartbeats = job.liveness.heartbeats(waiting)
     for rank in waiting:
         active_at = heartbeats[rank].active_at if rank in heartbeats else None
         if not _active_recently(active_at, now):

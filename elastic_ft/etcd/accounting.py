@@ -27,6 +27,8 @@ import weakref
 from collections.abc import Iterator
 from typing import Protocol
 
+from elastic_ft.runtime.waits import pause
+
 #: A directory: each process writes its running request counts there (see the module docstring).
 ACCOUNTS_DIR_ENV = "ELASTIC_FT_ETCD_ACCOUNTS"
 #: Seconds between two records of a process's counts.
@@ -113,4 +115,4 @@ def _write_forever(directory: str) -> None:
                 error,
             )
             return
-        time.sleep(WRITE_PERIOD)
+        pause(WRITE_PERIOD)

@@ -32,7 +32,7 @@ from elastic_ft.etcd.client import Compare, EtcdClient, get_op, key_missing, key
 from elastic_ft.etcd.kv import EtcdUnavailableError, KeyValue
 from elastic_ft.keys import EVENTS_MAIN, EVENTS_PROGRESS, RunKeys, count_suffix, parse_count
 from elastic_ft.observability.events import JobEvent
-from elastic_ft.untrusted import MalformedRecord
+from elastic_ft.untrusted import MalformedRecord, json_object
 
 #: The settings' default and bound (``events_kept``), spelled once in elastic_ft.config_fields.
 DEFAULT_CAPACITY, MAX_CAPACITY = EVENTS_KEPT_DEFAULT, MAX_EVENTS_KEPT
@@ -192,8 +192,5 @@ class EventLog:
 
 
 def _event_id(raw: bytes) -> str | None:
-    try:
-        document = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    return document.get("id") if isinstance(document, dict) else None
+    document = json_object(raw)
+    return None if document is None else document.get("id")

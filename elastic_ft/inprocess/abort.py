@@ -1,14 +1,18 @@
 """Abort: unblock the main thread when the wrapped function must restart.
 
-The monitor thread calls the ``abort`` of the Wrapper while the main thread
-may be blocked, typically inside a collective waiting for a rank that died
-or hung. The Wrapper calls it a second time from the main thread once the
-wrapped function has unwound, to catch a process group created while the
-first call ran; implementations must therefore be idempotent.
+The Wrapper calls its ``abort`` once per restart on each rank, as NVIDIA's
+does: usually from the monitor thread, while the main thread may be
+blocked, typically inside a collective waiting for a rank that died or
+hung; from the main thread when it left the function first (its own
+exception). Whichever thread comes second does not call it again
+(:mod:`elastic_ft.inprocess.restart.iteration`).
 
-Before either call the Wrapper has already released the function's gloo
-connections (:mod:`elastic_ft.inprocess.sockets`), which is what unblocks a
+Before the call the Wrapper has already released the function's gloo
+connections (:mod:`elastic_ft.inprocess.delivery.connections`), which is what unblocks a
 gloo collective; an abort hook only adds what a backend needs beyond that.
+Once the function has unwound, the Wrapper itself destroys the process
+groups it left registered, whatever the hook did, so that the next
+iteration's ``init_process_group`` starts from an empty registry.
 """
 
 from __future__ import annotations
@@ -80,6 +84,8 @@ class AbortTorchDistributed(Abort):
     under a main thread that still uses it strands the work the group had
     queued (DDP's reducer then waits forever for a bucket's all-reduce),
     whereas left alone that work fails at once on the released connections.
+    Under the Wrapper the groups are destroyed once the function unwound in
+    any case (``ProcessGroupKeeper.unregister``).
     """
 
     def __init__(self, torch_fr_trace_path: str | os.PathLike[str] | None = None) -> None:

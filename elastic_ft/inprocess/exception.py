@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 import types
+from collections.abc import Iterator
 
 from elastic_ft.coordination.errors import (
     BarrierError,
@@ -92,22 +93,23 @@ class RankShouldRestart(BaseException):
     """Raised asynchronously in the main thread to unwind the wrapped function.
 
     The function must let it propagate (handlers, ``finally`` blocks and
-    context managers still run on the way out). When an instance is
-    destroyed outside this package, the function caught and dropped it: the
-    monitor thread then raises it again (:attr:`delivery`), and at
-    ``DEBUG`` level the place where that happened is logged, since a
-    swallowed restart stalls the job until the exception is raised again.
+    context managers still run on the way out). The monitor thread raises
+    the exception type of the iteration's :class:`RestartDelivery`, a
+    subclass of this one bound to that delivery: an instance tells it when it
+    is raised (created), and when one is destroyed outside this package (the
+    function caught and dropped it), so that the monitor thread raises it
+    again; at ``DEBUG`` level the place where that happened is logged, since
+    a swallowed restart stalls the job until the exception is raised again.
+    ``RankShouldRestart`` raised by hand belongs to no delivery.
     """
 
-    #: Set by the monitor thread while a restart is being delivered: told when an
-    #: instance is raised (created) and when one is swallowed.
-    delivery: RestartDelivery | None = None
+    #: The delivery this exception type belongs to (None: raised by hand); set on a delivery's own subclass only.
+    _delivery: RestartDelivery | None = None
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
-        delivery = RankShouldRestart.delivery
-        if delivery is not None:
-            delivery.delivered.set()
+        if self._delivery is not None:
+            self._delivery.delivered.set()
 
     def __del__(self) -> None:
         if sys.is_finalizing():
@@ -115,9 +117,8 @@ class RankShouldRestart(BaseException):
         frame = sys._getframe(1)
         if os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIR:
             return
-        delivery = RankShouldRestart.delivery
-        if delivery is not None:
-            delivery.swallowed.set()
+        if self._delivery is not None:
+            self._delivery.swallowed.set()
         log = logging.getLogger("elastic_ft.inprocess.exception")
         if not log.isEnabledFor(logging.DEBUG):
             return
@@ -130,11 +131,20 @@ class RankShouldRestart(BaseException):
 
 
 class RestartDelivery:
-    """Where one restart's delivery to the main thread stands (see ``monitor_thread``)."""
+    """Where one restart's delivery to the main thread stands: an object of the iteration, which the monitor
+    thread arms and the interrupt signal reads.
+
+    ``exception_type`` is what is raised in the main thread: a scheduled
+    (asynchronous) exception can only be given as a type, so the type itself
+    carries the delivery, and each delivery has a subclass of
+    :class:`RankShouldRestart` of its own, named like it.
+    """
 
     def __init__(self) -> None:
         self.delivered = threading.Event()
         self.swallowed = threading.Event()
+        namespace = {"_delivery": self, "__module__": __name__, "__qualname__": "RankShouldRestart"}
+        self.exception_type: type[RankShouldRestart] = type("RankShouldRestart", (RankShouldRestart,), namespace)
 
 
 __all__ = [
@@ -167,13 +177,7 @@ def release_frames(error: BaseException) -> None:
     TCPStore listening. The user's frames keep their locals, and every
     traceback still prints in full (file, line, code).
     """
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [error]
-    while pending:
-        current = pending.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
+    for current in exception_chain(error):
         trace = current.__traceback__
         while trace is not None:
             frame = trace.tb_frame
@@ -181,4 +185,16 @@ def release_frames(error: BaseException) -> None:
                 with contextlib.suppress(RuntimeError):  # still executing: the raise under way passes through it
                     frame.clear()
             trace = trace.tb_next
+
+
+def exception_chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and every exception chained to it (causes and contexts), each once, a cycle included."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
         pending += [current.__cause__, current.__context__]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 
@@ -28,22 +28,46 @@ from elastic_ft.coordination.errors import BarrierError, BarrierOverflow, Barrie
 from elastic_ft.coordination.iteration import IterationRecords
 from elastic_ft.coordination.job import JobRecords
 from elastic_ft.handoff import StoreHandoff
-from elastic_ft.inprocess.logs import get_logger
+from elastic_ft.inprocess.restart.logs import get_logger
 
 log = get_logger("store")
 
 
-class StoreMixin(IterationRecords, JobRecords):
-    """The Wrapper's coordination protocol, on top of a store's primitive operations.
+class StoreMixin:
+    """NVIDIA's name for a store that speaks the Wrapper's whole protocol: mix it into any
+    ``torch.distributed.Store`` subclass.
 
-    Mix it into any ``torch.distributed.Store`` subclass. ``critical_ranks``
-    lists the initial ranks whose process must stay alive until every rank
-    has left the Wrapper (the ranks hosting the store).
+    The protocol is composed, not inherited: the iteration's records
+    (:class:`~elastic_ft.coordination.iteration.IterationRecords`, with no
+    iteration: the store is used without views) and the job's
+    (:class:`~elastic_ft.coordination.job.JobRecords`) each take this store,
+    and a protocol method asked of it is theirs (``store.arrive_and_wait``,
+    ``store.record_interruption``, ``store.liveness.send_heartbeat``). The
+    Wrapper itself uses the two views of :mod:`elastic_ft.coordination`, on
+    whatever store ``store_factory`` returns. ``critical_ranks`` lists the
+    initial ranks whose process must stay alive until every rank has left
+    the Wrapper (the ranks hosting the store).
     """
 
     @property
     def critical_ranks(self) -> tuple[int, ...]:
         return ()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only names this class and the store lack come here. The records are made anew for each (they are two
+        # small objects): kept on the store, they would name it back, a cycle that keeps its socket open until
+        # a garbage collection.
+        store = cast(dist.Store, self)
+        if name in _ITERATION_NAMES:
+            return getattr(IterationRecords(store, None), name)
+        if name in _JOB_NAMES:
+            return getattr(JobRecords(store), name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+#: The protocol's names a :class:`StoreMixin` answers: the records' methods, and their barriers and liveness parts.
+_ITERATION_NAMES = frozenset(name for name in dir(IterationRecords) if not name.startswith("_")) | {"barriers"}
+_JOB_NAMES = frozenset(name for name in dir(JobRecords) if not name.startswith("_")) | {"barriers", "liveness"}
 
 
 class PrefixStore(dist.PrefixStore, StoreMixin):

@@ -554,7 +554,7 @@ class FtAgent(LocalElasticAgent):
         record = ExitRecord(
             self._handler.node, process.pid, -signal.SIGKILL if exitcode is None else exitcode, WorkerExit.RETIRED.value
         )
-        store.set(f"{FTRUN_EXITS}{initial_rank}", record.to_json())
+        store.store.set(f"{FTRUN_EXITS}{initial_rank}", record.to_json())
         self._exits[local_rank] = (WorkerExit.RETIRED, None)
         return WorkerExit.RETIRED
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from elastic_ft.etcd.kv import EtcdRequestError, EtcdUnavailableError
-from elastic_ft.job_config import JobConfig, JobConfigError, json_schema, load_job_config, parse_job_config
+from elastic_ft.job_config import JobConfig, JobConfigError, json_schema, load_job_config, parse_stored_job_config
 from elastic_ft.keys import RunKeys
 from elastic_ft.observability.events import JobEvent
 from elastic_ft.observability.timeline import TimelineUnavailable
@@ -133,7 +133,7 @@ def _read_events(client: EtcdClient, keys: RunKeys) -> list[JobEvent]:
 
 
 def _timeline(args: argparse.Namespace) -> int:
-    from elastic_ft.observability.events import read_events_file
+    from elastic_ft.observability.event_files import read_events_file
     from elastic_ft.observability.timeline import build_timeline, draw
 
     if args.events is not None:
@@ -177,9 +177,9 @@ def _show_config(args: argparse.Namespace, client: EtcdClient, keys: RunKeys) ->
         print(f"no job config stored for run {args.rdzv_id!r}", file=sys.stderr)
         return 1
     try:
-        document = parse_job_config(json.loads(kv.value)).to_document()
-    except (ValueError, RecursionError) as error:  # bad JSON or a JobConfigError: untrusted etcd value
-        print(f"elastic-ft: the job config stored at {kv.key} is not valid: {str(error)[:300]}", file=sys.stderr)
+        document = parse_stored_job_config(kv.value, kv.key).to_document()
+    except JobConfigError as error:  # an untrusted etcd value
+        print(f"elastic-ft: {str(error)[:400]}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(document, indent=2))

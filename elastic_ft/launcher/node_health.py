@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_ft.runtime import node_checks
+from elastic_ft.runtime.waits import pause
 from elastic_ft.untrusted import MalformedRecord, json_object
 
 log = logging.getLogger(__name__)
@@ -193,7 +194,7 @@ def wait_until_healthy(
     checks: NodeHealthChecks,
     publish: Callable[[HealthRecord], Any],
     *,
-    sleep: Callable[[float], Any] = time.sleep,
+    sleep: Callable[[float], Any] = pause,
     node: str = "",
 ) -> HealthRecord:
     """Run the checks until they pass, publishing each verdict; logs the problems when they change.

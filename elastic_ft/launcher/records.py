@@ -17,35 +17,16 @@ naming what is wrong: records are read back from etcd, so they are untrusted.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
-from typing import Any
 
-from elastic_ft.untrusted import MalformedRecord, is_count
-
-
-def _document(raw: bytes | str, what: str) -> dict[str, Any]:
-    try:
-        document = json.loads(raw)
-    except (ValueError, RecursionError) as error:  # RecursionError: nesting deeper than the parser's stack
-        raise MalformedRecord(f"{what} is not JSON: {type(error).__name__}") from None
-    if not isinstance(document, dict):
-        raise MalformedRecord(f"{what} is not a JSON object: {document!r:.200}")
-    return document
-
-
-def _field(document: dict[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
-    value = document.get(name)
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise MalformedRecord(f"{what} has {name}={value!r:.100}; expected {getattr(kind, '__name__', kind)}")
-    return value
-
-
-def _int_list(document: dict[str, Any], name: str, what: str) -> tuple[int, ...]:
-    value = _field(document, name, list, what)
-    if not all(isinstance(item, int) and not isinstance(item, bool) for item in value):
-        raise MalformedRecord(f"{what} has {name}={value!r:.100}; expected a list of integers")
-    return tuple(value)
+from elastic_ft.untrusted import (
+    MalformedRecord,
+    count_field,
+    epoch_seconds,
+    int_list_field,
+    json_document,
+    typed_field,
+)
 
 
 @dataclass(frozen=True)
@@ -74,25 +55,18 @@ class WorldRecord:
     @classmethod
     def from_json(cls, raw: bytes | str) -> WorldRecord:
         what = "world record"
-        document = _document(raw, what)
+        document = json_document(raw, what)
         record = cls(
-            world_size=_count(document, "world_size", what),
+            world_size=count_field(document, "world_size", what),
             active_world_size=None
             if document.get("active_world_size") is None
-            else _count(document, "active_world_size", what),
-            max_nodes=_count(document, "max_nodes", what),
+            else count_field(document, "active_world_size", what),
+            max_nodes=count_field(document, "max_nodes", what),
         )
         for name, value in (("world_size", record.world_size), ("max_nodes", record.max_nodes)):
             if value < 1:
                 raise MalformedRecord(f"{what} has {name}={value}; expected at least 1")
         return record
-
-
-def _count(document: dict[str, Any], name: str, what: str) -> int:
-    value = document.get(name)
-    if not is_count(value):
-        raise MalformedRecord(f"{what} has {name}={value!r:.100}; expected a whole number")
-    return value
 
 
 @dataclass(frozen=True)
@@ -110,14 +84,14 @@ class NodeRecord:
     @classmethod
     def from_json(cls, raw: bytes | str) -> NodeRecord:
         what = "node record"
-        document = _document(raw, what)
+        document = json_document(raw, what)
         record = cls(
-            host=_field(document, "host", str, what),
-            group_rank=_field(document, "group_rank", int, what),
-            round=_field(document, "round", int, what),
-            global_ranks=_int_list(document, "global_ranks", what),
-            pids=_int_list(document, "pids", what),
-            world_size=_field(document, "world_size", int, what),
+            host=typed_field(document, "host", str, what),
+            group_rank=typed_field(document, "group_rank", int, what),
+            round=typed_field(document, "round", int, what),
+            global_ranks=int_list_field(document, "global_ranks", what),
+            pids=int_list_field(document, "pids", what),
+            world_size=typed_field(document, "world_size", int, what),
         )
         if len(record.global_ranks) != len(record.pids):
             raise MalformedRecord(f"{what} lists {len(record.global_ranks)} ranks but {len(record.pids)} pids")
@@ -137,12 +111,12 @@ class ExitRecord:
     @classmethod
     def from_json(cls, raw: bytes | str) -> ExitRecord:
         what = "exit record"
-        document = _document(raw, what)
+        document = json_document(raw, what)
         return cls(
-            node=_field(document, "node", str, what),
-            pid=_field(document, "pid", int, what),
-            exitcode=_field(document, "exitcode", int, what),
-            kind=_field(document, "kind", str, what),
+            node=typed_field(document, "node", str, what),
+            pid=typed_field(document, "pid", int, what),
+            exitcode=typed_field(document, "exitcode", int, what),
+            kind=typed_field(document, "kind", str, what),
         )
 
 
@@ -158,21 +132,9 @@ class EscalationRecord:
     @classmethod
     def from_json(cls, raw: bytes | str) -> EscalationRecord:
         what = "escalation record"
-        document = _document(raw, what)
+        document = json_document(raw, what)
         return cls(
-            node=_field(document, "node", str, what),
-            reason=_field(document, "reason", str, what),
-            time=_time(document, what),
+            node=typed_field(document, "node", str, what),
+            reason=typed_field(document, "reason", str, what),
+            time=epoch_seconds(document.get("time"), "time", what),
         )
-
-
-def _time(document: dict[str, Any], what: str) -> float:
-    """A finite UNIX time (an integer beyond a float, or inf from 1e400, is not one)."""
-    value = _field(document, "time", (int, float), what)
-    try:
-        seconds = float(value)
-    except OverflowError:
-        seconds = math.inf
-    if not math.isfinite(seconds) or seconds < 0:
-        raise MalformedRecord(f"{what} has time={value!r:.40}; expected a finite number of seconds since the epoch")
-    return seconds

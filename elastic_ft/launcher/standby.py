@@ -5,7 +5,7 @@ elastic-ft imports and torch's lazy first-use imports (``torch._dynamo``,
 built by the first optimizer) before it can join: 3 to 4 s on two cores,
 while the job trains one rank short. ``ftrun`` keeps one process per node
 that has done all of that and waits, without a rank, for a place
-(:mod:`elastic_ft.inprocess.standby_process`, named by
+(:mod:`elastic_ft.inprocess.restart.standby`, named by
 :data:`elastic_ft.handoff.STANDBY_PROCESS_MODULE`: the node side imports nothing of the worker side). When a worker dies the
 agent sends the standby the dead worker's command line, environment and
 log files on its stdin, and the standby runs the training script in its

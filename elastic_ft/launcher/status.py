@@ -9,7 +9,6 @@ listed, with the reason, under ``malformed``.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -18,7 +17,7 @@ from typing import Any, TypeVar
 from elastic_ft.coordination.fault_records import parse_interruptions
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.event_log import EventLog
-from elastic_ft.job_config import JobConfig, parse_job_config
+from elastic_ft.job_config import JobConfig, JobConfigError, parse_stored_job_config
 from elastic_ft.keys import (
     ACTIVATIONS,
     ADMITTED,
@@ -70,8 +69,8 @@ def _alive_info(raw: bytes) -> dict[str, Any] | None:
 def _stored_config(raw: bytes) -> tuple[JobConfig | None, str | None]:
     """The stored job config, or None and why it cannot be used."""
     try:
-        return parse_job_config(json.loads(raw)), None
-    except (ValueError, RecursionError) as error:  # JobConfigError is a ValueError, as is bad JSON
+        return parse_stored_job_config(raw, "the run's config key"), None
+    except JobConfigError as error:
         return None, str(error)[:300]
 
 
@@ -469,6 +468,29 @@ def render_status(status: dict[str, Any]) -> str:
         f"in-process restarts: {status['in_process_restarts'] or 0}; "
         f"process-level restarts: {status['process_restarts']}"
     )
+    lines += _restart_and_health_lines(status)
+    joined = status["joined_next_round"]
+    lines.append(f"round {status['next_round']} (next): {len(joined)} node(s) joined")
+    for j in joined:
+        lines.append(f"        {j['role']:<8}  {j['host'] or '-':<20}  {j['node']}")
+    for entry in status["malformed"]:
+        lines.append(f"malformed, ignored: {entry['key']}: {entry['reason']}")
+    config = status["config"]
+    if config is None:
+        lines.append("config: none stored, or not valid (elastic-ft config put)")
+    else:
+        nodes = config["nodes"]
+        lines.append(
+            f"config: nodes {nodes['min']}..{nodes['max']} (+{nodes['spares']} spare), "
+            f"nproc_per_node {config['nproc_per_node']}, max_restarts {config['max_restarts']}"
+        )
+    return "\n".join(lines)
+
+
+def _restart_and_health_lines(status: dict[str, Any]) -> list[str]:
+    """The status's lines about faults under way: the restart in progress, escalations, unhealthy nodes, etcd
+    outages."""
+    lines: list[str] = []
     restart = status.get("restart_in_progress")
     if restart is not None:
         when = (
@@ -490,19 +512,4 @@ def render_status(status: dict[str, Any]) -> str:
             )
     for outage in status.get("etcd_outages", []):
         lines.append(f"etcd outage: {describe_outage(outage)}")
-    joined = status["joined_next_round"]
-    lines.append(f"round {status['next_round']} (next): {len(joined)} node(s) joined")
-    for j in joined:
-        lines.append(f"        {j['role']:<8}  {j['host'] or '-':<20}  {j['node']}")
-    for entry in status["malformed"]:
-        lines.append(f"malformed, ignored: {entry['key']}: {entry['reason']}")
-    config = status["config"]
-    if config is None:
-        lines.append("config: none stored, or not valid (elastic-ft config put)")
-    else:
-        nodes = config["nodes"]
-        lines.append(
-            f"config: nodes {nodes['min']}..{nodes['max']} (+{nodes['spares']} spare), "
-            f"nproc_per_node {config['nproc_per_node']}, max_restarts {config['max_restarts']}"
-        )
-    return "\n".join(lines)
+    return lines

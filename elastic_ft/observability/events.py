@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic_ft.untrusted import MalformedRecord
+from elastic_ft.untrusted import MalformedRecord, epoch_seconds, json_document, optional_count_field
 
 #: Every event name, with what it means; ``source`` is who records it.
 EVENTS: dict[str, str] = {
@@ -96,15 +96,6 @@ def _clean_value(key: str, value: Any) -> Any:
     raise MalformedRecord(f"event data {key}={value!r:.100}: expected a string, number, boolean, null or a list")
 
 
-def _optional_count(document: Mapping[str, Any], name: str) -> int | None:
-    value = document.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
-        raise MalformedRecord(f"event has {name}={value!r:.40}; expected a non-negative integer or null")
-    return value
-
-
 @dataclass(frozen=True)
 class JobEvent:
     """One event of a run. ``seq`` is its place in the run's event log (set when read back)."""
@@ -125,12 +116,9 @@ class JobEvent:
             raise MalformedRecord(f"unknown event {self.name!r}; expected one of {', '.join(EVENTS)}")
         if self.source not in SOURCES:
             raise MalformedRecord(f"event source {self.source!r}; expected one of {', '.join(SOURCES)}")
-        if isinstance(self.time, bool) or not isinstance(self.time, (int, float)) or not math.isfinite(self.time):
-            raise MalformedRecord(f"event time {self.time!r:.40}: expected seconds since the epoch")
-        if self.time < 0:
-            raise MalformedRecord(f"event time {self.time!r:.40}: expected seconds since the epoch")
+        epoch_seconds(self.time, "time", "event")
         for name in ("round", "iteration", "rank", "seq"):
-            _optional_count({name: getattr(self, name)}, name)
+            optional_count_field({name: getattr(self, name)}, name, "event")
         if not isinstance(self.run_id, str) or (self.node is not None and not isinstance(self.node, str)):
             raise MalformedRecord("event run_id and node must be strings")
         object.__setattr__(self, "data", _clean_data(self.data))
@@ -155,7 +143,7 @@ class JobEvent:
     @classmethod
     def from_document(cls, document: Any) -> JobEvent:
         if not isinstance(document, dict):
-            raise MalformedRecord(f"an event is a JSON object, got {document!r:.100}")
+            raise MalformedRecord(f"an event is not a JSON object: {document!r:.100}")
         data = document.get("data", {})
         if not isinstance(data, dict):
             raise MalformedRecord(f"event data {data!r:.100}: expected a JSON object")
@@ -170,20 +158,16 @@ class JobEvent:
             run_id=run_id[:MAX_TEXT],
             source=source,
             node=None if node is None else node[:MAX_TEXT],
-            round=_optional_count(document, "round"),
-            iteration=_optional_count(document, "iteration"),
-            rank=_optional_count(document, "rank"),
+            round=optional_count_field(document, "round", "event"),
+            iteration=optional_count_field(document, "iteration", "event"),
+            rank=optional_count_field(document, "rank", "event"),
             data=data,
-            seq=_optional_count(document, "seq"),
+            seq=optional_count_field(document, "seq", "event"),
         )
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> JobEvent:
-        try:
-            document = json.loads(raw)
-        except (ValueError, RecursionError) as error:
-            raise MalformedRecord(f"an event is not JSON: {type(error).__name__}") from None
-        return cls.from_document(document)
+        return cls.from_document(json_document(raw, "an event"))
 
     def to_torch(self) -> Any:
         """As a ``torch.distributed.elastic.events.Event``: what ``--event-log-handler`` handlers receive."""
@@ -227,31 +211,3 @@ def _shown(value: Any) -> str:
     if isinstance(value, list):
         return json.dumps(value)[:160]
     return str(value)
-
-
-def read_events_file(path: str) -> list[JobEvent]:
-    """Events saved by ``ftrun --record`` (one JSON event a line), in the order they happened.
-
-    Raises:
-        MalformedRecord: the file is empty, or a line is not an event (its number is named).
-        OSError: the file cannot be read.
-    """
-    with open(path, encoding="utf-8") as file:
-        lines = file.read().splitlines()
-    events = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            events.append(JobEvent.from_json(line))
-        except MalformedRecord as error:
-            raise MalformedRecord(f"{path}:{number}: {error}") from None
-    if not events:
-        raise MalformedRecord(f"{path} holds no events (expected one JSON event a line, as ftrun --record writes)")
-    return sorted(events, key=lambda event: event.time)
-
-
-def write_events_file(path: str, events: list[JobEvent]) -> None:
-    """One JSON event a line (what :func:`read_events_file` reads)."""
-    with open(path, "w", encoding="utf-8") as file:
-        file.writelines(event.to_json() + "\n" for event in events)

@@ -24,37 +24,16 @@ from functools import cached_property
 from typing import Protocol
 
 from elastic_ft.keys import parse_rdzv_key
-from elastic_ft.untrusted import MalformedRecord
-
-_MAX_INT = 2**63 - 1  # etcd's revisions and lease ids are int64
-_MAX_TEXT = 1024  # node ids and addresses are far shorter
-
-
-def _document(raw: bytes) -> dict:
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # not JSON, a number beyond int(), nesting beyond the stack
-        raise MalformedRecord(f"not JSON ({type(exc).__name__})") from None
-    if not isinstance(data, dict):
-        raise MalformedRecord(f"expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _int(data: dict, name: str, low: int, high: int) -> int:
-    return _int_value(data.get(name), name, low, high)
-
-
-def _int_value(value: object, name: str, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise MalformedRecord(f"{name} must be an integer in [{low}, {high}], got {str(value)[:40]!r}")
-    return value
-
-
-def _text(data: dict, name: str) -> str:
-    value = data.get(name)
-    if not isinstance(value, str) or not 0 < len(value) <= _MAX_TEXT:
-        raise MalformedRecord(f"{name} must be a non-empty string of at most {_MAX_TEXT} characters")
-    return value
+from elastic_ft.untrusted import (
+    MAX_TEXT,
+    MalformedRecord,
+    count_field,
+    flag_field,
+    integer,
+    json_document,
+    text_field,
+    text_list_field,
+)
 
 
 @dataclass(frozen=True)
@@ -109,7 +88,8 @@ class RoundResult:
     @classmethod
     def from_json(cls, raw: bytes) -> RoundResult:
         """Decode a result; raises :class:`MalformedRecord` for anything :meth:`to_json` does not write."""
-        data = _document(raw)
+        what = "round result"
+        data = json_document(raw, what)
         members = data.get("members")
         if not isinstance(members, list) or not members:
             raise MalformedRecord("members must be a non-empty list")
@@ -117,15 +97,15 @@ class RoundResult:
         for member in members:
             if not isinstance(member, dict):
                 raise MalformedRecord("each member must be a JSON object")
-            decoded.append(Member(_text(member, "node"), _int(member, "lease", 0, _MAX_INT)))
+            decoded.append(Member(text_field(member, "node", "member"), count_field(member, "lease", "member")))
         if len({m.node for m in decoded}) != len(decoded):
             raise MalformedRecord("a node is listed twice in members")
         return cls(
-            round=_int(data, "round", 0, _MAX_INT),
+            round=count_field(data, "round", what),
             members=tuple(decoded),
-            master_addr=_text(data, "master_addr"),
-            master_port=_int(data, "master_port", 1, 65535),
-            active=_int(data, "active", 0, len(decoded)) if "active" in data else None,
+            master_addr=text_field(data, "master_addr", what),
+            master_port=count_field(data, "master_port", what, 1, 65535),
+            active=count_field(data, "active", what, 0, len(decoded)) if "active" in data else None,
         )
 
 
@@ -253,28 +233,28 @@ def parse_key(key: str, raw: KeyRecord) -> Fact | None:
                 raise MalformedRecord(f"round {result.round} stored under round {shape.round}")
             return Fact("result", round=shape.round, result=result)
         if shape.kind == "join":
-            data = _document(raw.value)
-            late_joins = data.get("late_joins", False)
-            if not isinstance(late_joins, bool):
-                raise MalformedRecord(f"late_joins must be a boolean, got {str(late_joins)[:40]!r}")
-            order = _int(data, "order", 0, _MAX_INT) if "order" in data else None
+            what = "join"
+            data = json_document(raw.value, what)
             join = Join(
                 shape.node,
                 raw.lease,
                 raw.create_revision,
-                _text(data, "addr"),
-                _int(data, "port", 1, 65535),
-                late_joins,
-                order,
-                _text(data, "segment") if "segment" in data else None,
+                text_field(data, "addr", what),
+                count_field(data, "port", what, 1, 65535),
+                flag_field(data, "late_joins", what),
+                count_field(data, "order", what) if "order" in data else None,
+                text_field(data, "segment", what) if "segment" in data else None,
             )
             return Fact("join", round=shape.round, node=shape.node, join=join)
         if shape.kind == "late":
-            data = _document(raw.value)
-            late = LateMember(shape.node, _int(data, "lease", 0, _MAX_INT), _int(data, "place", 0, _MAX_INT))
+            data = json_document(raw.value, "late member")
+            late = LateMember(
+                shape.node, count_field(data, "lease", "late member"), count_field(data, "place", "late member")
+            )
             return Fact("late", round=shape.round, node=shape.node, late=late)
         if shape.kind == "slot":
-            return Fact("slot", round=shape.round, node=_text(_document(raw.value), "node"), place=shape.place)
+            node = text_field(json_document(raw.value, "slot"), "node", "slot")
+            return Fact("slot", round=shape.round, node=node, place=shape.place)
     except MalformedRecord as exc:
         return Fact("malformed", round=shape.round, key=key, reason=str(exc))
     return Fact("left", round=shape.round, node=shape.node)
@@ -339,16 +319,6 @@ class ClosedRound:
     chunks: int
 
 
-def _names(data: dict, name: str) -> tuple[str, ...]:
-    value = data.get(name, [])
-    if not isinstance(value, list) or len(value) > max(BOARD_NAMES, 1 << 16):
-        raise MalformedRecord(f"{name} must be a list of node ids")
-    for item in value:
-        if not isinstance(item, str) or not 0 < len(item) <= _MAX_TEXT:
-            raise MalformedRecord(f"{name} must list node ids (non-empty strings)")
-    return tuple(value)
-
-
 @dataclass(frozen=True)
 class Board:
     """The monitor's digest of the rendezvous (``rdzv/board``), the one key every node watches.
@@ -396,43 +366,41 @@ class Board:
             "full": self.full,
             "monitor_member": self.monitor_member,
             "verdict": self.verdict,
-            "reason": self.reason[:_MAX_TEXT],
+            "reason": self.reason[:MAX_TEXT],
         }
         return json.dumps(data, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> Board:
         """Decode a board; raises :class:`MalformedRecord` for anything :meth:`to_json` does not write."""
-        data = _document(raw)
+        what = "board"
+        data = json_document(raw, what)
         closer = data.get("closer")
         if closer is not None:
-            closer = _text(data, "closer")
+            closer = text_field(data, "closer", what)
         last = data.get("last")
         closed = None
         if last is not None:
             if not isinstance(last, dict):
                 raise MalformedRecord("last must be a JSON object or null")
             closed = ClosedRound(
-                _int(last, "round", 0, _MAX_INT),
-                _int(last, "size", 1, _MAX_INT),
-                _text(last, "master_addr"),
-                _int(last, "master_port", 1, 65535),
-                _int(last, "chunks", 1, 1 << 16),
+                count_field(last, "round", "closed round"),
+                count_field(last, "size", "closed round", 1),
+                text_field(last, "master_addr", "closed round"),
+                count_field(last, "master_port", "closed round", 1, 65535),
+                count_field(last, "chunks", "closed round", 1, 1 << 16),
             )
         late = data.get("late")
         if late is not None:
             if not isinstance(late, list) or len(late) != 2:
                 raise MalformedRecord("late must be [round, place] or null")
-            late = (_int_value(late[0], "late round", 0, _MAX_INT), _int_value(late[1], "late place", 0, _MAX_INT))
-        flags = {name: data.get(name, False) for name in ("finished", "full", "monitor_member")}
-        if not all(isinstance(v, bool) for v in flags.values()):
-            raise MalformedRecord("finished, full and monitor_member must be true or false")
+            late = (integer(late[0], "late round", what), integer(late[1], "late place", what))
         texts = {name: data.get(name, "") for name in ("verdict", "reason")}
         if not all(isinstance(v, str) for v in texts.values()):
             raise MalformedRecord("verdict and reason must be strings")
         return cls(
-            monitor=_text(data, "monitor"),
-            open_round=_int(data, "open_round", 0, _MAX_INT),
+            monitor=text_field(data, "monitor", what),
+            open_round=count_field(data, "open_round", what),
             closer=closer,
             last=closed,
             rejoined=_names(data, "rejoined"),
@@ -440,7 +408,9 @@ class Board:
             left=_names(data, "left"),
             admissible=_names(data, "admissible"),
             late=late,
-            **flags,
+            finished=flag_field(data, "finished", what),
+            full=flag_field(data, "full", what),
+            monitor_member=flag_field(data, "monitor_member", what),
             **texts,
         )
 
@@ -453,6 +423,10 @@ class Placement:
     lease: int
 
 
+def _names(data: dict, name: str) -> tuple[str, ...]:
+    return text_list_field(data, name, "board", max(BOARD_NAMES, 1 << 16))
+
+
 def chunk_json(number: int, placements: Mapping[str, Placement]) -> bytes:
     ranks = {node: [p.rank, p.lease] for node, p in placements.items()}
     return json.dumps({"round": number, "ranks": ranks}, sort_keys=True).encode()
@@ -460,8 +434,8 @@ def chunk_json(number: int, placements: Mapping[str, Placement]) -> bytes:
 
 def placement_from_chunk(raw: bytes, number: int, node: str) -> Placement | None:
     """``node``'s place in round ``number`` from a chunk of its ranks; None when the chunk does not list it."""
-    data = _document(raw)
-    if _int(data, "round", 0, _MAX_INT) != number:
+    data = json_document(raw, "chunk")
+    if count_field(data, "round", "chunk") != number:
         raise MalformedRecord(f"a chunk of round {data.get('round')!r} stored under round {number}")
     ranks = data.get("ranks")
     if not isinstance(ranks, dict):
@@ -471,4 +445,4 @@ def placement_from_chunk(raw: bytes, number: int, node: str) -> Placement | None
         return None
     if not isinstance(entry, list) or len(entry) != 2:
         raise MalformedRecord(f"the entry of {node} must be [rank, lease]")
-    return Placement(_int_value(entry[0], "rank", 0, _MAX_INT), _int_value(entry[1], "lease", 0, _MAX_INT))
+    return Placement(integer(entry[0], "rank", "chunk"), integer(entry[1], "lease", "chunk"))

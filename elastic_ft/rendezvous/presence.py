@@ -14,6 +14,7 @@ from elastic_ft.etcd.session import Session
 from elastic_ft.keys import RunKeys
 from elastic_ft.rendezvous.fencing import Vouch
 from elastic_ft.rendezvous.probe import ProbeServer, parse_address
+from elastic_ft.untrusted import json_object
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +91,8 @@ class NodePresence:
         kvs, _ = self._client.get_prefix(prefix)
         found = {}
         for kv in kvs:
-            try:
-                record = json.loads(kv.value)
-            except (ValueError, RecursionError):
-                record = None
-            address = parse_address(record.get("probe")) if isinstance(record, dict) else None
+            record = json_object(kv.value)
+            address = parse_address(record.get("probe")) if record is not None else None
             found[kv.key[len(prefix) :]] = (kv.lease, address)
         return found
 

@@ -45,7 +45,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from elastic_ft.inprocess.monitor_thread import async_raise
+from elastic_ft.inprocess.delivery.interrupt import async_raise
 
 log = logging.getLogger(__name__)
 

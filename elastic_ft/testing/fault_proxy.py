@@ -28,8 +28,9 @@ import selectors
 import socket
 import struct
 import threading
-import time
 from typing import cast
+
+from elastic_ft.runtime.waits import pause
 
 _CHUNK = 65536
 _CONTROL_FRAME_MAX = 32  # bytes: HTTP/2 SETTINGS, PING and WINDOW_UPDATE frames are smaller
@@ -61,7 +62,7 @@ class _Connection:
         try:
             while not self.closed:
                 if self.proxy.frozen.is_set():
-                    time.sleep(0.01)
+                    pause(0.01)
                     continue
                 for key, _ in selector.select(timeout=0.05):
                     source = cast(socket.socket, key.fileobj)
@@ -73,7 +74,7 @@ class _Connection:
                         self.close(reset=False)
                         return
                     if self.proxy.delay:
-                        time.sleep(self.proxy.delay)
+                        pause(self.proxy.delay)
                     if source is self.client:
                         if self.established and len(data) > _CONTROL_FRAME_MAX:
                             self.request_seen = True

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elastic_ft.runtime.net import free_ports
+from elastic_ft.runtime.waits import pause
 
 #: What a test needs installed: ``apt-get install slurmd slurmctld slurm-client munge``.
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "sinfo", "squeue", "scancel")
@@ -159,4 +160,4 @@ def _wait(ready: Callable[[], bool], timeout: float, message: Callable[[], str])
     while not ready():
         if time.monotonic() > deadline:
             raise RuntimeError(message())
-        time.sleep(0.2)
+        pause(0.2)

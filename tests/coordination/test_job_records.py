@@ -36,12 +36,12 @@ def write_records(job: JobView) -> None:
     for rank in range(RANKS):
         if rank % 3 == 0:
             continue  # never sent one
-        job.send_heartbeat(rank, active_at=1000.0 + rank, reserve=rank % 7 == 0, next_in=1.0)
+        job.liveness.send_heartbeat(rank, active_at=1000.0 + rank, reserve=rank % 7 == 0, next_in=1.0)
         job.record_position(rank, iteration=rank % 5, rank=rank, world_size=RANKS, active=rank % 2 == 0)
-    job.set(f"{keys.HEARTBEAT}4", "not json")  # malformed: skipped
-    job.set(f"{keys.POSITION}5", '{"iteration": -1}')
+    job.store.set(f"{keys.HEARTBEAT}4", "not json")  # malformed: skipped
+    job.store.set(f"{keys.POSITION}5", '{"iteration": -1}')
     for rank in (10, 11):
-        job.set(keys.barrier_arrived(EXIT_BARRIER, rank), "1")
+        job.store.set(keys.barrier_arrived(EXIT_BARRIER, rank), "1")
     for rank in (400, 401, 402):
         job.register_joiner(rank)
     job.claim_admission(400, "7")
@@ -52,8 +52,10 @@ def test_batched_reads_answer_as_one_read_per_rank_does(job: tuple[JobView, Etcd
     view, _ = job
     write_records(view)
     ranks = list(range(RANKS))
-    heartbeats = view.heartbeats(ranks)
-    assert heartbeats == {rank: view.heartbeat(rank) for rank in ranks if view.heartbeat(rank) is not None}
+    heartbeats = view.liveness.heartbeats(ranks)
+    assert heartbeats == {
+        rank: view.liveness.heartbeat(rank) for rank in ranks if view.liveness.heartbeat(rank) is not None
+    }
     assert 4 not in heartbeats and 3 not in heartbeats and heartbeats[7].reserve and heartbeats[8].active_at == 1008.0
     positions = view.positions(ranks)
     assert positions == {rank: view.position(rank) for rank in ranks if view.position(rank) is not None}
@@ -61,17 +63,17 @@ def test_batched_reads_answer_as_one_read_per_rank_does(job: tuple[JobView, Etcd
     assert view.arrivals(EXIT_BARRIER, ranks) == {10, 11}
     assert view.admissions([400, 401, 402]) == {400: "7", 402: "withdrawn"}
     assert joined_ranks(view) == [400]
-    assert view.heartbeats([]) == {} and view.arrivals(EXIT_BARRIER, []) == set()
-    records = view.peer_records(ranks)  # the monitor's look: the same answers in one read
+    assert view.liveness.heartbeats([]) == {} and view.arrivals(EXIT_BARRIER, []) == set()
+    records = view.liveness.peer_records(ranks)  # the monitor's look: the same answers in one read
     assert records.left == {10, 11}
     assert records.heartbeats == {rank: beat for rank, beat in heartbeats.items() if rank not in {10, 11}}
     assert records.positions == {rank: place for rank, place in positions.items() if rank not in {10, 11}}
     # A monitor's heartbeat reads its ring successor's records in the same request: whether it left, its beat.
     beyond = RANKS + 1
-    assert view.send_heartbeat(beyond, ring=10) == (True, heartbeats[10])
-    assert view.send_heartbeat(beyond, ring=8) == (False, heartbeats[8])
-    assert view.send_heartbeat(beyond, ring=3) == (False, None)
-    assert view.send_heartbeat(beyond) is None and view.heartbeat(beyond) is not None
+    assert view.liveness.send_heartbeat(beyond, ring=10) == (True, heartbeats[10])
+    assert view.liveness.send_heartbeat(beyond, ring=8) == (False, heartbeats[8])
+    assert view.liveness.send_heartbeat(beyond, ring=3) == (False, None)
+    assert view.liveness.send_heartbeat(beyond) is None and view.liveness.heartbeat(beyond) is not None
 
 
 def test_on_etcd_reading_every_peer_costs_a_request_per_128_ranks(job: tuple[JobView, EtcdClient | None]) -> None:
@@ -80,15 +82,15 @@ def test_on_etcd_reading_every_peer_costs_a_request_per_128_ranks(job: tuple[Job
         pytest.skip("request counts are etcd's")
     write_records(view)
     before = client.requests
-    view.heartbeats(list(range(RANKS)))
+    view.liveness.heartbeats(list(range(RANKS)))
     view.arrivals(EXIT_BARRIER, list(range(RANKS)))
     assert client.requests - before == 2 * -(-RANKS // 128)  # one per rank each would be 1200
     before = client.requests
-    view.peer_records(list(range(RANKS)))
+    view.liveness.peer_records(list(range(RANKS)))
     assert client.requests - before == -(-3 * RANKS // 128)  # left, heartbeats and positions in one read
-    successor = view.heartbeat(2)
+    successor = view.liveness.heartbeat(2)
     before = client.requests
-    assert view.send_heartbeat(1, ring=2) == (False, successor)
+    assert view.liveness.send_heartbeat(1, ring=2) == (False, successor)
     assert client.requests - before == 1  # the heartbeat with its ring check in one request
 
 
@@ -98,7 +100,7 @@ def test_a_record_read_is_one_request_on_etcd_and_reads_as_before(job: tuple[Job
     from elastic_ft.coordination.iteration import COMPLETED, iteration_store
 
     view, client = job
-    base = view.underlying_store
+    base = view.base
     iteration = iteration_store(base, 3)
     absent = (
         iteration.outcome(),
@@ -107,7 +109,7 @@ def test_a_record_read_is_one_request_on_etcd_and_reads_as_before(job: tuple[Job
         iteration.active_world_size(),
         iteration.termination_result(),
         iteration.progressed(),
-        view.heartbeat(7),
+        view.liveness.heartbeat(7),
         view.position(7),
         view.latest_iteration(),
         view.left(7),
@@ -120,9 +122,9 @@ def test_a_record_read_is_one_request_on_etcd_and_reads_as_before(job: tuple[Job
     iteration.set_active_world_size(6)
     iteration.mark_progressed()
     iteration.set_heal_progress(0, 40, fresh=False)
-    view.send_heartbeat(7)
+    view.liveness.send_heartbeat(7)
     view.record_position(7, iteration=3, rank=1, world_size=6, active=True)
-    view.set(keys.LATEST_ITERATION, "3")
+    view.store.set(keys.LATEST_ITERATION, "3")
     view.record_left(7, "exception", gave_up=False)
     view.register_joiner(9)
     if client is not None:
@@ -131,7 +133,7 @@ def test_a_record_read_is_one_request_on_etcd_and_reads_as_before(job: tuple[Job
     assert [(r.rank, r.kind) for r in iteration.interruptions()] == [(2, "exception")]
     assert iteration.terminated_ranks() == [2, 5] and iteration.active_world_size() == 6 and iteration.progressed()
     assert iteration.heal_progresses(2) == [{"step": 40, "fresh": False}, None]
-    assert view.heartbeat(7) is not None and view.position(7) == {
+    assert view.liveness.heartbeat(7) is not None and view.position(7) == {
         "iteration": 3,
         "rank": 1,
         "world_size": 6,

@@ -124,7 +124,7 @@ def test_the_relay_dying_mid_barrier_loses_no_arrival_and_counts_none_twice(host
     late = host.barrier([4, 5, 6, 7], RANKS)
     waiting.join(30)
     assert {**early, **late} == dict.fromkeys(range(RANKS), ""), (early, late)
-    assert host.views[0]._arrivals(BARRIER) == RANKS
+    assert host.views[0].barriers._arrivals(BARRIER) == RANKS
     assert all(relay.bypassed >= 1 for relay in host.relays[4:])
 
 
@@ -213,7 +213,9 @@ def test_a_hosts_heartbeats_and_their_ring_checks_are_one_request(host: Host) ->
         looks: dict[int, object] = {}
         threads = [
             threading.Thread(
-                target=lambda r=rank, job=job, seen=looks: seen.update({r: job.send_heartbeat(r, ring=(r + 1) % RANKS)})
+                target=lambda r=rank, job=job, seen=looks: seen.update(
+                    {r: job.liveness.send_heartbeat(r, ring=(r + 1) % RANKS)}
+                )
             )
             for rank, job in enumerate(jobs)
         ]
@@ -243,11 +245,11 @@ def test_a_stopped_relay_costs_a_heartbeat_a_quarter_second_not_the_heartbeat(ho
     host.relay._dispatch = lambda peer, message: None  # type: ignore[method-assign]
     job = job_store(host.stores[0])
     started = time.monotonic()
-    job.send_heartbeat(0)
+    job.liveness.send_heartbeat(0)
     assert 0.2 <= time.monotonic() - started < 2 and host.relays[0].bypassed == 1
     started = time.monotonic()
-    assert job.heartbeat(0) is not None  # straight to etcd: the relay is not asked again for a while
-    job.send_heartbeat(0)
+    assert job.liveness.heartbeat(0) is not None  # straight to etcd: the relay is not asked again for a while
+    job.liveness.send_heartbeat(0)
     assert time.monotonic() - started < 0.2
     assert host.relays[0].bypassed == 3 and host.clients[0].requests_by_kind["txn"] >= 2
 
@@ -258,12 +260,12 @@ def test_a_stopped_relay_costs_a_heartbeat_with_its_ring_check_a_quarter_second_
 
     host.relay._dispatch = lambda peer, message: None  # type: ignore[method-assign]
     jobs = [job_store(store) for store in host.stores[:2]]
-    jobs[1].send_heartbeat(1)
+    jobs[1].liveness.send_heartbeat(1)
     started = time.monotonic()
-    left, beat = jobs[0].send_heartbeat(0, ring=1)
+    left, beat = jobs[0].liveness.send_heartbeat(0, ring=1)
     assert 0.2 <= time.monotonic() - started < 2
     assert left is False and beat is not None  # read by the monitor itself, in its own heartbeat's request
-    assert jobs[0].heartbeat(0) is not None
+    assert jobs[0].liveness.heartbeat(0) is not None
 
 
 def test_a_hangs_verdict_among_64_ranks_on_8_nodes_reads_the_judges_look_once_per_node(
@@ -273,9 +275,9 @@ def test_a_hangs_verdict_among_64_ranks_on_8_nodes_reads_the_judges_look_once_pe
     publishes the few heartbeats that decide); the other 63 read that look, one small read per host through
     the relays, not every peer. Initial rank 37 stopped first, outside any collective: every rank blames it."""
     from elastic_ft.coordination.job import job_store
-    from elastic_ft.inprocess.hang_detection import EVIDENCE_KEPT, RankActivity
-    from elastic_ft.inprocess.monitor_process import MonitorConfig, _Iteration, _Monitor
-    from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps
+    from elastic_ft.inprocess.hangs.heartbeats import ProgressTimestamps
+    from elastic_ft.inprocess.hangs.monitor import MonitorConfig, _Iteration, _Monitor
+    from elastic_ft.inprocess.hangs.verdicts import EVIDENCE_KEPT, RankActivity
 
     hosts = [Host(etcd, run_id, tmp_path / f"relay-{node}.sock", linger=0.05) for node in range(8)]
     stores = {8 * node + local: host.stores[local] for node, host in enumerate(hosts) for local in range(8)}
@@ -286,7 +288,7 @@ def test_a_hangs_verdict_among_64_ranks_on_8_nodes_reads_the_judges_look_once_pe
         now = time.time()
         stopped_at = {rank: now - 30 if rank == 37 else now - 20 + rank / 100 for rank in jobs}
         for rank, job in jobs.items():
-            job.send_heartbeat(rank, active_at=stopped_at[rank], waiting=rank != 37, next_in=1.0)
+            job.liveness.send_heartbeat(rank, active_at=stopped_at[rank], waiting=rank != 37, next_in=1.0)
             job.record_position(rank, iteration=0, rank=rank, world_size=64, active=True)
         deadline = time.monotonic() + 5
         while sum(host.relay.carried["put"] for host in hosts) < 64 and time.monotonic() < deadline:
@@ -312,7 +314,7 @@ def test_a_hangs_verdict_among_64_ranks_on_8_nodes_reads_the_judges_look_once_pe
         # judge looks from half its soft timeout on, they at theirs).
         direct = job_store(EtcdStore(hosts[0].relay_client, hosts[0].prefix, TIMEOUT))
         deadline = time.monotonic() + 5
-        while direct.peer_look(None)[0] is None and time.monotonic() < deadline:
+        while direct.liveness.peer_look(None)[0] is None and time.monotonic() < deadline:
             time.sleep(0.01)
         relay_requests = sum(host.relay_client.requests for host in hosts)
         culprits: dict[int, int] = {}
@@ -445,8 +447,8 @@ def test_a_read_nobody_else_makes_leaves_at_once(host: Host) -> None:
 
     host.relay.gather = 0.5
     job = job_store(host.stores[0])
-    job.send_heartbeat(0)
+    job.liveness.send_heartbeat(0)
     started = time.monotonic()
-    assert read_existing(job, ["nothing/here"]) == {}
+    assert read_existing(job.store, ["nothing/here"]) == {}
     assert time.monotonic() - started < 0.4
     assert host.relay.sent["read"] == 1 and host.relays[0].bypassed == 0

@@ -23,22 +23,20 @@ import pytest
 from elastic_ft.etcd import shield
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.server import EtcdServer
+from elastic_ft.inprocess.delivery.interrupt import InterruptSignal
 from elastic_ft.inprocess.exception import RankShouldRestart, RestartDelivery
-from elastic_ft.inprocess.monitor_thread import InterruptSignal
 
 
 @pytest.fixture
 def interrupt() -> Iterator[InterruptSignal]:
-    """The Wrapper's interrupt signal, installed, with a restart pending (as the monitor thread sets it)."""
+    """The Wrapper's interrupt signal, installed, armed with a restart (as the monitor thread arms it)."""
     sig = InterruptSignal(signal.SIGUSR2)
     sig.install()
-    sig.pending.set()
-    RankShouldRestart.delivery = RestartDelivery()
+    sig.arm(RestartDelivery())
     try:
         yield sig
     finally:
-        sig.pending.clear()
-        RankShouldRestart.delivery = None
+        sig.disarm()
         sig.uninstall()
 
 
@@ -87,11 +85,11 @@ def test_inside_a_shielded_section_the_restart_waits_for_its_end(interrupt: Inte
             reached_the_end_of_the_with_block = True
         assert not lock.lock.locked()
     assert reached_the_end_of_the_with_block and not lock.lock.locked()
-    assert RankShouldRestart.delivery is not None and RankShouldRestart.delivery.delivered.is_set()
+    assert interrupt.delivery is not None and interrupt.delivery.delivered.is_set()
 
 
 def test_a_section_without_a_pending_restart_ends_quietly(interrupt: InterruptSignal) -> None:
-    interrupt.pending.clear()
+    interrupt.disarm()
     with shield.shield(), shield.shield():  # nested: only the outermost end may raise
         assert shield.active()
     assert not shield.active()
@@ -108,15 +106,16 @@ def test_an_etcd_client_survives_a_thousand_restarts_raised_while_it_works(
     client = EtcdClient(etcd.endpoints, request_timeout=5.0)
     armed, taken, stop = threading.Event(), threading.Event(), threading.Event()
     rng = random.Random(0)
+    interrupt.disarm()
+    current = [RestartDelivery()]  # each iteration's delivery, as the Wrapper makes one per iteration
 
     def restart_each_iteration() -> None:  # the monitor thread's part: signal until the restart is taken
         while not stop.is_set():
             if not armed.wait(0.1):
                 continue
-            delivery = RankShouldRestart.delivery
-            assert delivery is not None
+            delivery = current[0]
             time.sleep(rng.uniform(0.0, 0.003))
-            interrupt.pending.set()
+            interrupt.arm(delivery)
             while not delivery.delivered.is_set():
                 interrupt.send()
                 time.sleep(0.001)
@@ -129,7 +128,7 @@ def test_an_etcd_client_survives_a_thousand_restarts_raised_while_it_works(
     deadline = time.monotonic() + 10.0
     try:
         while time.monotonic() < deadline:
-            RankShouldRestart.delivery = RestartDelivery()
+            current[0] = RestartDelivery()
             try:
                 armed.set()
                 while True:  # the wrapped function: etcd requests until the restart comes
@@ -140,7 +139,7 @@ def test_an_etcd_client_survives_a_thousand_restarts_raised_while_it_works(
                     operations += 1
             except RankShouldRestart:
                 armed.clear()
-                interrupt.pending.clear()
+                interrupt.disarm()
                 taken.set()
                 restarts += 1
     finally:

@@ -483,21 +483,22 @@ def test_a_barrier_whose_last_arriver_died_before_publishing_completes(
     from elastic_ft import keys
     from elastic_ft.coordination import barriers
     from elastic_ft.coordination.barriers import Barriers
-    from elastic_ft.coordination.iteration import TerminationResult, iteration_store
+    from elastic_ft.coordination.iteration import iteration_store
+    from elastic_ft.coordination.termination import TerminationResult
     from elastic_ft.keys import TERMINATION_BARRIER
 
     monkeypatch.setattr(barriers, "_STALL_UNKNOWN", 3.0)
     views = [iteration_store(store_pair[rank % 2], 5) for rank in range(3)]
     results, threads = _wait_in_threads(views, [0, 1], 3, timeout=6 if last_arriver == "not known gone" else 20)
-    while views[2]._arrivals(TERMINATION_BARRIER) < 2:
+    while views[2].barriers._arrivals(TERMINATION_BARRIER) < 2:
         time.sleep(0.01)
     with monkeypatch.context() as patch:
         patch.setattr(Barriers, "_publish", lambda *args, **kwargs: None)  # dies right after counting itself
         assert views[2].arrive_and_wait(TERMINATION_BARRIER, [2], 3, timedelta(0)) is None
     if last_arriver == "unknown":
-        views[2].delete_key(keys.barrier_last(TERMINATION_BARRIER))  # died before recording itself as the last
+        views[2].store.delete_key(keys.barrier_last(TERMINATION_BARRIER))  # died before recording itself as the last
     if last_arriver == "forged":  # the store is untrusted: a record that names no rank reads as unknown
-        views[2].set(keys.barrier_last(TERMINATION_BARRIER), "rank two\x00")
+        views[2].store.set(keys.barrier_last(TERMINATION_BARRIER), "rank two\x00")
     if last_arriver != "not known gone":
         views[2].record_terminated([2])  # what its monitor process or its agent reports
     started = time.monotonic()
@@ -506,7 +507,7 @@ def test_a_barrier_whose_last_arriver_died_before_publishing_completes(
     waited = time.monotonic() - started
     if last_arriver == "not known gone":
         assert all("3 of 3 ranks arrived" in str(results[rank]) for rank in (0, 1)), results
-        assert not views[0].check([keys.barrier_done(TERMINATION_BARRIER)])
+        assert not views[0].store.check([keys.barrier_done(TERMINATION_BARRIER)])
         return
     expected = TerminationResult(world_size=3, terminated=(2,)).to_json()
     assert results == {0: expected, 1: expected}

@@ -1,7 +1,7 @@
 """Property tests: a world that loses ranks and grows by joiners stays consistently numbered.
 
 Every simulated process runs its own instance of the policy, as ranks do,
-from the states :mod:`elastic_ft.inprocess.growth` builds; after every
+from the states :mod:`elastic_ft.inprocess.restart.growth` builds; after every
 restart the ranks must be ``0..world_size-1``, the active ranks
 ``0..active_world_size-1``, and every process must agree on both sizes.
 """
@@ -15,10 +15,9 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic_ft.coordination.iteration import TerminationResult
+from elastic_ft.coordination.termination import TerminationResult
 from elastic_ft.inprocess.compose import Compose
 from elastic_ft.inprocess.exception import RankDiscarded
-from elastic_ft.inprocess.growth import joiner_state, next_iteration_state
 from elastic_ft.inprocess.rank_assignment.base import RankAssignment, RankAssignmentCtx, admits_new_ranks
 from elastic_ft.inprocess.rank_assignment.policies import (
     ActivateAllRanks,
@@ -30,6 +29,7 @@ from elastic_ft.inprocess.rank_assignment.policies import (
 )
 from elastic_ft.inprocess.rank_assignment.tree import Tree
 from elastic_ft.inprocess.rank_assignment.tree_engine import Layer
+from elastic_ft.inprocess.restart.growth import joiner_state, next_iteration_state
 from elastic_ft.inprocess.state import Mode, State
 
 POLICIES: dict[str, Callable[[int], RankAssignment]] = {

@@ -30,7 +30,28 @@ from elastic_ft.coordination.fault_records import (
 )
 from elastic_ft.coordination.iteration import iteration_store
 from elastic_ft.coordination.job import job_store
-from elastic_ft.inprocess.hang_detection import (
+from elastic_ft.inprocess.delivery.connections import (
+    TcpSocket,
+    accepted_connections,
+    created_connections,
+    established_connections,
+    gloo_listeners,
+    release_connections,
+    released_by_peers,
+    socket_inodes,
+    tcp_sockets,
+    unblock_listeners,
+)
+from elastic_ft.inprocess.hangs.heartbeats import ProgressTimestamps, StepClock
+from elastic_ft.inprocess.hangs.monitor import (
+    MonitorConfig,
+    _Iteration,
+    _Monitor,
+    aligned_check,
+    beat_due,
+    cpu_seconds,
+)
+from elastic_ft.inprocess.hangs.verdicts import (
     EVIDENCE_KEPT,
     AdaptiveTimeouts,
     RankActivity,
@@ -50,27 +71,6 @@ from elastic_ft.inprocess.hang_detection import (
     select_evidence,
     stall_notice_after,
     warmup_timeouts,
-)
-from elastic_ft.inprocess.monitor_process import (
-    MonitorConfig,
-    _Iteration,
-    _Monitor,
-    aligned_check,
-    beat_due,
-    cpu_seconds,
-)
-from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps, StepClock
-from elastic_ft.inprocess.sockets import (
-    TcpSocket,
-    accepted_connections,
-    created_connections,
-    established_connections,
-    gloo_listeners,
-    release_connections,
-    released_by_peers,
-    socket_inodes,
-    tcp_sockets,
-    unblock_listeners,
 )
 from elastic_ft.runtime.waits import aligned_instant, poll
 
@@ -133,7 +133,7 @@ def stepped_clock(
     """A StepClock on a fake monotonic clock: the clock, its timestamps, ``steps(count, seconds)`` and
     ``advance(seconds)``."""
     now = [100.0]
-    monkeypatch.setattr("elastic_ft.inprocess.progress_watchdog.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("elastic_ft.inprocess.hangs.heartbeats.time.monotonic", lambda: now[0])
     timestamps = ProgressTimestamps(60, 90)
     clock = StepClock(timestamps, config, 60, 90)
 
@@ -621,19 +621,33 @@ def test_a_main_thread_blocked_with_no_connection_left_is_reported_out_of_reach(
     """A gloo send in flight when its connection failed holds the main thread with nothing left to release:
     the monitor thread says so (the monitor process then replaces the process); a connection still open may
     yet end the wait, and nothing is said."""
-    from elastic_ft.inprocess.monitor_thread import OUT_OF_REACH, MonitorThread
+    from elastic_ft.inprocess.delivery.watcher import OUT_OF_REACH, MonitorThread
+    from elastic_ft.inprocess.exception import RestartDelivery
     from elastic_ft.inprocess.state import State
+
+    class Blocked:  # the main thread's side of the iteration, as the monitor thread sees it
+        atomic_lock = threading.RLock()
+        delivery = RestartDelivery()
+        interrupt = None
+
+        def release_and_abort(self) -> None:
+            pass
+
+        def release_everything(self) -> int:
+            return 0
+
+        def connections_open(self) -> int | None:
+            return still_open
+
+        def restart_pending(self, pending: bool) -> None:
+            pass
 
     monitor = MonitorThread(
         store=None,  # type: ignore[arg-type]  # the report reads no store
         state=State(rank=3, world_size=4),
-        abort=None,
-        release=lambda everything: 0,
+        side=Blocked(),
         interval=0.05,
         last_call_wait=0.0,
-        atomic_lock=threading.RLock(),
-        interrupt=None,
-        connections_open=lambda: still_open,
     )
     with caplog.at_level("WARNING", logger="elastic_ft.inprocess.monitor_thread"):
         monitor._report_out_of_reach()
@@ -645,7 +659,7 @@ def test_a_main_thread_blocked_with_no_connection_left_is_reported_out_of_reach(
 def test_messages_after_store_ready_in_the_same_read_are_kept() -> None:
     # Regression: a monitor process that woke late read store_ready and the first iteration
     # together, dropped the iteration, and never judged its rank's stalls.
-    from elastic_ft.inprocess.monitor_process import after_store_ready
+    from elastic_ft.inprocess.hangs.monitor import after_store_ready
 
     iteration = {"type": "iteration", "iteration": 0, "rank": 1, "world_size": 4}
     assert after_store_ready([{"type": "store_ready"}, iteration]) == (False, [iteration])
@@ -700,7 +714,7 @@ def test_a_computing_rank_starved_of_cpu_is_still_seen_working() -> None:
     # On a saturated host a rank in a long computation may get almost no CPU for a while: its main thread is
     # runnable, not waiting, and a slow step must not read as a hang. Here it shares one core, at the lowest
     # priority, with three spinners: under 1% of a core, under the CPU share that counts as work.
-    from elastic_ft.inprocess.monitor_process import BUSY_CPU_SHARE, _CpuMeter, process_is_stopped
+    from elastic_ft.inprocess.hangs.monitor import BUSY_CPU_SHARE, _CpuMeter, process_is_stopped
 
     pinned = "import os\nos.sched_setaffinity(0, {0})\nos.nice(%d)\nwhile True: pass"
     spinners = [subprocess.Popen([sys.executable, "-c", pinned % 0]) for _ in range(3)]
@@ -726,7 +740,7 @@ def test_a_computing_rank_starved_of_cpu_is_still_seen_working() -> None:
 def _detach_in_a_child(stderr: Path | None) -> tuple[int, list[int], str]:
     """Fork, give the child ``stderr`` as fd 2 (None: closed), run ``_detach`` there; returns what it returned,
     the child's descriptors afterwards and what the child then wrote through the returned one."""
-    from elastic_ft.inprocess.monitor_process import _detach
+    from elastic_ft.inprocess.hangs.monitor import _detach
 
     read_end, write_end = os.pipe()
     pid = os.fork()
@@ -779,12 +793,12 @@ def test_a_joiner_gone_before_this_iteration_neither_holds_nor_takes_the_blame()
     now = time.time()
     for rank in range(3):  # the initial world, in iteration 2, waiting in a collective for a second now
         job.record_position(rank, 2, rank, 3, True)
-        job.send_heartbeat(rank, active_at=now - 1.0, waiting=True, next_in=0.5)
+        job.liveness.send_heartbeat(rank, active_at=now - 1.0, waiting=True, next_in=0.5)
     job.set_accepts_joiners()
     job.register_joiner(3)  # admitted into iteration 1, dead since: its heartbeat is 30 s overdue
     job.claim_admission(3, "1")
     job.record_position(3, 1, 3, 4, True)
-    job.set(f"{keys.HEARTBEAT}3", encode_heartbeat(now - 31, now - 31, None, False, now - 30))
+    job.store.set(f"{keys.HEARTBEAT}3", encode_heartbeat(now - 31, now - 31, None, False, now - 30))
     config = MonitorConfig(0, 3, 0.05, 0.5, 20.0, 60.0, 90.0, 1.0, 5.0, None, None, 20)
     read_end, write_end = os.pipe()
     monitor = _Monitor(config, ProgressTimestamps(1.5, 3.0), dict, {}, os.getpid(), read_end, 2)
@@ -924,7 +938,7 @@ def test_a_stalled_rank_reads_the_judges_look_else_its_activity_else_every_peer(
     now = time.time()
     for rank in range(40):  # iteration 2, everyone waiting in a collective for 10 s but rank 7, stopped first
         job.record_position(rank, 2, rank, 40, True)
-        job.send_heartbeat(rank, active_at=now - (12.0 if rank == 7 else 10.0), waiting=rank != 7, next_in=1.0)
+        job.liveness.send_heartbeat(rank, active_at=now - (12.0 if rank == 7 else 10.0), waiting=rank != 7, next_in=1.0)
     idle = RankActivity(progress_age=10.0, cpu_idle_for=10.0, stopped=False, threads_silent_for=0.1)
     read_end, write_end = os.pipe()
     made: list[_Monitor] = []
@@ -942,7 +956,7 @@ def test_a_stalled_rank_reads_the_judges_look_else_its_activity_else_every_peer(
         judge = monitor(0)
         judge.timestamps.set_waiting(True)
         assert judge.culprit(job, idle)[0].rank == 7
-        look, _ = job.peer_look(None)
+        look, _ = job.liveness.peer_look(None)
         assert look is not None and look.judge == 0 and look.iteration == 2 and 0 in look.beats
         assert len(look.beats) <= 4 * EVIDENCE_KEPT
         reader = monitor(5)
@@ -950,17 +964,17 @@ def test_a_stalled_rank_reads_the_judges_look_else_its_activity_else_every_peer(
         assert inactive_for is not None and 9.5 < inactive_for < 12.0
         assert reader.culprit(job, idle)[0].rank == 7 and len(reader._stalled_peers) < 39
         # A late look: the judge's rank works again (its heartbeat says so), and that alone decides.
-        job.publish_peer_look(dataclasses.replace(look, read_at=now - 30.0))
-        job.send_heartbeat(0, active_at=time.time(), waiting=None, next_in=1.0)
+        job.liveness.publish_peer_look(dataclasses.replace(look, read_at=now - 30.0))
+        job.liveness.send_heartbeat(0, active_at=time.time(), waiting=None, next_in=1.0)
         reader = monitor(5)
         assert reader._peers_inactive_for(job, 0.0, idle) < 1.0
         assert [peer.rank for peer in reader._stalled_peers] == [0]
         # A late look of an inactive judge (its monitor starved or dead): every peer.
-        job.send_heartbeat(0, active_at=now - 10.0, waiting=True, next_in=1.0)
+        job.liveness.send_heartbeat(0, active_at=now - 10.0, waiting=True, next_in=1.0)
         reader = monitor(5)
         assert reader.culprit(job, idle)[0].rank == 7 and len(reader._stalled_peers) == 39
         # Another iteration's look says nothing of this one: every peer.
-        job.publish_peer_look(dataclasses.replace(look, iteration=1, read_at=time.time()))
+        job.liveness.publish_peer_look(dataclasses.replace(look, iteration=1, read_at=time.time()))
         reader = monitor(5)
         assert reader.culprit(job, idle)[0].rank == 7 and len(reader._stalled_peers) == 39
     finally:
@@ -977,7 +991,7 @@ def test_the_judges_work_for_the_others_never_holds_its_own_verdict_while_etcd_i
     """The iteration's rank 0 announces itself and, from half its soft timeout, looks for the others; with etcd
     unreachable both fail, and its own verdict (a stopped or wedged rank killed) is still reached, the
     announcement retried at the next pass."""
-    from elastic_ft.inprocess import monitor_process
+    from elastic_ft.inprocess.hangs import monitor as monitor_process
 
     def unreachable(*_: object) -> None:
         raise ConnectionError("etcd at 127.0.0.1:2379 is unreachable")
@@ -991,8 +1005,8 @@ def test_the_judges_work_for_the_others_never_holds_its_own_verdict_while_etcd_i
     monkeypatch.setattr(monitor_process, "judge_stall", judged)
     base = dist.HashStore()
     job = job_store(base)
-    job.publish_peer_look = unreachable  # type: ignore[method-assign]
-    job.peer_records = unreachable  # type: ignore[method-assign]
+    job.liveness.publish_peer_look = unreachable  # type: ignore[method-assign]
+    job.liveness.peer_records = unreachable  # type: ignore[method-assign]
     config = MonitorConfig(0, 2, 0.05, 0.5, 20.0, 60.0, 90.0, 1.0, 5.0, None, None, 20)
     read_end, write_end = os.pipe()
     monitor = _Monitor(config, ProgressTimestamps(1.5, 3.0), dict, {}, os.getpid(), read_end, 2)

@@ -7,9 +7,10 @@ import time
 
 import torch.distributed as dist
 
-from elastic_ft.coordination.iteration import TerminationResult, iteration_store
+from elastic_ft.coordination.iteration import iteration_store
 from elastic_ft.coordination.job import WITHDRAWN, admit_joiners, job_store, joined_ranks
 from elastic_ft.coordination.reports import report_node_gone, report_process_gone
+from elastic_ft.coordination.termination import TerminationResult
 from elastic_ft.keys import COMPLETION_BARRIER, ITERATION_BARRIER, TERMINATION_BARRIER
 
 NO_WAIT = datetime.timedelta(0)
@@ -25,8 +26,8 @@ def test_the_last_arrival_admits_each_registered_joiner_once() -> None:
     job.register_joiner(7)  # a repeated registration is one joiner
     job.register_joiner(8)
     for rank in (5, 7):  # their monitor processes report them active
-        job.send_heartbeat(rank)
-    job.send_heartbeat(8, active_at=time.time() - 60)  # stopped or hung for a minute: not admitted
+        job.liveness.send_heartbeat(rank)
+    job.liveness.send_heartbeat(8, active_at=time.time() - 60)  # stopped or hung for a minute: not admitted
     iteration = iteration_store(base, 0)
     iteration.record_terminated([1])
     iteration.arrive_and_wait(TERMINATION_BARRIER, [0, 1], 3, NO_WAIT)
@@ -36,7 +37,7 @@ def test_the_last_arrival_admits_each_registered_joiner_once() -> None:
     assert result == TerminationResult(3, (1,), (7, 5))
     assert (job.admission(7), job.admission(5), job.admission(8)) == ("1", "1", None)
     assert admit_joiners(job, 2) == []  # admitted already: never twice
-    job.send_heartbeat(8)  # active again: the next restart takes it
+    job.liveness.send_heartbeat(8)  # active again: the next restart takes it
     assert admit_joiners(job, 2) == [8]
 
 
@@ -48,7 +49,7 @@ def test_joined_ranks_are_the_admitted_joiners_whose_activity_a_hung_iteration_i
     job.set_accepts_joiners()
     for rank in (8, 9, 10):
         job.register_joiner(rank)
-        job.send_heartbeat(rank)
+        job.liveness.send_heartbeat(rank)
     assert joined_ranks(job) == []  # waiting to join: their activity says nothing of the iteration's
     assert admit_joiners(job, 3) == [8, 9, 10]
     job.claim_admission(11, WITHDRAWN)
@@ -68,11 +69,13 @@ def test_a_result_published_for_a_lost_last_arriver_keeps_its_admissions_and_mak
     job.set_accepts_joiners()
     for rank in (5, 6):
         job.register_joiner(rank)
-        job.send_heartbeat(rank)
+        job.liveness.send_heartbeat(rank)
     assert job.claim_admission(5, "4") == "4"  # what the lost last arriver of iteration 3 did
     assert admitted_joiners(job, 4) == [5]
     iteration = iteration_store(base, 3)
-    result = TerminationResult.from_json(iteration.barrier_result(TERMINATION_BARRIER, 2, admit=False), 2)
+    result = TerminationResult.from_json(
+        iteration.barriers.rules.barrier_result(TERMINATION_BARRIER, 2, admit=False), 2
+    )
     assert result.joined == (5,)
     assert job.admission(6) is None
 
@@ -86,7 +89,9 @@ def test_a_joiner_that_dies_before_admission_is_withdrawn_and_never_admitted() -
     assert report_process_gone(base, 9, 4, "terminated", "pid 1234: signal SIGKILL")
     assert job.admission(9) == WITHDRAWN
     assert admit_joiners(job, 3) == []
-    assert not job.has_arrived("exit_barrier", 9)  # joiners are not counted by the initial world's exit barrier
+    assert not job.barriers.has_arrived(
+        "exit_barrier", 9
+    )  # joiners are not counted by the initial world's exit barrier
 
 
 def test_a_dead_nodes_unplaced_joiner_is_withdrawn_before_its_report_can_complete_a_restart(monkeypatch) -> None:
@@ -102,7 +107,7 @@ def test_a_dead_nodes_unplaced_joiner_is_withdrawn_before_its_report_can_complet
         job.record_position(rank, iteration=0, rank=rank, world_size=3, active=True)
     job.record_wrapped(7, 107)  # node B's respawned worker: ready, not admitted
     job.register_joiner(7)
-    job.send_heartbeat(7)
+    job.liveness.send_heartbeat(7)
     iteration = iteration_store(base, 0)
     iteration.arrive_and_wait(TERMINATION_BARRIER, [0, 1], 3, NO_WAIT)  # the survivors wait for rank 2
     # Node B held initial ranks 2 (active) and 7 (the joiner), in the order its record lists them.
@@ -121,7 +126,9 @@ def test_a_reserve_rank_that_dies_does_not_interrupt_the_iteration() -> None:
     iteration = iteration_store(base, 1)
     assert iteration.outcome() is None and iteration.interruptions() == []
     assert iteration.terminated_ranks() == [4]  # the next restart drops it
-    assert all(iteration.has_arrived(name, 4) for name in (ITERATION_BARRIER, TERMINATION_BARRIER, COMPLETION_BARRIER))
+    assert all(
+        iteration.barriers.has_arrived(name, 4) for name in (ITERATION_BARRIER, TERMINATION_BARRIER, COMPLETION_BARRIER)
+    )
     # An active rank's death interrupts, as before.
     job.record_wrapped(0, 98)
     job.record_position(0, iteration=1, rank=0, world_size=6, active=True)
@@ -178,12 +185,12 @@ def test_a_lost_joiner_is_not_stood_in_for_while_a_live_rank_is_still_on_its_way
     iteration = iteration_store(base, 2)
     iteration.record_lost(6)
     iteration.arrive_and_wait(ITERATION_BARRIER, [0], 3, NO_WAIT)  # ranks 1 (live, slow) and 2 (lost) missing
-    assert not iteration.stand_in_for_lost(ITERATION_BARRIER, 3)
+    assert not iteration.barriers.rules.stand_in_for_lost(ITERATION_BARRIER, 3)
     assert iteration.terminated_ranks() == []
     iteration.arrive_and_wait(ITERATION_BARRIER, [1], 3, NO_WAIT)
-    iteration.stand_in_for_lost(ITERATION_BARRIER, 3)
+    iteration.barriers.rules.stand_in_for_lost(ITERATION_BARRIER, 3)
     assert iteration.terminated_ranks() == [2]
-    assert iteration.has_arrived(ITERATION_BARRIER, 2)
+    assert iteration.barriers.has_arrived(ITERATION_BARRIER, 2)
 
 
 def test_a_rank_killed_after_its_restart_counted_on_it_is_stood_in_for_in_the_next_iteration() -> None:
@@ -229,6 +236,8 @@ def test_a_rank_the_restart_counted_out_is_not_expected_in_the_next_iteration() 
     assert TerminationResult.from_json(iteration.termination_result(), 2).terminated == (1,)
     following = iteration_store(base, 4)
     following.arrive_and_wait(ITERATION_BARRIER, [0], 1, NO_WAIT)
-    assert following._terminated_after_the_decision() == []  # not expected there: nothing to stand in for
-    assert not following.stand_in_for_lost(ITERATION_BARRIER, 2)
+    assert (
+        following.barriers.rules._terminated_after_the_decision() == []
+    )  # not expected there: nothing to stand in for
+    assert not following.barriers.rules.stand_in_for_lost(ITERATION_BARRIER, 2)
     assert following.terminated_ranks() == []

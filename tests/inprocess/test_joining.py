@@ -8,9 +8,9 @@ import pytest
 import torch.distributed as dist
 
 from elastic_ft.coordination.job import job_store
-from elastic_ft.inprocess import joining as joining_module
-from elastic_ft.inprocess.joining import REJOIN_BACKOFF_CAP, REJOIN_BACKOFF_FIRST, REJOIN_QUIET, Joining
-from elastic_ft.inprocess.recovery_phases import RecoveryClock
+from elastic_ft.inprocess.restart import joining as joining_module
+from elastic_ft.inprocess.restart.joining import REJOIN_BACKOFF_CAP, REJOIN_BACKOFF_FIRST, REJOIN_QUIET, Joining
+from elastic_ft.inprocess.restart.phases import RecoveryClock
 
 
 class _Clock:

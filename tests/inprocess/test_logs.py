@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from elastic_ft.inprocess.logs import LOGGER_NAME, configure_logging, release_logging
+from elastic_ft.inprocess.restart.logs import LOGGER_NAME, configure_logging, release_logging
 
 SCRIPT = """
 import datetime, io, logging, os
@@ -63,7 +63,7 @@ def test_the_forwarding_is_undone_when_the_call_ends() -> None:
 
 MONITOR_LOG_SCRIPT = """
 import logging, sys
-from elastic_ft.inprocess.logs import log_to_file
+from elastic_ft.inprocess.restart.logs import log_to_file
 log_to_file(sys.argv[1], logging.INFO)
 logging.getLogger("elastic_ft.inprocess.monitor_process").info("a verdict")
 logging.getLogger("elastic_ft.etcd.outage").warning("etcd at x is unreachable")

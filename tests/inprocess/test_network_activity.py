@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from elastic_ft.inprocess.hang_detection import RankActivity
+from elastic_ft.inprocess.hangs.verdicts import RankActivity
 from elastic_ft.testing.netns import TestBed, unavailable
 
 REASON = unavailable()
@@ -21,10 +21,10 @@ REASON = unavailable()
 SCENARIO = textwrap.dedent(
     """
     import os, socket, subprocess, sys, time
-    from elastic_ft.inprocess.sockets import resending_lost_data
+    from elastic_ft.inprocess.delivery.connections import resending_lost_data
 
     def seen_by_another_process():
-        code = f"from elastic_ft.inprocess.sockets import resending_lost_data as s; print(s({os.getpid()}))"
+        code = f"from elastic_ft.inprocess.delivery.connections import resending_lost_data as s; print(s({os.getpid()}))"
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
 
     listener = socket.create_server(("127.0.0.1", 0))

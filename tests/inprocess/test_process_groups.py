@@ -7,7 +7,7 @@ import sys
 
 import torch.distributed as dist
 
-from elastic_ft.inprocess.process_groups import ProcessGroupKeeper
+from elastic_ft.inprocess.delivery.process_groups import ProcessGroupKeeper
 
 
 def _gloo_group() -> dist.ProcessGroup:

@@ -1,10 +1,10 @@
-"""Where a rank's recovery time goes (``elastic_ft.inprocess.recovery_phases``, pure)."""
+"""Where a rank's recovery time goes (``elastic_ft.inprocess.restart.phases``, pure)."""
 
 from __future__ import annotations
 
 import pytest
 
-from elastic_ft.inprocess.recovery_phases import MOMENTS, RecoveryClock, phases
+from elastic_ft.inprocess.restart.phases import MOMENTS, RecoveryClock, phases
 
 
 def test_each_phase_is_the_time_between_two_consecutive_moments() -> None:

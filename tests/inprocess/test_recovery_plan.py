@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elastic_ft.inprocess.recovery_plan import RankProgress, plan_recovery
+from elastic_ft.inprocess.healing.plan import RankProgress, plan_recovery
 
 
 def progress(*records: tuple[int, bool]) -> list[RankProgress]:
@@ -181,7 +181,7 @@ def test_a_malformed_shard_in_the_heal_barriers_result_is_a_transfer_error(shard
     import json
 
     from elastic_ft.inprocess.exception import StateTransferError
-    from elastic_ft.inprocess.healing import parse_progress
+    from elastic_ft.inprocess.healing.heal import parse_progress
 
     payload = json.dumps([{"step": 3, "fresh": False, "shard": [0, 2]}, {"step": 3, "fresh": False, "shard": shard}])
     with pytest.raises(StateTransferError, match="malformed progress record of active rank 1"):

@@ -137,7 +137,7 @@ def lost_ranks(log: str, fault: str) -> set[int]:
     """The initial ranks whose process the fault ended: rank 3 unless it restarts in-process, and any rank its
     monitor process terminated because the restart could not reach it (``restart_blocked``: gloo's gap, in
     which a send being written when its connection failed waits with no socket left to cut, see
-    :mod:`elastic_ft.inprocess.sockets`; seen on a loaded machine)."""
+    :mod:`elastic_ft.inprocess.delivery.connections`; seen on a loaded machine)."""
     lost = {int(rank) for rank in re.findall(r"restart_blocked on rank (\d+)", log)}
     return lost if fault in ("exception", "hang_gil_released") else lost | {3}
 
@@ -168,7 +168,7 @@ def test_hsdp_survives_a_fault_without_a_checkpoint_read_or_a_step_redone(
     log = node.log()
     if {1, 3} <= lost_ranks(log, fault):
         # Gloo's gap took the other holder of shard 1 too: it lives only in the checkpoint, and every rank of
-        # the shrunk world goes back to it (recovery_plan: a model's shards are never at different steps).
+        # the shrunk world goes back to it (healing.plan: a model's shards are never at different steps).
         shrunk = {e["rank"] for e in starts if e["iteration"] == 1}
         assert {e["rank"] for e in events(tmp_path, "checkpoint_read") if e["iteration"] == 1} == shrunk, log
         assert "every rank loads the checkpoint" in log and all(e["world_size"] == 4 for e in done), done

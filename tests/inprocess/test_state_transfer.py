@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_ft.inprocess.exception import StateTransferError
-from elastic_ft.inprocess.state_transfer import (
+from elastic_ft.inprocess.healing.transfer import (
     flatten_state,
     receive_state,
     run_interruptibly,

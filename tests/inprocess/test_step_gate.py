@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from elastic_ft.inprocess.step_gate import (
+from elastic_ft.inprocess.steps.decisions import (
     MIN_LEAD_STEPS,
     UNKNOWN_STEP_LEAD,
     Fence,

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 
 from elastic_ft.inprocess import progress_watchdog
-from elastic_ft.inprocess.timestamp_watchdog import ProgressWatchdog, Timestamp
+from elastic_ft.inprocess.compat.timestamp_watchdog import ProgressWatchdog, Timestamp
 
 
 class Collected:

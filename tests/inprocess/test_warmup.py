@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from elastic_ft.inprocess import warmup
+from elastic_ft.inprocess.restart import warmup
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +49,7 @@ def test_the_default_warm_up_imports_what_a_first_optimizer_would() -> None:
     and every module it brings are loaded already, and no process group was made."""
     code = (
         "import sys, torch\n"
-        "from elastic_ft.inprocess.warmup import import_lazy_modules, warm_up\n"
+        "from elastic_ft.inprocess.restart.warmup import import_lazy_modules, warm_up\n"
         "from elastic_ft.runtime.torch_compat import registered_groups\n"
         "assert 'torch._dynamo' not in sys.modules\n"
         "assert warm_up(import_lazy_modules, 'a test')\n"

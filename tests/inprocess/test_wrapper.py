@@ -56,6 +56,32 @@ def test_exception_on_one_rank_restarts_all_ranks(tmp_path: Path) -> None:
     assert outcomes[1].report["calls"][0]["fault"] == "raise"
 
 
+@pytest.mark.parametrize("kind", ["raise", "sigkill"])
+def test_the_users_abort_runs_once_per_restart_on_every_rank(tmp_path: Path, kind: str) -> None:
+    """As NVIDIA's Wrapper does: once per restart per rank, whichever thread unwinds first (the rank that raised
+    leaves the function before its monitor thread starts the restart; the others are interrupted by theirs), and
+    once on a rank that leaves the job."""
+    scenario = {
+        "count_aborts": True,
+        # Rank 3 sleeps in Python outside the collective: its monitor thread interrupts it.
+        "faults": [fault(1, kind), fault(3, "sleep_python")],
+        "failing_hooks": [{"hook": "finalize", "ranks": [2], "error": "Exception"}],
+    }
+    outcomes = job(scenario, 4, tmp_path)
+    # Rank 2 leaves (its finalize fails); rank 1 either stays or is dead.
+    survivors = {0: 0, 1: 1, 3: 2} if kind == "raise" else {0: 0, 3: 1}
+    for initial_rank, rank in survivors.items():
+        assert_finished(outcomes[initial_rank], iteration=1, rank=rank, world_size=len(survivors))
+    for initial_rank in (0, 2, 3) if kind == "sigkill" else (0, 1, 2, 3):
+        aborts = outcomes[initial_rank].report["aborts"]
+        assert [abort["iteration"] for abort in aborts] == [0], (initial_rank, aborts, details())
+    assert outcomes[2].report["error"] == "RuntimeError", details()  # its finalize failed: it left, aborted once
+    # The monitor thread aborts a main thread it must interrupt; a main thread that raised aborts itself first.
+    assert outcomes[3].report["aborts"][0]["thread"].startswith("elastic_ft-monitor-thread"), details()
+    if kind == "raise":
+        assert outcomes[1].report["aborts"][0]["thread"] == "MainThread", details()
+
+
 @pytest.mark.parametrize("kind, exit_code", [("exit", 17), ("sigkill", -signal.SIGKILL)])
 def test_dead_rank_is_dropped_and_ranks_shift(tmp_path: Path, kind: str, exit_code: int) -> None:
     outcomes = job({"faults": [fault(1, kind)]}, 3, tmp_path)

@@ -13,12 +13,13 @@ import pytest
 import torch.distributed as dist
 
 from elastic_ft import keys
-from elastic_ft.coordination.iteration import COMPLETED, INTERRUPTED, PLANNED, TerminationResult, iteration_store
+from elastic_ft.coordination.iteration import COMPLETED, INTERRUPTED, PLANNED, iteration_store
 from elastic_ft.coordination.job import job_store
+from elastic_ft.coordination.termination import TerminationResult
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.inprocess.exception import BarrierOverflow, BarrierTimeout, RestartAbort
+from elastic_ft.inprocess.hangs.heartbeats import HeartbeatWatchdog, ProgressTimestamps, progress_age
 from elastic_ft.inprocess.initialize import RetryController
-from elastic_ft.inprocess.progress_watchdog import HeartbeatWatchdog, ProgressTimestamps, progress_age
 from elastic_ft.inprocess.sibling_monitor import ring_successor, silent_ranks
 from elastic_ft.inprocess.state import Mode, State
 from elastic_ft.inprocess.wrapper import Wrapper
@@ -225,7 +226,7 @@ def test_one_outcome_per_iteration(tcp_store: dist.Store) -> None:
 
     # A corrupt line (another writer, a forged value) is skipped: the monitor thread reads
     # these records on its way to a restart, so one bad line must not stop it.
-    interrupted.append("interruptions", '{"rank": -1, "kind": "x"}\n{"rank": 2\n')
+    interrupted.store.append("interruptions", '{"rank": -1, "kind": "x"}\n{"rank": 2\n')
     assert [r.rank for r in interrupted.interruptions()] == [1]
 
     completed = iteration_store(tcp_store, 1)
@@ -266,7 +267,7 @@ def test_the_latest_iteration_and_whether_joiners_are_accepted_are_job_wide(tcp_
     assert job.joiners_accepted() is False
     job.set_accepts_joiners(True)
     assert job.joiners_accepted() is True and job.accepts_joiners()
-    job.set(keys.LATEST_ITERATION, "-3")  # forged: read as no restart yet, never as a crash
+    job.store.set(keys.LATEST_ITERATION, "-3")  # forged: read as no restart yet, never as a crash
     assert job.latest_iteration() == 0
 
 
@@ -277,7 +278,7 @@ def test_iterations_do_not_share_keys(tcp_store: dist.Store) -> None:
 
 
 def test_call_wrapper_parameters_found_by_annotation_even_as_strings() -> None:
-    from elastic_ft.inprocess.wrapper import CallWrapper, _call_wrapper_parameters
+    from elastic_ft.inprocess.restart.call import CallWrapper, _call_wrapper_parameters
 
     def train(
         data: int,
@@ -300,7 +301,7 @@ def test_progress_timestamps_are_never_read_half_written() -> None:
     import os
     import time
 
-    from elastic_ft.inprocess.progress_watchdog import ProgressTimestamps
+    from elastic_ft.inprocess.hangs.heartbeats import ProgressTimestamps
 
     timestamps = ProgressTimestamps()
     writer = os.fork()
@@ -392,7 +393,9 @@ def test_report_process_gone_uses_the_last_position(etcd: EtcdServer) -> None:
     assert report_process_gone(base, 5, 8, "terminated", "pid 1234: signal SIGKILL")
     iteration = iteration_store(base, 2)
     assert iteration.terminated_ranks() == [3]
-    assert iteration.has_arrived(ITERATION_BARRIER, 3) and iteration.has_arrived(TERMINATION_BARRIER, 3)
+    assert iteration.barriers.has_arrived(ITERATION_BARRIER, 3) and iteration.barriers.has_arrived(
+        TERMINATION_BARRIER, 3
+    )
     assert iteration.interruptions()[0].kind == "terminated"
     job.record_left(6, "completed", gave_up=False)
     job.record_wrapped(6, 99)
@@ -405,7 +408,7 @@ def test_a_failed_set_up_undoes_what_it_did(monkeypatch: pytest.MonkeyPatch) -> 
     """A store that cannot be reached: the call raises, and its monitor process and log handler are gone."""
     import logging
 
-    from elastic_ft.inprocess.monitor_process import MONITOR_PROCESS_NAME
+    from elastic_ft.inprocess.hangs.monitor import MONITOR_PROCESS_NAME
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")

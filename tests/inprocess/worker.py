@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from elastic_ft.coordination.iteration import iteration_store
 from elastic_ft.inprocess import rank_filter
+from elastic_ft.inprocess.abort import Abort, AbortTorchDistributed
 from elastic_ft.inprocess.completion import Completion
 from elastic_ft.inprocess.compose import Compose
 from elastic_ft.inprocess.exception import RankShouldRestart
@@ -43,6 +44,7 @@ INITIAL_RANK = int(os.environ["RANK"])
 CALLS: list[dict[str, Any]] = []
 HOOK_CALLS: list[dict[str, Any]] = []
 WARMUPS: list[dict[str, Any]] = []
+ABORTS: list[dict[str, Any]] = []
 
 
 def seconds(name: str, default: float) -> datetime.timedelta:
@@ -112,7 +114,7 @@ def inject(kind: str, call_wrapper: CallWrapper) -> None:
             # Only a signal ends the sleep early: the monitor process's stack dump, when this thread takes
             # it; the restart scheduled long before raises then. By now this rank must be counted out of
             # the iteration (it is terminated next), or its arrival completes the restart with it counted in.
-            iteration = iteration_store(call_wrapper.job_store.underlying_store, call_wrapper.iteration)
+            iteration = iteration_store(call_wrapper.job_store.base, call_wrapper.iteration)
             counted_out = INITIAL_RANK in iteration.terminated_ranks()
             with open(os.path.join(OUT, f"woke{INITIAL_RANK}.json"), "w") as file:
                 json.dump({"counted_out": counted_out}, file)
@@ -347,6 +349,17 @@ class RecordHook(Finalize, Completion, Terminate):
         return state
 
 
+class CountedAbort(Abort):
+    """The default abort, each call recorded (the iteration, and the thread that made it) for the report."""
+
+    def __init__(self) -> None:
+        self.inner = AbortTorchDistributed()
+
+    def __call__(self, state: State) -> State:
+        ABORTS.append({"iteration": state.iteration, "thread": threading.current_thread().name})
+        return self.inner(state)
+
+
 def nvidia_hooks() -> dict[str, Any]:
     """NVIDIA 0.4.1's hook forms: the deprecated rank_filter, FaultCounter, completion and terminate."""
     return {
@@ -361,7 +374,7 @@ def nvidia_hooks() -> dict[str, Any]:
 
 def probed_warmup() -> None:
     """The default warm-up, recording when it ran and whether a process group existed then."""
-    from elastic_ft.inprocess.warmup import import_lazy_modules
+    from elastic_ft.inprocess.restart.warmup import import_lazy_modules
     from elastic_ft.runtime.torch_compat import registered_groups
 
     WARMUPS.append({"at": time.time(), "groups": len(registered_groups()), "initialized": dist.is_initialized()})
@@ -374,6 +387,8 @@ def build_wrapper() -> Wrapper:
         hooks["warmup"] = probed_warmup
     if SCENARIO.get("nvidia_hooks"):
         hooks.update(nvidia_hooks())
+    if SCENARIO.get("count_aborts"):
+        hooks["abort"] = CountedAbort()
     if "rank_filter_divisor" in SCENARIO:
         hooks["rank_filter"] = rank_filter.ActiveWorldSizeDivisibleBy(SCENARIO["rank_filter_divisor"])
     for spec in SCENARIO.get("failing_hooks", []):
@@ -432,6 +447,8 @@ def main() -> None:
         wait_for_workers=False,
     )
     record: dict[str, Any] = {"calls": CALLS, "warmups": WARMUPS}
+    if SCENARIO.get("count_aborts"):
+        record["aborts"] = ABORTS
     if SCENARIO.get("nvidia_hooks"):
         record["hooks"] = HOOK_CALLS
     try:

@@ -60,10 +60,10 @@ class InterleavingStore(dist.Store):
 def _job_in_iteration_1(base: InterleavingStore) -> None:
     job = job_store(base)
     job.set_accepts_joiners()
-    job.set(keys.LATEST_ITERATION, "1")
+    job.store.set(keys.LATEST_ITERATION, "1")
     for rank in JOINERS:
         job.register_joiner(rank)
-        job.send_heartbeat(rank)  # ready
+        job.liveness.send_heartbeat(rank)  # ready
 
 
 def _restart_of_iteration_1(base: InterleavingStore) -> None:

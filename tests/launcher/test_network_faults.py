@@ -116,7 +116,7 @@ def _restart_reports(workdir: Path) -> str:
 def _out_of_reach_on_the_faulty_host(workdir: Path) -> int:
     """How many of host 2's ranks a restart could not reach with every connection of theirs released: their
     main thread stayed in a gloo send that was in flight when its connection failed, which gloo never fails
-    before the group's timeout (elastic_ft/inprocess/sockets.py). Their monitor processes replace them."""
+    before the group's timeout (elastic_ft/inprocess/delivery/connections.py). Their monitor processes replace them."""
     return sum(
         log.read_text(errors="replace").count("released every connection of the function")
         for log in workdir.glob(f"host{FAULTY_HOST}-*.log")

@@ -28,7 +28,7 @@ from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.endpoints import parse_endpoints
 from elastic_ft.etcd.event_log import EventLog
 from elastic_ft.keys import RunKeys
-from elastic_ft.observability.events import read_events_file
+from elastic_ft.observability.event_files import read_events_file
 from elastic_ft.runtime.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -45,7 +45,7 @@ def _names(pids: list[int]) -> list[str]:
 def _runs_standby(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            return b"elastic_ft.inprocess.standby_process" in cmdline.read()
+            return b"elastic_ft.inprocess.restart.standby" in cmdline.read()
     except OSError:
         return False
 

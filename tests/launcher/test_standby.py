@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from elastic_ft.etcd.server import EtcdServer
-from elastic_ft.inprocess.standby_process import _may_leave_idle, _parse
+from elastic_ft.inprocess.restart.standby import _may_leave_idle, _parse
 from elastic_ft.launcher.standby import Standby, StandbyKeeper, StandbyPlan, standby_plan
 from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command
 from tests.launcher.test_healing import SCRIPT, events, logs, results, starts_after, stop_once_started, until_stopped
@@ -44,7 +44,7 @@ def test_the_plan_reads_the_commands_torchrun_starts() -> None:
         PYTHON,
         "-u",
         "-m",
-        "elastic_ft.inprocess.standby_process",
+        "elastic_ft.inprocess.restart.standby",
     ]
 
 
@@ -66,7 +66,7 @@ def test_the_plan_says_why_a_standby_cannot_run_a_command(entrypoint: str, args:
 @pytest.mark.parametrize(
     ("line", "error"),
     [
-        (b"[]", "must be a JSON object, got list"),
+        (b"[]", "hand-over is not a JSON object: []"),
         (b'{"env": {"A": 1}, "arguments": [], "script": "s", "stdout": "", "stderr": ""}', "'env', an object of"),
         (b'{"env": {}, "arguments": [1], "script": "s", "stdout": "", "stderr": ""}', "'arguments', a list"),
         (b'{"env": {}, "arguments": [], "script": "s", "module": "m", "stdout": "", "stderr": ""}', "exactly one"),

@@ -119,7 +119,7 @@ def test_a_call_leaves_no_wrapper_or_store_alive_without_a_garbage_collection() 
     report = run(
         """
         import gc
-        from elastic_ft.inprocess.wrapper import CallWrapper
+        from elastic_ft.inprocess.restart.call import CallWrapper
 
         class Unhealthy(inprocess.health_check.HealthCheck):
             def __init__(self, fail_times):

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from elastic_ft.coordination.fault_records import Interruption, group_faults, restart_reporter
-from elastic_ft.observability.events import EVENTS, JobEvent, read_events_file, write_events_file
+from elastic_ft.observability.event_files import read_events_file, write_events_file
+from elastic_ft.observability.events import EVENTS, JobEvent
 from elastic_ft.observability.timeline import build_timeline
 from elastic_ft.untrusted import MalformedRecord
 
@@ -46,14 +47,14 @@ def test_an_event_round_trips_through_json_and_torch() -> None:
     ("document", "expected"),
     [
         ({"name": "no_such_event", "time": 1, "run_id": "r", "source": "agent"}, "unknown event 'no_such_event'"),
-        ({"name": "progress", "time": "now", "run_id": "r", "source": "worker"}, "event time 'now'"),
-        ({"name": "progress", "time": float("inf"), "run_id": "r", "source": "worker"}, "event time inf"),
+        ({"name": "progress", "time": "now", "run_id": "r", "source": "worker"}, "event has time='now'"),
+        ({"name": "progress", "time": float("inf"), "run_id": "r", "source": "worker"}, "event has time=inf"),
         ({"name": "progress", "time": 1, "run_id": "r", "source": "kernel"}, "event source 'kernel'"),
         ({"name": "progress", "time": 1, "run_id": "r", "source": "worker", "rank": -1}, "rank=-1"),
         ({"name": "progress", "time": 1, "run_id": "r", "source": "worker", "rank": True}, "rank=True"),
         ({"name": "progress", "time": 1, "run_id": "r", "source": "worker", "data": {"x": {"y": 1}}}, "data x="),
         ({"name": "progress", "time": 1, "run_id": 7, "source": "worker"}, "must be strings"),
-        ([1, 2], "is a JSON object"),
+        ([1, 2], "is not a JSON object"),
     ],
 )
 def test_a_malformed_event_is_refused_with_what_is_wrong(document: object, expected: str) -> None:

@@ -86,7 +86,7 @@ def test_chunks_of_the_ranks() -> None:
     assert model.placement_from_chunk(raw, 4, "b") is None
     with pytest.raises(MalformedRecord, match="stored under round 5"):
         model.placement_from_chunk(raw, 5, "a")
-    with pytest.raises(MalformedRecord, match="rank must be an integer"):
+    with pytest.raises(MalformedRecord, match="chunk has rank=.x.; expected a whole number"):
         model.placement_from_chunk(b'{"round": 4, "ranks": {"a": ["x", 1]}}', 4, "a")
 
 

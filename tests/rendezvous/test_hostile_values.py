@@ -172,14 +172,14 @@ def test_worker_side_readers_skip_malformed_records() -> None:
 
     from elastic_ft.coordination.job import job_store
     from elastic_ft.inprocess.rank_assignment.exchange import gather_keys
-    from elastic_ft.inprocess.wrapper import _termination_result
+    from elastic_ft.inprocess.restart.call import _termination_result
     from elastic_ft.keys import LEFT, exchange_table
 
     store = dist.HashStore()
     job = job_store(store)
-    job.set(f"{POSITION}0", '{"iteration": "x", "rank": 0, "world_size": 2}')
-    job.set(f"{POSITION}1", "[" * 100_000)
-    job.set(f"{LEFT}1", "not json")
+    job.store.set(f"{POSITION}0", '{"iteration": "x", "rank": 0, "world_size": 2}')
+    job.store.set(f"{POSITION}1", "[" * 100_000)
+    job.store.set(f"{LEFT}1", "not json")
     assert job.position(0) is None and job.position(1) is None
     assert job.left(1) == {"kind": "malformed"}  # it did leave; how is unknown
 
@@ -192,7 +192,7 @@ def test_worker_side_readers_skip_malformed_records() -> None:
     assert terminated('{"world_size": 5, "terminated": [1], "joined": []}') == ()  # another world
     assert _termination_result('{"world_size": 4, "terminated": [], "joined": [9, 9]}', 4).joined == ()
     assert _termination_result('{"world_size": 4, "terminated": [], "joined": [true]}', 4).joined == ()
-    job.set(f"{POSITION}2", '{"iteration": 1, "rank": 0, "world_size": 2, "active": "yes"}')
+    job.store.set(f"{POSITION}2", '{"iteration": 1, "rank": 0, "world_size": 2, "active": "yes"}')
     assert job.position(2) is None
     one_index_5 = base64.b64encode(struct.pack("<2I", 0, 5)).decode()  # an index beyond the distinct keys
     forged = [

@@ -8,7 +8,7 @@ resharding and without reading a checkpoint, on a mesh with one replica less.
 The group's survivors wait as reserve ranks, and when a process arrives (a
 respawned worker, a hot spare) the group is whole again: the new rank takes
 the missing shard's place and heals that shard from another replica's rank
-holding it (:func:`~elastic_ft.inprocess.recovery_plan.plan_recovery`).
+holding it (:func:`~elastic_ft.inprocess.healing.plan.plan_recovery`).
 
 :func:`place_replicas` decides (pure, with its reason), from the shard each
 surviving rank holds (``State.held_shard``), who is active and where;
@@ -42,6 +42,7 @@ from elastic_ft.inprocess.rank_assignment.base import (
 from elastic_ft.inprocess.rank_assignment.exchange import gather_keys
 from elastic_ft.inprocess.state import Mode, State
 from elastic_ft.keys import rank_assignment_exchange
+from elastic_ft.untrusted import json_value
 
 #: A rank's held shard: ``(index, shards)``, shard ``index`` of a model sharded ``shards`` ways.
 Shard = tuple[int, int]
@@ -220,10 +221,7 @@ class ShardedReplicas(RankAssignment):
 
 def _shard_of(text: str) -> Shard | None:
     """A survivor's published held shard (untrusted): ``[index, shards]``, else None (holds nothing usable)."""
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):
-        return None
+    value = json_value(text)
     if (
         isinstance(value, list)
         and len(value) == 2

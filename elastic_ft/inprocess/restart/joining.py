@@ -20,14 +20,15 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from elastic_ft.coordination.barriers import NO_WAIT, await_key
-from elastic_ft.coordination.iteration import IterationView, TerminationResult, iteration_store
+from elastic_ft.coordination.iteration import IterationView, iteration_store
 from elastic_ft.coordination.job import JOINER_ACTIVITY_LIMIT, WITHDRAWN, JobView
-from elastic_ft.inprocess.bounds import restart_bound, unless_unreachable
+from elastic_ft.coordination.termination import TerminationResult
 from elastic_ft.inprocess.exception import BarrierTimeout, InternalError
-from elastic_ft.inprocess.growth import joiner_state
-from elastic_ft.inprocess.logs import get_logger
-from elastic_ft.inprocess.monitor_process import MonitorProcess
-from elastic_ft.inprocess.recovery_phases import RecoveryClock
+from elastic_ft.inprocess.hangs.monitor import MonitorProcess
+from elastic_ft.inprocess.restart.bounds import restart_bound, unless_unreachable
+from elastic_ft.inprocess.restart.growth import joiner_state
+from elastic_ft.inprocess.restart.logs import get_logger
+from elastic_ft.inprocess.restart.phases import RecoveryClock
 from elastic_ft.inprocess.state import State
 from elastic_ft.keys import ADMITTED, EXIT_BARRIER, FTRUN_NEXT_RANK, INITIAL_BARRIER, parse_count
 from elastic_ft.observability import sink as event_sink
@@ -110,7 +111,9 @@ class Joining:
         and waits to be reported active before a restart takes it.
         """
         job = self._job
-        if not poll(unless_unreachable(lambda: job.last_activity(initial_rank) is not None), JOINER_ACTIVITY_LIMIT):
+        if not poll(
+            unless_unreachable(lambda: job.liveness.last_activity(initial_rank) is not None), JOINER_ACTIVITY_LIMIT
+        ):
             log.warning("initial rank %d: no heartbeat from the monitor process yet; registering anyway", initial_rank)
         board = self._board
         if board is not None and not board.may_join():
@@ -142,7 +145,9 @@ class Joining:
             return admission is not None or job.finished()
 
         # For as long as the job runs, etcd away included; on a watch of its admission where the store has one.
-        await_key(job, f"{ADMITTED}{initial_rank}", unless_unreachable(admitted_or_finished), poll_interval=JOIN_POLL)
+        await_key(
+            job.store, f"{ADMITTED}{initial_rank}", unless_unreachable(admitted_or_finished), poll_interval=JOIN_POLL
+        )
         if not admitted:
             return None
         admission = admitted[0]

@@ -2,7 +2,7 @@
 
 Freeing a gloo process group joins its worker threads. A thread still
 inside a collective of the interrupted iteration normally fails at once on
-the released connections (:mod:`elastic_ft.inprocess.sockets`), but a
+the released connections (:mod:`elastic_ft.inprocess.delivery.connections`), but a
 send gloo was writing when its connection failed waits for the group's
 timeout (30 minutes by default) with no socket left (gloo fails every
 other operation of the connection, not that one); the destructor then
@@ -46,8 +46,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from elastic_ft.inprocess.logs import get_logger
-from elastic_ft.runtime.torch_compat import group_backend, registered_groups
+from elastic_ft.inprocess.restart.logs import get_logger
+from elastic_ft.runtime.torch_compat import forget_group_numbers, group_backend, registered_groups
 
 log = get_logger("process_groups")
 
@@ -154,6 +154,18 @@ class ProcessGroupKeeper:
         for release in self._releases:
             release.done.wait(max(0.0, deadline - time.monotonic()))
         self._report_slow_releases()
+
+    def unregister(self) -> None:
+        """The function unwound from an interrupted iteration: destroy the process groups it left registered, and
+        forget the number an ``init_process_group`` interrupted before it registered its group took.
+
+        The Wrapper's own step, whatever ``abort`` the user gave: the next
+        iteration's ``init_process_group`` starts from an empty registry. The
+        gloo groups retired stay held here until a later :meth:`release`.
+        """
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        forget_group_numbers()
 
     def forget(self) -> None:
         """The iteration completed: its groups are freed as usual."""

@@ -7,7 +7,7 @@ lets no step commit while the node's fence is down, lands a planned restart
 at the step boundary the ranks agreed on, counts the step, times it for the
 adaptive timeouts, and records the iteration's first progress and the end
 of a recovery. ``atomic()`` and ``ping()`` are the same gate for code the
-user marks. The decisions are :mod:`elastic_ft.inprocess.step_gate`'s.
+user marks. The decisions are :mod:`elastic_ft.inprocess.steps.decisions`'s.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from elastic_ft.coordination.iteration import INTERRUPTED, IterationView
 from elastic_ft.etcd.outage import OUTAGES, bounded
 from elastic_ft.inprocess.exception import Fenced, InternalError
-from elastic_ft.inprocess.logs import get_logger
-from elastic_ft.inprocess.monitor_thread import MonitorThread
-from elastic_ft.inprocess.progress_watchdog import StepClock
-from elastic_ft.inprocess.recovery_phases import RecoveryClock
+from elastic_ft.inprocess.hangs.heartbeats import StepClock
+from elastic_ft.inprocess.restart.logs import get_logger
+from elastic_ft.inprocess.restart.phases import RecoveryClock
 from elastic_ft.inprocess.state import State
-from elastic_ft.inprocess.step_gate import Fence, fence_verdict, planned_restart_step, training_step
+from elastic_ft.inprocess.steps.decisions import Fence, fence_verdict, planned_restart_step, training_step
 from elastic_ft.observability import sink as event_sink
 from elastic_ft.runtime.local_board import LocalBoard
 from elastic_ft.runtime.waits import poll
@@ -82,15 +81,16 @@ class StepGate:
         self._hooks: list[Any] = []
         #: Levels of ``atomic_lock`` the main thread holds for optimizer steps under way.
         self._lock_depth = 0
-        #: Whether each optimizer step under way counts as a training step (``step_gate.training_step``).
+        #: Whether each optimizer step under way counts as a training step (``steps.decisions.training_step``).
         self._counted: list[bool] = []
         # The current iteration's: its state, its store view, whether its progress is recorded, the generation of
-        # the node's lease it began under, its monitor thread and its planned restart's step boundary once agreed.
+        # the node's lease it began under, whether its monitor thread plans a restart, and that restart's step
+        # boundary once agreed.
         self._store: IterationView | None = None
         self._progress_marked = False
         self._steps_this_iteration = 0
         self._fence_generation = 0
-        self._monitor: MonitorThread | None = None
+        self._restart_planned: threading.Event | None = None
         self._restart_step: int | None = None
 
     # ---- the call and its iterations ----
@@ -103,21 +103,19 @@ class StepGate:
         ]
 
     def remove(self) -> None:
-        """Unhook the optimizers, and forget the last iteration (its monitor thread holds the call's methods)."""
+        """Unhook the optimizers, and forget the last iteration."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        self._store, self._monitor = None, None
+        self._store, self._restart_planned = None, None
 
-    def begin_iteration(self, state: State, store: IterationView) -> None:
-        """An iteration starts: its progress is not recorded yet, and it runs under the node's lease of now."""
+    def begin_iteration(self, state: State, store: IterationView, restart_planned: threading.Event) -> None:
+        """An iteration starts: its progress is not recorded yet, it runs under the node's lease of now, and a
+        restart its monitor thread plans (``restart_planned``) lands at a step boundary agreed anew."""
         self._state, self._store, self._progress_marked = state, store, False
         self._steps_this_iteration = 0
         self._fence_generation = self._board.generation() if self._board is not None else 0
-
-    def watched_by(self, monitor: MonitorThread) -> None:
-        """The iteration's monitor thread: a restart it plans lands at a step boundary agreed anew."""
-        self._monitor, self._restart_step = monitor, None
+        self._restart_planned, self._restart_step = restart_planned, None
 
     # ---- optimizer steps ----
 
@@ -177,8 +175,8 @@ class StepGate:
         an interruption and waits here for its restart. A rank that never
         reaches it is interrupted as usual after the monitor thread's bound.
         """
-        monitor, store = self._monitor, self._store
-        if monitor is None or store is None or not monitor.restart_planned.is_set():
+        planned, store = self._restart_planned, self._store
+        if planned is None or store is None or not planned.is_set():
             return
         done = self._steps.steps_in_iteration
         if self._restart_step is None:
@@ -250,7 +248,7 @@ class StepGate:
     # ---- what the user marks ----
 
     def ping(self) -> None:
-        """A step reported by hand (see :meth:`elastic_ft.inprocess.wrapper.CallWrapper.ping`)."""
+        """A step reported by hand (see :meth:`elastic_ft.inprocess.restart.call.CallWrapper.ping`)."""
         self._ping_watchdog()
         self._steps.step()
         if not self._progress_marked and self._state.active_rank == 0:

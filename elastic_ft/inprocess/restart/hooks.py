@@ -2,7 +2,7 @@
 
 :class:`RankHooks` runs, for the Wrapper, the steps of a restart that touch
 the rank's own process: the release of the failed iteration's gloo
-connections (:mod:`elastic_ft.inprocess.sockets`), which is what unblocks
+connections (:mod:`elastic_ft.inprocess.delivery.connections`), which is what unblocks
 a collective waiting for a lost peer, and the user's ``abort``,
 ``health_check``, ``completion`` and ``terminate`` hooks, each with the
 consequence NVIDIA's Wrapper gives its failure. A rank that must leave the
@@ -20,12 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from elastic_ft.inprocess.exception import HealthCheckError
-from elastic_ft.inprocess.logs import get_logger
-from elastic_ft.inprocess.monitor_process import STACK_DUMP_SIGNAL
-from elastic_ft.inprocess.monitor_thread import InterruptSignal
-from elastic_ft.inprocess.process_groups import ProcessGroupKeeper
-from elastic_ft.inprocess.sockets import (
+from elastic_ft.inprocess.delivery.connections import (
     close_inherited_in_child,
     established_connections,
     gloo_listeners,
@@ -33,8 +28,13 @@ from elastic_ft.inprocess.sockets import (
     tcp_sockets,
     unblock_listeners,
 )
+from elastic_ft.inprocess.delivery.interrupt import InterruptSignal
+from elastic_ft.inprocess.delivery.process_groups import ProcessGroupKeeper
+from elastic_ft.inprocess.exception import HealthCheckError
+from elastic_ft.inprocess.hangs.monitor import STACK_DUMP_SIGNAL
+from elastic_ft.inprocess.restart.logs import get_logger
 from elastic_ft.inprocess.state import Mode, State
-from elastic_ft.inprocess.steps import StepGate
+from elastic_ft.inprocess.steps.gate import StepGate
 
 log = get_logger("wrapper")
 
@@ -98,7 +98,7 @@ class RankHooks:
         return established_connections(self.socket_baseline)
 
     def abort(self, state: State) -> None:
-        """Release the function's connections, then the ``abort`` hook (idempotent; the monitor thread ran both)."""
+        """Release the function's connections, then the ``abort`` hook (once per restart: ``Unwinding`` calls it)."""
         try:
             self.release_connections(state)
         except Exception:

@@ -1,11 +1,11 @@
-"""The warm standby process (``python -m elastic_ft.inprocess.standby_process``): warm, wait, then run a script.
+"""The warm standby process (``python -m elastic_ft.inprocess.restart.standby``): warm, wait, then run a script.
 
 Started by ``ftrun``'s agent (``elastic_ft.launcher.standby.Standby``)
 with the interpreter options of its workers. It imports what every worker
 imports first (torch, ``torch.distributed``, elastic-ft's Wrapper and the
 etcd store it connects to under ``ftrun``, with gRPC), runs the
 Wrapper's default warm-up
-(:func:`elastic_ft.inprocess.warmup.import_lazy_modules`: ``torch._dynamo``
+(:func:`elastic_ft.inprocess.restart.warmup.import_lazy_modules`: ``torch._dynamo``
 through a throwaway optimizer, distributed checkpointing), says ``ready`` on
 its status pipe, and blocks on stdin.
 
@@ -37,15 +37,15 @@ when a module is imported takes the value torch's workers of the node get
 from __future__ import annotations
 
 import errno
-import json
 import os
 import runpy
 import sys
 import threading
-import time
 from typing import Any
 
 from elastic_ft.handoff import STANDBY_READY, STANDBY_STATUS_FD_ENV
+from elastic_ft.runtime.waits import pause
+from elastic_ft.untrusted import json_document
 
 
 def _warm() -> None:
@@ -58,7 +58,7 @@ def _warm() -> None:
     import elastic_ft.etcd.node_relay  # the node relay's client
     import elastic_ft.etcd.store  # the Wrapper's default store under ftrun: gRPC, etcd's API
     import elastic_ft.inprocess.wrapper  # noqa: F401 (the Wrapper and what it imports)
-    from elastic_ft.inprocess.warmup import import_lazy_modules
+    from elastic_ft.inprocess.restart.warmup import import_lazy_modules
 
     import_lazy_modules()
 
@@ -108,7 +108,7 @@ def _set_session_nice(nice: int) -> bool:
         except OSError as error:
             if error.errno != errno.EAGAIN:
                 return False
-            time.sleep(0.11)
+            pause(0.11)
     return False
 
 
@@ -151,9 +151,7 @@ def _redirect(path: str, fd: int) -> None:
 
 def _parse(line: bytes) -> dict[str, Any]:
     """The agent's hand-over, checked: every field of the expected type."""
-    message = json.loads(line)
-    if not isinstance(message, dict):
-        raise TypeError(f"a standby's hand-over must be a JSON object, got {type(message).__name__}")
+    message = json_document(line, "a standby's hand-over")
     env, arguments = message.get("env"), message.get("arguments")
     script, module = message.get("script"), message.get("module")
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):

@@ -216,7 +216,7 @@ class RankActivity:
     threads_silent_for: float  # since any of its Python threads last ran (the GIL held throughout)
     restart_pending_for: float = 0.0  # since a restart started that the main thread has not taken (0: none)
     #: Since the rank last resent data the network lost on a TCP connection (a lossy link retransmitting is
-    #: slow, not hung: :func:`elastic_ft.inprocess.sockets.resending_lost_data`).
+    #: slow, not hung: :func:`elastic_ft.inprocess.delivery.connections.resending_lost_data`).
     network_idle_for: float = math.inf
 
     @property
@@ -423,6 +423,18 @@ def _adaptive_verdict(
                 f"({'warm-up ' if timeouts.warming_up else ''}hard {timeouts.hard:.1f} s)",
             )
         return StallVerdict(StallAction.NONE)
+    return _peers_verdict(rank, timeouts, peers_inactive_for, peer_overdue_for, peer_notice_pending)
+
+
+def _peers_verdict(
+    rank: RankActivity,
+    timeouts: Timeouts,
+    peers_inactive_for: float | None,
+    peer_overdue_for: float | None,
+    peer_notice_pending: bool,
+) -> StallVerdict:
+    """An inactive rank with no restart asked for: a restart, unless its peers' activity says it may wait for a
+    slow peer, or is not known yet."""
     if peers_inactive_for is not None and peers_inactive_for < timeouts.soft:
         return StallVerdict(
             StallAction.NONE,

@@ -7,7 +7,7 @@ whether the main thread executed bytecode (a pending call) and sends a
 :meth:`ProgressWatchdog.ping`) with ``connection.send_timestamp``. Code
 written against it (NVIDIA's tests, a monitor of one's own) runs unchanged
 here. The Wrapper does not use it: its heartbeat is
-:class:`elastic_ft.inprocess.progress_watchdog.HeartbeatWatchdog`, which
+:class:`elastic_ft.inprocess.hangs.heartbeats.HeartbeatWatchdog`, which
 shares its timestamps with the monitor process through memory instead of
 messages.
 
@@ -30,8 +30,9 @@ import time
 from datetime import timedelta
 from typing import Protocol
 
+from elastic_ft.inprocess.delivery.main_thread import separate_probe
 from elastic_ft.inprocess.exception import InternalError
-from elastic_ft.inprocess.main_thread import separate_probe
+from elastic_ft.runtime.waits import pause
 
 
 @dataclasses.dataclass
@@ -143,7 +144,7 @@ class ProgressWatchdog(threading.Thread):
         self._pause_requested.clear()
         self._wake.set()
         while self._paused.is_set() and self.is_alive():
-            time.sleep(sys.getswitchinterval())
+            pause(sys.getswitchinterval())
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Pause (sending one last timestamp), stop the thread and join it; nothing to do if it is not running.

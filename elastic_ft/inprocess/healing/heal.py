@@ -7,7 +7,7 @@ the start of every iteration after the first:
    it holds the world's state at all) in the iteration's store, and meets
    the other active ranks at the heal barrier, whose result lists everyone's
    progress (one read per rank, whatever the world size);
-2. computes the :func:`~elastic_ft.inprocess.recovery_plan.plan_recovery`
+2. computes the :func:`~elastic_ft.inprocess.healing.plan.plan_recovery`
    every rank computes from the same records;
 3. if it sends, calls ``state_dict()`` and streams it to its receivers; if
    it receives, receives the state, checks every tensor's checksum, and only
@@ -18,7 +18,7 @@ from the iteration's store (so no rank hosts anything, and transfers from
 different senders run in parallel). It is created after the iteration's
 socket baseline, so a restart cuts its connections like the function's own,
 and if the iteration is interrupted it is freed one restart later, like
-the function's groups (:mod:`elastic_ft.inprocess.process_groups`). A transfer that fails is an
+the function's groups (:mod:`elastic_ft.inprocess.delivery.process_groups`). A transfer that fails is an
 ordinary fault: the iteration restarts and the plan is computed afresh. A
 ``load_state_dict`` that raises is not: the rank's state may be half loaded,
 so it leaves the job with :class:`~elastic_ft.inprocess.exception.HealingError`
@@ -29,7 +29,6 @@ restart would only call it again).
 from __future__ import annotations
 
 import datetime
-import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,12 +39,13 @@ import torch.distributed as dist
 
 from elastic_ft import keys
 from elastic_ft.coordination.iteration import IterationView
+from elastic_ft.inprocess.delivery.process_groups import ProcessGroupKeeper
 from elastic_ft.inprocess.exception import HealingError, StateTransferError
-from elastic_ft.inprocess.logs import get_logger
-from elastic_ft.inprocess.process_groups import ProcessGroupKeeper
-from elastic_ft.inprocess.recovery_plan import RankProgress, RecoveryPlan, plan_recovery
-from elastic_ft.inprocess.state_transfer import Received, receive_state, run_interruptibly, send_state
+from elastic_ft.inprocess.healing.plan import RankProgress, RecoveryPlan, plan_recovery
+from elastic_ft.inprocess.healing.transfer import Received, receive_state, run_interruptibly, send_state
+from elastic_ft.inprocess.restart.logs import get_logger
 from elastic_ft.keys import HEAL_BARRIER
+from elastic_ft.untrusted import json_value
 
 log = get_logger("healing")
 
@@ -68,10 +68,7 @@ class HealResult:
 
 def parse_progress(payload: str | bytes | None, world_size: int) -> list[RankProgress]:
     """The heal barrier's result (untrusted): one record per active rank, in rank order."""
-    try:
-        records = json.loads(payload) if payload else None
-    except (ValueError, RecursionError):
-        records = None
+    records = json_value(payload or None)
     if not isinstance(records, list) or len(records) != world_size:
         raise StateTransferError(f"the heal barrier's result is not {world_size} progress records: {payload!r:.120}")
     progress = []
@@ -121,14 +118,16 @@ def _transfer_group(
     finished and freed its group would otherwise close its connections
     under another receiver still connecting (which then fails with
     "Connection closed by peer"). The group connects in a helper thread
-    (:func:`~elastic_ft.inprocess.state_transfer.run_interruptibly`), so a
+    (:func:`~elastic_ft.inprocess.healing.transfer.run_interruptibly`), so a
     restart reaches this thread while a connect to an unreachable peer
     waits.
     """
     member = members.index(active_rank)
 
     def connect() -> Any:
-        group = dist.ProcessGroupGloo(dist.PrefixStore(keys.heal_group(sender), store), member, len(members), timeout)
+        group = dist.ProcessGroupGloo(
+            dist.PrefixStore(keys.heal_group(sender), store.store), member, len(members), timeout
+        )
         keeper.track(group)
         return group
 
@@ -162,7 +161,7 @@ def heal(
 
     ``shard``: the shard this rank's state holds; ``shards``: the mesh's
     shard dimension this iteration (a sharded model, see
-    :mod:`~elastic_ft.inprocess.recovery_plan`).
+    :mod:`~elastic_ft.inprocess.healing.plan`).
 
     Raises:
         StateTransferError: the exchange or a transfer failed (the iteration restarts).

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 from elastic_ft.coordination.errors import BarrierTimeout
 from elastic_ft.etcd.outage import bounded
-from elastic_ft.inprocess.logs import get_logger
+from elastic_ft.inprocess.restart.logs import get_logger
 
 log = get_logger("wrapper")
 

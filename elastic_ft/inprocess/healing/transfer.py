@@ -42,7 +42,7 @@ import google_crc32c
 import torch
 
 from elastic_ft.inprocess.exception import StateTransferError
-from elastic_ft.untrusted import is_count
+from elastic_ft.untrusted import is_count, json_object
 
 T = TypeVar("T")
 
@@ -198,11 +198,10 @@ class Header:
     @classmethod
     def from_bytes(cls, data: bytes) -> Header:
         """Decode and check a header (untrusted): every field of the right type and range."""
-        try:
-            document = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise StateTransferError(f"the state's header is not JSON: {error}") from None
-        if not isinstance(document, dict) or document.get("format") != FORMAT:
+        document = json_object(data)
+        if document is None:
+            raise StateTransferError(f"the state's header is not JSON: {data[:80]!r}")
+        if document.get("format") != FORMAT:
             raise StateTransferError(f"expected a state header of format {FORMAT}, got {str(document)[:80]!r}")
         step, chunk, specs = document.get("step"), document.get("chunk_bytes"), document.get("tensors")
         small = document.get("small_bytes")

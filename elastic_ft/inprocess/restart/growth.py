@@ -1,7 +1,7 @@
 """Growing the Wrapper's world between iterations: the states a rank assignment starts from.
 
 At a restart the termination barrier publishes a
-:class:`~elastic_ft.coordination.iteration.TerminationResult`: the ranks that left
+:class:`~elastic_ft.coordination.termination.TerminationResult`: the ranks that left
 and the joiners admitted (respawned processes, in admission order). Before
 the rank assignment runs, the world grows by the joiners: they take ranks
 ``world_size, world_size + 1, ...`` as reserve ranks, and every rank, old or
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from elastic_ft.coordination.iteration import TerminationResult
+from elastic_ft.coordination.termination import TerminationResult
 from elastic_ft.inprocess.state import Mode, State
 
 

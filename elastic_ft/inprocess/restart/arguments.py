@@ -13,7 +13,7 @@ import signal
 from typing import Any
 
 from elastic_ft.handoff import job_config_from_env
-from elastic_ft.inprocess.hang_detection import AdaptiveTimeouts
+from elastic_ft.inprocess.hangs.verdicts import AdaptiveTimeouts
 from elastic_ft.inprocess.rank_assignment.from_config import policy_from_config
 from elastic_ft.timeouts import MAX_SECONDS, MAY_BE_ZERO, WRAPPER_DEFAULTS, WRAPPER_ORDER
 

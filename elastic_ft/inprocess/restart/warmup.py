@@ -23,10 +23,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from elastic_ft.inprocess.logs import get_logger
+from elastic_ft.inprocess.restart.logs import get_logger
 from elastic_ft.runtime.torch_compat import registered_groups
 
-log = get_logger(__name__)
+log = get_logger("warmup")
 
 _lock = threading.Lock()
 _warmed = False

@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 
 from elastic_ft.coordination.fault_records import give_up, group_faults, restart_cause, restart_reporter
-from elastic_ft.coordination.iteration import IterationView, TerminationResult
+from elastic_ft.coordination.iteration import IterationView
+from elastic_ft.coordination.termination import TerminationResult
 from elastic_ft.inprocess.exception import RestartLimitError
-from elastic_ft.inprocess.logs import get_logger
+from elastic_ft.inprocess.restart.logs import get_logger
 from elastic_ft.inprocess.state import State
 from elastic_ft.observability import sink as event_sink
 

@@ -4,7 +4,7 @@ Under ``ftrun`` the agent hands its workers an ``ELASTIC_FT_EVENTS``
 hand-off (:class:`~elastic_ft.observability.sink.EventsHandoff`). The events
 travel over the store's own etcd connection: one the rank opened later
 would be taken for the wrapped function's and cut at every restart
-(:mod:`elastic_ft.inprocess.sockets`).
+(:mod:`elastic_ft.inprocess.delivery.connections`).
 """
 
 from __future__ import annotations

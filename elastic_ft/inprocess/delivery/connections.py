@@ -57,7 +57,7 @@ import struct
 import sys
 from dataclasses import dataclass
 
-from elastic_ft.inprocess.logs import get_logger
+from elastic_ft.inprocess.restart.logs import get_logger
 
 log = get_logger("sockets")
 
