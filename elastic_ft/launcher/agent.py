@@ -540,7 +540,7 @@ class FtAgent(LocalElasticAgent):
         if changed:
             self._publish_node_record(worker_group)
 
-    def _retire(self, store: JobView, local_rank: int, initial_rank: int) -> WorkerExit:
+    def _retire(self, store: EtcdStore, local_rank: int, initial_rank: int) -> WorkerExit:
         """Stop a respawned process the job completed without (:func:`retire_joiner`): SIGTERM, SIGKILL if it lingers."""
         handler = self._subprocesses().subprocess_handlers[local_rank]
         process = handler.proc
@@ -554,7 +554,7 @@ class FtAgent(LocalElasticAgent):
         record = ExitRecord(
             self._handler.node, process.pid, -signal.SIGKILL if exitcode is None else exitcode, WorkerExit.RETIRED.value
         )
-        store.store.set(f"{FTRUN_EXITS}{initial_rank}", record.to_json())
+        store.set(f"{FTRUN_EXITS}{initial_rank}", record.to_json())
         self._exits[local_rank] = (WorkerExit.RETIRED, None)
         return WorkerExit.RETIRED
 
