@@ -166,7 +166,7 @@ def test_status_shows_a_restart_in_progress(etcd: EtcdServer, etcd_client: EtcdC
         iteration.set_initial_rank(rank, initial)
     assert _restart_in_progress(etcd_client, prefix, 2) is None  # nothing interrupted yet
     iteration.record_interruption(2, "soft_timeout", "inactive for 1.6 s")
-    iteration.append("interruptions", '{"rank": 1e400, "kind": 5}\nnot json\n')  # corrupt: skipped, not fatal
+    iteration.store.append("interruptions", '{"rank": 1e400, "kind": 5}\nnot json\n')  # corrupt: skipped, not fatal
     iteration.arrive_and_wait(TERMINATION_BARRIER, [0, 1], 3, NO_WAIT)
     restart = _restart_in_progress(etcd_client, prefix, 2)
     assert restart is not None

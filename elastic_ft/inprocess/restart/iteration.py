@@ -13,8 +13,9 @@ interrupted as this rank completed it; or the rank leaves the job. Each
 way calls :meth:`Iteration.unwind`, which does the same steps in the same
 order, once: the main thread is taken out of the optimizer steps, the
 monitor thread delivers nothing more, the heartbeats stop, the connections
-are released and ``abort`` runs, and the process groups the function left
-are destroyed. Two of those steps, releasing the iteration's connections and
+are released (again, if the monitor thread released them first: the
+function may have connected more since) and ``abort`` runs, and the process
+groups the function left are destroyed. Two of those steps, releasing the iteration's connections and
 the user's ``abort``, the monitor thread may have run already, as it
 started the restart (they are what unblocks a main thread stuck in a
 collective): :class:`Unwinding` runs them once per iteration, by whichever
@@ -81,6 +82,13 @@ class Unwinding:
 
     def release_everything(self) -> int:
         return self._hooks.release_connections(self._state, everything=True)
+
+    def release_again(self) -> None:
+        """Release what the function connected since the first release (the Wrapper's own step: no ``abort``)."""
+        try:
+            self._hooks.release_connections(self._state)
+        except Exception:
+            log.exception("rank %s: releasing connections failed", self._state.rank)
 
     def connections_open(self) -> int | None:
         return self._hooks.connections_open()
@@ -166,8 +174,10 @@ class Iteration:
         self.monitor.hold()
         self.parts.watchdog.reset()  # pings stop by design while the Wrapper's code runs (RankHooks)
         # The iteration is lost: its connections are cut here, before the frames a traceback holds (and their
-        # process groups) can be freed.
+        # process groups) can be freed; and again if the monitor thread cut them first, since the function may
+        # have connected more (a group it was building) before the restart reached it.
         self.unwinding.release_and_abort()
+        self.unwinding.release_again()
         # Whichever thread ran ``abort``, the function has unwound now: what it left registered goes.
         self.unwinding.unregister_groups()
 
