@@ -196,19 +196,16 @@ def _watch(launcher: int, token: str) -> None:
     while pidfd is not None:
         readable, _, _ = select.select([pidfd, stdin], [], [])
         if pidfd in readable:
+            # Dead: what it wrote before it died may still wait in the pipe (a busy host runs the reaper late).
+            os.set_blocking(stdin, False)
+            with contextlib.suppress(BlockingIOError, OSError):
+                while chunk := os.read(stdin, 4096):
+                    buffer = _take_tasks(buffer + chunk, tasks)
             break
         chunk = os.read(stdin, 4096)
         if not chunk:
             break  # the launcher's end closed: it exited
-        buffer += chunk
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            task = line.decode(errors="replace")
-            if task.startswith("forget "):
-                with contextlib.suppress(ValueError):
-                    tasks.remove(task.removeprefix("forget "))
-            elif task.startswith(("rmtree ", "run ")):
-                tasks.append(task)
+        buffer = _take_tasks(buffer + chunk, tasks)
     killed = kill_marked(token)
     # A SIGKILLed process finishes the system call it is in: an etcd member may still create a file in the
     # directory being removed, which then stays. Its directories go once it is gone.
@@ -222,6 +219,19 @@ def _watch(launcher: int, token: str) -> None:
         else:
             with contextlib.suppress(OSError):
                 os.unlink(argument)
+
+
+def _take_tasks(buffer: bytes, tasks: list[str]) -> bytes:
+    """Add the whole lines of ``buffer`` to ``tasks`` (a ``forget`` line takes one back); returns the rest."""
+    *lines, rest = buffer.split(b"\n")
+    for line in lines:
+        task = line.decode(errors="replace")
+        if task.startswith("forget "):
+            with contextlib.suppress(ValueError):
+                tasks.remove(task.removeprefix("forget "))
+        elif task.startswith(("rmtree ", "run ")):
+            tasks.append(task)
+    return rest
 
 
 def _run_command(encoded: str) -> None:

@@ -226,3 +226,31 @@ def test_a_path_holding_a_newline_is_refused_before_anything_is_sent_to_the_reap
     reaper = Reaper(NoPipe(), "1:token")  # type: ignore[arg-type]  # a stand-in with no pipe at all
     with pytest.raises(ValueError, match="holds a newline"):
         reaper.remove_on_exit('/tmp/a\nrun ["rm"]')
+
+
+def test_the_reaper_takes_the_tasks_a_launcher_wrote_just_before_it_died(tmp_path: Path) -> None:
+    """A busy host may run the reaper only after its launcher died: the tasks still waiting in the pipe are run
+    all the same (the reaper is stopped while they are written and the launcher is killed, so it wakes to both)."""
+    launcher = subprocess.Popen(["sleep", "600"])
+    reaper = subprocess.Popen(
+        [sys.executable, "-m", "elastic_ft.runtime.reaper", str(launcher.pid), "no-such-token"],
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+    )
+    ran, kept = tmp_path / "ran", tmp_path / "kept"
+    kept.mkdir()
+    try:
+        time.sleep(0.5)  # the reaper waits on the launcher by now
+        os.kill(reaper.pid, signal.SIGSTOP)
+        assert reaper.stdin is not None
+        reaper.stdin.write(f"run {json.dumps(['touch', str(ran)])}\nrmtree {kept}\n".encode())
+        reaper.stdin.flush()
+        launcher.kill()
+        launcher.wait()
+        os.kill(reaper.pid, signal.SIGCONT)
+        assert reaper.wait(20) == 0
+        assert ran.exists() and not kept.exists()
+    finally:
+        for process in (launcher, reaper):
+            if process.poll() is None:
+                process.kill()
