@@ -56,6 +56,14 @@ def test_exception_on_one_rank_restarts_all_ranks(tmp_path: Path) -> None:
     assert outcomes[1].report["calls"][0]["fault"] == "raise"
 
 
+def test_a_job_under_a_profiler_restarts(tmp_path: Path) -> None:
+    """A withdrawn restart left CPython 3.11 looping at the next profiled call (cProfile, coverage, a debugger)."""
+    outcomes = job({"faults": [fault(1, "raise")], "profiled": True}, 3, tmp_path)
+    for rank, outcome in enumerate(outcomes):
+        assert_finished(outcome, iteration=1, rank=rank, world_size=3)
+        assert outcome.report["profiled_calls"][0] > 0, details()
+
+
 @pytest.mark.parametrize("kind", ["raise", "sigkill"])
 def test_the_users_abort_runs_once_per_restart_on_every_rank(tmp_path: Path, kind: str) -> None:
     """As NVIDIA's Wrapper does: once per restart per rank, whichever thread unwinds first (the rank that raised

@@ -447,6 +447,15 @@ def main() -> None:
         wait_for_workers=False,
     )
     record: dict[str, Any] = {"calls": CALLS, "warmups": WARMUPS}
+    if SCENARIO.get("profiled"):
+        profiled_calls = [0]
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            if event == "call":
+                profiled_calls[0] += 1
+
+        sys.setprofile(profile)  # the main thread's, as cProfile sets it
+        record["profiled_calls"] = profiled_calls
     if SCENARIO.get("count_aborts"):
         record["aborts"] = ABORTS
     if SCENARIO.get("nvidia_hooks"):

@@ -46,9 +46,35 @@ def raise_in_main_thread(exc_type: type[BaseException]) -> None:
         raise RuntimeError("could not schedule an asynchronous exception in the main thread")
 
 
+class _Withdrawn(BaseException):
+    """Scheduled in place of a withdrawn exception and caught at once (:func:`clear_main_thread_pending_exception`)."""
+
+
 def clear_main_thread_pending_exception() -> None:
-    """Drop an asynchronous exception scheduled for the main thread but not yet raised."""
-    _clear_async_exc(_main_thread_ident(), None)
+    """Drop an asynchronous exception scheduled for the main thread but not yet raised.
+
+    Clearing it (``PyThreadState_SetAsyncExc`` with NULL) is not enough on
+    CPython 3.11: the interpreter keeps its "asynchronous exception pending"
+    flag set until one is raised, and while a profiler or a tracer is active
+    (cProfile, coverage, a debugger, ``torch.profiler`` with stacks) the
+    next Python function call then loops forever at its entry. So, called
+    from the main thread, a :class:`_Withdrawn` takes the dropped
+    exception's place and is raised and caught here, which lowers the flag
+    on every version. Only the main thread can do that, so only it may call this.
+    """
+    ident = _main_thread_ident()
+    if threading.get_ident() != ident:
+        raise RuntimeError("clear_main_thread_pending_exception must be called from the main thread")
+    try:
+        _set_async_exc(ident, _Withdrawn)  # replaces the pending one, if any
+        while True:  # the interpreter checks for it at the loop's jump back
+            pass
+    except _Withdrawn:
+        return
+    except BaseException:
+        # Something else was raised first (a signal handler's restart): withdraw ours, raise that.
+        _clear_async_exc(ident, None)
+        raise
 
 
 def async_raise(tid: int, exc_type: type[BaseException], event: threading.Event | None = None) -> None:
