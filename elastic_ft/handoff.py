@@ -13,6 +13,14 @@ Three variables, each JSON, encoded and decoded here only:
                            are hot spares' reserve ranks), and whether the
                            process joins a running world (a respawned worker)
 
+A replicated job (:mod:`elastic_ft.replicas`) finds etcd in ``ELASTIC_FT_STORE``
+under ``ftrun``, or, with one launcher per replica group (TorchFT's way, a
+``torchrun`` each), in two variables of its own (:class:`ReplicaHandoff`)::
+
+``ELASTIC_FT_ETCD_ENDPOINTS``  host:port[,host:port...] of the etcd servers
+``ELASTIC_FT_RUN_ID``          the job's name: every replica group of the job gives the same
+``ELASTIC_FT_ETCD_PREFIX``     optional, the key prefix (``/elastic_ft``, as ``--rdzv-conf``'s)
+
 Decoding checks every field and raises a ``ValueError`` naming the variable
 and the problem; nothing here touches etcd or torch.
 """
@@ -21,11 +29,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_ft.etcd.endpoints import EndpointError, EtcdCredentials, EtcdEndpoint, TlsFiles, parse_endpoints
 from elastic_ft.job_config import JobConfig, JobConfigError, parse_stored_job_config
+from elastic_ft.keys import RunKeys, run_root_of_round_store
 from elastic_ft.timeouts import check_seconds
 from elastic_ft.untrusted import json_document, json_object
 
@@ -36,6 +45,10 @@ WORKER_ENV = "ELASTIC_FT_WORKER"
 #: (:mod:`elastic_ft.launcher.standby`) starts: the module it runs, named here so that the node side starts it
 #: without importing the worker side; the variable naming its status pipe's write end; what it writes there once
 #: warm.
+ETCD_ENDPOINTS_ENV = "ELASTIC_FT_ETCD_ENDPOINTS"
+RUN_ID_ENV = "ELASTIC_FT_RUN_ID"
+ETCD_PREFIX_ENV = "ELASTIC_FT_ETCD_PREFIX"
+DEFAULT_ETCD_PREFIX = "/elastic_ft"
 STANDBY_PROCESS_MODULE = "elastic_ft.inprocess.restart.standby"
 STANDBY_STATUS_FD_ENV = "ELASTIC_FT_STANDBY_STATUS_FD"
 STANDBY_READY = b"ready\n"
@@ -115,6 +128,59 @@ class StoreHandoff:
             request_timeout=_seconds(document, "request_timeout"),
             timeout=_seconds(document, "timeout"),
         )
+
+
+@dataclass(frozen=True)
+class ReplicaHandoff:
+    """Where a replicated job's replica groups meet: the etcd servers and the run's key prefix."""
+
+    endpoints: tuple[EtcdEndpoint, ...]
+    keys: RunKeys
+    tls: TlsFiles = field(default_factory=TlsFiles)
+    credentials: EtcdCredentials | None = None
+    connect_timeout: float = 10.0
+    request_timeout: float = 5.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> ReplicaHandoff | None:
+        """From ``ftrun``'s store hand-off, else from ``ELASTIC_FT_ETCD_ENDPOINTS`` and ``ELASTIC_FT_RUN_ID``;
+        None when neither is set.
+
+        Raises:
+            ValueError: a variable is set but malformed, or only one of the two is set.
+        """
+        store = StoreHandoff.from_env(environ)
+        if store is not None:
+            root = run_root_of_round_store(store.prefix)
+            if root is None:
+                raise ValueError(f"{STORE_ENV} has prefix={store.prefix!r}; expected a round's store prefix")
+            etcd_prefix, _, run = root.rstrip("/").rpartition("/")
+            return cls(
+                store.endpoints,
+                RunKeys(etcd_prefix or "/", run),
+                store.tls,
+                store.credentials,
+                store.connect_timeout,
+                store.request_timeout,
+            )
+        endpoints, run_id = environ.get(ETCD_ENDPOINTS_ENV), environ.get(RUN_ID_ENV)
+        if endpoints is None and run_id is None:
+            return None
+        if not endpoints or not run_id:
+            raise ValueError(
+                f"{ETCD_ENDPOINTS_ENV}={endpoints!r} and {RUN_ID_ENV}={run_id!r}: a replica group outside ftrun "
+                "needs both (the etcd servers, and the job's name every replica group gives)"
+            )
+        try:
+            parsed = parse_endpoints(endpoints)
+        except EndpointError as error:
+            raise ValueError(f"{ETCD_ENDPOINTS_ENV}: {error}") from None
+        if "/" in run_id or len(run_id) > 256:
+            raise ValueError(f"{RUN_ID_ENV}={run_id!r}: expected a name without '/', at most 256 characters")
+        prefix = environ.get(ETCD_PREFIX_ENV) or DEFAULT_ETCD_PREFIX
+        if not prefix.startswith("/"):
+            raise ValueError(f"{ETCD_PREFIX_ENV}={prefix!r}: expected an absolute key prefix")
+        return cls(parsed, RunKeys(prefix, run_id))
 
 
 def _optional_text(document: dict[str, Any], name: str) -> str | None:

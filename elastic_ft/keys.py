@@ -20,6 +20,11 @@ All of a run's etcd keys live under its *run prefix*, ``<etcd_prefix>/<run_id>/`
     round/<n>/store.writes/<token>  on a short lease: a store write that committed
     ftrun/escalations/<n>           ftrun escalated from round n (job-wide count)
     ftrun/store/<key>               the agents' job-wide store (respawns so far)
+    replicas/members/<replica>/<r>  on the rank's lease: rank r of replica group <replica> takes part
+                                    (its committed step, the quorum it last had, a failure it saw)
+    replicas/quorum/<id>            quorum <id> (zero-padded): the replica groups that train together
+                                    from it on (written once, by compare-and-create)
+    replica_pg/<id>/<r>/<key>       quorum <id>'s cross-replica process group of group rank r: its store
     events/<stream>/next            the run's event log (streams main and progress): the number
                                     the stream's next event takes
     events/<stream>/ring/<slot>     the event numbered seq, at slot seq % capacity (bounded)
@@ -143,6 +148,11 @@ class RunKeys:
     def escalation(self, number: int) -> str:
         return f"{self.escalations}{number}"
 
+    @property
+    def replicas(self) -> ReplicaKeys:
+        """The keys of the job's replica groups (:mod:`elastic_ft.replicas`)."""
+        return ReplicaKeys(self.root)
+
     def events_next(self, stream: str = EVENTS_MAIN) -> str:
         """An event stream's counter: the sequence number its next event takes."""
         return f"{self.root}events/{stream}/next"
@@ -153,6 +163,38 @@ class RunKeys:
 
     def event_slot(self, slot: int, stream: str = EVENTS_MAIN) -> str:
         return f"{self.events_ring(stream)}{slot}"
+
+
+@dataclass(frozen=True)
+class ReplicaKeys:
+    """The keys of a run's replica groups, under ``<run root>``."""
+
+    root: str
+
+    @property
+    def prefix(self) -> str:
+        """What every rank of a replicated job follows: the member records and the quorums."""
+        return self.root + "replicas/"
+
+    @property
+    def members(self) -> str:
+        return self.prefix + "members/"
+
+    def member(self, replica: str, group_rank: int) -> str:
+        return f"{self.members}{replica}/{group_rank}"
+
+    @property
+    def quorums(self) -> str:
+        """One key per quorum id, in id order."""
+        return self.prefix + "quorum/"
+
+    def quorum(self, quorum_id: int) -> str:
+        return f"{self.quorums}{quorum_id:012d}"
+
+    def group_store(self, quorum_id: int, group_rank: int) -> str:
+        """Prefix of the store in which quorum ``quorum_id``'s cross-replica group of ``group_rank`` meets (outside
+        :attr:`prefix`, so the ranks following that prefix do not see every group's set-up)."""
+        return f"{self.root}replica_pg/{quorum_id}/{group_rank}/"
 
 
 def store_write_token(store_prefix: str, token: str) -> str:
@@ -373,3 +415,27 @@ def count_suffix(key: str, prefix: str) -> int | None:
     """The number that ends ``key`` right after ``prefix`` (``.../exits/3`` -> 3), else ``None``."""
     rest = suffix(key, prefix)
     return None if rest is None else parse_count(rest)
+
+
+def parse_replica_member_key(relative: str) -> tuple[str, int] | None:
+    """``<replica>/<group rank>`` (relative to :attr:`ReplicaKeys.members`) as its parts; None if malformed."""
+    replica, _, rank = relative.rpartition("/")
+    group_rank = parse_count(rank)
+    if not replica or "/" in replica or group_rank is None:
+        return None
+    return replica, group_rank
+
+
+def parse_quorum_key(relative: str) -> int | None:
+    """A quorum's id from its key relative to :attr:`ReplicaKeys.quorums`; None if malformed."""
+    return parse_count(relative) if len(relative) == 12 else None
+
+
+def run_root_of_round_store(prefix: str) -> str | None:
+    """The run prefix (:attr:`RunKeys.root`) of a round's store prefix ``<root>round/<n>/store/``; None if
+    ``prefix`` has another shape."""
+    head, separator, tail = prefix.rpartition("round/")
+    number, _, rest = tail.partition("/")
+    if not separator or not head.endswith("/") or parse_count(number) is None or rest != "store/":
+        return None
+    return head

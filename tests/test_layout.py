@@ -246,6 +246,7 @@ PURE_MODULES = (
     "elastic_ft.inprocess.restart.phases",
     "elastic_ft.inprocess.rank_assignment.tree_engine",
     "elastic_ft.observability.outages",
+    "elastic_ft.replicas.quorum",
 )
 #: What I/O is made of: modules that reach the network, start processes or wait on descriptors.
 IO_MODULES = {"socket", "subprocess", "grpc", "multiprocessing", "selectors", "urllib", "http", "asyncio"}

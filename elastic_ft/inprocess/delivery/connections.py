@@ -279,17 +279,25 @@ def established_connections(baseline: frozenset[int]) -> int:
 def release_connections(baseline: frozenset[int], *, everything: bool = False) -> int:
     """Shut down the connections accepted on listeners created since ``baseline`` and those its peers shut (with
     ``everything``, every connection created since); returns how many."""
-    released = 0
     sockets = tcp_sockets()
-    for connection in created_connections(sockets, baseline) if everything else released_by_peers(sockets, baseline):
-        try:
-            # A duplicate of the descriptor reaches the same socket; closing the duplicate
-            # leaves gloo's descriptor open, so gloo never acts on a reused number.
-            with socket.socket(fileno=os.dup(connection.fd)) as duplicate:
-                if os.fstat(duplicate.fileno()).st_ino != connection.inode:
-                    continue  # the descriptor was closed and reused since it was listed
-                duplicate.shutdown(socket.SHUT_RDWR)
-            released += 1
-        except OSError as error:  # closed or already shut meanwhile
-            log.debug("could not shut down socket %d: %s", connection.inode, error)
-    return released
+    chosen = created_connections(sockets, baseline) if everything else released_by_peers(sockets, baseline)
+    return sum(_shut_down(connection) for connection in chosen)
+
+
+def shut_down_sockets(inodes: frozenset[int]) -> int:
+    """Shut down the open connections among the sockets ``inodes`` (a process group's own); returns how many."""
+    return sum(_shut_down(s) for s in tcp_sockets() if s.inode in inodes and s.state in _OPEN)
+
+
+def _shut_down(connection: TcpSocket) -> bool:
+    try:
+        # A duplicate of the descriptor reaches the same socket; closing the duplicate
+        # leaves gloo's descriptor open, so gloo never acts on a reused number.
+        with socket.socket(fileno=os.dup(connection.fd)) as duplicate:
+            if os.fstat(duplicate.fileno()).st_ino != connection.inode:
+                return False  # the descriptor was closed and reused since it was listed
+            duplicate.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError as error:  # closed or already shut meanwhile
+        log.debug("could not shut down socket %d: %s", connection.inode, error)
+        return False

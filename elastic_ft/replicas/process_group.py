@@ -1,0 +1,152 @@
+"""The cross-replica process group of one group rank, rebuilt when the quorum changes (TorchFT's
+``ProcessGroupGloo``).
+
+Only the replica dimension changes on a fault, so only this group is
+rebuilt: a replica group's own groups (its FSDP shards, its default group)
+are never touched. torch 2.13 and 2.15 offer ``torch.distributed.shrink_group``
+(``ncclCommShrink``), which removes ranks from an NCCL communicator without
+a rendezvous; gloo does not support it (``supports_shrinking`` is False), and
+no backend can *add* a rank (a group back from a fault), so a new gloo group
+is built for every quorum: on CPU, a few milliseconds for a few members.
+
+:meth:`ProcessGroupGloo.abort` releases every peer blocked on the group:
+gloo cannot cancel a pending operation, and neither its ``abort()`` nor its
+``shutdown()`` wakes a peer, so the group's own TCP connections (the sockets
+the process opened while the group was built) are shut down, which ends
+every blocked read and write on both sides
+(:mod:`elastic_ft.inprocess.delivery.connections`). A member that sees a
+collective fail aborts, so the failure spreads to every member at once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_ft.etcd.store import EtcdStore
+from elastic_ft.inprocess.delivery.connections import shut_down_sockets, socket_inodes
+from elastic_ft.runtime.waits import pause
+
+log = logging.getLogger(__name__)
+
+
+class ProcessGroupGloo:
+    """A gloo group across the replica groups of a quorum, reconfigured by the :class:`~elastic_ft.replicas.manager.
+    Manager` at each quorum that changes (TorchFT's name; ``timeout`` bounds every operation)."""
+
+    def __init__(self, timeout: datetime.timedelta = datetime.timedelta(seconds=60)) -> None:
+        if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+            raise ValueError(f"ProcessGroupGloo timeout {timeout!r}: expected a positive datetime.timedelta")
+        self.timeout = timeout
+        #: torch's gloo backend (its stubs leave out the collectives).
+        self._backend: Any = None
+        self._sockets: frozenset[int] = frozenset()
+        self._rank = 0
+        self._size = 0
+
+    def configure_in(self, store: dist.Store, rank: int, world_size: int) -> None:
+        """Build the group as rank ``rank`` of ``world_size``, meeting in ``store``; the last group is aborted first."""
+        self.abort()
+        before = socket_inodes()
+        self._backend = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+        self._sockets = socket_inodes() - before
+        self._rank, self._size = rank, world_size
+
+    @property
+    def backend(self) -> Any:
+        if self._backend is None:
+            raise RuntimeError("the cross-replica group is not configured (the Manager's start_quorum() does it)")
+        return self._backend
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def allreduce_sum(self, tensors: list[torch.Tensor]) -> None:
+        """Sum ``tensors`` across the group, in place; raises what gloo raises (a peer gone, the timeout)."""
+        if self._size > 1:
+            options = dist.AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
+            self.backend.allreduce(tensors, options).wait()
+
+    def allreduce_max(self, tensor: torch.Tensor) -> None:
+        if self._size > 1:
+            options = dist.AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
+            self.backend.allreduce([tensor], options).wait()
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's ``tensor``, in rank order."""
+        if self._size == 1:
+            return [tensor.clone()]
+        out = [torch.empty_like(tensor) for _ in range(self._size)]
+        self.backend.allgather([out], [tensor]).wait()
+        return out
+
+    def abort(self) -> None:
+        """Release every member blocked on the group, then drop it."""
+        if self._backend is None:
+            return
+        released = shut_down_sockets(self._sockets)
+        log.debug("cross-replica group aborted: %d connection(s) shut down", released)
+        self._backend, self._sockets, self._size = None, frozenset(), 0
+
+    def errored(self) -> Exception | None:
+        """TorchFT's: an error the group saw asynchronously. Every operation here is waited on, so none."""
+        return None
+
+
+class CancellableStore(dist.Store):
+    """The store a group is built in, whose waits end as soon as ``cancelled()`` gives a reason.
+
+    gloo waits for each peer's address in the store for the group's whole timeout; a member lost while the
+    group is built would hold every other member that long. Waits here poll in short slices instead and raise
+    ``DistStoreError`` with the reason.
+    """
+
+    def __init__(self, store: EtcdStore, cancelled: Callable[[], str | None], poll: float = 0.005) -> None:
+        super().__init__()
+        self._store = store
+        self._cancelled = cancelled
+        self._poll = poll
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self._store.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._store.add(key, amount)
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        return self._store.compare_set(key, expected_value, desired_value)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self._store.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._store.num_keys()
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        limit = (timeout or self._store.timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        while not self._store.check(keys):
+            reason = self._cancelled()
+            if reason is not None:
+                raise dist.DistStoreError(f"waiting for {keys}: {reason}")
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"wait timeout after {limit * 1000:.0f}ms, keys: {keys}")
+            pause(self._poll)

@@ -1,0 +1,115 @@
+"""A TorchFT training script on elastic-ft's replica groups: TorchFT's imports changed, no Lighthouse.
+
+One replica group per launcher, as with TorchFT (each group's launcher
+restarts its own processes; the other groups keep training)::
+
+    etcd &   # or any etcd cluster
+    export ELASTIC_FT_ETCD_ENDPOINTS=127.0.0.1:2379 ELASTIC_FT_RUN_ID=my-job
+    REPLICA_GROUP_ID=0 NUM_REPLICA_GROUPS=2 torchrun --standalone --nproc-per-node=1 --max-restarts=10 \\
+        examples/torchft_ddp.py &
+    REPLICA_GROUP_ID=1 NUM_REPLICA_GROUPS=2 torchrun --standalone --nproc-per-node=1 --max-restarts=10 \\
+        examples/torchft_ddp.py
+
+``EFT_EXAMPLE`` (JSON, for tests and benchmarks) may set ``steps``, ``step_sleep`` (seconds a step takes at
+least), ``fault`` (``{"replica": 1, "step": 20, "kind": "raise" | "sigkill"}``, on its first run only) and
+``out`` (a file for each run's record: its commits and final weights).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from datetime import timedelta
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from elastic_ft.torchft import DistributedDataParallel, DistributedSampler, Manager, Optimizer, ProcessGroupGloo
+
+SETTINGS = json.loads(os.environ.get("EFT_EXAMPLE", "{}"))
+REPLICA_GROUP_ID = int(os.environ.get("REPLICA_GROUP_ID", "0"))
+NUM_REPLICA_GROUPS = int(os.environ.get("NUM_REPLICA_GROUPS", "2"))
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    features = torch.randn(4096, 32)
+    dataset = TensorDataset(features, features @ torch.randn(32, 1) + 0.1 * torch.randn(4096, 1))
+    sampler = DistributedSampler(
+        dataset, replica_rank=REPLICA_GROUP_ID, num_replica_groups=NUM_REPLICA_GROUPS, group_rank=0, num_replicas=1
+    )
+    loader = DataLoader(dataset, batch_size=32, sampler=sampler)
+
+    torch.manual_seed(1 + REPLICA_GROUP_ID)  # replicas initialize differently; the Manager syncs them
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def load_state_dict(state: dict) -> None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
+
+    def state_dict() -> dict:
+        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=1,
+        replica_id=f"train_ddp_{REPLICA_GROUP_ID}",
+        timeout=timedelta(seconds=10),
+    )
+    model = DistributedDataParallel(manager, model)
+    optimizer = Optimizer(manager, optimizer)
+    record = Record(manager)
+    steps = SETTINGS.get("steps", 200)
+    while manager.current_step() < steps:
+        for inputs, labels in loader:
+            started = time.monotonic()
+            optimizer.zero_grad()
+            maybe_fail(manager.current_step())
+            loss = nn.functional.mse_loss(model(inputs), labels)
+            loss.backward()
+            optimizer.step()
+            record.step(manager, loss.item())
+            time.sleep(max(0.0, SETTINGS.get("step_sleep", 0.0) - (time.monotonic() - started)))
+            if manager.current_step() >= steps:
+                break
+    record.finish(manager, model)
+    manager.shutdown()
+
+
+def maybe_fail(step: int) -> None:
+    fault = SETTINGS.get("fault")
+    first_run = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if fault and first_run and fault["replica"] == REPLICA_GROUP_ID and fault["step"] == step:
+        if fault["kind"] == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"injected fault at step {step}")
+
+
+class Record:
+    """What a test or benchmark reads back: each commit's step, wall time and quorum size, and the final weights."""
+
+    def __init__(self, manager: Manager) -> None:
+        self.commits: list[tuple[int, float, int]] = []
+        self.path = SETTINGS.get("out")
+        self.pid = os.getpid()
+
+    def step(self, manager: Manager, loss: float) -> None:
+        self.commits.append((manager.current_step(), time.time(), manager.num_participants()))
+
+    def finish(self, manager: Manager, model: nn.Module) -> None:
+        if self.path is None:
+            print(f"replica {REPLICA_GROUP_ID}: {manager.current_step()} steps committed")
+            return
+        weights = [p.detach().flatten().tolist() for p in model.parameters()]
+        with open(f"{self.path}.{REPLICA_GROUP_ID}.{self.pid}.json", "w") as out:
+            json.dump({"pid": self.pid, "commits": self.commits, "weights": weights}, out)
+
+
+if __name__ == "__main__":
+    main()

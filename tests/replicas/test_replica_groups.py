@@ -1,0 +1,59 @@
+"""A fault stays in its replica group: real torchrun processes, gloo, etcd, TorchFT's names.
+
+``examples/torchft_ddp.py`` (DDP, AdamW, a DataLoader over a DistributedSampler) runs as 2 or 4 replica
+groups, one torchrun each; one group's worker raises or is SIGKILLed, its torchrun restarts it, and it heals
+from a live group and joins again. The other groups' processes train through it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic_ft.etcd.server import EtcdServer
+from tests.replicas.job import ReplicatedJob, run_replicated
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+STEPS = 400
+FAULT_STEP = 40
+
+
+def assert_the_fault_stayed_in_its_group(job: ReplicatedJob, groups: int, faulty: int) -> None:
+    why = job.describe()
+    assert job.codes == [0] * groups, why
+    for replica in range(groups):
+        records = job.of(replica)
+        assert records, f"replica {replica} left no record\n{why}"
+        assert all(record.commits[-1][0] == STEPS for record in records), why
+        if replica != faulty:
+            # One process trained from before the fault to the end: never restarted.
+            (record,) = records
+            steps = [step for step, _, _ in record.commits]
+            assert steps[0] <= FAULT_STEP < steps[-1], why
+            # Loose: the benchmark (benchmarks/replica_groups.py) carries the numbers.
+            assert record.longest_pause() < 3.0, (record.longest_pause(), why)
+    (back,) = job.of(faulty)  # the replacement process; the first one died
+    # It joined the others again: steps committed in a quorum of every group.
+    assert any(participants == groups for _, _, participants in back.commits), why
+    # Every group ends with the same model: no step was committed by some and not others.
+    reference = job.records[0].weights
+    for record in job.records[1:]:
+        for mine, theirs in zip(record.weights, reference, strict=True):
+            assert all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-7) for a, b in zip(mine, theirs, strict=True)), why
+
+
+@pytest.mark.parametrize(("groups", "faulty", "kind"), [(2, 1, "sigkill"), (4, 2, "raise")])
+def test_a_fault_in_one_replica_group_leaves_the_others_training(
+    etcd: EtcdServer, tmp_path: Path, reap_pids: list[int], groups: int, faulty: int, kind: str
+) -> None:
+    settings: dict[str, Any] = {
+        "steps": STEPS,
+        "step_sleep": 0.05,
+        "fault": {"replica": faulty, "step": FAULT_STEP, "kind": kind},
+    }
+    job = run_replicated(etcd.endpoint, groups, tmp_path, settings, reap_pids)
+    assert_the_fault_stayed_in_its_group(job, groups, faulty)
