@@ -11,7 +11,8 @@ restarts its own processes; the other groups keep training)::
         examples/torchft_ddp.py
 
 ``EFT_EXAMPLE`` (JSON, for tests and benchmarks) may set ``steps``, ``step_sleep`` (seconds a step takes at
-least), ``fault`` (``{"replica": 1, "step": 20, "kind": "raise" | "sigkill"}``, on its first run only) and
+least), ``fault`` (``{"replica": 1, "step": 20, "kind": "raise" | "sigkill" | "sigkill_in_vote"}``, on its first
+run only) and
 ``out`` (a file for each run's record: its commits and final weights).
 """
 
@@ -62,6 +63,8 @@ def main() -> None:
         replica_id=f"train_ddp_{REPLICA_GROUP_ID}",
         timeout=timedelta(seconds=10),
     )
+    if SETTINGS.get("fault", {}).get("kind") == "sigkill_in_vote":
+        fail_in_vote(manager)
     model = DistributedDataParallel(manager, model)
     optimizer = Optimizer(manager, optimizer)
     record = Record(manager)
@@ -82,13 +85,34 @@ def main() -> None:
     manager.shutdown()
 
 
-def maybe_fail(step: int) -> None:
+def maybe_fail(step: int, where: str = "step") -> None:
     fault = SETTINGS.get("fault")
     first_run = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if fault and first_run and fault["replica"] == REPLICA_GROUP_ID and fault["step"] == step:
-        if fault["kind"] == "sigkill":
+    in_vote = fault and fault["kind"] == "sigkill_in_vote"
+    if (
+        fault
+        and first_run
+        and fault["replica"] == REPLICA_GROUP_ID
+        and fault["step"] == step
+        and in_vote == (where == "vote")
+    ):
+        if SETTINGS.get("out"):
+            with open(f"{SETTINGS['out']}.fault.json", "w") as out:
+                json.dump({"at": time.time(), "step": step}, out)
+        if fault["kind"] in ("sigkill", "sigkill_in_vote"):
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected fault at step {step}")
+
+
+def fail_in_vote(manager: Manager) -> None:
+    """The fault strikes after this group's gradients were averaged, as the commit vote begins."""
+    vote = manager.should_commit
+
+    def dying_vote(*args: object, **kwargs: object) -> bool:
+        maybe_fail(manager.current_step(), where="vote")
+        return vote(*args, **kwargs)
+
+    manager.should_commit = dying_vote  # type: ignore[method-assign]
 
 
 class Record:
@@ -98,6 +122,7 @@ class Record:
         self.commits: list[tuple[int, float, int]] = []
         self.path = SETTINGS.get("out")
         self.pid = os.getpid()
+        self.ready = time.time()  # built, about to take its first step
 
     def step(self, manager: Manager, loss: float) -> None:
         self.commits.append((manager.current_step(), time.time(), manager.num_participants()))
@@ -108,7 +133,7 @@ class Record:
             return
         weights = [p.detach().flatten().tolist() for p in model.parameters()]
         with open(f"{self.path}.{REPLICA_GROUP_ID}.{self.pid}.json", "w") as out:
-            json.dump({"pid": self.pid, "commits": self.commits, "weights": weights}, out)
+            json.dump({"pid": self.pid, "ready": self.ready, "commits": self.commits, "weights": weights}, out)
 
 
 if __name__ == "__main__":

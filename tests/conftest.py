@@ -47,6 +47,7 @@ _LONGEST_FIRST = (
     "tests/launcher/test_spares.py",  # 191 s
     "tests/launcher/test_agent.py",  # 172 s
     "tests/launcher/test_soak.py",  # 154 s
+    "tests/replicas/test_replica_groups.py",  # about 150 s
     "tests/launcher/test_recovery.py",  # 133 s
     "tests/rendezvous/test_torchrun_e2e.py",  # 75 s
 )

@@ -29,6 +29,7 @@ import datetime
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -41,7 +42,7 @@ from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.store import EtcdStore
 from elastic_ft.handoff import ReplicaHandoff
 from elastic_ft.inprocess.healing.transfer import receive_state, send_state
-from elastic_ft.replicas.membership import ReplicaMembership
+from elastic_ft.replicas.membership import LeaseLost, ReplicaMembership
 from elastic_ft.replicas.process_group import CancellableStore, ProcessGroupGloo
 from elastic_ft.replicas.quorum import (
     NO_QUORUM,
@@ -58,8 +59,10 @@ log = logging.getLogger(__name__)
 
 #: The lease TTL of a rank's records: how long a host lost as a whole (its sentinel with it) stays in the quorum.
 LEASE_TTL = 5
-#: Seconds a failed quorum waits for each of its groups to see the failure before going on without it.
-FAILURE_GRACE = 3.0
+#: Seconds a quorum holds a pending change: a failure some of its groups have not seen yet, or a group whose records
+#: are gone while no collective failed (etcd let its lease expire: the sentinel takes a new one, and the rank
+#: publishes its record again, within about a third of the TTL once etcd answers).
+QUORUM_GRACE = float(LEASE_TTL)
 _ARRIVAL_POLL = 0.005
 #: The key that closes a quorum's arrivals, and its two values.
 _CLOSED = "closed"
@@ -127,9 +130,10 @@ class Manager:
         self._errored: Exception | None = None
         self._commit_failures = 0
         self._membership = ReplicaMembership(
-            self._client, handoff.keys, self._record(), lease, min_replica_size, FAILURE_GRACE
+            self._client, handoff.keys, self._record(), lease, min_replica_size, QUORUM_GRACE
         )
         self._membership.start()
+        self._follow_leases(self._sentinel)
         _leave_on_uncaught_exception(self)
         log.info(
             "replica %s rank %d of %d: following the job's quorums in etcd (%s)",
@@ -155,7 +159,7 @@ class Manager:
                 break
         self._quorum = quorum
         self._heal(quorum, allow_heal)
-        self._membership.publish(self._record())
+        self._publish(self._record())
         log.info(
             "replica %s rank %d: in quorum %d of %s at step %d",
             self._replica_id,
@@ -272,7 +276,7 @@ class Manager:
         failed = self._quorum_id()
         self._pg.abort()
         self._next_quorum_at_least = failed + 1
-        self._membership.publish(self._record(failed=failed))
+        self._publish(self._record(failed=failed))
 
     def _await_quorum(self, at_least: int, deadline: float) -> Quorum:
         """The latest quorum with id ``at_least`` or more that includes this replica group."""
@@ -365,14 +369,34 @@ class Manager:
         if self._load_state_dict is not None:
             self._load_state_dict(state["user"])
 
-    def _check_sentinel(self) -> None:
-        """A sentinel that died took this rank's records with it: start another, publish again."""
+    def _publish(self, record: MemberRecord) -> None:
+        """This rank's record; if its lease is gone for good, on a new sentinel's lease."""
+        try:
+            self._membership.publish(record)
+        except LeaseLost as error:
+            log.warning("replica %s rank %d: %s", self._replica_id, self._group_rank, error)
+            self._sentinel.close()
+            self._check_sentinel(record)
+
+    def _check_sentinel(self, record: MemberRecord | None = None) -> None:
+        """A sentinel that died took this rank's records with it: start another, publish again (``record``, or
+        the current one)."""
         if self._sentinel.alive():
             return
         log.warning("replica %s rank %d: the lease sentinel died; starting another", self._replica_id, self._group_rank)
         self._sentinel = LeaseSentinel(LEASE_TTL)
         lease = self._sentinel.start(self._timeout.total_seconds())
-        self._membership.publish(self._record(), lease=lease)
+        self._membership.publish(record or self._record(), lease=lease)
+        self._follow_leases(self._sentinel)
+
+    def _follow_leases(self, sentinel: LeaseSentinel) -> None:
+        """Publish this rank's record again on each new lease ``sentinel`` takes (after etcd lost the last)."""
+
+        def follow() -> None:
+            while (lease := sentinel.next_lease()) is not None:
+                self._membership.republish(lease)
+
+        threading.Thread(target=follow, name="elastic_ft-lease-follower", daemon=True).start()
 
 
 def _leave_on_uncaught_exception(manager: Manager) -> None:

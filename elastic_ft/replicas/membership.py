@@ -11,6 +11,7 @@ is logged when it changes.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -18,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from elastic_ft.etcd.client import EtcdClient, key_missing, put_op
-from elastic_ft.etcd.kv import EtcdRequestError, EtcdUnavailableError, KeyValue
+from elastic_ft.etcd.kv import EtcdLeaseNotFoundError, EtcdRequestError, EtcdUnavailableError, KeyValue
 from elastic_ft.etcd.view import PrefixView
 from elastic_ft.keys import RunKeys, parse_quorum_key, parse_replica_member_key, suffix
 from elastic_ft.replicas.quorum import MemberRecord, Quorum, QuorumDecision, next_quorum
@@ -30,6 +31,10 @@ log = logging.getLogger(__name__)
 #: The quorums a view keeps besides the latest: enough for a rank a few quorums behind to read the one its vote
 #: agreed on.
 KEPT_QUORUMS = 16
+
+
+class LeaseLost(RuntimeError):
+    """A rank's record could not be written: its lease is gone and no new one came."""
 
 
 @dataclass(frozen=True)
@@ -68,8 +73,8 @@ class ReplicaMembership:
         record: this rank's record, as first published.
         lease: the lease its record lives on (the rank's sentinel's).
         min_replicas: the fewest replica groups a quorum may have.
-        grace: seconds a failed quorum waits for every one of its groups to see the failure before it goes on
-            without those that did not.
+        grace: seconds a quorum holds a pending change: a failure some of its groups have not seen yet (after
+            it, they are left out), or a group whose records are gone while no collective failed.
     """
 
     def __init__(
@@ -85,8 +90,9 @@ class ReplicaMembership:
         self._view: PrefixView[MemberRecord | Quorum, ReplicaState] | None = None
         self._proposer: threading.Thread | None = None
         self._stopped = threading.Event()
+        self._lease_changed = threading.Condition(threading.RLock())
         self._last_reason = ""
-        self._failure_seen: tuple[int, float] | None = None
+        self._holding_since: tuple[int, float] | None = None
 
     def start(self) -> None:
         """Publish this rank's record, follow the prefix, and (on rank 0 of a group) start proposing."""
@@ -104,18 +110,38 @@ class ReplicaMembership:
             self._proposer.join(timeout=10)
 
     def publish(self, record: MemberRecord, lease: int | None = None) -> None:
-        """Write this rank's record (on ``lease``, a new sentinel's, when given), retrying while etcd is away."""
-        if lease is not None:
-            self._lease = lease
-        self.record = record
+        """Write this rank's record (on ``lease``, a new sentinel's, when given), retrying while etcd is away.
+
+        Raises:
+            LeaseLost: etcd no longer has the lease, and no new one came within ``grace`` seconds (the sentinel,
+                which takes a new one when etcd lost the last, may be gone).
+        """
         key = self._keys.replicas.member(record.replica, record.group_rank)
         backoff = Backoff()
-        while True:
-            try:
-                self._client.put(key, record.encode(), lease=self._lease)
-                return
-            except EtcdUnavailableError:
-                backoff.pause()
+        with self._lease_changed:  # the main thread's record and the sentinel's new lease, one at a time
+            if lease is not None:
+                self._lease = lease
+                self._lease_changed.notify_all()
+            self.record = record
+            while True:
+                try:
+                    self._client.put(key, record.encode(), lease=self._lease)
+                    return
+                except EtcdUnavailableError:
+                    backoff.pause()
+                except EtcdLeaseNotFoundError:
+                    if not self._lease_changed.wait_for(functools.partial(self._lease_is_not, self._lease), self._grace):
+                        raise LeaseLost(f"lease {self._lease:x} is gone and no new one came") from None
+
+    def _lease_is_not(self, stale: int) -> bool:
+        return self._lease != stale
+
+    def republish(self, lease: int) -> None:
+        """The record again, on ``lease``: the last lease was lost, and the record with it."""
+        with self._lease_changed:
+            record = self.record
+        log.warning("replica %s rank %d: lease lost; publishing again", record.replica, record.group_rank)
+        self.publish(record, lease)
 
     def state(self) -> tuple[ReplicaState, int]:
         """The replica groups as last seen, and the view's version (which every change advances)."""
@@ -152,15 +178,18 @@ class ReplicaMembership:
         return None
 
     def decide(self, state: ReplicaState) -> QuorumDecision:
-        """The next quorum given ``state`` (pure but for the grace's clock)."""
+        """The next quorum given ``state`` (pure but for the grace's clock: a quorum may hold a pending change for
+        ``grace`` seconds, counted from the first decision that held it)."""
         current = state.latest
-        grace_over = False
-        failed = current is not None and any(member.failed >= current.id for member in state.members)
-        if failed and current is not None:
-            if self._failure_seen is None or self._failure_seen[0] != current.id:
-                self._failure_seen = (current.id, time.monotonic())
-            grace_over = time.monotonic() - self._failure_seen[1] >= self._grace
-        return next_quorum(current, state.members, self._min_replicas, grace_over)
+        now = time.monotonic()
+        held = self._holding_since
+        grace_over = held is not None and current is not None and held[0] == current.id and now - held[1] >= self._grace
+        decision = next_quorum(current, state.members, self._min_replicas, grace_over)
+        if not decision.holding:
+            self._holding_since = None
+        elif current is not None and (held is None or held[0] != current.id):
+            self._holding_since = (current.id, now)
+        return decision
 
     def propose(self) -> QuorumDecision:
         """Decide from the view; write the quorum if it is new (one compare-and-create: a quorum is never
@@ -189,5 +218,5 @@ class ReplicaMembership:
             backoff.reset()
             if seen == version and not decision.changed:
                 # Nothing new since the last look: wait for a change (or for a failure's grace to end).
-                self.wait_for_change(seen, self._grace / 4 if "waiting for" in decision.reason else 1.0)
+                self.wait_for_change(seen, self._grace / 4 if decision.holding else 1.0)
             version = seen

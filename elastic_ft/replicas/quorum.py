@@ -15,8 +15,12 @@ the records (and whether the grace for a failure is over), returning the
 next quorum and its reason, as TorchFT's ``quorum_compute`` does:
 
 - no quorum yet: the complete groups, once there are ``min_replicas``;
-- a group lost (a member's lease gone) or a complete group not in the
-  quorum (a newcomer, a group back from a fault): the complete groups;
+- a complete group not in the quorum (a newcomer, a group back from a
+  fault): the complete groups;
+- a group lost (a member's record gone) while no member saw a collective
+  fail: the complete groups, once the grace ended (a record etcd dropped
+  with an expired lease comes back on a new one; a group that died makes a
+  collective fail);
 - a member that saw a collective of the quorum fail: a new quorum of the
   groups whose members all saw it (the others are blocked on the broken
   group or gone), once every group of the quorum did, or the grace ended;
@@ -127,6 +131,8 @@ class QuorumDecision:
     reason: str
     #: True when the decision is a new quorum to write (its id is the next one).
     changed: bool = False
+    #: True when the quorum stands only until the grace ends (a change is pending).
+    holding: bool = False
 
 
 def complete_groups(
@@ -171,9 +177,13 @@ def next_quorum(
     if any_failure:
         waiting = sorted(set(current.replicas) & set(groups) - saw_failure)
         if waiting and not grace_over:
-            return QuorumDecision(current, f"quorum {current.id} failed; waiting for {waiting} to see it")
+            return QuorumDecision(current, f"quorum {current.id} failed; waiting for {waiting} to see it", holding=True)
         kept = {replica: groups[replica] for replica in sorted(saw_failure | set(joined))}
         reason = f"quorum {current.id} failed" + (f"; left out {waiting} (grace over)" if waiting else "")
+    elif lost and not grace_over:
+        # No member saw a collective fail: the groups still train. Their records went with a lease etcd let expire
+        # (etcd away longer than the TTL, say), and come back on a new one; a group that died fails a collective.
+        return QuorumDecision(current, f"lost {lost} without a failure; waiting for their records", holding=True)
     elif lost or joined:
         kept = groups
         reason = "; ".join(

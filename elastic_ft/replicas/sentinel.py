@@ -28,7 +28,11 @@ import sys
 import time
 import typing
 
+from elastic_ft.etcd.client import EtcdClient
+from elastic_ft.etcd.kv import EtcdRequestError, EtcdUnavailableError
+from elastic_ft.etcd.session import Session
 from elastic_ft.handoff import ReplicaHandoff
+from elastic_ft.runtime.waits import Backoff
 
 _PR_SET_PDEATHSIG = 1
 
@@ -69,6 +73,19 @@ class LeaseSentinel:
             return self.lease_id
         self.close()
         raise SentinelError(value or f"the lease sentinel gave no lease within {timeout:.0f} s")
+
+    def next_lease(self) -> int | None:
+        """Block until the sentinel holds a new lease (the last one was lost) and return it; None once the
+        sentinel is gone."""
+        process = self._process
+        if process is None or process.stdout is None:
+            return None
+        line = process.stdout.readline().decode(errors="replace").strip()
+        kind, _, value = line.partition(" ")
+        if kind != "lease" or not value.isdigit():
+            return None
+        self.lease_id = int(value)
+        return self.lease_id
 
     def alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
@@ -141,10 +158,6 @@ def main(argv: list[str]) -> int:
     if os.getppid() == 1:
         return 0
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C reaches the rank; this goes when the rank does
-    from elastic_ft.etcd.client import EtcdClient
-    from elastic_ft.etcd.kv import EtcdRequestError, EtcdUnavailableError
-    from elastic_ft.etcd.session import Session
-
     try:
         handoff = ReplicaHandoff.from_env(os.environ)
         if handoff is None:
@@ -162,8 +175,11 @@ def main(argv: list[str]) -> int:
         return 1
     print(f"lease {session.id}", flush=True)
     try:
-        while os.read(0, 4096):  # until the rank's end of the pipe closes
-            pass
+        while _rank_alive(session):
+            # The lease was lost (etcd away longer than its TTL, say): the rank's records went with it. A new
+            # lease, once etcd answers, and the rank publishes them again on it.
+            session = _new_session(client, int(argv[0]))
+            print(f"lease {session.id}", flush=True)
     except _RankGone:
         pass
     finally:
@@ -174,6 +190,23 @@ def main(argv: list[str]) -> int:
             print(f"could not revoke lease {session.id:x}: {error}", file=sys.stderr)
         client.close()
     return 0
+
+
+def _rank_alive(session: Session) -> bool:
+    """Wait until the rank's end of the pipe closes (False) or the lease is lost (True)."""
+    while not session.expired.is_set():
+        if select.select([0], [], [], 0.5)[0] and not os.read(0, 4096):
+            return False
+    return True
+
+
+def _new_session(client: EtcdClient, ttl: int) -> Session:
+    backoff = Backoff()
+    while True:
+        try:
+            return Session(client, ttl)
+        except (EtcdRequestError, EtcdUnavailableError):
+            backoff.pause()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,9 +55,15 @@ class ReplicatedJob:
 
 
 def run_replicated(
-    endpoint: str, groups: int, out: Path, settings: dict[str, Any], reap: list[int], timeout: float = 240
+    endpoint: str,
+    groups: int,
+    out: Path,
+    settings: dict[str, Any],
+    reap: list[int],
+    timeout: float = 240,
+    meanwhile: Callable[[], None] | None = None,
 ) -> ReplicatedJob:
-    """Run ``groups`` replica groups of one rank each until they all exit."""
+    """Run ``groups`` replica groups of one rank each until they all exit; ``meanwhile()`` runs once they started."""
     out.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
@@ -80,6 +87,8 @@ def run_replicated(
         reap.append(process.pid)
         processes.append(process)
     deadline = time.monotonic() + timeout
+    if meanwhile is not None:
+        meanwhile()
     codes = []
     for process in processes:
         try:
@@ -88,7 +97,7 @@ def run_replicated(
             os.killpg(process.pid, 9)
             codes.append(process.wait())
     records = []
-    for path in sorted(out.glob("record.*.json")):
+    for path in sorted(out.glob("record.[0-9]*.json")):
         document = json.loads(path.read_text())
         replica = int(path.name.split(".")[1])
         steps = [tuple(entry) for entry in document["commits"]]

@@ -34,12 +34,23 @@ def test_an_unchanged_membership_keeps_the_quorum() -> None:
     assert (decision.quorum, decision.changed, decision.reason) == (current, False, "unchanged")
 
 
-def test_a_group_missing_a_rank_is_lost_and_a_complete_newcomer_joins() -> None:
+def test_a_complete_newcomer_joins_at_once() -> None:
+    decision = next_quorum(Quorum(3, ("a",), 1), members("a", "c"), min_replicas=1)
+    assert decision.changed and decision.quorum == Quorum(4, ("a", "c"), 1) and decision.reason == "joined ['c']"
+
+
+def test_a_group_lost_without_a_failure_is_left_out_once_the_grace_ends() -> None:
+    """Its records may have gone with a lease etcd let expire (they come back); a group that died makes a
+    collective fail, and the failure path leaves it out at once."""
     current = Quorum(3, ("a", "b"), 2)
     records = members("a", "c", size=2) + [MemberRecord("b", 0, 2, 7)]  # b's rank 1 is gone
-    decision = next_quorum(current, records, min_replicas=1)
+    holding = next_quorum(current, records, min_replicas=1)
+    assert holding.quorum == current and holding.holding and not holding.changed
+    decision = next_quorum(current, records, min_replicas=1, grace_over=True)
     assert decision.quorum == Quorum(4, ("a", "c"), 2)
     assert decision.reason == "lost ['b']; joined ['c']"
+    failed = next_quorum(current, members("a", failed=3, size=2) + records[2:], min_replicas=1)
+    assert failed.quorum == Quorum(4, ("a", "c"), 2) and not failed.holding
 
 
 def test_a_group_of_another_size_never_joins() -> None:
@@ -65,7 +76,7 @@ def test_a_failure_seen_in_an_older_quorum_is_no_failure() -> None:
 
 
 def test_fewer_groups_than_min_replicas_means_no_quorum() -> None:
-    decision = next_quorum(Quorum(1, ("a", "b"), 1), members("a"), min_replicas=2)
+    decision = next_quorum(Quorum(1, ("a", "b"), 1), members("a"), min_replicas=2, grace_over=True)
     assert decision.quorum is None and "fewer than 2" in decision.reason
 
 

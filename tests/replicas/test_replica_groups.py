@@ -8,12 +8,14 @@ from a live group and joins again. The other groups' processes train through it.
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from elastic_ft.etcd.server import EtcdServer
+from elastic_ft.testing.etcd_cluster import EtcdCluster
 from tests.replicas.job import ReplicatedJob, run_replicated
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -46,7 +48,7 @@ def assert_the_fault_stayed_in_its_group(job: ReplicatedJob, groups: int, faulty
             assert all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-7) for a, b in zip(mine, theirs, strict=True)), why
 
 
-@pytest.mark.parametrize(("groups", "faulty", "kind"), [(2, 1, "sigkill"), (4, 2, "raise")])
+@pytest.mark.parametrize(("groups", "faulty", "kind"), [(2, 1, "sigkill"), (4, 2, "raise"), (3, 1, "sigkill_in_vote")])
 def test_a_fault_in_one_replica_group_leaves_the_others_training(
     etcd: EtcdServer, tmp_path: Path, reap_pids: list[int], groups: int, faulty: int, kind: str
 ) -> None:
@@ -57,3 +59,30 @@ def test_a_fault_in_one_replica_group_leaves_the_others_training(
     }
     job = run_replicated(etcd.endpoint, groups, tmp_path, settings, reap_pids)
     assert_the_fault_stayed_in_its_group(job, groups, faulty)
+
+
+def test_replica_groups_train_through_an_etcd_frozen_for_30_s(tmp_path: Path, reap_pids: list[int]) -> None:
+    """No single point of failure: in an unchanged quorum a step asks etcd nothing, and the records etcd may
+    drop meanwhile (their leases expire while it is frozen) are published again once it is back."""
+    frozen: list[float] = []
+    with EtcdCluster(members=1) as cluster:
+
+        def freeze() -> None:
+            time.sleep(12)  # the groups started, joined one quorum, and train
+            frozen.append(time.time())
+            cluster.pause_member(0)
+            time.sleep(30)
+            cluster.resume_member(0)
+            frozen.append(time.time())
+
+        settings = {"steps": 1000, "step_sleep": 0.05}
+        job = run_replicated(cluster.endpoint, 2, tmp_path, settings, reap_pids, meanwhile=freeze)
+    why = job.describe()
+    assert job.codes == [0, 0], why
+    for replica in range(2):
+        (record,) = job.of(replica)
+        during = [step for step, at, _ in record.commits if frozen[0] < at < frozen[1]]
+        assert len(during) > 100, (len(during), why)  # it trained on while etcd answered nothing
+        assert record.longest_pause(after=frozen[0]) < 3.0, why
+    a, b = (job.of(replica)[0].weights for replica in range(2))
+    assert all(math.isclose(x, y, rel_tol=1e-6) for p, q in zip(a, b, strict=True) for x, y in zip(p, q, strict=True))

@@ -1,0 +1,131 @@
+"""The Manager's arguments, its lease sentinel, and its records in etcd (real etcd, real processes)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from elastic_ft.etcd.client import EtcdClient
+from elastic_ft.etcd.server import EtcdServer
+from elastic_ft.keys import RunKeys
+from elastic_ft.replicas.manager import Manager
+from elastic_ft.replicas.process_group import ProcessGroupGloo
+from elastic_ft.runtime.waits import poll
+
+
+def state() -> dict[str, int]:
+    return {}
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        ({"pg": object()}, TypeError, "expected elastic_ft.torchft.ProcessGroupGloo"),
+        ({"load_state_dict": None}, ValueError, "load_state_dict and state_dict together"),
+        ({"min_replica_size": 0}, ValueError, "min_replica_size=0"),
+        ({"timeout": 5}, ValueError, "timeout=5"),
+        ({"lighthouse": "x"}, TypeError, "unexpected keyword argument"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_starts(
+    arguments: dict[str, object], error: type[Exception], message: str
+) -> None:
+    given = {
+        "pg": ProcessGroupGloo(),
+        "load_state_dict": lambda _: None,
+        "state_dict": state,
+        "min_replica_size": 1,
+    } | arguments
+    with pytest.raises(error, match=message):
+        Manager(**given)  # type: ignore[arg-type]
+
+
+def test_without_etcd_the_manager_says_where_to_give_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("ELASTIC_FT_STORE", "ELASTIC_FT_ETCD_ENDPOINTS", "ELASTIC_FT_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="ELASTIC_FT_ETCD_ENDPOINTS and ELASTIC_FT_RUN_ID"):
+        Manager(ProcessGroupGloo(), None, None, min_replica_size=1)
+    monkeypatch.setenv("ELASTIC_FT_ETCD_ENDPOINTS", "127.0.0.1:1")
+    with pytest.raises(ValueError, match="needs both"):
+        Manager(ProcessGroupGloo(), None, None, min_replica_size=1)
+
+
+@pytest.fixture
+def replica_env(etcd: EtcdServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[RunKeys]:
+    run = f"manager-{time.monotonic_ns()}"
+    monkeypatch.setenv("ELASTIC_FT_ETCD_ENDPOINTS", etcd.endpoint)
+    monkeypatch.setenv("ELASTIC_FT_RUN_ID", run)
+    yield RunKeys("/elastic_ft", run)
+
+
+@pytest.mark.integration
+def test_a_killed_rank_leaves_the_quorum_within_a_second(replica_env: RunKeys, etcd: EtcdServer) -> None:
+    code = """
+        from elastic_ft.torchft import Manager, ProcessGroupGloo
+        manager = Manager(ProcessGroupGloo(), None, None, min_replica_size=1, replica_id="g0", rank=0, world_size=1)
+        print("up", flush=True)
+        import time; time.sleep(120)
+    """
+    rank = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True, env=os.environ.copy()
+    )
+    client = EtcdClient(etcd.endpoints)
+    try:
+        assert rank.stdout is not None and rank.stdout.readline().strip() == "up"
+        member = replica_env.replicas.member("g0", 0)
+        assert client.get(member)[0] is not None
+        assert poll(lambda: client.get_prefix(replica_env.replicas.quorums)[0] != [], 10.0)  # g0 formed quorum 0
+        rank.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        rank.wait()
+        assert poll(lambda: client.get(member)[0] is None, 5.0)
+        assert time.monotonic() - killed < 1.0  # its sentinel revoked the lease; its TTL is 5 s
+    finally:
+        rank.kill()
+        rank.wait()
+        client.close()
+
+
+@pytest.mark.integration
+def test_a_lost_lease_is_taken_again_and_the_record_published_again(replica_env: RunKeys, etcd: EtcdServer) -> None:
+    previous_hook = sys.excepthook
+    manager = Manager(
+        ProcessGroupGloo(),
+        None,
+        None,
+        min_replica_size=1,
+        replica_id="g1",
+        rank=0,
+        world_size=1,
+        connect_timeout=datetime.timedelta(seconds=20),
+    )
+    client = EtcdClient(etcd.endpoints)
+    try:
+        member = replica_env.replicas.member("g1", 0)
+        kv, _ = client.get(member)
+        assert kv is not None
+        client.revoke_lease(kv.lease)  # as etcd does to a lease it could not hear from within its TTL
+        assert poll(lambda: (found := client.get(member)[0]) is not None and found.lease != kv.lease, 15.0)
+        manager.start_quorum()  # it trains in a quorum as before
+        assert manager.is_participating() and manager.num_participants() == 1
+    finally:
+        manager.shutdown()
+        sys.excepthook = previous_hook
+        client.close()
+    assert client_free_of(etcd, member)
+
+
+def client_free_of(etcd: EtcdServer, key: str) -> bool:
+    client = EtcdClient(etcd.endpoints)
+    try:
+        return client.get(key)[0] is None  # shutdown revoked the lease: the record is gone at once
+    finally:
+        client.close()
