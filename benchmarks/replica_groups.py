@@ -19,8 +19,8 @@ torchrun restarts it, and it heals and joins again. Per run:
   and the failed group's return;
 * **together**: seconds from the fault until every group commits together
   again (most of it is the failed process's restart and imports);
-* **ready->together**: the same, from the replacement process's first
-  committed step (its readiness) on;
+* **ready->together**: the same, from the moment the replacement process
+  was ready (built, about to take its first step);
 * **batch**: the global batch of the steps committed during the outage (groups
   in the quorum x 32), and the full one;
 * **healthy restarted**, **steps lost**: processes of healthy groups that were
@@ -180,10 +180,14 @@ def measure(out: Path, groups: int, codes: list[int]) -> dict[str, Any]:
         before = max((s for t, s in commits if t <= fault_at), default=0)
         after = min((s for t, s in commits if t > fault_at), default=before)
         lost = max(lost, before - after + 1)
-    together = min(
-        (t for r in records for _, t, n in _commits(r["commits"]) if t > fault_at and n == groups), default=None
-    )
+    # The failed group's replacement: ready when built, about to take its first step. Every group commits
+    # together again at the first step after that with every group in the quorum (TorchFT's quorum may still
+    # count the dead group for its heartbeat timeout, so a count taken before the replacement was ready is none).
     ready = min((r["ready"] for r in back if r["ready"] > fault_at), default=None)
+    together = min(
+        (t for r in records for _, t, n in _commits(r["commits"]) if ready is not None and t > ready and n == groups),
+        default=None,
+    )
     outage_end = together if together is not None else float("inf")
     first_healthy = [r for r in healthy if r["replica"] == min(r["replica"] for r in healthy)]
     outage = [(s, t, n) for r in first_healthy for s, t, n in _commits(r["commits"]) if fault_at < t < outage_end]

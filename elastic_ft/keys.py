@@ -24,6 +24,7 @@ All of a run's etcd keys live under its *run prefix*, ``<etcd_prefix>/<run_id>/`
                                     (its committed step, the quorum it last had, a failure it saw)
     replicas/quorum/<id>            quorum <id> (zero-padded): the replica groups that train together
                                     from it on (written once, by compare-and-create)
+    replica_pg/<id>/arrivals/<replica>/<r>   rank r of replica group <replica> reached quorum <id>
     replica_pg/<id>/<r>/<key>       quorum <id>'s cross-replica process group of group rank r: its store
     events/<stream>/next            the run's event log (streams main and progress): the number
                                     the stream's next event takes
@@ -190,6 +191,11 @@ class ReplicaKeys:
 
     def quorum(self, quorum_id: int) -> str:
         return f"{self.quorums}{quorum_id:012d}"
+
+    def arrivals(self, quorum_id: int) -> str:
+        """Prefix of the store where every rank of quorum ``quorum_id`` arrives before its groups are built (outside
+        :attr:`prefix`)."""
+        return f"{self.root}replica_pg/{quorum_id}/arrivals/"
 
     def group_store(self, quorum_id: int, group_rank: int) -> str:
         """Prefix of the store in which quorum ``quorum_id``'s cross-replica group of ``group_rank`` meets (outside

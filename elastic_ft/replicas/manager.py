@@ -298,14 +298,16 @@ class Manager:
         """Build ``quorum``'s cross-replica group; False if the quorum was given up (a newer one with this replica
         group came first, a member left while the group was built, or the deadline passed).
 
-        The members close the quorum's arrivals with one compare-and-set, ``complete`` (every member arrived)
-        or ``abandoned`` (a member saw a newer quorum): all of them build the group or none does, so no member
-        waits for one that left for a newer quorum. A member lost while the group is built cancels it at once.
+        Every rank of every member group arrives in the quorum's store, and the first to see all arrived, or
+        a newer quorum, closes the arrivals with one compare-and-set, ``complete`` or ``abandoned``: every rank
+        builds its group rank's cross-replica group, or none does. So no rank waits for one that left for a
+        newer quorum, and the ranks of a replica group never train in different quorums. A member lost while
+        the groups are built cancels them at once.
         """
-        store = EtcdStore(self._client, self._handoff.keys.replicas.group_store(quorum.id, self._group_rank))
-        index = quorum.index(self._replica_id)
-        store.set(f"arrived/{index}", b"1")
-        arrivals = [f"arrived/{i}" for i in range(len(quorum.replicas))]
+        keys = self._handoff.keys.replicas
+        store = EtcdStore(self._client, keys.arrivals(quorum.id))
+        store.set(f"{self._replica_id}/{self._group_rank}", b"1")
+        arrivals = [f"{replica}/{rank}" for replica in quorum.replicas for rank in range(quorum.group_world_size)]
         while not store.check([_CLOSED]):
             if store.check(arrivals):
                 store.compare_set(_CLOSED, b"", _COMPLETE)
@@ -318,8 +320,10 @@ class Manager:
                 raise TimeoutError(f"replica {self._replica_id}: quorum {quorum.id}'s members did not all arrive")
             return False
         try:
-            gloo = CancellableStore(EtcdStore(self._client, store.prefix + "gloo/"), lambda: self._lost_from(quorum))
-            self._pg.configure_in(gloo, index, len(quorum.replicas))
+            gloo = CancellableStore(
+                EtcdStore(self._client, keys.group_store(quorum.id, self._group_rank)), lambda: self._lost_from(quorum)
+            )
+            self._pg.configure_in(gloo, quorum.index(self._replica_id), len(quorum.replicas))
         except Exception as error:  # noqa: BLE001 - a member lost meanwhile: the next quorum goes on without it
             log.warning("replica %s: quorum %d's group failed to form (%s)", self._replica_id, quorum.id, error)
             self._quorum = quorum

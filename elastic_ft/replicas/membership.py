@@ -130,7 +130,9 @@ class ReplicaMembership:
                 except EtcdUnavailableError:
                     backoff.pause()
                 except EtcdLeaseNotFoundError:
-                    if not self._lease_changed.wait_for(functools.partial(self._lease_is_not, self._lease), self._grace):
+                    if not self._lease_changed.wait_for(
+                        functools.partial(self._lease_is_not, self._lease), self._grace
+                    ):
                         raise LeaseLost(f"lease {self._lease:x} is gone and no new one came") from None
 
     def _lease_is_not(self, stale: int) -> bool:
