@@ -37,7 +37,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from etcd3 import etcdrpc
@@ -555,3 +555,29 @@ class EtcdClient:
     def close(self) -> None:
         """Close every stream (joining its reader thread), then the channels."""
         self._connections.close()
+
+
+class EtcdPlace(Protocol):
+    """Where etcd is and how to reach it, as a hand-off to a worker says (``StoreHandoff``, ``ReplicaHandoff``)."""
+
+    @property
+    def endpoints(self) -> tuple[EtcdEndpoint, ...]: ...
+    @property
+    def tls(self) -> TlsFiles: ...
+    @property
+    def credentials(self) -> EtcdCredentials | None: ...
+    @property
+    def connect_timeout(self) -> float: ...
+    @property
+    def request_timeout(self) -> float: ...
+
+
+def client_for(place: EtcdPlace) -> EtcdClient:
+    """A client of the etcd ``place`` describes (no request is sent yet)."""
+    return EtcdClient(
+        place.endpoints,
+        connect_timeout=place.connect_timeout,
+        request_timeout=place.request_timeout,
+        tls=place.tls,
+        credentials=place.credentials,
+    )

@@ -126,17 +126,11 @@ def default_store(**kwargs: Any) -> dist.Store:
                 "rank hosts it, and the agent reads the Wrapper's records there)",
                 {name: kwargs[name] for name in ignored},
             )
-        from elastic_ft.etcd.client import EtcdClient
+        from elastic_ft.etcd.client import client_for
         from elastic_ft.etcd.node_relay import relay_from_env
         from elastic_ft.etcd.store import EtcdStore
 
-        client = EtcdClient(
-            handoff.endpoints,
-            connect_timeout=handoff.connect_timeout,
-            request_timeout=handoff.request_timeout,
-            tls=handoff.tls,
-            credentials=handoff.credentials,
-        )
+        client = client_for(handoff)
         timeout = kwargs.get("timeout") or datetime.timedelta(seconds=handoff.timeout)
         return EtcdStore(client, handoff.prefix, timeout, relay=relay_from_env(os.environ))
     return TCPStore(**kwargs)

@@ -25,6 +25,7 @@ training goes on in the last quorum; only a change waits for etcd.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_ft.etcd.client import EtcdClient
+from elastic_ft.etcd.client import client_for
 from elastic_ft.etcd.store import EtcdStore
 from elastic_ft.handoff import ReplicaHandoff
 from elastic_ft.inprocess.healing.transfer import receive_state, send_state
@@ -114,13 +115,7 @@ class Manager:
             raise ValueError(f"Manager: rank {self._group_rank} is not in a replica group of {world_size}")
         self._replica_id = check_replica_id(replica_id if replica_id is not None else _default_replica_id())
         self._handoff = handoff
-        self._client = EtcdClient(
-            handoff.endpoints,
-            connect_timeout=connect_timeout.total_seconds(),
-            request_timeout=handoff.request_timeout,
-            tls=handoff.tls,
-            credentials=handoff.credentials,
-        )
+        self._client = client_for(dataclasses.replace(handoff, connect_timeout=connect_timeout.total_seconds()))
         self._sentinel = LeaseSentinel(LEASE_TTL)
         lease = self._sentinel.start(connect_timeout.total_seconds())
         self._step = 0

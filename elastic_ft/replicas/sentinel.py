@@ -28,7 +28,7 @@ import sys
 import time
 import typing
 
-from elastic_ft.etcd.client import EtcdClient
+from elastic_ft.etcd.client import EtcdClient, client_for
 from elastic_ft.etcd.kv import EtcdRequestError, EtcdUnavailableError
 from elastic_ft.etcd.session import Session
 from elastic_ft.handoff import ReplicaHandoff
@@ -162,13 +162,7 @@ def main(argv: list[str]) -> int:
         handoff = ReplicaHandoff.from_env(os.environ)
         if handoff is None:
             raise ValueError("no replica hand-off in the environment")
-        client = EtcdClient(
-            handoff.endpoints,
-            connect_timeout=handoff.connect_timeout,
-            request_timeout=handoff.request_timeout,
-            tls=handoff.tls,
-            credentials=handoff.credentials,
-        )
+        client = client_for(handoff)
         session = Session(client, int(argv[0]))
     except (ValueError, EtcdRequestError, EtcdUnavailableError) as error:
         print(f"error {error}", flush=True)
