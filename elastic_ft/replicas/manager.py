@@ -112,7 +112,9 @@ class Manager:
         self._group_rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
         self._group_world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
         if not 0 <= self._group_rank < self._group_world_size:
-            raise ValueError(f"Manager: rank {self._group_rank} is not in a replica group of {world_size}")
+            raise ValueError(
+                f"Manager: rank {self._group_rank} is not in a replica group of {self._group_world_size} rank(s)"
+            )
         self._replica_id = check_replica_id(replica_id if replica_id is not None else _default_replica_id())
         self._handoff = handoff
         self._client = client_for(dataclasses.replace(handoff, connect_timeout=connect_timeout.total_seconds()))
@@ -143,7 +145,11 @@ class Manager:
     def start_quorum(
         self, allow_heal: bool = True, shrink_only: bool = False, timeout: datetime.timedelta | None = None
     ) -> None:
-        """Begin a step: join the newer quorum the last vote agreed on, or the one after a failure (and heal)."""
+        """Begin a step: join the newer quorum the last vote agreed on, or the one after a failure (and heal).
+
+        ``shrink_only`` (TorchFT's: a quorum that takes no newcomer) is accepted and has no effect: a group that
+        comes back joins at the next quorum, whose change every member agrees on in a vote.
+        """
         self._errored = None
         if self._quorum is not None and self._next_quorum_at_least <= self._quorum.id:
             return
