@@ -399,7 +399,10 @@ class Manager:
 
         def follow() -> None:
             while (lease := sentinel.next_lease()) is not None:
-                self._membership.republish(lease)
+                try:
+                    self._membership.republish(lease)
+                except LeaseLost as error:  # the main thread starts another sentinel at its next quorum
+                    log.warning("replica %s rank %d: %s", self._replica_id, self._group_rank, error)
 
         threading.Thread(target=follow, name="elastic_ft-lease-follower", daemon=True).start()
 

@@ -28,8 +28,7 @@ from elastic_ft.untrusted import MalformedRecord, SkipLog
 
 log = logging.getLogger(__name__)
 
-#: The quorums a view keeps besides the latest: enough for a rank a few quorums behind to read the one its vote
-#: agreed on.
+#: The quorums a view keeps (the latest last): a few, for the logs and the status of a job.
 KEPT_QUORUMS = 16
 
 
@@ -47,9 +46,6 @@ class ReplicaState:
     @property
     def latest(self) -> Quorum | None:
         return self.quorums[-1] if self.quorums else None
-
-    def quorum(self, quorum_id: int) -> Quorum | None:
-        return next((quorum for quorum in self.quorums if quorum.id == quorum_id), None)
 
 
 def _build(facts: Iterable[MemberRecord | Quorum]) -> ReplicaState:
@@ -156,15 +152,6 @@ class ReplicaMembership:
         if self._view is None:
             raise RuntimeError("ReplicaMembership: start() it before asking for the replica groups")
         return self._view
-
-    def read_quorum(self, quorum_id: int) -> Quorum | None:
-        """Quorum ``quorum_id`` from the view, else from etcd (a quorum the view has already let go)."""
-        state, _ = self.state()
-        found = state.quorum(quorum_id)
-        if found is not None:
-            return found
-        kv, _ = self._client.get(self._keys.replicas.quorum(quorum_id))
-        return None if kv is None else Quorum.decode(kv.value)
 
     def _parse(self, relative: str, kv: KeyValue) -> MemberRecord | Quorum | None:
         try:

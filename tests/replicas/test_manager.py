@@ -129,3 +129,29 @@ def client_free_of(etcd: EtcdServer, key: str) -> bool:
         return client.get(key)[0] is None  # shutdown revoked the lease: the record is gone at once
     finally:
         client.close()
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"ELASTIC_FT_ETCD_ENDPOINTS": "host:notaport", "ELASTIC_FT_RUN_ID": "job"}, "ELASTIC_FT_ETCD_ENDPOINTS"),
+        ({"ELASTIC_FT_ETCD_ENDPOINTS": "127.0.0.1:2379", "ELASTIC_FT_RUN_ID": "a/b"}, "without '/'"),
+        (
+            {"ELASTIC_FT_ETCD_ENDPOINTS": "127.0.0.1:2379", "ELASTIC_FT_RUN_ID": "j", "ELASTIC_FT_ETCD_PREFIX": "x"},
+            "absolute key prefix",
+        ),
+        ({"ELASTIC_FT_STORE": '{"endpoints": []}'}, "ELASTIC_FT_STORE"),
+    ],
+)
+def test_a_malformed_replica_hand_off_names_the_variable(environ: dict[str, str], message: str) -> None:
+    from elastic_ft.handoff import ReplicaHandoff
+
+    with pytest.raises(ValueError, match=message):
+        ReplicaHandoff.from_env(environ)
+
+
+def test_the_sentinel_refuses_a_lease_it_could_not_keep() -> None:
+    from elastic_ft.replicas.sentinel import LeaseSentinel
+
+    with pytest.raises(ValueError, match="at least 2"):
+        LeaseSentinel(1)
