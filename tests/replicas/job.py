@@ -7,6 +7,7 @@ a group whose process was replaced leaves one record per process that finished.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -18,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from elastic_ft.testing.local_cluster import descendants
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchft_ddp.py"
 
@@ -94,7 +97,11 @@ def run_replicated(
         try:
             codes.append(process.wait(timeout=max(0.1, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
+            workers = descendants(process.pid)  # torchrun's workers run in sessions of their own
             os.killpg(process.pid, 9)
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, 9)
             codes.append(process.wait())
     records = []
     for path in sorted(out.glob("record.[0-9]*.json")):
