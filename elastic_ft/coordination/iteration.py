@@ -294,11 +294,21 @@ class IterationRecords:
         found = read_one(self.store, keys.barrier_done(TERMINATION_BARRIER))
         return None if found is None else as_text(found)
 
-    def set_heal_progress(self, active_rank: int, step: int, fresh: bool, shard: tuple[int, int] | None = None) -> None:
-        """Record an active rank's progress: its step, whether it holds no state, and the shard it holds."""
+    def set_heal_progress(
+        self,
+        active_rank: int,
+        step: int,
+        fresh: bool,
+        shard: tuple[int, int] | None = None,
+        layout: dict[str, object] | None = None,
+    ) -> None:
+        """Record an active rank's progress: its step, whether it holds no state, the shard it holds, and where its
+        state's DTensors place it (a ``ShardLayout``'s JSON)."""
         record: dict[str, object] = {"step": step, "fresh": fresh}
         if shard is not None:
             record["shard"] = list(shard)
+        if layout is not None:
+            record["layout"] = layout
         self.store.set(keys.heal_progress(active_rank), json.dumps(record))
 
     def heal_progresses(self, active_world_size: int) -> list[object]:

@@ -120,9 +120,15 @@ class Wrapper:
             iteration after a restart, active ranks behind the others (new,
             respawned, activated, or interrupted before their last optimizer
             step) receive the state of an up-to-date rank before the function
-            is called. Named as TorchFT's ``Manager`` names them.
+            is called. Named as TorchFT's ``Manager`` names them. It is called
+            on every active rank that holds state at each restart (to read
+            where its DTensors place it), so it must not communicate.
         load_state_dict: puts a received state back (``load_state_dict(state)``);
-            tensors arrive on the CPU.
+            tensors arrive on the CPU, a DTensor as its local shard (a plain
+            tensor: copy it into the DTensor's ``to_local()``). A state of
+            DTensors is healed by their mesh and placements: a rank receives
+            only the shard its coordinate needs, and the next iteration is
+            taken to build a mesh of the same shape over its active ranks.
         completion: run on every rank once the Wrapper completed, with the
             final state (:mod:`elastic_ft.inprocess.completion`); what it
             raises is logged, not raised.

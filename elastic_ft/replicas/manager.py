@@ -42,6 +42,7 @@ import torch.distributed as dist
 from elastic_ft.etcd.client import client_for
 from elastic_ft.etcd.store import EtcdStore
 from elastic_ft.handoff import ReplicaHandoff
+from elastic_ft.inprocess.healing.layout import check_shard, layout_of
 from elastic_ft.inprocess.healing.transfer import receive_state, send_state
 from elastic_ft.replicas.membership import LeaseLost, ReplicaMembership
 from elastic_ft.replicas.process_group import CancellableStore, ProcessGroupGloo
@@ -343,7 +344,8 @@ class Manager:
         return f"replica group(s) {lost} left quorum {quorum.id}" if lost else None
 
     def _heal(self, quorum: Quorum, allow_heal: bool) -> None:
-        """Every member's step; the members behind the highest receive the state of one at it."""
+        """Every member's step; the members behind the highest receive the state of one at it (a state of DTensors
+        only when it is the shard the receiver holds: the same group rank of another replica group)."""
         steps = [int(t) for t in self._pg.allgather(torch.tensor([self._step], dtype=torch.int64))]
         healing = plan_healing(steps, sync_all=self._init_sync)
         index = quorum.index(self._replica_id)
@@ -353,7 +355,10 @@ class Manager:
         if index in healing.senders:
             if not allow_heal:
                 raise RuntimeError(f"replica {self._replica_id} is behind (step {self._step}) but allow_heal=False")
+            own = layout_of(self._full_state())  # a state of DTensors: the shard this rank needs is the one it has
             received = receive_state(self._pg.backend, healing.senders[index])
+            if own is not None:
+                check_shard(received.layout, own, own.shard, f"replica {quorum.replicas[healing.senders[index]]}")
             self._load_full_state(received.state)
             log.info(
                 "replica %s rank %d: healed to step %d from replica %s (%d bytes)",

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elastic_ft.inprocess.healing.plan import RankProgress, plan_recovery
+from elastic_ft.inprocess.healing.plan import RankProgress, ShardLayout, plan_recovery
 
 
 def progress(*records: tuple[int, bool]) -> list[RankProgress]:
@@ -188,3 +188,108 @@ def test_a_malformed_shard_in_the_heal_barriers_result_is_a_transfer_error(shard
         parse_progress(payload, 2)
     good = json.dumps([{"step": 3, "fresh": False, "shard": [0, 2]}, {"step": 3, "fresh": True}])
     assert [p.shard for p in parse_progress(good, 2)] == [(0, 2), None]
+
+
+# ---- a state of DTensors, keyed by its layout (the default rank assignment) ----
+
+HSDP = ((2, 2), (1,))  # a 2 x 2 mesh, the tensors split on dimension 1 (FSDP's), replicated on 0
+
+
+def placed(coordinate: tuple[int, ...], mesh: tuple[tuple[int, ...], tuple[int, ...]] = HSDP, digest: str = "d1"):
+    return ShardLayout(mesh[0], mesh[1], coordinate, digest)
+
+
+def layouts(*records: tuple[int, bool, ShardLayout | None]) -> list[RankProgress]:
+    return [RankProgress(rank, step, fresh, layout=layout) for rank, (step, fresh, layout) in enumerate(records)]
+
+
+def test_a_shard_layout_numbers_its_shards_over_the_split_dimensions_in_row_major_order() -> None:
+    layout = placed((1, 0))
+    assert layout.shard == (0, 2) and [layout.shard_of(rank) for rank in range(4)] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    three_d = ShardLayout((2, 3, 2), (1, 2), (1, 2, 1), "d")
+    assert three_d.shard == (5, 6) and three_d.shard_of(11) == (5, 6) and three_d.shard_of(6) == (0, 6)
+    assert ShardLayout((4,), (), (3,), "d").shard_of(2) == (0, 1)  # replicated everywhere: one shard
+    assert ShardLayout.from_json(layout.to_json()) == layout
+
+
+@pytest.mark.parametrize(
+    "document, message",
+    [
+        ({"mesh": [2, 0], "split": [], "coordinate": [0, 0], "digest": "d"}, "sizes > 0"),
+        ({"mesh": [2, 2], "split": [2], "coordinate": [0, 0], "digest": "d"}, "ascending dimensions"),
+        ({"mesh": [2, 2], "split": [1, 0], "coordinate": [0, 0], "digest": "d"}, "ascending dimensions"),
+        ({"mesh": [2, 2], "split": [1], "coordinate": [0, 2], "digest": "d"}, "one index per dimension"),
+        ({"mesh": [2, 2], "split": [1], "coordinate": [0], "digest": "d"}, "one index per dimension"),
+        ({"mesh": [2, 2], "split": [1], "coordinate": [0, 1], "digest": ""}, "digest"),
+        ({"mesh": [2, 2], "split": [1], "coordinate": [0, 1]}, "digest"),
+        ({"mesh": "2x2", "split": [1], "coordinate": [0, 1], "digest": "d"}, "lists mesh, split and coordinate"),
+        ([2, 2], "a JSON object"),
+    ],
+)
+def test_a_malformed_shard_layout_is_refused_naming_the_field(document: object, message: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=message):
+        ShardLayout.from_json(document)
+
+
+def test_a_rank_behind_heals_from_a_rank_at_the_same_coordinate_of_the_split_dimension() -> None:
+    # Rank 3 (coordinate (1, 1)) lags one step: only rank 1 (0, 1) holds its shard; rank 0's has the same shape.
+    plan = plan_recovery(
+        layouts(
+            (8, False, placed((0, 0))),
+            (8, False, placed((0, 1))),
+            (8, False, placed((1, 0))),
+            (7, False, placed((1, 1))),
+        )
+    )
+    assert dict(plan.sources) == {3: 1} and plan.max_step == 8 and plan.layout == placed((0, 0))
+    assert plan.shard_needed(3) == (1, 2) and "of mesh [2, 2]" in plan.reason
+
+
+def test_a_fresh_rank_receives_the_shard_of_its_coordinate_and_receivers_spread_over_holders() -> None:
+    ranks = layouts(
+        (20, False, placed((0, 0), ((3, 2), (1,)))),
+        (0, True, None),
+        (20, False, placed((1, 0), ((3, 2), (1,)))),
+        (20, False, placed((1, 1), ((3, 2), (1,)))),
+        (0, True, None),
+        (20, False, placed((2, 1), ((3, 2), (1,)))),
+    )
+    plan = plan_recovery(ranks, rotation=1)
+    assert dict(plan.sources) == {1: 5, 4: 2}  # shard 1 from 3 or 5, shard 0 from 0 or 2, rotated by one
+    assert plan.holds_state(1) and plan.holds_state(4)
+
+
+def test_a_mesh_that_no_longer_covers_the_active_ranks_sends_every_rank_to_the_checkpoint() -> None:
+    plan = plan_recovery(layouts((8, False, placed((0, 0))), (8, False, placed((0, 1))), (8, False, placed((1, 0)))))
+    assert not plan.state_held and not plan.sources
+    assert "mesh [2, 2] of 4 ranks, this iteration has 3 active ranks" in plan.reason
+    assert not plan.holds_state(0)
+
+
+def test_up_to_date_ranks_that_disagree_on_the_layout_send_every_rank_to_the_checkpoint() -> None:
+    plan = plan_recovery(
+        layouts(
+            (8, False, placed((0, 0))),
+            (8, False, placed((0, 1), digest="other")),
+            (8, False, placed((1, 0))),
+            (0, True, None),
+        )
+    )
+    assert not plan.state_held and "different layouts" in plan.reason
+
+
+def test_a_rank_holding_a_stale_layout_is_behind_and_a_shard_nobody_holds_is_unhealable() -> None:
+    old = ((1, 3), (1,))
+    ranks = layouts(
+        (9, False, placed((0, 0))),
+        (9, False, placed((0, 1))),
+        (9, False, placed((1, 0))),
+        (5, False, placed((0, 2), old)),
+    )
+    plan = plan_recovery(ranks)
+    assert dict(plan.sources) == {3: 1}  # its older (1, 3) shard is no shard of the 2 x 2 layout
+    lost = layouts((9, False, placed((0, 0))), (0, True, None), (9, False, placed((1, 0))), (0, True, None))
+    plan = plan_recovery(lost)
+    assert (
+        not plan.state_held and set(plan.unhealable) == {1, 3} and "no rank holds shard 1 of mesh [2, 2]" in plan.reason
+    )

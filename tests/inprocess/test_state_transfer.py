@@ -195,6 +195,10 @@ def send_raw(group: Any, header: bytes, payload: list[torch.Tensor], ack: bool =
             b'{"format": 1, "step": 1, "chunk_bytes": 9, "small_bytes": 0, "tensors": [{"dtype": "float32", "shape": [-2]}]}',
             "malformed tensor spec",
         ),
+        (
+            b'{"format": 1, "step": 1, "chunk_bytes": 9, "small_bytes": 0, "tensors": [], "layout": {"mesh": [2]}}',
+            "the header's layout is malformed",
+        ),
     ],
 )
 def test_a_malformed_header_is_refused_before_any_allocation(header: bytes, message: str) -> None:
@@ -234,3 +238,97 @@ def test_run_interruptibly_returns_and_raises_what_its_task_did() -> None:
     assert run_interruptibly(lambda: 41 + 1, "t") == 42
     with pytest.raises(KeyError, match="missing"):
         run_interruptibly(lambda: {}["missing"], "t")
+
+
+# ---- DTensors: sent as their local shard, with the layout they are a shard of ----
+
+
+@pytest.fixture
+def one_rank_world() -> Any:
+    """A default process group of one rank (a HashStore: no socket), for DTensors on a one-rank mesh."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def dtensor_state() -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(3)
+    return {
+        "weight": distribute_tensor(torch.randn(6, 4), mesh, [Replicate(), Shard(0)]),
+        "bias": distribute_tensor(torch.randn(6), mesh, [Replicate(), Replicate()]),
+        "on_submesh": distribute_tensor(torch.randn(2, 2), mesh["shard"], [Shard(1)]),
+        "step": torch.tensor(5.0),
+    }
+
+
+def test_a_dtensor_states_layout_is_read_from_its_mesh_and_placements(one_rank_world: None) -> None:
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from elastic_ft.inprocess.healing.layout import layout_of
+
+    assert layout_of({"plain": torch.zeros(2), "n": 3}) is None
+    state = dtensor_state()
+    layout = layout_of(state)
+    assert layout is not None and (layout.mesh, layout.split, layout.coordinate) == ((1, 1), (1,), (0, 0))
+    replicated = {
+        **state,
+        "weight": distribute_tensor(torch.randn(6, 4), state["weight"].device_mesh, [Replicate()] * 2),
+    }
+    assert layout_of(replicated).digest != layout.digest  # another placement: another layout
+    reshaped = {**state, "bias": distribute_tensor(torch.randn(7), state["bias"].device_mesh, [Replicate()] * 2)}
+    assert layout_of(reshaped).digest != layout.digest
+    assert layout_of(dict(reversed(list(state.items())))).digest != layout.digest  # the paths count, in order
+
+
+def test_dtensors_on_meshes_of_different_roots_are_refused_by_name(one_rank_world: None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from elastic_ft.inprocess.healing.layout import layout_of
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    other = init_device_mesh("cpu", (1,))
+    state = {
+        "a": distribute_tensor(torch.randn(2), mesh, [Shard(0), Shard(0)]),
+        "b": distribute_tensor(torch.randn(2), other, [Shard(0)]),
+    }
+    with pytest.raises(ValueError, match=r"state\['b'\]: a DTensor on a mesh of shape \(1,\).*one mesh"):
+        layout_of(state)
+    with pytest.raises(TypeError, match="one mesh"):
+        send_state(None, [1], state, 1)  # refused before anything is sent
+
+
+def test_a_dtensor_arrives_as_its_local_shard_with_the_senders_layout(one_rank_world: None) -> None:
+    from elastic_ft.inprocess.healing.layout import layout_of
+
+    state = dtensor_state()
+    expected = {name: value.to_local() if hasattr(value, "to_local") else value for name, value in state.items()}
+
+    def body(rank: int, group: Any) -> Any:
+        return send_state(group, [1], state, 5) if rank == 0 else receive_state(group, 0)
+
+    _, received = run_ranks(2, body)
+    assert received.layout == layout_of(state) and received.step == 5
+    assert all(type(value) is torch.Tensor for value in received.state.values())
+    assert_same(expected, received.state)
+
+
+def test_a_shard_that_is_not_the_one_needed_is_refused_naming_both() -> None:
+    from elastic_ft.inprocess.exception import HealingError
+    from elastic_ft.inprocess.healing.layout import check_shard
+    from elastic_ft.inprocess.healing.plan import ShardLayout
+
+    needed = ShardLayout((2, 2), (1,), (0, 0), "a" * 32)
+    check_shard(ShardLayout((2, 2), (1,), (0, 1), "a" * 32), needed, (1, 2), "rank 1")  # its shard: accepted
+    with pytest.raises(HealingError, match=r"rank 0 sent shard 0 of 2 of mesh \[2, 2\].*shard 1 of 2 .*is needed"):
+        check_shard(ShardLayout((2, 2), (1,), (1, 0), "a" * 32), needed, (1, 2), "rank 0")
+    with pytest.raises(HealingError, match=r"sent shard 1 of 3 of mesh \[1, 3\]"):
+        check_shard(ShardLayout((1, 3), (1,), (0, 1), "a" * 32), needed, (1, 2), "rank 2")
+    with pytest.raises(HealingError, match="received layout bbbbbbbb"):
+        check_shard(ShardLayout((2, 2), (1,), (0, 1), "b" * 32), needed, (1, 2), "rank 1")
+    with pytest.raises(HealingError, match="a state without DTensors"):
+        check_shard(None, needed, (1, 2), "rank 1")

@@ -3,15 +3,18 @@
 With ``Wrapper(state_dict=..., load_state_dict=...)`` every active rank, at
 the start of every iteration after the first:
 
-1. publishes its progress (optimizer steps its state has taken, and whether
-   it holds the world's state at all) in the iteration's store, and meets
+1. publishes its progress (optimizer steps its state has taken, whether
+   it holds the world's state at all, and, when its state holds DTensors,
+   which shard of which layout: ``state_dict()`` is read for it) in the
+   iteration's store, and meets
    the other active ranks at the heal barrier, whose result lists everyone's
    progress (one read per rank, whatever the world size);
 2. computes the :func:`~elastic_ft.inprocess.healing.plan.plan_recovery`
    every rank computes from the same records;
 3. if it sends, calls ``state_dict()`` and streams it to its receivers; if
-   it receives, receives the state, checks every tensor's checksum, and only
-   then calls ``load_state_dict(state)``; otherwise does nothing.
+   it receives, receives the state, checks every tensor's checksum (and that
+   a DTensor state is the shard the plan says it needs), and only then calls
+   ``load_state_dict(state)``; otherwise does nothing.
 
 Each sender and its receivers form a gloo group of their own, bootstrapped
 from the iteration's store (so no rank hosts anything, and transfers from
@@ -41,7 +44,8 @@ from elastic_ft import keys
 from elastic_ft.coordination.iteration import IterationView
 from elastic_ft.inprocess.delivery.process_groups import ProcessGroupKeeper
 from elastic_ft.inprocess.exception import HealingError, StateTransferError
-from elastic_ft.inprocess.healing.plan import RankProgress, RecoveryPlan, plan_recovery
+from elastic_ft.inprocess.healing.layout import check_shard, layout_of
+from elastic_ft.inprocess.healing.plan import RankProgress, RecoveryPlan, ShardLayout, plan_recovery
 from elastic_ft.inprocess.healing.transfer import Received, receive_state, run_interruptibly, send_state
 from elastic_ft.inprocess.restart.logs import get_logger
 from elastic_ft.keys import HEAL_BARRIER
@@ -79,7 +83,9 @@ def parse_progress(payload: str | bytes | None, world_size: int) -> list[RankPro
             # Untrusted values: RankProgress checks their types (TypeError, ValueError).
             shard = record.get("shard")
             held = tuple(shard) if isinstance(shard, list) else shard
-            progress.append(RankProgress(rank, record.get("step"), record.get("fresh"), held))  # type: ignore[arg-type]
+            layout = record.get("layout")
+            placed = None if layout is None else ShardLayout.from_json(layout)
+            progress.append(RankProgress(rank, record.get("step"), record.get("fresh"), held, placed))  # type: ignore[arg-type]
         except (TypeError, ValueError) as error:
             raise StateTransferError(f"malformed progress record of active rank {rank}: {error}") from None
     return progress
@@ -93,9 +99,10 @@ def exchange_progress(
     fresh: bool,
     timeout: datetime.timedelta,
     shard: tuple[int, int] | None = None,
+    layout: ShardLayout | None = None,
 ) -> list[RankProgress]:
     """Publish this rank's progress, wait for every active rank's, and return them all."""
-    store.set_heal_progress(active_rank, step, fresh, shard)
+    store.set_heal_progress(active_rank, step, fresh, shard, None if layout is None else layout.to_json())
     payload = store.arrive_and_wait(HEAL_BARRIER, [active_rank], active_world_size, timeout)
     return parse_progress(payload, active_world_size)
 
@@ -163,11 +170,23 @@ def heal(
     shard dimension this iteration (a sharded model, see
     :mod:`~elastic_ft.inprocess.healing.plan`).
 
+    Without ``shards`` (the rank assignment says nothing of shards), a rank
+    that holds state reads ``state_dict()`` to publish where its DTensors
+    place it, and the plan is keyed by that layout.
+
     Raises:
         StateTransferError: the exchange or a transfer failed (the iteration restarts).
-        HealingError: ``state_dict`` or ``load_state_dict`` raised (the rank leaves, the node side escalates).
+        HealingError: ``state_dict`` or ``load_state_dict`` raised, a state's DTensors cannot be placed, or a
+            sender's shard is not the one this rank needs (the rank leaves, the node side escalates).
     """
-    progress = exchange_progress(store, active_rank, active_world_size, step, fresh, timeout, shard)
+    state = layout = None
+    if shards is None and not fresh:
+        state = _state_of(state_dict, active_rank)
+        try:
+            layout = layout_of(state)
+        except ValueError as error:
+            raise HealingError(f"rank {active_rank}: {error}") from None
+    progress = exchange_progress(store, active_rank, active_world_size, step, fresh, timeout, shard, layout)
     plan = plan_recovery(progress, rotation=iteration, shards=shards)
     if active_rank == 0 or plan.heals:
         log.info("iteration %d: rank %d: %s", iteration, active_rank, plan.reason)
@@ -184,12 +203,9 @@ def heal(
     started = time.monotonic()
     if receivers:
         with _transfer_group(store, sender, members, active_rank, timeout, keeper) as group:
-            try:
-                state = state_dict()
-            except Exception as error:
-                raise HealingError(f"rank {active_rank}: state_dict() raised {error!r}") from error
+            sent = state if state is not None else _state_of(state_dict, active_rank)
             destinations = list(range(1, len(members)))
-            nbytes = run_interruptibly(lambda: send_state(group, destinations, state, step), "elastic_ft-heal-send")
+            nbytes = run_interruptibly(lambda: send_state(group, destinations, sent, step), "elastic_ft-heal-send")
         elapsed = time.monotonic() - started
         log.info(
             "iteration %d: rank %d sent its state at step %d (%.1f MB) to ranks %s in %.3f s",
@@ -206,6 +222,13 @@ def heal(
     return _load(received, plan, source, active_rank, iteration, load_state_dict, started)
 
 
+def _state_of(state_dict: Callable[[], Any], active_rank: int) -> Any:
+    try:
+        return state_dict()
+    except Exception as error:
+        raise HealingError(f"rank {active_rank}: state_dict() raised {error!r}") from error
+
+
 def _load(
     received: Received,
     plan: RecoveryPlan,
@@ -219,6 +242,9 @@ def _load(
     sent_step = received.step
     if sent_step != plan.max_step:
         raise StateTransferError(f"rank {source} sent its state at step {sent_step}, the plan says {plan.max_step}")
+    needed = plan.shard_needed(active_rank)
+    if plan.layout is not None and needed is not None:
+        check_shard(received.layout, plan.layout, needed, f"rank {source}")
     try:
         load_state_dict(received.state)
     except Exception as error:

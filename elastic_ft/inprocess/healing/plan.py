@@ -28,12 +28,106 @@ receives exactly its own shard, from an up-to-date rank of another replica
 holding the same one. A rank no such rank exists for is *unhealable*: the
 plan says why, sends it nothing, and it loads the user's checkpoint
 instead. No rank is ever sent a shard it does not need.
+
+A state that holds **DTensors** is keyed by their layout whatever the rank
+assignment: each rank that holds state publishes its :class:`ShardLayout`
+(the root mesh's shape, the mesh dimensions some tensor is split on, its
+coordinate, and a digest of every tensor's path, global shape and
+placements). The next iteration is taken to build a mesh of the same shape
+over its active ranks in rank order (``init_device_mesh`` does), so active
+rank ``r`` needs the shard at ``r``'s coordinate; a mesh that no longer
+covers the active ranks, or up-to-date ranks that disagree on the layout,
+mean nobody holds a usable shard, and every rank loads the checkpoint.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Which shard of a DTensor state one rank holds: its place on the root mesh the tensors share."""
+
+    #: The root mesh's shape.
+    mesh: tuple[int, ...]
+    #: The mesh dimensions some tensor is split on (``Shard`` or ``Partial``), ascending.
+    split: tuple[int, ...]
+    #: This rank's coordinate on the mesh.
+    coordinate: tuple[int, ...]
+    #: What else two states must share to be interchangeable: the mesh's dimension names, and every tensor's
+    #: path, global shape, mesh dimensions and placements.
+    digest: str
+
+    def __post_init__(self) -> None:
+        mesh, split, coordinate = self.mesh, self.split, self.coordinate
+        if not mesh or not all(_is_int(size) and size > 0 for size in mesh):
+            raise ValueError(f"a mesh shape is a non-empty list of sizes > 0, got {mesh!r}")
+        if not all(_is_int(dim) and 0 <= dim < len(mesh) for dim in split) or list(split) != sorted(set(split)):
+            raise ValueError(f"split dimensions are ascending dimensions of mesh {list(mesh)}, got {split!r}")
+        if len(coordinate) != len(mesh) or not all(
+            _is_int(c) and 0 <= c < size for c, size in zip(coordinate, mesh, strict=True)
+        ):
+            raise ValueError(f"a coordinate on mesh {list(mesh)} is one index per dimension, got {coordinate!r}")
+        if not isinstance(self.digest, str) or not 0 < len(self.digest) <= 64:
+            raise ValueError(f"a layout digest is a text of 1 to 64 characters, got {self.digest!r:.80}")
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.mesh)
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """``(index, shards)``: the shard this rank holds, of the shards the split dimensions make."""
+        return self._shard_at(self.coordinate)
+
+    def shard_of(self, rank: int) -> tuple[int, int]:
+        """The shard the rank at ``rank`` of a mesh of this shape holds (ranks laid out in row-major order)."""
+        coordinate, rest = [], rank
+        for size in reversed(self.mesh):
+            rest, index = divmod(rest, size)
+            coordinate.append(index)
+        return self._shard_at(tuple(reversed(coordinate)))
+
+    def _shard_at(self, coordinate: Sequence[int]) -> tuple[int, int]:
+        index, shards = 0, 1
+        for dim in self.split:
+            index, shards = index * self.mesh[dim] + coordinate[dim], shards * self.mesh[dim]
+        return index, shards
+
+    def same_layout(self, other: ShardLayout) -> bool:
+        """The two states are shards of one layout (each may hold a different shard of it)."""
+        return (self.mesh, self.split, self.digest) == (other.mesh, other.split, other.digest)
+
+    def describe(self) -> str:
+        index, shards = self.shard
+        return f"shard {index} of {shards} of mesh {list(self.mesh)} (split on dims {list(self.split)})"
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "mesh": list(self.mesh),
+            "split": list(self.split),
+            "coordinate": list(self.coordinate),
+            "digest": self.digest,
+        }
+
+    @classmethod
+    def from_json(cls, document: object) -> ShardLayout:
+        """Decode (untrusted): ``ValueError`` or ``TypeError`` naming what is wrong."""
+        if not isinstance(document, dict):
+            raise TypeError(f"a shard layout is a JSON object, got {document!r:.80}")
+        fields = [document.get(name) for name in ("mesh", "split", "coordinate")]
+        if not all(isinstance(value, list) for value in fields):
+            raise TypeError(f"a shard layout has lists mesh, split and coordinate, got {document!r:.120}")
+        mesh, split, coordinate = (tuple(value) for value in fields)  # type: ignore[arg-type]
+        return cls(mesh, split, coordinate, document.get("digest"))  # type: ignore[arg-type]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -47,6 +141,8 @@ class RankProgress:
     fresh: bool
     #: The shard its state holds, ``(index, shards)``; None when the model is not sharded (or it holds none).
     shard: tuple[int, int] | None = None
+    #: Where its state's DTensors place it; None when its state holds none (or it holds no state).
+    layout: ShardLayout | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
@@ -63,6 +159,8 @@ class RankProgress:
             and 0 <= shard[0] < shard[1]
         ):
             raise ValueError(f"rank {self.rank}: a shard is (index, shards) with 0 <= index < shards, got {shard!r}")
+        if self.layout is not None and not isinstance(self.layout, ShardLayout):
+            raise TypeError(f"rank {self.rank}: a layout is a ShardLayout, got {self.layout!r:.80}")
 
 
 @dataclass(frozen=True)
@@ -77,6 +175,12 @@ class RecoveryPlan:
     unhealable: Mapping[int, str] = field(default_factory=dict)
     #: Some rank holds the world's state (else every rank starts from the user's checkpoint).
     state_held: bool = True
+    #: A DTensor state's layout, which every receiver checks what it is sent against; None otherwise.
+    layout: ShardLayout | None = None
+
+    def shard_needed(self, rank: int) -> tuple[int, int] | None:
+        """The shard of :attr:`layout` that ``rank`` needs, None when the state holds no DTensor."""
+        return None if self.layout is None else self.layout.shard_of(rank)
 
     @property
     def heals(self) -> bool:
@@ -105,13 +209,25 @@ def plan_recovery(progress: Sequence[RankProgress], rotation: int = 0, shards: i
     ``rotation`` (the iteration number) shifts the round robin, so that
     every rank computes the same plan and successive plans vary the sender.
     ``shards``: the mesh's shard dimension of a sharded model (see the
-    module docstring); None when every rank holds the whole model.
+    module docstring); None when the rank assignment says nothing of shards,
+    in which case the ranks' DTensor layouts, if they published any, key the
+    plan.
     """
     ranks = [p.rank for p in progress]
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"one progress record per rank, got ranks {sorted(ranks)}")
     if shards is not None:
-        return _plan_shards(progress, rotation, shards)
+        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+            raise ValueError(f"shards is an integer >= 1, got {shards!r}")
+        return _plan_shards(
+            progress,
+            rotation,
+            need=lambda rank: (rank % shards, shards),
+            held=lambda p: p.shard,
+            what=f"of {shards}",
+        )
+    if any(p.layout is not None for p in progress if not p.fresh):
+        return _plan_layout(progress, rotation)
     holders = [p for p in progress if not p.fresh]
     if not holders:
         fresh = sorted(ranks)
@@ -137,37 +253,79 @@ def plan_recovery(progress: Sequence[RankProgress], rotation: int = 0, shards: i
     )
 
 
-def _plan_shards(progress: Sequence[RankProgress], rotation: int, shards: int) -> RecoveryPlan:
-    """:func:`plan_recovery` for a model sharded ``shards`` ways: each rank needs shard ``rank % shards``."""
-    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
-        raise ValueError(f"shards is an integer >= 1, got {shards!r}")
+def _plan_layout(progress: Sequence[RankProgress], rotation: int) -> RecoveryPlan:
+    """:func:`plan_recovery` for a state of DTensors: keyed by the layout of the ranks at the highest step."""
+    placed = [(p.step, p.layout) for p in progress if not p.fresh and p.layout is not None]
+    max_step = max(step for step, _ in placed)
+    layouts = {layout for step, layout in placed if step == max_step}
+    reference = min(layouts, key=lambda layout: layout.coordinate)
+    if any(not reference.same_layout(layout) for layout in layouts):
+        described = sorted(
+            {
+                f"mesh {list(layout.mesh)} split on {list(layout.split)}, layout {layout.digest[:8]}"
+                for layout in layouts
+            }
+        )
+        return RecoveryPlan(
+            0,
+            {},
+            f"the ranks at step {max_step} hold DTensor states of different layouts ({'; '.join(described)}): "
+            "every rank loads the checkpoint",
+            state_held=False,
+        )
+    if reference.size != len(progress):
+        return RecoveryPlan(
+            0,
+            {},
+            f"the state's DTensors are on a mesh {list(reference.mesh)} of {reference.size} ranks, this iteration "
+            f"has {len(progress)} active ranks: no rank holds its shard of the new layout; every rank loads the "
+            "checkpoint",
+            state_held=False,
+        )
+
+    def held(p: RankProgress) -> tuple[int, int] | None:
+        return p.layout.shard if p.layout is not None and reference.same_layout(p.layout) else None
+
+    plan = _plan_shards(progress, rotation, need=reference.shard_of, held=held, what=f"of mesh {list(reference.mesh)}")
+    return dataclasses.replace(plan, layout=reference)
+
+
+def _plan_shards(
+    progress: Sequence[RankProgress],
+    rotation: int,
+    need: Callable[[int], tuple[int, int]],
+    held: Callable[[RankProgress], tuple[int, int] | None],
+    what: str,
+) -> RecoveryPlan:
+    """:func:`plan_recovery` for a sharded state: active rank ``r`` needs shard ``need(r)``, and a rank holds
+    shard ``held(p)`` of its progress ``p``; ``what`` names the layout in the reasons."""
 
     def in_place(p: RankProgress) -> bool:
-        return not p.fresh and p.shard == (p.rank % shards, shards)
+        return not p.fresh and held(p) == need(p.rank)
 
     holders = [p for p in progress if in_place(p)]
     if not holders:
         return RecoveryPlan(
             0,
             {},
-            f"no rank holds its own shard of {shards} (ranks {sorted(p.rank for p in progress)}): every rank "
+            f"no rank holds its own shard {what} (ranks {sorted(p.rank for p in progress)}): every rank "
             "loads the checkpoint",
             state_held=False,
         )
     max_step = max(p.step for p in holders)
-    up_to_date: dict[int, list[int]] = {}
+    up_to_date: dict[tuple[int, int], list[int]] = {}
     for p in sorted(holders, key=lambda p: p.rank):
         if p.step == max_step:
-            up_to_date.setdefault(p.rank % shards, []).append(p.rank)
+            up_to_date.setdefault(need(p.rank), []).append(p.rank)
     behind = sorted(p.rank for p in progress if not (in_place(p) and p.step == max_step))
     sources: dict[int, int] = {}
     unhealable: dict[int, str] = {}
-    waiting: dict[int, int] = {}  # receivers per shard so far: the round robin's index
+    waiting: dict[tuple[int, int], int] = {}  # receivers per shard so far: the round robin's index
     for rank in behind:
-        shard = rank % shards
+        shard = need(rank)
         senders = up_to_date.get(shard, [])
         if not senders:
-            unhealable[rank] = f"no rank holds shard {shard} of {shards} at step {max_step}"
+            unhealable[rank] = f"no rank holds shard {shard[0]} {what} at step {max_step}"
             continue
         index = waiting.get(shard, 0)
         waiting[shard] = index + 1
@@ -187,7 +345,7 @@ def _plan_shards(progress: Sequence[RankProgress], rotation: int, shards: int) -
             unhealable,
             state_held=False,
         )
-    transfers = ", ".join(f"{sender}->{receiver} (shard {receiver % shards})" for receiver, sender in sources.items())
+    transfers = ", ".join(f"{sender}->{receiver} (shard {need(receiver)[0]})" for receiver, sender in sources.items())
     return RecoveryPlan(
-        max_step, sources, f"{len(sources)} rank(s) heal their shard of {shards} to step {max_step}: {transfers}"
+        max_step, sources, f"{len(sources)} rank(s) heal their shard {what} to step {max_step}: {transfers}"
     )

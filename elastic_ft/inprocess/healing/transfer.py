@@ -1,7 +1,10 @@
 """Send a rank's training state to other ranks point to point, in chunks, with a checksum of every tensor.
 
 The state is whatever ``state_dict()`` returned: nested dicts, lists and
-tuples of tensors and JSON values (TorchFT's ``Manager`` state). It is
+tuples of tensors and JSON values (TorchFT's ``Manager`` state). A DTensor
+travels as its local shard, and the header says which shard of which
+layout the sender holds (:mod:`~elastic_ft.inprocess.healing.layout`), so
+that a receiver can refuse one that is not its own. It is
 split into a *skeleton* (its structure and non-tensor values, sent as JSON,
 never pickled) and its tensors, which are streamed as raw bytes in chunks
 of at most ``chunk_bytes``: no buffer ever holds the whole state, the
@@ -13,7 +16,8 @@ Wire format, sender to each receiver, over a process group's ``send`` and
 ``recv`` (one message order per pair of ranks)::
 
     int64[1]          header length
-    uint8[length]     header: JSON {format, step, skeleton, tensors: [{dtype, shape}], chunk_bytes, small_bytes}
+    uint8[length]     header: JSON {format, step, skeleton, tensors: [{dtype, shape}], chunk_bytes, small_bytes,
+                                    layout: the sender's ShardLayout or null}
     uint8[...]        the tensors of at most small_bytes, packed in order, in chunks of chunk_bytes
     uint8[...]        every larger tensor's bytes, in order, in chunks of chunk_bytes
     int64[1 + n]      trailer: n, then the CRC-32C of every tensor's bytes
@@ -42,6 +46,8 @@ import google_crc32c
 import torch
 
 from elastic_ft.inprocess.exception import StateTransferError
+from elastic_ft.inprocess.healing.layout import layout_of
+from elastic_ft.inprocess.healing.plan import ShardLayout
 from elastic_ft.untrusted import is_count, json_object
 
 T = TypeVar("T")
@@ -83,9 +89,10 @@ def flatten_state(state: object) -> tuple[object, list[torch.Tensor], list[str]]
 
     def encode(value: object, path: str) -> object:
         if isinstance(value, torch.Tensor):
-            if value.layout is not torch.strided or value.is_quantized or value.is_meta:
-                raise TypeError(f"state{path}: only dense tensors are transferred, got a {value.layout} tensor")
-            tensors.append(value.detach())
+            local = value.to_local() if hasattr(value, "device_mesh") else value  # type: ignore[attr-defined]
+            if local.layout is not torch.strided or local.is_quantized or local.is_meta:
+                raise TypeError(f"state{path}: only dense tensors are transferred, got a {local.layout} tensor")
+            tensors.append(local.detach())
             paths.append(path)
             return {"tensor": len(tensors) - 1}
         if isinstance(value, _SCALARS):
@@ -174,6 +181,8 @@ class Header:
     tensors: tuple[TensorSpec, ...]
     chunk_bytes: int
     small_bytes: int = SMALL_BYTES
+    #: Which shard of which DTensor layout the state is; None when it holds no DTensor.
+    layout: ShardLayout | None = None
 
     def packed(self) -> list[int]:
         """The tensors sent packed, in order, ahead of the others."""
@@ -192,6 +201,7 @@ class Header:
             "tensors": specs,
             "chunk_bytes": self.chunk_bytes,
             "small_bytes": self.small_bytes,
+            "layout": None if self.layout is None else self.layout.to_json(),
         }
         return json.dumps(document, separators=(",", ":")).encode()
 
@@ -219,7 +229,12 @@ class Header:
             if not isinstance(shape, list) or not all(is_count(size) for size in shape):
                 raise StateTransferError(f"malformed tensor spec {spec!r:.80}: expected a shape of integers >= 0")
             tensors.append(TensorSpec(_dtype(spec.get("dtype")), tuple(shape)))
-        return cls(step, document.get("skeleton"), tuple(tensors), chunk, small)
+        layout = document.get("layout")
+        try:
+            decoded = None if layout is None else ShardLayout.from_json(layout)
+        except (TypeError, ValueError) as error:
+            raise StateTransferError(f"the header's layout is malformed: {error}") from None
+        return cls(step, document.get("skeleton"), tuple(tensors), chunk, small, decoded)
 
 
 def _chunks(size: int, chunk_bytes: int) -> Iterator[slice]:
@@ -309,14 +324,19 @@ def send_state(
     """Send ``state`` (at optimizer step ``step``) to every group rank in ``receivers``; returns the bytes sent to each.
 
     Raises:
-        TypeError: ``state`` holds a value that cannot be transferred (before anything is sent).
+        TypeError: ``state`` holds a value that cannot be transferred, or DTensors whose layout cannot be told
+            (before anything is sent).
         StateTransferError: a send failed or timed out (the group's timeout bounds every operation).
     """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+    try:
+        layout = layout_of(state)
+    except ValueError as error:
+        raise TypeError(str(error)) from None
     skeleton, tensors, _ = flatten_state(state)
     specs = tuple(TensorSpec(t.dtype, tuple(t.shape)) for t in tensors)
-    header = Header(step, skeleton, specs, chunk_bytes).to_bytes()
+    header = Header(step, skeleton, specs, chunk_bytes, layout=layout).to_bytes()
     header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8)
     pipeline = _Pipeline(WINDOW * len(receivers))
 
@@ -357,6 +377,8 @@ class Received:
     step: int
     #: Bytes received: the tensors' and the header's.
     nbytes: int
+    #: Which shard of which DTensor layout the sender's state was; None when it held no DTensor.
+    layout: ShardLayout | None = None
 
 
 def receive_state(group: Any, sender: int) -> Received:
@@ -417,4 +439,4 @@ def receive_state(group: Any, sender: int) -> Received:
     for path, got, want in zip(paths, checksums, expected, strict=True):
         if got != want:
             raise StateTransferError(f"state{path}: checksum {got:#010x} received, {want:#010x} sent")
-    return Received(state, header.step, sum(spec.nbytes for spec in header.tensors) + int(length))
+    return Received(state, header.step, sum(spec.nbytes for spec in header.tensors) + int(length), header.layout)
