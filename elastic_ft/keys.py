@@ -192,6 +192,14 @@ class ReplicaKeys:
     def quorum(self, quorum_id: int) -> str:
         return f"{self.quorums}{quorum_id:012d}"
 
+    @property
+    def slots(self) -> str:
+        """One key per replica group id ``ftrun --replica-groups`` handed a node, on that launcher's lease."""
+        return self.prefix + "slots/"
+
+    def slot(self, replica: int) -> str:
+        return f"{self.slots}{replica}"
+
     def arrivals(self, quorum_id: int) -> str:
         """Prefix of the store where every rank of quorum ``quorum_id`` arrives before its groups are built (outside
         :attr:`prefix`)."""

@@ -56,6 +56,7 @@ from elastic_ft.job_config import (
     parse_job_config,
     parse_stored_job_config,
 )
+from elastic_ft.launcher import replica_mode
 from elastic_ft.launcher.agent import FtAgent
 from elastic_ft.launcher.node_health import (
     DEFAULT_CHECK_TIMEOUT,
@@ -64,6 +65,7 @@ from elastic_ft.launcher.node_health import (
     NodeHealthChecks,
     NodeHealthSpecError,
 )
+from elastic_ft.launcher.replica_slots import SlotError
 from elastic_ft.observability import log_format
 from elastic_ft.observability.event_files import write_events_file
 from elastic_ft.observability.sink import EventSink, install
@@ -151,6 +153,13 @@ def _add_ftrun_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep one warm worker process per node (torch, elastic-ft and the Wrapper's warm-up loaded, no rank) "
         "that takes a dead worker's place, so a respawn costs the admission, not an interpreter's start; it "
         "costs a worker's host memory before CUDA (docs/launcher.md). Default: on",
+    )
+    group.add_argument(
+        "--replica-groups",
+        action="store_true",
+        help="run each node as one replica group of --nproc-per-node ranks (elastic_ft.torchft's Manager, TorchFT's "
+        "model): its workers get a world of their own and REPLICA_GROUP_ID, a failed worker restarts its node's "
+        "workers only (up to --max-restarts), and the other nodes train on (docs/inprocess.md, replica groups)",
     )
     group.add_argument(
         "--etcd-binary",
@@ -650,12 +659,34 @@ def _settle_job_config(
             )
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    _configure_logging()
-    parser = build_parser()
-    args, given = parse_args(parser, argv)
-    # Before anything is started: whatever ftrun starts dies with it, even if it is SIGKILLed.
-    ensure_reaper()
+def _run_replica_group(args: argparse.Namespace, stack: ExitStack) -> None:
+    """``--replica-groups``: this node's workers as one replica group (:mod:`elastic_ft.launcher.replica_mode`)."""
+    min_nodes, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
+    settings = make_settings(
+        run_id=args.rdzv_id,
+        endpoint=args.rdzv_endpoint,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        local_addr=args.local_addr,
+        **_rdzv_conf_keys(args.rdzv_conf),
+    )
+    problem = replica_mode.transport_conflict(settings)
+    if problem is not None:
+        _fail(problem)
+    try:
+        replica_mode.claim_replica_group(args, settings, os.environ, stack)
+    except SlotError as exc:
+        _fail(f"--replica-groups: {exc}", 1)
+    replica_mode.as_local_world(args, os.environ)
+    config, entrypoint, entrypoint_args = torchrun.config_from_args(args)
+    elastic_launch(config=config, entrypoint=entrypoint)(*entrypoint_args)
+
+
+def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, given: set[str]) -> NodeHealthChecks:
+    """The flags that need one another, checked before anything starts (``parser.error`` names the flag); the
+    node's health checks they describe."""
+    if args.replica_groups and (problem := replica_mode.conflicts(args, given)) is not None:
+        parser.error(problem)
     if "spare_nodes" in given:
         if args.rdzv_backend != "etcdft":
             parser.error(f"--spare-nodes needs the etcdft rendezvous, not --rdzv-backend={args.rdzv_backend}")
@@ -677,6 +708,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(str(exc))
     if "metrics_port" in given and importlib.util.find_spec("prometheus_client") is None:
         parser.error("--metrics-port needs prometheus_client: pip install 'elastic-ft[metrics]'")
+    return health
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    _configure_logging()
+    parser = build_parser()
+    args, given = parse_args(parser, argv)
+    # Before anything is started: whatever ftrun starts dies with it, even if it is SIGKILLed.
+    ensure_reaper()
+    health = _check_flags(parser, args, given)
     file_config = None
     if args.job_config is not None:
         try:
@@ -698,6 +739,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 f"--record and --metrics-port need the etcdft rendezvous, not --rdzv-backend={args.rdzv_backend}"
             )
         hand_progress_limits(args, os.environ)
+        if args.replica_groups:
+            _run_replica_group(args, stack)
+            return
         if args.master_port is None:
             args.master_port = 29500
         config, entrypoint, entrypoint_args = torchrun.config_from_args(args)

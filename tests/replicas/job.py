@@ -1,6 +1,7 @@
-"""Run ``examples/torchft_ddp.py`` as a replicated job: one ``torchrun`` per replica group, as with TorchFT.
+"""Run ``examples/torchft_ddp.py`` as a replicated job: one ``torchrun`` per replica group, as with TorchFT, or
+one ``ftrun --replica-groups`` node per group.
 
-Each group's torchrun restarts its own worker after a fault (``--max-restarts``); the other groups'
+Each group's launcher restarts its own workers after a fault (``--max-restarts``); the other groups'
 processes run on. Every worker process writes a record when it finishes (its commits and final weights):
 a group whose process was replaced leaves one record per process that finished.
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic_ft.testing.local_cluster import descendants
+from elastic_ft.testing.local_cluster import descendants, ftrun_command
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchft_ddp.py"
 
@@ -49,6 +50,7 @@ class ReplicatedJob:
     codes: list[int]
     records: list[ProcessRecord]
     logs: list[str]
+    run_id: str
 
     def of(self, replica: int) -> list[ProcessRecord]:
         return [record for record in self.records if record.replica == replica]
@@ -65,24 +67,40 @@ def run_replicated(
     reap: list[int],
     timeout: float = 240,
     meanwhile: Callable[[], None] | None = None,
+    *,
+    launcher: str = "torchrun",
+    nproc: int = 1,
+    script: Path = EXAMPLE,
 ) -> ReplicatedJob:
-    """Run ``groups`` replica groups of one rank each until they all exit; ``meanwhile()`` runs once they started."""
+    """Run ``groups`` replica groups of ``nproc`` ranks each until they all exit; ``meanwhile()`` runs once they
+    started. ``launcher``: ``torchrun`` (``--standalone``, one each, told its id, as TorchFT's README runs
+    them), ``etcdft`` (the same with a rendezvous of its own in etcd: ``--rdzv-backend=etcdft``), or ``ftrun``
+    (``ftrun --replica-groups --nnodes=<groups>`` per group, which takes its group's id itself: the log of node
+    ``i`` is ``replica<i>.log`` whatever id it took)."""
+    if launcher not in ("torchrun", "etcdft", "ftrun"):
+        raise ValueError(f"launcher is torchrun, etcdft or ftrun, got {launcher!r}")
+    ftrun = launcher == "ftrun"
     out.mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        "ELASTIC_FT_ETCD_ENDPOINTS": endpoint,
-        "ELASTIC_FT_RUN_ID": f"replicas-{uuid.uuid4().hex[:8]}",
-        "NUM_REPLICA_GROUPS": str(groups),
-        "EFT_EXAMPLE": json.dumps({**settings, "out": str(out / "record")}),
-    }
+    run_id = f"replicas-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "EFT_EXAMPLE": json.dumps({**settings, "out": str(out / "record")})}
+    if not ftrun:
+        env.update({"ELASTIC_FT_ETCD_ENDPOINTS": endpoint, "ELASTIC_FT_RUN_ID": run_id})
+        env["NUM_REPLICA_GROUPS"] = str(groups)
     processes = []
     for replica in range(groups):
         log = (out / f"replica{replica}.log").open("w")
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
-        command += ["--max-restarts=3", "--monitor-interval=0.1", str(EXAMPLE)]
+        if ftrun:
+            command = [*ftrun_command(), "--replica-groups", f"--nnodes={groups}", f"--rdzv-endpoint={endpoint}"]
+            command += [f"--rdzv-id={run_id}"]
+        elif launcher == "etcdft":
+            command = [sys.executable, "-m", "torch.distributed.run", "--rdzv-backend=etcdft", "--nnodes=1"]
+            command += [f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}-group{replica}"]
+        else:
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        command += [f"--nproc-per-node={nproc}", "--max-restarts=3", "--monitor-interval=0.1", str(script)]
         process = subprocess.Popen(
             command,
-            env={**env, "REPLICA_GROUP_ID": str(replica)},
+            env=env if ftrun else {**env, "REPLICA_GROUP_ID": str(replica)},
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -110,4 +128,4 @@ def run_replicated(
         steps = [tuple(entry) for entry in document["commits"]]
         records.append(ProcessRecord(replica, document["pid"], steps, document["weights"]))  # type: ignore[arg-type]
     logs = [(out / f"replica{replica}.log").read_text(errors="replace") for replica in range(groups)]
-    return ReplicatedJob(codes, records, logs)
+    return ReplicatedJob(codes, records, logs, run_id)

@@ -48,16 +48,21 @@ def assert_the_fault_stayed_in_its_group(job: ReplicatedJob, groups: int, faulty
             assert all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-7) for a, b in zip(mine, theirs, strict=True)), why
 
 
-@pytest.mark.parametrize(("groups", "faulty", "kind"), [(2, 1, "sigkill"), (4, 2, "raise"), (3, 1, "sigkill_in_vote")])
+@pytest.mark.parametrize(
+    ("groups", "faulty", "kind", "launcher"),
+    [(2, 1, "sigkill", "torchrun"), (4, 2, "raise", "torchrun"), (3, 1, "sigkill_in_vote", "etcdft")],
+)
 def test_a_fault_in_one_replica_group_leaves_the_others_training(
-    etcd: EtcdServer, tmp_path: Path, reap_pids: list[int], groups: int, faulty: int, kind: str
+    etcd: EtcdServer, tmp_path: Path, reap_pids: list[int], groups: int, faulty: int, kind: str, launcher: str
 ) -> None:
+    """``launcher``: a ``torchrun --standalone`` per group, as TorchFT's README runs them, or a ``torchrun`` per
+    group with the etcdft rendezvous."""
     settings: dict[str, Any] = {
         "steps": STEPS,
         "step_sleep": 0.05,
         "fault": {"replica": faulty, "step": FAULT_STEP, "kind": kind},
     }
-    job = run_replicated(etcd.endpoint, groups, tmp_path, settings, reap_pids)
+    job = run_replicated(etcd.endpoint, groups, tmp_path, settings, reap_pids, launcher=launcher)
     assert_the_fault_stayed_in_its_group(job, groups, faulty)
 
 

@@ -1,0 +1,95 @@
+"""``ftrun --replica-groups``: one node per replica group, its id taken in etcd, its failures its own.
+
+Real ``ftrun`` processes (one per node, on this host), real etcd, gloo. A SIGKILLed worker makes its node's
+torch agent restart that node's workers; the other node's workers never stop, and the group heals from them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic_ft.etcd.client import EtcdClient
+from elastic_ft.etcd.server import EtcdServer
+from elastic_ft.keys import RunKeys
+from elastic_ft.testing.local_cluster import ftrun_command
+from tests.replicas.job import run_replicated
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+HSDP_WORKER = Path(__file__).with_name("hsdp_worker.py")
+
+
+def close(a: list[list[float]], b: list[list[float]]) -> bool:
+    return all(
+        math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-7)
+        for p, q in zip(a, b, strict=True)
+        for x, y in zip(p, q, strict=True)
+    )
+
+
+def test_each_node_is_a_replica_group_and_a_killed_worker_restarts_only_its_own(
+    etcd: EtcdServer, tmp_path: Path, reap_pids: list[int]
+) -> None:
+    settings = {"steps": 300, "step_sleep": 0.05, "fault": {"replica": 1, "step": 40, "kind": "sigkill"}}
+    job = run_replicated(etcd.endpoint, 2, tmp_path, settings, reap_pids, launcher="ftrun")
+    why = job.describe()
+    assert job.codes == [0, 0], why
+    ids = sorted(int(m) for log in job.logs for m in re.findall(r"this node runs replica group (\d) of 2", log))
+    assert ids == [0, 1], why  # each node took its own id
+    (healthy,) = job.of(0)
+    steps = [step for step, _, _ in healthy.commits]
+    assert steps[0] <= 40 < steps[-1] == 300, why  # one process from before the fault to the end
+    assert healthy.longest_pause() < 3.0, (healthy.longest_pause(), why)  # loose: the benchmark has numbers
+    (back,) = job.of(1)  # the restarted worker; the killed one left no record
+    assert back.commits[-1][0] == 300 and any(n == 2 for _, _, n in back.commits), why
+    assert close(back.weights, healthy.weights), why
+    client = EtcdClient(etcd.endpoints)
+    try:
+        slots, _ = client.get_prefix(RunKeys("/elastic_ft", job.run_id).replicas.slots)
+    finally:
+        client.close()
+    assert slots == [], slots  # released as the nodes ended
+
+
+def test_hsdp_2x2_a_lost_rank_restarts_its_group_which_heals_shard_by_shard(
+    etcd: EtcdServer, tmp_path: Path, reap_pids: list[int]
+) -> None:
+    """Two groups of two ranks sharding with FSDP2; rank 1 of one group is SIGKILLed. Its node restarts both of
+    its ranks, each heals its own shard (DTensors, checked against the shard it holds) from the same rank of the
+    other group, and both groups end with the same shards."""
+    settings: dict[str, Any] = {"steps": 150, "step_sleep": 0.05, "fault": {"replica": 1, "rank": 1, "step": 30}}
+    job = run_replicated(etcd.endpoint, 2, tmp_path, settings, reap_pids, launcher="ftrun", nproc=2, script=HSDP_WORKER)
+    why = job.describe()
+    assert job.codes == [0, 0], why
+    finals: dict[tuple[int, int], dict[str, Any]] = {}
+    for path in tmp_path.glob("record.[0-9]*.json"):
+        document = json.loads(path.read_text())
+        finals[(int(path.name.split(".")[1]), document["rank"])] = document
+    assert sorted(finals) == [(0, 0), (0, 1), (1, 0), (1, 1)], why
+    for rank in (0, 1):
+        assert finals[(0, rank)]["commits"][0][0] <= 30, why  # the healthy group's processes never restarted
+        assert finals[(1, rank)]["commits"][0][0] > 30, why  # the other group's did, and healed past the fault
+        assert close(finals[(0, rank)]["weights"], finals[(1, rank)]["weights"]), why
+    assert not close(finals[(0, 0)]["weights"][:1], finals[(0, 1)]["weights"][:1])  # two different shards
+    assert "healed to step" in job.logs[0] + job.logs[1], why
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--spare-nodes=1"], "--spare-nodes do not apply"),
+        (["--node-relay", "--record=/tmp/x"], "--node-relay, --record do not apply"),
+        (["--rdzv-backend=c10d"], "needs --rdzv-backend=etcdft, not c10d"),
+    ],
+)
+def test_flags_of_the_whole_job_restart_are_refused_by_name(flags: list[str], message: str) -> None:
+    command = [*ftrun_command(), "--replica-groups", "--nnodes=2", "--rdzv-endpoint=127.0.0.1:1", *flags, "x.py"]
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
