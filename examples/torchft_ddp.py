@@ -11,8 +11,9 @@ restarts its own processes; the other groups keep training)::
         examples/torchft_ddp.py
 
 ``EFT_EXAMPLE`` (JSON, for tests and benchmarks) may set ``steps``, ``step_sleep`` (seconds a step takes at
-least), ``fault`` (``{"replica": 1, "step": 20, "kind": "raise" | "sigkill" | "sigkill_in_vote"}``, on its first
-run only) and
+least), ``fault`` (``{"replica": 1, "step": 20, "kind": "raise" | "sigkill" | "sigkill_in_vote" | "cut"}``, on its
+first run only; ``cut`` shuts the group's cross-replica connections down mid-step, as a network fault would, and
+the process trains on) and
 ``out`` (a file for each run's record: its commits and final weights).
 """
 
@@ -55,8 +56,9 @@ def main() -> None:
     def state_dict() -> dict:
         return {"model": model.state_dict(), "optim": optimizer.state_dict()}
 
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
+        pg=pg,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         min_replica_size=1,
@@ -73,7 +75,7 @@ def main() -> None:
         for inputs, labels in loader:
             started = time.monotonic()
             optimizer.zero_grad()
-            maybe_fail(manager.current_step())
+            maybe_fail(manager.current_step(), pg=pg)
             loss = nn.functional.mse_loss(model(inputs), labels)
             loss.backward()
             optimizer.step()
@@ -85,9 +87,13 @@ def main() -> None:
     manager.shutdown()
 
 
-def maybe_fail(step: int, where: str = "step") -> None:
+#: The injected fault strikes once per process (a ``cut`` process lives on, and retries the step).
+_STRUCK: list[int] = []
+
+
+def maybe_fail(step: int, where: str = "step", pg: ProcessGroupGloo | None = None) -> None:
     fault = SETTINGS.get("fault")
-    first_run = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    first_run = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not _STRUCK
     in_vote = fault and fault["kind"] == "sigkill_in_vote"
     if (
         fault
@@ -96,11 +102,15 @@ def maybe_fail(step: int, where: str = "step") -> None:
         and fault["step"] == step
         and in_vote == (where == "vote")
     ):
+        _STRUCK.append(step)
         if SETTINGS.get("out"):
             with open(f"{SETTINGS['out']}.fault.json", "w") as out:
                 json.dump({"at": time.time(), "step": step}, out)
         if fault["kind"] in ("sigkill", "sigkill_in_vote"):
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault["kind"] == "cut" and pg is not None:
+            pg.abort()  # this step's all-reduce fails on every group; nobody commits it, nobody restarts
+            return
         raise RuntimeError(f"injected fault at step {step}")
 
 

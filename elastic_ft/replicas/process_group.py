@@ -60,8 +60,12 @@ class ProcessGroupGloo:
 
     @property
     def backend(self) -> Any:
+        """The gloo group; an aborted or unbuilt group raises, so no collective on it passes for a one-member
+        group's (which would let a step commit that the others did not take part in)."""
         if self._backend is None:
-            raise RuntimeError("the cross-replica group is not configured (the Manager's start_quorum() does it)")
+            raise RuntimeError(
+                "the cross-replica group is aborted or not configured yet (the Manager's start_quorum() builds it)"
+            )
         return self._backend
 
     def rank(self) -> int:
@@ -71,24 +75,28 @@ class ProcessGroupGloo:
         return self._size
 
     def allreduce_sum(self, tensors: list[torch.Tensor]) -> None:
-        """Sum ``tensors`` across the group, in place; raises what gloo raises (a peer gone, the timeout)."""
+        """Sum ``tensors`` across the group, in place; raises what gloo raises (a peer gone, the timeout), and on an
+        aborted group."""
+        backend = self.backend
         if self._size > 1:
             options = dist.AllreduceOptions()
             options.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
-            self.backend.allreduce(tensors, options).wait()
+            backend.allreduce(tensors, options).wait()
 
     def allreduce_max(self, tensor: torch.Tensor) -> None:
+        backend = self.backend
         if self._size > 1:
             options = dist.AllreduceOptions()
             options.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
-            self.backend.allreduce([tensor], options).wait()
+            backend.allreduce([tensor], options).wait()
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every member's ``tensor``, in rank order."""
+        backend = self.backend
         if self._size == 1:
             return [tensor.clone()]
         out = [torch.empty_like(tensor) for _ in range(self._size)]
-        self.backend.allgather([out], [tensor]).wait()
+        backend.allgather([out], [tensor]).wait()
         return out
 
     def abort(self) -> None:

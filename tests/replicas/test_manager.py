@@ -155,3 +155,24 @@ def test_the_sentinel_refuses_a_lease_it_could_not_keep() -> None:
 
     with pytest.raises(ValueError, match="at least 2"):
         LeaseSentinel(1)
+
+
+def test_a_collective_on_an_aborted_group_fails_instead_of_passing_for_a_one_member_groups() -> None:
+    """An aborted group must fail its collectives: one that passed would let a step commit alone, unaveraged."""
+    import torch
+    import torch.distributed as dist
+
+    group = ProcessGroupGloo()
+    with pytest.raises(RuntimeError, match="aborted or not configured"):
+        group.allreduce_sum([torch.ones(2)])
+    group.configure_in(dist.HashStore(), 0, 1)
+    tensor = torch.ones(2)
+    group.allreduce_sum([tensor])
+    group.allreduce_max(tensor)
+    assert tensor.tolist() == [1.0, 1.0] and len(group.allgather(tensor)) == 1  # one member: nothing to do
+    group.abort()
+    for collective in (lambda: group.allreduce_sum([tensor]), lambda: group.allreduce_max(tensor)):
+        with pytest.raises(RuntimeError, match="aborted or not configured"):
+            collective()
+    with pytest.raises(RuntimeError, match="aborted or not configured"):
+        group.allgather(tensor)

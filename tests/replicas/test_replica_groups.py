@@ -66,6 +66,27 @@ def test_a_fault_in_one_replica_group_leaves_the_others_training(
     assert_the_fault_stayed_in_its_group(job, groups, faulty)
 
 
+def test_a_group_whose_step_fails_without_dying_comes_back_at_the_next_quorum(
+    etcd: EtcdServer, tmp_path: Path, reap_pids: list[int]
+) -> None:
+    """Group 1's cross-replica connections are cut mid-step (a network fault): that step's all-reduce fails in
+    both groups, neither commits it, and both meet in the next quorum with the same processes; no step is
+    committed by one and not the other."""
+    settings = {"steps": 120, "step_sleep": 0.05, "fault": {"replica": 1, "step": 40, "kind": "cut"}}
+    job = run_replicated(etcd.endpoint, 2, tmp_path, settings, reap_pids)
+    why = job.describe()
+    assert job.codes == [0, 0], why
+    records = [job.of(replica) for replica in range(2)]
+    assert all(len(found) == 1 for found in records), why  # no process restarted
+    (first,), (second,) = records
+    ahead, joined = ([s for s, _, _ in r.commits] for r in sorted((first, second), key=lambda r: r.steps[0][0]))
+    assert joined == ahead[ahead.index(joined[0]) :], why  # the same commits since both were in
+    assert [entry[0] for entry in first.steps].count(40) >= 2, why  # step 40 was tried again: it did not commit
+    assert "left quorum" not in why and first.commits[-1][0] == 120, why
+    for mine, theirs in zip(first.weights, second.weights, strict=True):
+        assert all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-7) for a, b in zip(mine, theirs, strict=True)), why
+
+
 def test_replica_groups_train_through_an_etcd_frozen_for_30_s(tmp_path: Path, reap_pids: list[int]) -> None:
     """No single point of failure: in an unchanged quorum a step asks etcd nothing, and the records etcd may
     drop meanwhile (their leases expire while it is frozen) are published again once it is back."""
