@@ -36,18 +36,31 @@ REPLICA_GROUP_ID = int(os.environ.get("REPLICA_GROUP_ID", "0"))
 NUM_REPLICA_GROUPS = int(os.environ.get("NUM_REPLICA_GROUPS", "2"))
 
 
-def main() -> None:
+BATCH_SIZE = 32
+LEARNING_RATE = 1e-3
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+
+
+def make_dataset() -> TensorDataset:
+    """The same samples in every replica group (a linear target with noise)."""
     torch.manual_seed(0)
     features = torch.randn(4096, 32)
-    dataset = TensorDataset(features, features @ torch.randn(32, 1) + 0.1 * torch.randn(4096, 1))
+    return TensorDataset(features, features @ torch.randn(32, 1) + 0.1 * torch.randn(4096, 1))
+
+
+def main() -> None:
+    dataset = make_dataset()
     sampler = DistributedSampler(
         dataset, replica_rank=REPLICA_GROUP_ID, num_replica_groups=NUM_REPLICA_GROUPS, group_rank=0, num_replicas=1
     )
-    loader = DataLoader(dataset, batch_size=32, sampler=sampler)
+    loader = DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler)
 
     torch.manual_seed(1 + REPLICA_GROUP_ID)  # replicas initialize differently; the Manager syncs them
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
 
     def load_state_dict(state: dict) -> None:
         model.load_state_dict(state["model"])
@@ -74,7 +87,8 @@ def main() -> None:
     while manager.current_step() < steps:
         for inputs, labels in loader:
             started = time.monotonic()
-            optimizer.zero_grad()
+            optimizer.zero_grad()  # joins (and heals into) a new quorum when there is one
+            record.before_step(manager, model)
             maybe_fail(manager.current_step(), pg=pg)
             loss = nn.functional.mse_loss(model(inputs), labels)
             loss.backward()
@@ -126,16 +140,36 @@ def fail_in_vote(manager: Manager) -> None:
 
 
 class Record:
-    """What a test or benchmark reads back: each commit's step, wall time and quorum size, and the final weights."""
+    """What a test or benchmark reads back. At the end: each step's outcome (the step count after it, wall time,
+    quorum size) and the final weights. As it goes (so that a killed process leaves it too), one JSON line per
+    step in ``<out>.<replica>.<pid>.steps.jsonl``: the weights the process started from, then each step's count
+    before and after it, its quorum size and the process's batch number; a test replays the committed steps."""
 
     def __init__(self, manager: Manager) -> None:
         self.commits: list[tuple[int, float, int]] = []
         self.path = SETTINGS.get("out")
         self.pid = os.getpid()
         self.ready = time.time()  # built, about to take its first step
+        self.attempts = 0
+        self.before = 0
+        self.log = None if self.path is None else f"{self.path}.{REPLICA_GROUP_ID}.{self.pid}.steps.jsonl"
+
+    def before_step(self, manager: Manager, model: nn.Module) -> None:
+        self.before = manager.current_step()
+        if self.log is not None and self.attempts == 0:
+            self._write({"start": [p.detach().flatten().tolist() for p in model.parameters()]})
 
     def step(self, manager: Manager, loss: float) -> None:
-        self.commits.append((manager.current_step(), time.time(), manager.num_participants()))
+        after, participants = manager.current_step(), manager.num_participants()
+        self.commits.append((after, time.time(), participants))
+        if self.log is not None:
+            self._write({"before": self.before, "after": after, "participants": participants, "batch": self.attempts})
+        self.attempts += 1
+
+    def _write(self, entry: dict) -> None:
+        if self.log is not None:
+            with open(self.log, "a") as log:
+                log.write(json.dumps(entry) + "\n")
 
     def finish(self, manager: Manager, model: nn.Module) -> None:
         if self.path is None:

@@ -9,6 +9,7 @@ a group whose process was replaced leaves one record per process that finished.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
 import json
 import os
@@ -129,3 +130,68 @@ def run_replicated(
         records.append(ProcessRecord(replica, document["pid"], steps, document["weights"]))  # type: ignore[arg-type]
     logs = [(out / f"replica{replica}.log").read_text(errors="replace") for replica in range(groups)]
     return ReplicatedJob(codes, records, logs, run_id)
+
+
+def _example() -> Any:
+    """``examples/torchft_ddp.py`` as a module (its model, data and settings)."""
+    spec = importlib.util.spec_from_file_location("torchft_ddp_example", EXAMPLE)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {EXAMPLE}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def replay_committed_steps(out: Path, groups: int, steps: int) -> list[list[float]]:
+    """The model one process reaches by applying every committed step as the replica groups of its quorum
+    computed it (each group's batch, the gradients averaged, AdamW), from the weights the first quorum started
+    from: what the run must end with if no step was committed by some groups and not others, or lost.
+
+    Raises:
+        AssertionError: a step no group committed, or groups that disagree on how many took part in one.
+    """
+    import torch
+    from torch import nn
+
+    from elastic_ft.torchft import DistributedSampler
+
+    example = _example()
+    dataset = example.make_dataset()
+    orders = {
+        replica: list(DistributedSampler(dataset, replica, groups, group_rank=0, num_replicas=1))
+        for replica in range(groups)
+    }
+    contributions: dict[int, list[tuple[int, int, int]]] = {}
+    starts = []
+    for path in out.glob("record.[0-9]*.steps.jsonl"):
+        replica = int(path.name.split(".")[1])
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        entries = lines[1:]
+        if entries and entries[0]["before"] == 0:
+            starts.append(lines[0]["start"])
+        for entry in entries:
+            if entry["after"] == entry["before"] + 1:
+                contributions.setdefault(entry["before"], []).append((replica, entry["batch"], entry["participants"]))
+    assert starts and all(start == starts[0] for start in starts), "the processes at step 0 started apart"
+    model = example.make_model()
+    with torch.no_grad():
+        for parameter, values in zip(model.parameters(), starts[0], strict=True):
+            parameter.copy_(torch.tensor(values).reshape(parameter.shape))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=example.LEARNING_RATE)
+    size = example.BATCH_SIZE
+    for step in range(steps):
+        found = sorted(contributions.get(step, []))
+        assert found and all(n == len(found) for _, _, n in found), f"step {step} committed by {found}"
+        total: list[torch.Tensor] | None = None
+        for replica, batch, _ in found:
+            order = orders[replica]
+            start = (batch % -(-len(order) // size)) * size
+            inputs, labels = dataset[order[start : start + size]]
+            model.zero_grad()
+            nn.functional.mse_loss(model(inputs), labels).backward()
+            grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+            total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
+        for parameter, grad in zip(model.parameters(), total or [], strict=True):
+            parameter.grad = grad / len(found)
+        optimizer.step()
+    return [p.detach().flatten().tolist() for p in model.parameters()]

@@ -20,6 +20,7 @@ from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.keys import RunKeys
 from elastic_ft.testing.local_cluster import ftrun_command
 from tests.replicas.job import run_replicated
+from tests.replicas.test_replica_groups import assert_same_as_the_replay
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -50,6 +51,7 @@ def test_each_node_is_a_replica_group_and_a_killed_worker_restarts_only_its_own(
     (back,) = job.of(1)  # the restarted worker; the killed one left no record
     assert back.commits[-1][0] == 300 and any(n == 2 for _, _, n in back.commits), why
     assert close(back.weights, healthy.weights), why
+    assert_same_as_the_replay(job, tmp_path, 2, 300)
     client = EtcdClient(etcd.endpoints)
     try:
         slots, _ = client.get_prefix(RunKeys("/elastic_ft", job.run_id).replicas.slots)
