@@ -53,10 +53,17 @@ def _holding(started: dict[str, list[dict[str, Any]]], ranks: set[int]) -> str:
 
 
 def _reserve_ready(etcd: EtcdServer, run_id: str, nodes: list[TorchrunNode], ranks: set[int]) -> None:
-    """Until ``ranks`` (initial ranks) wait in reserve: on a loaded machine the spare's workers may still be
-    starting when the active ones train, and a fault before they are ready shrinks the world instead."""
+    """Until ``ranks`` (initial ranks) wait to take a lost rank's place: on a loaded machine the spare's workers
+    may still be starting when the active ones train, and a fault before they are ready shrinks the world
+    instead. A spare that was a member of the first round waits in reserve; one that joined the running round
+    late (it reached the rendezvous after the last call) waits as a joiner, admitted by the next restart."""
     deadline = time.monotonic() + 90
-    while not ranks <= {w["rank"] for w in status_of(etcd, run_id)["workers"] if w.get("mode") == "reserve"}:
+    while True:
+        reserve = {w["rank"] for w in status_of(etcd, run_id)["workers"] if w.get("mode") == "reserve"}
+        text = "\n".join(node.log() for node in nodes)
+        joining = {r for r in ranks if f"initial rank {r} waits for a restart to join the running world" in text}
+        if ranks <= reserve | joining:
+            return
         assert time.monotonic() < deadline, logs(nodes)
         time.sleep(0.5)
 
