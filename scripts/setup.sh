@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-extras=${1:-etcd}
+extras=${1:-etcd,timeline}
 stamp=".setup-stamp.${extras//,/_}"
 wanted="$("$PYTHON" -c 'import sys; print(sys.prefix)') ${extras} $(cat setup.cfg pyproject.toml | cksum)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ] \

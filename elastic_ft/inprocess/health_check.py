@@ -100,14 +100,13 @@ class _DeviceCheck(HealthCheck):
         if device_index is not None and (isinstance(device_index, bool) or not isinstance(device_index, int)):
             raise TypeError(f"{type(self).__name__} device_index must be an int or None, got {device_index!r}")
         self.device_index = device_index
-        self._said_no_gpu = False
 
     def _no_gpu(self) -> bool:
-        """True on a host without CUDA, where there is no GPU to be unhealthy: said at INFO once, then at DEBUG."""
+        """True on a host without CUDA, where there is no GPU to be unhealthy: said at DEBUG (the Wrapper chains
+        these checks itself, so a line at INFO would be one the user did not ask for)."""
         if node_checks.cuda_available():
             return False
-        (log.debug if self._said_no_gpu else log.info)("%s passes: this host has no CUDA device", type(self).__name__)
-        self._said_no_gpu = True
+        log.debug("%s passes: this host has no CUDA device", type(self).__name__)
         return True
 
 

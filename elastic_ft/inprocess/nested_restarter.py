@@ -3,8 +3,8 @@
 NVIDIA's ``ft_launcher`` reads lines ``[NestedRestarter] name=[InProcess]
 state=<state> stage=<stage>`` from its workers to know where the
 in-process layer stands. These hooks write the same lines, on one rank
-(``special_rank``, an initial rank), to the ``elastic_ft.nested_restarter``
-logger, so that tools reading them keep working. ``ftrun`` itself does not
+(``special_rank``, an initial rank), to the logger named
+``"elastic_ft.nested_restarter"``, so that tools reading them keep working. ``ftrun`` itself does not
 need them: its agent learns of faults and give-ups from the job's records
 in etcd.
 
@@ -33,7 +33,8 @@ NESTED_RESTARTER_LOGGER = "elastic_ft.nested_restarter"
 
 
 class NestedRestarterLogger:
-    """Writes the restarter's lines to the ``elastic_ft.nested_restarter`` logger (on stderr if nothing is set up).
+    """Writes the restarter's lines to the logger named ``"elastic_ft.nested_restarter"`` (on stderr if nothing is
+    set up).
 
     NVIDIA's is a ``RankMonitorLogger`` of its fault-tolerance launcher; this
     one keeps the two calls the hooks make.

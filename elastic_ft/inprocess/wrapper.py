@@ -102,7 +102,7 @@ class Wrapper:
         monitor_process_pidfile: absolute path of a file the monitor process
             appends its PID to, a line, when it starts; may contain ``{rank}``.
             Under Slurm, ``srun --kill-on-bad-exit=0 ...; python -m
-            elastic_ft.runtime.wait_daemon PIDFILE`` keeps the step until the
+            elastic_ft.shared_utils.wait_daemon PIDFILE`` keeps the step until the
             monitors have recorded the ranks' ends (NVIDIA's 0.6 argument).
         enabled: when false, ``Wrapper(...)(fn)`` returns ``fn`` itself.
         adaptive_timeouts: how the soft and hard timeouts follow the job's

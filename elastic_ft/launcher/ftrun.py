@@ -45,6 +45,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import elastic_launch
 
 from elastic_ft.etcd.client import EtcdClient, EtcdRequestError, EtcdUnavailableError
+from elastic_ft.etcd.endpoints import EndpointError, parse_endpoints
 from elastic_ft.etcd.event_log import EventLog
 from elastic_ft.etcd.server import EtcdServer, find_etcd_binary
 from elastic_ft.handoff import job_config_from_env, job_config_to_env
@@ -591,7 +592,13 @@ def _fail(message: str, code: int = 2) -> NoReturn:
 
 
 def _check_rdzv_conf(args: argparse.Namespace) -> None:
-    """Validate the whole ``--rdzv-conf`` as the rendezvous will (before anything starts), in one line on failure."""
+    """Validate ``--rdzv-endpoint`` and the whole ``--rdzv-conf`` as the rendezvous will (before anything starts),
+    in one line naming the flag on failure."""
+    if args.rdzv_endpoint:
+        try:
+            parse_endpoints(args.rdzv_endpoint)
+        except EndpointError as exc:
+            _fail(f"--rdzv-endpoint: {exc}")
     min_nodes, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
     # An embedded etcd's endpoint, and a run id torchrun left at "none", are chosen later: stand-ins here.
     run_id = args.rdzv_id if args.rdzv_endpoint or args.rdzv_id != "none" else "embedded"

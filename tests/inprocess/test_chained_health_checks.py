@@ -108,19 +108,24 @@ def test_a_real_interface_taken_down_fails_the_check() -> None:
         subprocess.run(["ip", "link", "del", name], check=False)
 
 
-def test_gpu_and_nvlink_checks_pass_on_a_host_without_cuda_and_say_so_once(caplog: pytest.LogCaptureFixture) -> None:
+def test_gpu_and_nvlink_checks_pass_on_a_host_without_cuda_and_say_so_at_debug(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this host has CUDA")
     state = State(rank=0, world_size=1)
-    with caplog.at_level(logging.INFO, logger="elastic_ft.inprocess.health_check"):
+    with caplog.at_level(logging.DEBUG, logger="elastic_ft.inprocess.health_check"):
         for check in (ChainedGPUHealthCheck(device_index=0), ChainedNVLHealthCheck()):
             assert check(state) is state
             assert check(state) is state
     said = [r.getMessage() for r in caplog.records if "has no CUDA device" in r.getMessage()]
+    assert {r.levelno for r in caplog.records if "has no CUDA device" in r.getMessage()} == {logging.DEBUG}
     assert said == [
         "ChainedGPUHealthCheck passes: this host has no CUDA device",
+        "ChainedGPUHealthCheck passes: this host has no CUDA device",
+        "ChainedNVLHealthCheck passes: this host has no CUDA device",
         "ChainedNVLHealthCheck passes: this host has no CUDA device",
     ]
 

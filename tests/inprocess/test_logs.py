@@ -85,3 +85,19 @@ def test_the_monitor_process_logs_the_etcd_clients_outages_to_its_file(tmp_path)
     assert "a verdict" in written and "etcd at x is unreachable" in written, written
     assert "below the level" not in written and "not ours" not in written, written
     assert "etcd at x" not in done.stderr
+
+
+@pytest.mark.integration
+def test_an_application_that_configured_no_logging_gets_the_reports_on_stderr_without_a_warning() -> None:
+    script = (
+        "import logging\n"
+        "from elastic_ft.inprocess.restart.logs import configure_logging, release_logging\n"
+        "setup = configure_logging()\n"
+        "logging.getLogger('elastic_ft.inprocess.restart').info('a restart report')\n"
+        "release_logging(setup)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "a restart report" in done.stderr and "Warning" not in done.stderr, done.stderr

@@ -448,3 +448,26 @@ def _children_names() -> list[str]:
                 except OSError:
                     continue
     return names
+
+
+def test_a_state_dict_passed_instead_of_its_method_is_named_short_with_what_to_pass() -> None:
+    state = {f"layer{i}.weight": list(range(1000)) for i in range(50)}  # a large state: its repr is long
+    with pytest.raises(TypeError) as raised:
+        Wrapper(state_dict=state, load_state_dict=print)  # type: ignore[arg-type]
+    message = str(raised.value)
+    assert message.startswith("Wrapper state_dict must be callable or None (the method itself, e.g. ")
+    assert "state_dict=model.state_dict" in message and "got a dict: {'layer0.weight'" in message
+    assert len(message) < 250, len(message)
+
+
+def test_a_wrapped_function_called_outside_a_launcher_says_how_to_run_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(RuntimeError, match=r"RANK and WORLD_SIZE are not set\. Run it with `ftrun --nproc-per-node=N"):
+        Wrapper()(lambda: None)()
+    assert logging.getLogger("elastic_ft.inprocess").handlers == []  # the failed set-up left nothing behind
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE is not set"):
+        Wrapper()(lambda: None)()

@@ -115,6 +115,25 @@ def test_a_bad_rdzv_conf_is_one_line_and_exit_2_before_anything_starts(tmp_path:
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize(
+    ("endpoint", "message"),
+    [
+        ("host:99999", "ftrun: error: --rdzv-endpoint: rdzv endpoint 'host:99999' has port '99999'; expected 1..65535"),
+        ("http://[bad", "ftrun: error: --rdzv-endpoint: rdzv endpoint 'http://[bad' (in 'http://[bad') is malformed"),
+    ],
+)
+def test_a_malformed_endpoint_is_blamed_on_rdzv_endpoint(tmp_path: Path, endpoint: str, message: str) -> None:
+    done = subprocess.run(
+        [*FTRUN, "--nnodes=2", "--nproc-per-node=1", f"--rdzv-endpoint={endpoint}", str(TRAIN)],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2 and done.stderr.startswith(message), done.stderr
+
+
+@pytest.mark.integration
 def test_an_unreachable_etcd_names_the_endpoint_and_what_ftrun_was_doing(tmp_path: Path) -> None:
     closed = free_port()
     command = [

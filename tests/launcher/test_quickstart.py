@@ -1,4 +1,5 @@
-"""The quickstart's script (docs/quickstart.md) survives a worker's SIGKILL under ftrun, in-process."""
+"""The quickstart's script (docs/quickstart.md) survives a worker's SIGKILL under ftrun, in-process; the README's
+script (examples/minimal.py) runs as the README says."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from elastic_ft.testing.local_cluster import descendants
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "quickstart.py"
+MINIMAL = SCRIPT.with_name("minimal.py")
 
 
 def _workers(agent: int) -> list[int]:
@@ -46,7 +48,7 @@ def test_quickstart_survives_a_killed_worker(tmp_path: Path) -> None:
         "--checkpoint",
         str(checkpoint),
         "--epochs",
-        "60",
+        "8",
     ]
     log = tmp_path / "ftrun.log"
     with log.open("w") as out:
@@ -73,3 +75,18 @@ def test_quickstart_survives_a_killed_worker(tmp_path: Path) -> None:
     assert sorted(rank for rank, _ in finished) == ["0", "1", "3"], text[-3000:]
     assert re.search(r"on 2 ranks", text), text[-3000:]  # trained on, in-process, without the dead worker
     assert "respawned as pid" in text, text[-3000:]
+
+
+@pytest.mark.slow
+def test_the_readmes_script_runs_under_ftrun_as_the_readme_says(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "elastic_ft.launcher.ftrun", "--nproc-per-node=2", str(MINIMAL)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    finished = re.findall(r"rank (\d) finished at step (\d+)", done.stdout + done.stderr)
+    assert sorted(finished) == [("0", "3000"), ("1", "3000")], (done.stdout + done.stderr)[-4000:]

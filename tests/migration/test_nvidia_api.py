@@ -220,7 +220,7 @@ def test_file_store_and_tcp_store_take_nvidias_arguments(tmp_path: Path, monkeyp
 
 def test_wrapper_checks_the_new_hooks() -> None:
     for name in ("completion", "terminate", "rank_filter"):
-        with pytest.raises(TypeError, match=f"Wrapper {name} must be callable or None, got 'nope'"):
+        with pytest.raises(TypeError, match=f"Wrapper {name} must be callable or None, got a str: 'nope'"):
             inprocess.Wrapper(**{name: "nope"})
 
 

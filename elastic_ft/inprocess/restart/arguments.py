@@ -58,11 +58,14 @@ def validate_arguments(arguments: dict[str, Any]) -> None:
             raise ValueError(f"Wrapper {name} must be at most 30 days, got {value}")
     for name in ("store_factory", "rank_assignment"):
         if not callable(arguments[name]):
-            raise TypeError(f"Wrapper {name} must be callable, got {arguments[name]!r}")
+            raise TypeError(f"Wrapper {name} must be callable, got {_shown(arguments[name])}")
     hooks = ("initialize", "abort", "finalize", "health_check", "completion", "terminate", "rank_filter")
     for name in (*hooks, "state_dict", "load_state_dict", "warmup"):
         if arguments[name] is not None and not callable(arguments[name]):
-            raise TypeError(f"Wrapper {name} must be callable or None, got {arguments[name]!r}")
+            hint = ""
+            if name in ("state_dict", "load_state_dict"):
+                hint = f" (the method itself, e.g. {name}=model.{name}, not what it returns)"
+            raise TypeError(f"Wrapper {name} must be callable or None{hint}, got {_shown(arguments[name])}")
     for name in DEFAULT_LIMITS:
         value = arguments[name]
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -128,3 +131,9 @@ def apply_job_config_defaults(arguments: dict[str, Any]) -> None:
         default = {**DEFAULT_DURATIONS, **DEFAULT_LIMITS, "min_progress_steps": DEFAULT_MIN_PROGRESS_STEPS}.get(name)
         if given is default or (name == "rank_assignment" and given is None):
             arguments[name] = value
+
+
+def _shown(value: object) -> str:
+    """A bad argument in an error message: its type, and its repr cut short (a state dict's runs to megabytes)."""
+    text = repr(value)
+    return f"a {type(value).__name__}: {text[:80]}..." if len(text) > 80 else f"a {type(value).__name__}: {text}"

@@ -223,6 +223,13 @@ def _progress_sample(call_wrapper: CallWrapper) -> dict[str, Any] | None:
 def _state_from_env() -> tuple[State, bool]:
     """The process's state before its first iteration, from torchrun's variables, and whether it joins a world
     that is already running (``ftrun`` respawned it)."""
+    missing = [name for name in ("RANK", "WORLD_SIZE") if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"a function wrapped by elastic_ft.Wrapper runs under a launcher, which sets RANK and WORLD_SIZE; "
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set. Run it with "
+            "`ftrun --nproc-per-node=N script.py` (or torchrun, or srun with them set)"
+        )
     worker = WorkerHandoff.from_env(os.environ)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     joining = worker is not None and worker.joining

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-import warnings
 
 from elastic_ft.observability.log_format import Formatter
 
@@ -82,10 +81,9 @@ def configure_logging() -> LoggingSetup | None:
         if previous == logging.NOTSET and nvidia.level != logging.NOTSET:
             logger.setLevel(min(nvidia.level, logger.getEffectiveLevel()))
     else:
+        # An application that configured no logging gets the restart reports on stderr, without a warning (NVIDIA's
+        # Wrapper warns, then drops its logs: the reports are what a user of in-process restart needs to see).
         template = _nearest_stream_handler(logger)
-        if template is None:
-            # NVIDIA's Wrapper warns here too (and then disables its logs); ours go to stderr instead.
-            warnings.warn("logging not initialized: elastic_ft.inprocess logs to stderr", UserWarning, stacklevel=2)
         handler = logging.StreamHandler(template.stream if template is not None else sys.stderr)
         formatter = template.formatter if template is not None and template.formatter is not None else Formatter()
         handler.setFormatter(formatter)
