@@ -102,7 +102,8 @@ class ReplicaSlot:
         holders = {}
         for kv in found:
             name = kv.key[len(self._keys.slots) :]
-            if name.isdigit() and int(name) < self._groups:
+            # Only the key this module spells ("7", never "07" or another script's digits) names slot 7.
+            if name.isascii() and name.isdigit() and str(int(name)) == name and int(name) < self._groups:
                 holders[int(name)] = kv.value
         return holders
 

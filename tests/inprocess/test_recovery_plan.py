@@ -293,3 +293,18 @@ def test_a_rank_holding_a_stale_layout_is_behind_and_a_shard_nobody_holds_is_unh
     assert (
         not plan.state_held and set(plan.unhealable) == {1, 3} and "no rank holds shard 1 of mesh [2, 2]" in plan.reason
     )
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [{"mesh": [2, 2], "split": [1], "coordinate": [0, 5], "digest": "d"}, "2x2", {"mesh": [2, 2]}],
+)
+def test_a_progress_record_with_a_malformed_layout_fails_the_exchange_naming_the_rank(layout: object) -> None:
+    import json
+
+    from elastic_ft.inprocess.exception import StateTransferError
+    from elastic_ft.inprocess.healing.heal import parse_progress
+
+    records = [{"step": 3, "fresh": False}, {"step": 3, "fresh": False, "layout": layout}]
+    with pytest.raises(StateTransferError, match="malformed progress record of active rank 1"):
+        parse_progress(json.dumps(records), 2)

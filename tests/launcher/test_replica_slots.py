@@ -46,7 +46,7 @@ def test_a_claim_retried_after_it_was_applied_keeps_its_id(etcd_client: EtcdClie
 
 
 def test_keys_that_name_no_slot_are_ignored(etcd_client: EtcdClient, keys: ReplicaKeys) -> None:
-    for name in ("x", "-1", "7", "01a"):
+    for name in ("x", "-1", "7", "01a", "00", "\u0660"):  # "00" and an Arabic-Indic zero are not slot 0
         etcd_client.put(keys.slots + name, b"noise")
     slot = ReplicaSlot(etcd_client, keys, "node0", 2, 5)
     assert slot.claim(10) == 0

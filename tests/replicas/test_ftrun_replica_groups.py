@@ -95,3 +95,19 @@ def test_flags_of_the_whole_job_restart_are_refused_by_name(flags: list[str], me
     command = [*ftrun_command(), "--replica-groups", "--nnodes=2", "--rdzv-endpoint=127.0.0.1:1", *flags, "x.py"]
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_an_etcd_with_tls_or_credentials_is_refused_before_a_slot_is_taken(tmp_path: Path) -> None:
+    """The workers' variables carry neither TLS files nor credentials: refused by name, nothing written."""
+    from elastic_ft.launcher.replica_mode import transport_conflict
+    from elastic_ft.rendezvous.config import make_settings
+
+    password = tmp_path / "password"
+    password.write_text("secret\n")
+    plain = make_settings(run_id="job", endpoint="127.0.0.1:2379", min_nodes=1, max_nodes=2)
+    assert transport_conflict(plain) is None
+    with_credentials = make_settings(
+        run_id="job", endpoint="127.0.0.1:2379", min_nodes=1, max_nodes=2, user="root", password_file=str(password)
+    )
+    message = transport_conflict(with_credentials)
+    assert message is not None and "does not hand TLS files or etcd credentials" in message
