@@ -45,6 +45,7 @@ from elastic_ft.inprocess.delivery.connections import (
 from elastic_ft.inprocess.hangs.heartbeats import ProgressTimestamps, StepClock
 from elastic_ft.inprocess.hangs.monitor import (
     MonitorConfig,
+    MonitorProcess,
     _Iteration,
     _Monitor,
     aligned_check,
@@ -1023,3 +1024,31 @@ def test_the_judges_work_for_the_others_never_holds_its_own_verdict_while_etcd_i
             os.close(fd)
         if monitor.pidfd is not None:
             os.close(monitor.pidfd)
+
+
+@pytest.mark.integration
+def test_a_monitor_process_that_ends_before_its_rank_stops_it_is_reported_at_once() -> None:
+    """Killed under its rank, the monitor is reported (pid, how, initial rank) within moments; one the rank
+    stopped is not."""
+    config = MonitorConfig(3, 4, 0.05, 0.5, 20.0, 60.0, 90.0, 1.0, 5.0, None, None, 20)
+    lost: list[tuple[int, str, int]] = []
+    reported = threading.Event()
+
+    def on_lost(pid: int, how: str, initial_rank: int) -> None:
+        lost.append((pid, how, initial_rank))
+        reported.set()
+
+    killed = MonitorProcess(config, ProgressTimestamps(1.5, 3.0), dict, {}, on_lost=on_lost)
+    killed.take_initial_rank(7)  # a rejoined rank: reported under its new initial rank
+    time.sleep(0.2)
+    os.kill(killed.pid, signal.SIGKILL)
+    assert reported.wait(5.0), "the monitor's death went unnoticed"
+    assert lost == [(killed.pid, "killed by SIGKILL", 7)]
+    stopped = MonitorProcess(config, ProgressTimestamps(1.5, 3.0), dict, {}, on_lost=on_lost)
+    stopped.stop()
+    time.sleep(0.5)  # its watcher saw it end
+    assert len(lost) == 1
+    with pytest.raises(ChildProcessError):  # reaped, both
+        os.waitpid(killed.pid, os.WNOHANG)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(stopped.pid, os.WNOHANG)

@@ -9,7 +9,9 @@ Faults are real: an exception, SIGKILL of a worker, SIGKILL of a whole node
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -21,9 +23,10 @@ import pytest
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.event_log import EventLog
 from elastic_ft.etcd.server import EtcdServer
+from elastic_ft.inprocess.hangs.monitor import MONITOR_LOST_EXIT_CODE, MONITOR_PROCESS_NAME
 from elastic_ft.keys import RunKeys
 from elastic_ft.observability.events import JobEvent
-from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command
+from elastic_ft.testing.local_cluster import TorchrunNode, descendants, ftrun_command
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
 CONF = "last_call_timeout=0.5,lease_ttl=1,join_timeout=60"
@@ -127,6 +130,24 @@ def status_of(etcd: EtcdServer, run_id: str) -> dict[str, Any]:
     return json.loads(done.stdout)
 
 
+def reserve_ready(
+    etcd: EtcdServer, run_id: str, nodes: list[TorchrunNode], ranks: set[int], timeout: float = 90
+) -> None:
+    """Until ``ranks`` (initial ranks) wait to take a lost rank's place: on a loaded machine the spare's workers
+    may still be starting when the active ones train, and a fault before they are ready shrinks the world
+    instead. A spare that was a member of the first round waits in reserve; one that joined the running round
+    late (it reached the rendezvous after the last call) waits as a joiner, admitted by the next restart."""
+    deadline = time.monotonic() + timeout
+    while True:
+        reserve = {w["rank"] for w in status_of(etcd, run_id)["workers"] if w.get("mode") == "reserve"}
+        text = "\n".join(node.log() for node in nodes)
+        joining = {r for r in ranks if f"initial rank {r} waits for a restart to join the running world" in text}
+        if ranks <= reserve | joining:
+            return
+        assert time.monotonic() < deadline, logs(nodes)
+        time.sleep(0.5)
+
+
 def finish(nodes: list[TorchrunNode], timeout: float = 120) -> list[int]:
     """Exit codes of `nodes`; a node still running after `timeout` fails with every log."""
     try:
@@ -197,6 +218,45 @@ def test_worker_fault_keeps_the_healthy_workers(
         assert [w["rank"] for w in status["workers"]] == [0, 1, 2, 3]
         assert status["terminated_ranks"] == []
         assert {w["state"] for w in status["workers"]} == {"succeeded (0)"}
+
+
+def test_a_rank_whose_monitor_process_is_killed_is_replaced(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
+) -> None:
+    """SIGKILL rank 1's monitor process: the rank says so and exits at once (it would train on without hang
+    protection, and nobody would report its death); its node replaces it, the others restart in-process."""
+    # Iteration 0 lasts until the fault, however slowly the loaded host started the workers.
+    scenario = {"steps": 60, "iteration_steps": {"0": 3000}, "step_seconds": 0.05}
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
+    started = wait_for(tmp_path, "start-*.json", 4, 90)
+    wait_for(tmp_path, "step-*.json", 4, 90)  # every worker trains inside the Wrapper, its monitor running
+    rank_pid = next(record["pid"] for record in started.values() if record["rank"] == 1)
+    (monitor,) = [pid for pid in descendants(rank_pid) if _comm(pid) == MONITOR_PROCESS_NAME]
+    os.kill(monitor, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while alive(rank_pid):
+        assert time.monotonic() < deadline, ("the rank outlived its monitor process", logs(nodes))
+        time.sleep(0.05)
+    assert finish([a, b]) == [0, 0], logs(nodes)
+    both = a.log() + b.log()
+    assert f"monitor process {monitor} ended (killed by SIGKILL): this rank would run on without hang" in both
+    assert f"rank 1 (pid {rank_pid}) ended with exit code {MONITOR_LOST_EXIT_CODE} inside elastic_ft.Wrapper" in both
+    done = read(tmp_path, "done-*.json")
+    survivors = {name: record for name, record in done.items() if record["initial_rank"] in (0, 2, 3)}
+    assert len(survivors) == 3 and all(record["result"]["iteration"] >= 1 for record in survivors.values()), done
+    assert "done-1-0" not in done
+    status = status_of(etcd, run_id)
+    assert status["terminated_ranks"] == [1] and status["respawns"] == 1, status
+    assert escalations(etcd, run_id) == []
+    (lost,) = [e for e in events_of(etcd, run_id) if e.name == "fault_detected" and e.data["kind"] == "monitor_lost"]
+    assert lost.rank == 1 and str(monitor) in lost.data["message"]
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def test_killed_node_is_absorbed_in_process(

@@ -23,7 +23,7 @@ import pytest
 
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.testing.local_cluster import TorchrunNode, descendants, ftrun_command
-from tests.launcher.test_agent import escalations
+from tests.launcher.test_agent import escalations, reserve_ready
 
 pytestmark = pytest.mark.slow
 
@@ -103,17 +103,21 @@ STEPS_AFTER = 300  # training after the restart under test: a few seconds, howev
 
 
 def stop_once_started(
-    nodes: list[TorchrunNode], tmp_path: Path, restarted: Callable[[dict[str, Any]], bool], ranks: int
+    nodes: list[TorchrunNode],
+    tmp_path: Path,
+    restarted: Callable[[dict[str, Any]], bool],
+    ranks: int,
+    steps_after: int = STEPS_AFTER,
 ) -> int:
     """Once ``ranks`` initial ranks logged a ``start`` event that ``restarted`` accepts, end training
-    ``STEPS_AFTER`` steps past where they resumed (``--stop-file``); returns that step. Sized by the event,
+    ``steps_after`` steps past where they resumed (``--stop-file``); returns that step. Sized by the event,
     not by a step count, the run stays right however slowly a process starts on a loaded machine."""
     deadline = time.monotonic() + 180
     while len(found := {e["rank"]: e for e in events(tmp_path) if e["event"] == "start" and restarted(e)}) < ranks:
         assert time.monotonic() < deadline, f"{len(found)} of {ranks} ranks restarted\n{logs(nodes, tmp_path)}"
         assert all(node.process.poll() is None for node in nodes), logs(nodes, tmp_path)
         time.sleep(0.2)
-    stop = max(e["resumed_at"] for e in found.values()) + STEPS_AFTER
+    stop = max(e["resumed_at"] for e in found.values()) + steps_after
     (tmp_path / "work" / "stop.tmp").write_text(str(stop))
     (tmp_path / "work" / "stop.tmp").replace(tmp_path / "work" / "stop")
     return stop
@@ -152,11 +156,14 @@ def test_an_activated_hot_spare_takes_the_survivors_state_bit_for_bit(
     """A node killed; the hot spare's two ranks are activated and healed (from two different senders when
     both survivors are up to date)."""
     for tag in "ABC":
-        start(nodes, tmp_path, etcd, run_id, tag, "--steps", "200", spare=True)
+        start(nodes, tmp_path, etcd, run_id, tag, *until_stopped(tmp_path), spare=True)
     holder = node_holding(nodes, tmp_path, 2)
+    reserve_ready(etcd, run_id, nodes, {4, 5})
     victims = holder.kill()
     assert victims
-    assert [node.wait(180) for node in nodes if node is not holder] == [0, 0], logs(nodes, tmp_path)
+    survivors = [node for node in nodes if node is not holder]
+    stop_once_started(survivors, tmp_path, lambda event: event["iteration"] >= 1, 4)
+    assert [node.wait(180) for node in survivors] == [0, 0], logs(nodes, tmp_path)
     done = results(tmp_path)
     healed = set(done) - {0, 1}
     assert len(healed) == 2, done
@@ -190,12 +197,15 @@ def test_a_sender_killed_while_it_streams_the_state_costs_one_more_restart(
     nodes: list[TorchrunNode], tmp_path: Path, etcd: EtcdServer, run_id: str
 ) -> None:
     """The first survivor to send a 100 MB state is SIGKILLed 50 ms into it; the receivers heal later."""
-    script = ("--steps", "80", "--hidden", "2900", "--kill-first-sender")
+    script = (*until_stopped(tmp_path), "--hidden", "2900", "--kill-first-sender")
     for tag in "ABC":  # the respawned sender waits in reserve (next_fault): the world keeps the survivors
         start(nodes, tmp_path, etcd, run_id, tag, *script, spare=True, job_config="respawn: {rejoin: next_fault}\n")
     holder = node_holding(nodes, tmp_path, 2)
+    reserve_ready(etcd, run_id, nodes, {4, 5})
     holder.kill()
     survivors = [node for node in nodes if node is not holder]
+    # Iteration 1 loses its sender; the 3 ranks left train on from iteration 2 (a step of this model: ~0.5 s).
+    stop_once_started(survivors, tmp_path, lambda event: event["iteration"] >= 2, 3, steps_after=10)
     assert [node.wait(240) for node in survivors] == [0, 0], logs(nodes, tmp_path)
     (kill,) = [e for e in events(tmp_path) if e["event"] == "fault" and e["kind"] == "kill_sender"]
     logged = "\n".join(node.log() for node in nodes)
@@ -225,6 +235,7 @@ def test_a_load_state_dict_that_raises_escalates_and_nothing_trains_on_half_a_st
     for tag in "ABC":
         start(nodes, tmp_path, etcd, run_id, tag, "--fail-load-rank", "4", *until_stopped(tmp_path), spare=True)
     holder = node_holding(nodes, tmp_path, 2)
+    reserve_ready(etcd, run_id, nodes, {4, 5})
     holder.kill()
     survivors = [node for node in nodes if node is not holder]
 

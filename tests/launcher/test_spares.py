@@ -19,7 +19,17 @@ import pytest
 
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command
-from tests.launcher.test_agent import alive, escalations, events_of, logs, read, start, status_of, wait_for
+from tests.launcher.test_agent import (
+    alive,
+    escalations,
+    events_of,
+    logs,
+    read,
+    reserve_ready,
+    start,
+    status_of,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -52,30 +62,17 @@ def _holding(started: dict[str, list[dict[str, Any]]], ranks: set[int]) -> str:
     return next(tag for tag, workers in started.items() if {w["rank"] for w in workers} == ranks)
 
 
-def _reserve_ready(etcd: EtcdServer, run_id: str, nodes: list[TorchrunNode], ranks: set[int]) -> None:
-    """Until ``ranks`` (initial ranks) wait to take a lost rank's place: on a loaded machine the spare's workers
-    may still be starting when the active ones train, and a fault before they are ready shrinks the world
-    instead. A spare that was a member of the first round waits in reserve; one that joined the running round
-    late (it reached the rendezvous after the last call) waits as a joiner, admitted by the next restart."""
-    deadline = time.monotonic() + 90
-    while True:
-        reserve = {w["rank"] for w in status_of(etcd, run_id)["workers"] if w.get("mode") == "reserve"}
-        text = "\n".join(node.log() for node in nodes)
-        joining = {r for r in ranks if f"initial rank {r} waits for a restart to join the running world" in text}
-        if ranks <= reserve | joining:
-            return
-        assert time.monotonic() < deadline, logs(nodes)
-        time.sleep(0.5)
-
-
 def test_a_killed_node_is_replaced_by_the_hot_spare_in_process(
     etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
 ) -> None:
     """SIGKILL an active node: the spare's reserve ranks take its place; no process starts or stops anywhere."""
-    by_tag, started = _three_nodes(nodes, tmp_path, etcd, run_id, LONG)
+    # Iteration 0 lasts until the kill, however long the spare's workers took to be ready; iteration 1, 20 s.
+    scenario = {**LONG, "iteration_steps": {"0": 3000}}
+    by_tag, started = _three_nodes(nodes, tmp_path, etcd, run_id, scenario)
     spare, victim = _holding(started, {4, 5}), _holding(started, {2, 3})
     survivor = _holding(started, {0, 1})
     wait_for(tmp_path, "step-*.json", 1, 60)  # training
+    reserve_ready(etcd, run_id, nodes, {4, 5})
     killed = by_tag[victim].kill()
     assert by_tag[survivor].wait(150) == 0, logs(nodes)
     assert by_tag[spare].wait(60) == 0, logs(nodes)
@@ -125,7 +122,7 @@ def test_when_spares_run_out_the_world_shrinks(
     spare, victim = _holding(started, {4, 5}), _holding(started, {2, 3})
     survivor = _holding(started, {0, 1})
     wait_for(tmp_path, "step-*.json", 1, 60)
-    _reserve_ready(etcd, run_id, nodes, {4, 5})
+    reserve_ready(etcd, run_id, nodes, {4, 5})
     by_tag[victim].kill()
     # The spare is activated (iteration 1), then it dies too: the world shrinks to the survivor's 2 ranks.
     deadline = time.monotonic() + 60

@@ -27,7 +27,9 @@ FAULT_STEP = 40
 def assert_same_as_the_replay(job: ReplicatedJob, out: Path, groups: int, steps: int) -> None:
     """Every process that finished ends with the model one process reaches by replaying the committed steps
     (each with the batches of the groups in its quorum), within 1e-6 relative: no step was lost, none was
-    committed by some groups and not others, and a group that came back healed to the state it had to."""
+    committed by some groups and not others, and a group that came back healed to the state it had to. The
+    replay sums the gradients in another order than the all-reduce: 1e-7 apart, kept so by the example's smooth
+    model; a group's batch missing from the last step alone moves the end by 1.4e-4."""
     expected = replay_committed_steps(out, groups, steps)
     for record in job.records:
         for mine, theirs in zip(record.weights, expected, strict=True):

@@ -33,6 +33,7 @@ import math
 import os
 import select
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -70,7 +71,7 @@ from elastic_ft.inprocess.restart.logs import get_logger, log_to_file
 from elastic_ft.inprocess.sibling_monitor import ring_successor, silent_ranks
 from elastic_ft.inprocess.store import forbid_hosting
 from elastic_ft.keys import EXIT_BARRIER
-from elastic_ft.observability.sink import EventSink, emit
+from elastic_ft.observability.sink import EventSink, emit, installed
 from elastic_ft.runtime.reaper import process_is_alive
 from elastic_ft.runtime.waits import Backoff, aligned_instant, pause, poll
 
@@ -249,11 +250,17 @@ def _log_refusal(error: Exception, last: str) -> str:
 class MonitorProcess:
     """Handle, in the main process, on the forked monitor process.
 
+    A thread of the main process waits on the monitor's ``pidfd``: a monitor that ends before the rank stopped
+    it (killed, crashed) would leave the rank without hang protection and without anyone to report its death,
+    so ``on_lost`` runs at once (by default, :func:`leave_without_hang_protection`).
+
     Args:
         config: see :class:`MonitorConfig`.
         timestamps: the progress heartbeats shared with the main process.
         store_factory: builds the monitor's own store connection.
         store_kwargs: keyword arguments of ``store_factory``.
+        on_lost: called with the monitor's pid, how it ended and the rank's initial rank, if it ends before
+            :meth:`stop`.
     """
 
     def __init__(
@@ -262,6 +269,7 @@ class MonitorProcess:
         timestamps: ProgressTimestamps,
         store_factory: Callable[..., dist.Store],
         store_kwargs: dict[str, Any],
+        on_lost: Callable[[int, str, int], None] | None = None,
     ) -> None:
         target_pid = os.getpid()
         read_end, write_end = os.pipe()
@@ -280,6 +288,32 @@ class MonitorProcess:
         os.close(read_end)
         self.pid = pid
         self._pipe = os.fdopen(write_end, "w", buffering=1)
+        self._stopping = threading.Event()
+        self._initial_rank = config.initial_rank
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # Linux before 5.3: the rank cannot wait on its monitor
+            log.debug("no pidfd for monitor process %d: its death goes unwatched", pid)
+        else:
+            lost = on_lost or leave_without_hang_protection
+            threading.Thread(target=self._watch, args=(pidfd, lost), name="eft-monitor-watch", daemon=True).start()
+
+    def _watch(self, pidfd: int, on_lost: Callable[[int, str, int], None]) -> None:
+        """Wait for the monitor process to end; unless the rank stopped it, report how it ended to ``on_lost``."""
+        try:
+            select.select([pidfd], [], [])
+        finally:
+            os.close(pidfd)
+        if self._stopping.is_set():
+            return
+        try:
+            _, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            how = "ended"
+        else:
+            code = os.waitstatus_to_exitcode(status) if status else 0
+            how = _describe_exit(code)
+        on_lost(self.pid, how, self._initial_rank)
 
     def _send(self, message: dict[str, Any]) -> None:
         try:
@@ -293,6 +327,7 @@ class MonitorProcess:
 
     def take_initial_rank(self, initial_rank: int) -> None:
         """The rank holds a new initial rank from now on: heartbeat and report it under that one."""
+        self._initial_rank = initial_rank
         self._send({"type": "initial_rank", "initial_rank": initial_rank})
 
     def start_iteration(self, iteration: int, rank: int, world_size: int, active: bool = True) -> None:
@@ -302,6 +337,7 @@ class MonitorProcess:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Ask the monitor to exit and reap it."""
+        self._stopping.set()
         self._send({"type": "stop"})
         with contextlib.suppress(OSError):  # the monitor is gone: the buffered message cannot be flushed
             self._pipe.close()
@@ -318,6 +354,38 @@ class MonitorProcess:
 
 
 MONITOR_PROCESS_NAME = "eft-monitor"
+
+#: The exit code of a rank whose monitor process ended under it (EX_SOFTWARE): its launcher replaces it (``ftrun``
+#: respawns it, and the others restart in-process) or restarts the workers (``torchrun``).
+MONITOR_LOST_EXIT_CODE = 70
+
+
+def leave_without_hang_protection(pid: int, how: str, initial_rank: int) -> None:
+    """The monitor process ``pid`` of ``initial_rank`` ended (``how``) before the rank stopped it: end the rank.
+
+    Without its monitor the rank is protected from no hang, and its death would be reported by nobody; a
+    replacement gets a monitor of its own. The rank's launcher sees an ordinary death: ``ftrun`` respawns it
+    (the other ranks restart in-process), ``torchrun`` restarts the workers.
+    """
+    log.error(
+        "monitor process %d ended (%s): this rank would run on without hang protection; it exits with code %d "
+        "so that its launcher replaces it",
+        pid,
+        how,
+        MONITOR_LOST_EXIT_CODE,
+    )
+    emit("fault_detected", rank=initial_rank, kind="monitor_lost", message=f"monitor process {pid}: {how}")
+    close_events(installed(), timeout=2.0)
+    logging.shutdown()
+    os._exit(MONITOR_LOST_EXIT_CODE)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def _detach(keep: int) -> int:
