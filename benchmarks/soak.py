@@ -57,6 +57,8 @@ from typing import Any
 
 import scratch
 
+from elastic_ft.observability.goodput import goodput, report_lines
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_ftrun.py"
 RESULTS = Path(__file__).resolve().parent / "results" / "soak.json"
@@ -542,6 +544,11 @@ class Soak:
         grown = {pid: g for pid, g in growth.items() if g["threads"] > 8 or g["fds"] > 8}
         if grown:
             problems.append(f"workers whose threads or fds grew by more than 8: {grown}")
+        found = goodput(events) if events else None
+        if found is None:
+            problems.append("the run recorded no events: no goodput")
+        elif abs(sum(found.parts.values()) - found.wall) > 0.01 * found.wall:
+            problems.append(f"the goodput's parts ({found.parts}) do not sum to its wall time ({found.wall:.1f} s)")
         return {
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
             "args": {**vars(self.args), "out": str(self.args.out)},
@@ -562,6 +569,8 @@ class Soak:
             "processes_left": left,
             "launcher_codes": codes,
             "etcd_exits": self.etcd_exits,
+            "goodput": None if found is None else found.to_document(),
+            "goodput_report": [] if found is None else report_lines(found),
             "problems": problems,
         }
 
@@ -588,6 +597,9 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"processes alive 2 s after the launchers exited: {len(report['processes_left'])}")
     for crash in report["etcd_exits"]:  # etcd's, not the job's: the job went on with the other members
         print(f"etcd member {crash['member']} crashed after fault {crash['after_fault']}: {crash['panic'][:200]}")
+    if report["goodput_report"]:
+        print("\nwhat the faults cost (elastic-ft report on the run's events):")
+        print("\n".join(report["goodput_report"]))
     print("checks: " + ("pass" if not report["problems"] else "FAIL: " + "; ".join(report["problems"])))
 
 

@@ -126,6 +126,13 @@ def _keep_old_log(path: str | None) -> str:
     return path or ""
 
 
+#: Where a failure the agent cannot leave to the Wrapper happened, as its warning says.
+_FAILED_WHERE = {
+    WorkerExit.UNWRAPPED: "outside elastic_ft.Wrapper",
+    WorkerExit.FAILED_AFTER_COMPLETION: "after its elastic_ft.Wrapper completed the job",
+}
+
+
 def _describe_exit(exitcode: int) -> str:
     if exitcode < 0:
         try:
@@ -482,10 +489,8 @@ class FtAgent(LocalElasticAgent):
                 failure = ProcessFailure(
                     worker.local_rank, process.pid, exitcode, pcontext.error_files[worker.local_rank]
                 )
-                if kind is WorkerExit.UNWRAPPED:
-                    where = (
-                        "after its elastic_ft.Wrapper completed" if left is not None else "outside elastic_ft.Wrapper"
-                    )
+                if kind in _FAILED_WHERE:
+                    where = _FAILED_WHERE[kind]
                     log.warning("rank %d (pid %d) ended with %s %s", rank, process.pid, _describe_exit(exitcode), where)
             if kind is WorkerExit.ABSORBED:
                 # The Wrappers' restart report (one line, by one rank) is the warning users see for it.
@@ -785,7 +790,7 @@ class FtAgent(LocalElasticAgent):
                 group.state = WorkerState.HEALTHY
                 continue
             if decision.verdict is Verdict.SUCCEEDED:
-                return self._finish(group, None)
+                return self._finish(group, None, decision.reason or None)
             if decision.verdict is Verdict.FOLLOW:
                 log.info("[%s] %s: restarting the workers into the next round", spec.role, decision.reason)
                 if self._handler.late_place is not None:
@@ -805,9 +810,11 @@ class FtAgent(LocalElasticAgent):
             log.error("[%s] %s", spec.role, ending.message)
             return self._finish(group, decision.reason)
 
-    def _finish(self, group: WorkerGroup, failed_because: str | None) -> RunResult:
+    def _finish(self, group: WorkerGroup, failed_because: str | None, failed_after: str | None = None) -> RunResult:
         """The run's end: succeeded (``failed_because`` None: the rendezvous closes, so waiting spares exit
-        instead of starting a new job) or failed (the workers stopped)."""
+        instead of starting a new job) or failed (the workers stopped). ``failed_after``: the job completed, but
+        some worker failed after its Wrapper returned; the run ends as a completed one, nothing restarted, and
+        the node reports those workers' failures (torchrun's error summary, a non-zero exit)."""
         role = group.spec.role
         if failed_because is not None:
             failures = self._failures()
@@ -823,7 +830,13 @@ class FtAgent(LocalElasticAgent):
             )
             return RunResult(state=WorkerState.FAILED, failures=failures)
         group.state = WorkerState.SUCCEEDED
-        absorbed = self._failures()
+        after = {
+            self._initial_ranks[local]
+            for local, (kind, _) in self._exits.items()
+            if kind is WorkerExit.FAILED_AFTER_COMPLETION
+        }
+        failures = self._failures()
+        absorbed = {rank: failure for rank, failure in failures.items() if rank not in after}
         if absorbed:
             log.warning(
                 "[%s] worker group finished; failures absorbed by in-process restart: %s",
@@ -834,6 +847,9 @@ class FtAgent(LocalElasticAgent):
         log.info("[%s] worker group finished; closing the rendezvous", role)
         emit("job_finished", source="agent", node=self._handler.node, round=self._round(), state="SUCCEEDED")
         self._handler.set_closed()
+        if failed_after is not None:
+            log.error("[%s] the job completed, but %s", role, failed_after)
+            return RunResult(state=WorkerState.FAILED, failures={rank: failures[rank] for rank in after})
         return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in group.workers})
 
     # ---- node loss at network speed ----

@@ -10,6 +10,8 @@
     elastic-ft events --rdzv-endpoint=HOST:PORT --rdzv-id=job42 [--json]
     elastic-ft timeline --rdzv-endpoint=HOST:PORT --rdzv-id=job42 -o timeline.png
     elastic-ft timeline --events run/events.jsonl -o timeline.png      (ftrun --record run)
+    elastic-ft report --rdzv-endpoint=HOST:PORT --rdzv-id=job42 [--json]
+    elastic-ft report --events run/events.jsonl
 """
 
 from __future__ import annotations
@@ -81,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     timeline.add_argument("--title", help="the picture's title (default: the run id)")
     _connection_options(timeline, required=False)
+    report = commands.add_parser(
+        "report", help="goodput: the job's wall time, what trained, and where the rest went (ETTR)"
+    )
+    report.add_argument("--events", type=Path, help="report on this events file (ftrun --record) instead of etcd")
+    report.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _connection_options(report, required=False)
     return parser
 
 
@@ -132,9 +140,9 @@ def _read_events(client: EtcdClient, keys: RunKeys) -> list[JobEvent]:
     return EventLog(client, keys).read_all().events
 
 
-def _timeline(args: argparse.Namespace) -> int:
+def _events_of(args: argparse.Namespace) -> list[JobEvent]:
+    """The run's events: from ``--events FILE`` (``ftrun --record``), or from etcd."""
     from elastic_ft.observability.event_files import read_events_file
-    from elastic_ft.observability.timeline import build_timeline, draw
 
     if args.events is not None:
         if args.rdzv_endpoint or args.rdzv_id:
@@ -156,6 +164,13 @@ def _timeline(args: argparse.Namespace) -> int:
             client.close()
         if not events:
             raise MalformedRecord(f"run {keys.run_id!r} has recorded no events yet")
+    return events
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    from elastic_ft.observability.timeline import build_timeline, draw
+
+    events = _events_of(args)
     counts = draw(build_timeline(events), str(args.output), args.title)
     drawn = ", ".join(f"{count} {name}" for name, count in counts.items())
     print(f"wrote {args.output} from {len(events)} event(s): {drawn}")
@@ -214,6 +229,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "timeline":
         return _timeline(args)
+    if args.command == "report":
+        from elastic_ft.observability.goodput import goodput, report_lines
+
+        found = goodput(_events_of(args), now=time.time())
+        print(json.dumps(found.to_document(), indent=2) if args.json else "\n".join(report_lines(found)))
+        return 0
     client, keys = _client(args)
     try:
         if args.command != "config":

@@ -10,13 +10,18 @@ gathers the observations and carries out the decision. The rules, in order:
    A worker whose in-process layer gave up otherwise (``RestartAbort``, a
    barrier timeout or an internal error, the same on every rank) ->
    **escalate**.
-2. A worker that failed outside the Wrapper (it never entered one, or failed
-   after its Wrapper completed) -> **escalate**: nothing in-process can
-   recover it, so torchrun's behaviour applies.
-3. Every local worker has exited: if at least one succeeded (or was
-   retired: a respawned process the job completed without, see
-   :func:`retire_joiner`), the job completed in-process and the failures
-   were absorbed -> **succeeded**; otherwise -> **escalate**.
+2. A worker that failed outside the Wrapper (it never entered one) ->
+   **escalate**: nothing in-process can recover it, so torchrun's
+   behaviour applies.
+3. Every local worker has exited: if one failed after its Wrapper completed
+   the job (in the script's epilogue, or at interpreter exit) ->
+   **succeeded**, with that failure as the reason: the training is done and
+   a restart would only train it again from the last checkpoint, so nothing
+   restarts, and the node reports the failure (its exit code, non-zero).
+   Else if at least one succeeded (or was retired: a respawned process the
+   job completed without, see :func:`retire_joiner`), the job completed
+   in-process and the failures were absorbed -> **succeeded**; otherwise ->
+   **escalate**.
 4. A member died before its workers had all entered the Wrapper (or before
    it published its ranks), a member re-joined the rendezvous (its node
    escalated), the job moved on to a later round, or nodes wait for which
@@ -57,8 +62,10 @@ class WorkerExit(enum.Enum):
     GAVE_UP = "gave_up"
     #: Its Wrapper stopped the job for good: a fault repeats identically.
     FATAL = "fatal"
-    #: Failed outside any Wrapper (before entering one or after it completed).
+    #: Failed outside any Wrapper: it never entered one.
     UNWRAPPED = "unwrapped"
+    #: Failed after its Wrapper completed the job (the script's epilogue, or a crash at interpreter exit).
+    FAILED_AFTER_COMPLETION = "failed_after_completion"
     #: A respawned process the job completed without, stopped by its agent (:func:`retire_joiner`).
     RETIRED = "retired"
 
@@ -98,8 +105,10 @@ def classify_exit(
         return WorkerExit.SUCCEEDED
     if joiner and not wrapped:
         return WorkerExit.ABSORBED
-    if not wrapped or (left is not None and left.get("kind") == "completed"):
+    if not wrapped:
         return WorkerExit.UNWRAPPED
+    if left is not None and left.get("kind") == "completed":
+        return WorkerExit.FAILED_AFTER_COMPLETION
     if left is not None and left.get("gave_up"):
         return WorkerExit.FATAL if left.get("fatal") is True else WorkerExit.GAVE_UP
     return WorkerExit.ABSORBED
@@ -155,6 +164,13 @@ def decide(
             "running (they failed outside a Wrapper, or in one whose store_factory is not the round's store)",
         )
     if not _ranks(workers, WorkerExit.RUNNING):
+        after = _ranks(workers, WorkerExit.FAILED_AFTER_COMPLETION)
+        if after:
+            return Decision(
+                Verdict.SUCCEEDED,
+                f"rank(s) {after} failed after their elastic_ft.Wrapper completed the job: not restarted (the "
+                "training is done; a restart would train it again from the last checkpoint)",
+            )
         if _ranks(workers, WorkerExit.SUCCEEDED) or _ranks(workers, WorkerExit.RETIRED):
             return Decision(Verdict.SUCCEEDED)
         return Decision(Verdict.ESCALATE, f"every local worker exited with an error: ranks {sorted(workers)}")

@@ -47,7 +47,9 @@ EVENTS: dict[str, str] = {
     "gave_up": "a rank left the job for good (data: kind, message)",
     "fenced": "a rank waits before a step or an atomic section: its node cannot prove its lease alive (data: what)",
     "progress": "a rank's optimizer steps so far (data: step), sampled",
-    "recovery_phases": "a rank's first step after a restart or its admission: the wall time of each moment of its "
+    "first_step": "a process's first optimizer step, outside a restart (data: step)",
+    "completed": "a rank's function returned: its training ended (data: step)",
+    "recovery_phases": "a rank's first step after a restart or its admission (data: step): the wall time of each moment of its "
     "recovery and the seconds of each phase (data: moments, phases, total)",
     # any process: its etcd connection
     "etcd_unavailable": "a process stopped reaching etcd and waits for it with backoff, training on (data: "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,6 +24,8 @@ from elastic_ft.observability.events import JobEvent
 
 log = logging.getLogger(__name__)
 
+#: The most events kept for the goodput gauges (a long job's oldest go first).
+_EVENTS_KEPT = 50_000
 #: Buckets (seconds) of the fault-to-resume and rendezvous histograms: from the in-process
 #: floor (tens of ms) to a process-level restart and beyond.
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -94,6 +97,9 @@ class JobMetrics:
         )
         self.registry.register(_EtcdCollector(etcd_counts))
         self.registry.register(_OutageCollector())
+        #: The run's events so far (the event log keeps a bounded number too): the goodput, at scrape time.
+        self._events: deque[JobEvent] = deque(maxlen=_EVENTS_KEPT)
+        self.registry.register(_GoodputCollector(self._events_so_far))
         self._fault_time: dict[int, float] = {}  # by iteration: its restart's first fault
         self._first_start: dict[int, float] = {}  # by iteration: when this node's first rank started it
         self._resumed: set[int] = set()  # iterations this node resumed in (latency observed)
@@ -102,7 +108,12 @@ class JobMetrics:
 
     def observe(self, event: JobEvent) -> None:
         with self._lock:
+            self._events.append(event)
             self._observe(event)
+
+    def _events_so_far(self) -> list[JobEvent]:
+        with self._lock:
+            return list(self._events)
 
     def _observe(self, event: JobEvent) -> None:
         data, here = event.data, event.node == self.node
@@ -253,6 +264,36 @@ class MetricsEndpoint:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+
+
+class _GoodputCollector:
+    """The job's goodput so far (:mod:`elastic_ft.observability.goodput`), computed at scrape time from the
+    events: ``elastic_ft_goodput_ratio`` (the ETTR) and ``elastic_ft_wall_seconds`` by part (they sum to the
+    wall time)."""
+
+    def __init__(self, events: Callable[[], list[JobEvent]]) -> None:
+        self._events = events
+
+    def collect(self) -> Iterator[Any]:
+        import time
+
+        from prometheus_client.core import GaugeMetricFamily
+
+        from elastic_ft.observability.goodput import goodput
+
+        events = self._events()
+        if not events:
+            return
+        found = goodput(events, now=time.time())
+        yield GaugeMetricFamily(
+            "elastic_ft_goodput_ratio", "training not redone, over the job's wall time so far (ETTR)", value=found.ettr
+        )
+        parts = GaugeMetricFamily(
+            "elastic_ft_wall_seconds", "the job's wall time so far, by part (they sum to it)", labels=["part"]
+        )
+        for part, seconds in found.parts.items():
+            parts.add_metric([part], seconds)
+        yield parts
 
 
 class _OutageCollector:

@@ -7,9 +7,11 @@ what the picture shows. :func:`draw` renders it with matplotlib (the
 * top: the active world size (a step line from each iteration's start,
   broken while a restart is under way: nobody trains then), faults (red
   crosses, labelled by rank and kind; a rank's broken connection,
-  ``peer_lost``, the consequence of a fault elsewhere, a small grey cross), in-process restarts
-  (shaded from the first fault to the first rank resuming), process-level
-  restarts (purple lines), rendezvous rounds (grey dashes), spare
+  ``peer_lost``, the consequence of a fault elsewhere, a small grey cross), the
+  stretches when nobody trained, shaded by part as ``elastic-ft report``
+  counts them (:mod:`elastic_ft.observability.goodput`: in-process recovery,
+  process restarts, waiting for nodes, start-up, shutdown; the ETTR in the
+  title), process-level restarts (purple lines), rendezvous rounds (grey dashes), spare
   activations (green triangles) and respawned workers (blue diamonds);
   etcd's outages are shaded blue in both panels (the ranks train on);
 * bottom: each rank's optimizer steps (from its iteration starts, its
@@ -23,8 +25,18 @@ from typing import Any
 
 from elastic_ft.coordination.fault_records import PEER_LOST
 from elastic_ft.observability.events import JobEvent
+from elastic_ft.observability.goodput import PART_TITLES, goodput
 from elastic_ft.observability.outages import outages
 from elastic_ft.untrusted import MalformedRecord
+
+#: The shade of each part of the wall time when nobody trained.
+LOST_COLORS = {
+    "recovery": "orange",
+    "process_restarts": "purple",
+    "waiting_for_nodes": "grey",
+    "start_up": "khaki",
+    "shutdown": "silver",
+}
 
 
 class TimelineUnavailable(RuntimeError):
@@ -60,6 +72,9 @@ class Timeline:
     respawns: list[Mark] = field(default_factory=list)
     progress: dict[int, list[tuple[float, int]]] = field(default_factory=dict)
     etcd_outages: list[Span] = field(default_factory=list)
+    #: When nobody trained, by part (``Span.label``), as the goodput report counts it.
+    lost: list[Span] = field(default_factory=list)
+    ettr: float | None = None
 
     def counts(self) -> dict[str, int]:
         """How many of each thing the picture shows (what ``elastic-ft timeline`` prints, and tests check)."""
@@ -74,6 +89,7 @@ class Timeline:
             "ranks": len(self.progress),
             "world_changes": len(self.world),
             "etcd_outages": len(self.etcd_outages),
+            "lost_stretches": len(self.lost),
         }
 
 
@@ -106,6 +122,9 @@ def build_timeline(events: list[JobEvent]) -> Timeline:
         timeline.restarts.append(Span(fault_time, min(resumed) if resumed else None, f"iteration {iteration}"))
     for outage in outages(events):
         timeline.etcd_outages.append(Span(outage.start, outage.end, f"etcd away ({len(outage.seen_by)} waited)"))
+    found = goodput(events)
+    timeline.lost = [Span(stretch.start, stretch.end, stretch.part) for stretch in found.stretches]
+    timeline.ettr = found.ettr
     return timeline
 
 
@@ -159,17 +178,14 @@ def draw(timeline: Timeline, path: str, title: str | None = None) -> dict[str, i
     t0 = timeline.start
     end = max(timeline.end - t0, 1e-3)
     figure, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(11, 6.5), height_ratios=(1, 1.3))
-    figure.suptitle(title or f"run {timeline.run_id}", fontsize=11)
+    ettr = "" if timeline.ettr is None else f" (ETTR {100 * timeline.ettr:.1f} %)"
+    figure.suptitle((title or f"run {timeline.run_id}") + ettr, fontsize=11)
     _draw_world(top, timeline, t0, end)
     _draw_progress(bottom, timeline, t0)
     for axis in (top, bottom):
-        for span in timeline.restarts:
+        for span in timeline.lost:
             axis.axvspan(
-                span.start - t0,
-                (span.end if span.end is not None else timeline.end) - t0,
-                color="orange",
-                alpha=0.25,
-                lw=0,
+                span.start - t0, (span.end or timeline.end) - t0, color=LOST_COLORS[span.label], alpha=0.3, lw=0
             )
         for span in timeline.etcd_outages:
             axis.axvspan(
@@ -232,7 +248,10 @@ def _draw_world(axis: Any, timeline: Timeline, t0: float, end: float) -> None:
         axis.plot([], [], color="black", lw=2, label="active world size")[0],
         axis.plot([], [], "x", color="red", mew=2, label="fault")[0],
         axis.plot([], [], "x", color="grey", label="broken connection (peer_lost)")[0],
-        axis.fill_between([], [], color="orange", alpha=0.25, label="in-process restart"),
+        *(
+            axis.fill_between([], [], color=color, alpha=0.3, label=PART_TITLES[part])
+            for part, color in LOST_COLORS.items()
+        ),
         axis.fill_between([], [], color="tab:blue", alpha=0.12, label="etcd unreachable"),
         axis.plot([], [], color="purple", label="process-level restart")[0],
         axis.plot([], [], "^", color="green", label="spare activated")[0],

@@ -259,6 +259,28 @@ def _comm(pid: int) -> str:
         return ""
 
 
+def test_a_rank_failing_after_the_job_completed_restarts_nothing(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
+) -> None:
+    """Rank 2 exits with code 23 after its Wrapper completed the job: no node restarts its workers (that would
+    train the completed job again); its node reports the failure (a non-zero exit), the other one succeeds."""
+    scenario = {"steps": 20, "exit_after_wrapper": {"rank": 2, "code": 23}}
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
+    codes = dict(zip("AB", finish([a, b]), strict=True))
+    started = read(tmp_path, "start-*.json")
+    assert sorted(started) == ["start-A-0-0", "start-A-1-0", "start-B-0-0", "start-B-1-0"]
+    holder = next(name.split("-")[1] for name, record in started.items() if record["rank"] == 2)
+    assert codes == {tag: 1 if tag == holder else 0 for tag in "AB"}, logs(nodes)
+    done = read(tmp_path, "done-*.json")
+    assert sorted(done) == ["done-0-0", "done-1-0", "done-2-0", "done-3-0"]
+    assert {record["result"]["iteration"] for record in done.values()} == {0}
+    both = a.log() + b.log()
+    assert re.search(r"rank 2 \(pid \d+\) ended with exit code 23 after its elastic_ft.Wrapper completed the job", both)
+    assert "the job completed, but rank(s) [2] failed after their elastic_ft.Wrapper completed the job" in both
+    assert "restarting the workers" not in both and "escalating" not in both, logs(nodes)
+    assert escalations(etcd, run_id) == []
+
+
 def test_killed_node_is_absorbed_in_process(
     etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
 ) -> None:

@@ -40,7 +40,8 @@ NOTHING = MembershipChange()
         (1, True, {"kind": "HealthCheckError", "gave_up": False}, A),  # left the job alone
         (1, True, {"kind": "RestartAbort", "gave_up": True}, G),
         (1, False, None, U),  # never entered a Wrapper
-        (1, True, {"kind": "completed", "gave_up": False}, U),  # failed after its Wrapper completed
+        (1, True, {"kind": "completed", "gave_up": False}, WorkerExit.FAILED_AFTER_COMPLETION),  # its epilogue
+        (-11, True, {"kind": "completed", "gave_up": False}, WorkerExit.FAILED_AFTER_COMPLETION),  # at exit
         (1, True, {"kind": "RestartLimitError", "gave_up": True, "fatal": True}, WorkerExit.FATAL),  # a bug
         (1, True, {"kind": "RestartLimitError", "gave_up": True, "fatal": False}, G),  # no progress
         (1, True, {"kind": "RestartLimitError", "gave_up": True, "fatal": "yes"}, G),  # untrusted: not True
@@ -68,6 +69,12 @@ def test_classify_exit(exitcode: int | None, wrapped: bool, left: dict | None, e
         ({0: G, 1: S}, MembershipChange(rejoined=("b",)), Verdict.ESCALATE, "gave up"),  # giving up comes first
         # The node's worker died and its respawned process was retired: the others completed the job.
         ({0: A, 1: WorkerExit.RETIRED}, NOTHING, Verdict.SUCCEEDED, ""),
+        # A rank failed after the job completed: nothing restarts (and the reason says so); the others may
+        # still run their epilogue, and are waited for.
+        ({0: S, 1: WorkerExit.FAILED_AFTER_COMPLETION}, NOTHING, Verdict.SUCCEEDED, "rank(s) [1] failed after"),
+        ({0: WorkerExit.FAILED_AFTER_COMPLETION, 1: A}, NOTHING, Verdict.SUCCEEDED, "not restarted"),
+        ({0: R, 1: WorkerExit.FAILED_AFTER_COMPLETION}, NOTHING, Verdict.CONTINUE, ""),
+        ({0: U, 1: WorkerExit.FAILED_AFTER_COMPLETION}, NOTHING, Verdict.ESCALATE, "rank(s) [0] failed"),
     ],
 )
 def test_decide(workers: dict, change: MembershipChange, verdict: Verdict, reason: str) -> None:

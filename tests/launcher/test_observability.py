@@ -81,6 +81,7 @@ def test_a_faulted_job_is_watched_scraped_recorded_and_drawn(tmp_path: Path) -> 
         "--fault-step",
         "40",
     ]
+    launched = time.time()
     with log_path.open("w") as out:
         ftrun = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -105,6 +106,11 @@ def test_a_faulted_job_is_watched_scraped_recorded_and_drawn(tmp_path: Path) -> 
         assert metrics[("elastic_ft_terminated_ranks", ())] == 1
         assert metrics[("elastic_ft_rendezvous_round_seconds_count", ())] == 1
         assert metrics[("elastic_ft_etcd_requests_total", (("kind", "txn"),))] > 0
+        # The goodput so far: its parts sum to the wall time so far.
+        ratio = metrics[("elastic_ft_goodput_ratio", ())]
+        parts = {labels[0][1]: value for (name, labels), value in metrics.items() if name == "elastic_ft_wall_seconds"}
+        assert 0 < ratio < 1 and parts["recovery"] > 0 and parts["training"] > 0, metrics
+        assert ratio == pytest.approx(parts["training"] / sum(parts.values()), rel=0.02)
         # status --watch, rendered once from the live etcd, as the CLI draws it.
         from rich.console import Console
 
@@ -128,6 +134,7 @@ def test_a_faulted_job_is_watched_scraped_recorded_and_drawn(tmp_path: Path) -> 
         assert "fault_detected kind=process_died" in view and "restart_decided" in view, view
         assert re.search(r"│ 1 +│ absorbed \(-9\)", view), view  # the killed rank: its death absorbed in-process
         assert ftrun.wait(180) == 0, log_path.read_text()[-5000:]
+        ended = time.time()
     finally:
         if ftrun.poll() is None:
             ftrun.send_signal(signal.SIGKILL)
@@ -177,7 +184,33 @@ def test_a_faulted_job_is_watched_scraped_recorded_and_drawn(tmp_path: Path) -> 
     for drew in ("1 faults,", "broken_connections, 1 restarts,", "1 respawns,", "3 ranks,", "2 world_changes"):
         assert drew in drawn.stdout, drawn.stdout  # the SIGKILL, its restart, the respawn, the world 3 then 2
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 20_000
+    _check_the_goodput_report(record / "events.jsonl", ended - launched)
     status = json.loads((record / "status.json").read_text())
     assert status["run"] == "observed" and status["closed"] is True
     gone = cli("status", f"--rdzv-endpoint={endpoint}", "--rdzv-id=observed", "--connect-timeout=1")
     assert gone.returncode == 3 and "no answer from etcd" in gone.stderr  # the embedded etcd stopped with the job
+
+
+def _check_the_goodput_report(events: Path, measured: float) -> None:
+    """``elastic-ft report`` on the recorded job: its parts sum to its wall time within 1 %, that wall time is the
+    job's as the test measured it (less ftrun's own start before its first event), the SIGKILL is its one
+    restart with its phases summing to it, and no step was redone (the survivors kept their state)."""
+    shown = cli("report", "--events", str(events))
+    assert shown.returncode == 0 and "ETTR" in shown.stdout and "costliest faults:" in shown.stdout, shown
+    done = cli("report", "--events", str(events), "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    wall = report["wall_seconds"]
+    assert abs(sum(report["parts"].values()) - wall) <= 0.01 * wall, report
+    assert measured - 15 < wall <= measured, (wall, measured)
+    assert report["finished"] and 0.3 < report["ettr"] < 1, report
+    assert (
+        report["recovery_by_kind"].keys() == {"terminated"} and report["recovery_by_kind"]["terminated"]["count"] == 1
+    )
+    (fault,) = report["costliest"]
+    assert fault["kind"] == "terminated" and 0 < fault["seconds"] < 30, fault
+    assert re.fullmatch(r"rank\(s\) \[1\]: (pid \d+: signal SIGKILL|process \d+ died)", fault["cause"]), fault
+    assert sum(report["recovery_by_phase"].values()) == pytest.approx(fault["seconds"], rel=0.01)
+    assert report["redone_steps"] == 0 and report["parts"]["redone"] == 0, report
+    # 300 steps trained at the job's median step time, within what the sampled step time allows.
+    assert report["parts"]["training"] >= 0.5 * 300 * report["step_seconds"], report

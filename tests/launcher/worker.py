@@ -19,6 +19,8 @@ event rather than a step count. ``steps`` is each iteration's length;
 ``stop_file``: NAME ends the loop, at the same step on every rank (the
 ranks agree on it in the step's all-reduce), once ``$EFT_OUT/NAME`` exists:
 a test ends the job at an event, not a step count.
+``exit_after_wrapper``: ``{"rank", "code"}``: that initial rank exits with
+``code`` once its Wrapper completed (a failed epilogue).
 ``node_exit``: ``{"group_rank", "restart"}`` makes every worker of that node
 exit with code 19 at step 2 of its first iteration.
 ``slow_start_group_rank``: the workers of that node sleep 60 s before entering
@@ -139,6 +141,9 @@ def main() -> None:
         f"done-{INITIAL_RANK}-{RESTART}.json",
         {"pid": os.getpid(), "node": NODE, "initial_rank": INITIAL_RANK, "restart": RESTART, "result": result},
     )
+    epilogue = SCENARIO.get("exit_after_wrapper", {})
+    if epilogue.get("rank") == INITIAL_RANK and result is not None:
+        os._exit(epilogue["code"])
 
 
 if __name__ == "__main__":

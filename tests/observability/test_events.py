@@ -132,7 +132,14 @@ def test_the_timeline_model_holds_what_the_picture_draws() -> None:
         "ranks": 6,
         "world_changes": 1,
         "etcd_outages": 0,
+        "lost_stretches": 2,
     }
+    # Shaded as the goodput report counts it: the restart until the next iteration started, the escalation on.
+    assert [(span.label, span.start, span.end) for span in timeline.lost] == [
+        ("recovery", 3.0, 3.9),
+        ("process_restarts", 9.0, 10.0),
+    ]
+    assert timeline.ettr == pytest.approx((10.0 - 0.9 - 1.0) / 10.0)
     (restart,) = timeline.restarts
     assert (restart.start, restart.end) == (3.0, 3.9)
     assert timeline.progress[4] == [(1.4, 0), (3.9, 20), (10.0, 60)]

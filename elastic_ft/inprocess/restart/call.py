@@ -530,6 +530,10 @@ class CallWrapper:
             if self._job_store is not None:
                 gave_up = isinstance(error, GIVE_UP_ERRORS)
                 kind = "completed" if error is None else type(error).__name__
+                if error is None:
+                    event_sink.emit(
+                        "completed", rank=self.state.initial_rank, iteration=self.state.iteration, step=self.step
+                    )
                 fatal = isinstance(error, RestartLimitError) and error.fatal
                 with leaving_bound(self.wrapper.barrier_timeout, self.state.rank, "its exit record"):
                     self._job_store.record_left(

@@ -70,6 +70,8 @@ class StepGate:
         self.atomic_lock = threading.RLock()
         #: Optimizer steps this rank's state has taken (set to the sender's when it is healed).
         self.step = 0
+        #: Whether this process took an optimizer step yet (its first one is an event: the end of its start-up).
+        self._stepped = False
         self.planned_lead = planned_lead
         #: Steps an iteration makes before its progress is recorded (the Wrapper's ``min_progress_steps``).
         self.min_progress_steps = min_progress_steps
@@ -147,10 +149,19 @@ class StepGate:
         self._steps.step()
         try:
             self._mark_progress()
+            state = self._state
             if self._recovery.open:
                 timed = self._recovery.finish()
-                state = self._state
-                event_sink.emit("recovery_phases", rank=state.initial_rank, iteration=state.iteration, **(timed or {}))
+                event_sink.emit(
+                    "recovery_phases",
+                    rank=state.initial_rank,
+                    iteration=state.iteration,
+                    step=self.step,
+                    **(timed or {}),
+                )
+            elif not self._stepped:
+                event_sink.emit("first_step", rank=state.initial_rank, iteration=state.iteration, step=self.step)
+            self._stepped = True
         finally:
             self.leave_steps(1)
 
