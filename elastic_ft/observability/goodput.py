@@ -352,7 +352,7 @@ def report_lines(found: Goodput) -> list[str]:
                 lines.append(row(f"  {kind} ({count})", seconds))
             phases = found.by_phase(part)
             if phases:
-                lines.append(f"  {'by phase:':<32}")
+                lines.append("  by phase:")
                 lines.extend(row(f"    {phase}", seconds) for phase, seconds in phases.items())
     lines.append(row("total", sum(found.parts.values())))
     costliest = found.costliest()
