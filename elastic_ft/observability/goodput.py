@@ -32,7 +32,7 @@ construction; each is measured from the events that bound it.
 
 from __future__ import annotations
 
-import math
+import bisect
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -152,7 +152,7 @@ def _step(event: JobEvent) -> int | None:
 
 def goodput(events: Iterable[JobEvent], now: float | None = None) -> Goodput:
     """A run's goodput from its events (any order). ``now``: the end of a job still running (default: its last
-    event).
+    event). Linear in the events but for a sort (the metrics endpoint computes it at every scrape).
 
     Raises:
         MalformedRecord: there are no events, or they belong to several runs.
@@ -163,12 +163,15 @@ def goodput(events: Iterable[JobEvent], now: float | None = None) -> Goodput:
     runs = {event.run_id for event in ordered}
     if len(runs) > 1:
         raise MalformedRecord(f"the events belong to {len(runs)} runs ({', '.join(sorted(runs)[:5])}); expected one")
+    index = _Index(ordered)
     start = ordered[0].time
-    finished_at = [event.time for event in ordered if event.name == "job_finished"]
+    finished_at = index.times("job_finished")
     end = max(finished_at) if finished_at else max(ordered[-1].time, now if now is not None else start)
     step_seconds = _median_step_seconds(ordered)
-    raw = [*_opening(ordered, start), *_recoveries(ordered, end), *_process_restarts(ordered, end)]
-    raw.extend(_shutdown(ordered, end, bool(finished_at)))
+    raw = [*_opening(index, start), *_recoveries(index, end), *_process_restarts(index, end)]
+    completed = index.times("completed")
+    if finished_at and completed:
+        raw.append(Stretch("shutdown", max(completed), end))
     stretches = _counted_once(raw, start, end)
     parts = dict.fromkeys(PARTS, 0.0)
     for stretch in stretches:
@@ -180,103 +183,131 @@ def goodput(events: Iterable[JobEvent], now: float | None = None) -> Goodput:
     return Goodput(runs.pop(), start, end, bool(finished_at), parts, stretches, redone_steps, step_seconds)
 
 
-def _first_step_after(ordered: list[JobEvent], after: float) -> float | None:
-    """When the job first stepped after ``after``: a process's first optimizer step (``first_step``)."""
-    return next((e.time for e in ordered if e.name == "first_step" and e.time >= after), None)
+class _Index:
+    """The events by name, in time order, and the highest step seen by any time: each question a bisection."""
+
+    def __init__(self, ordered: list[JobEvent]) -> None:
+        self.by_name: dict[str, list[JobEvent]] = {}
+        for event in ordered:
+            self.by_name.setdefault(event.name, []).append(event)
+        self._times = {name: [e.time for e in found] for name, found in self.by_name.items()}
+        self._step_times: list[float] = []
+        self._highest: list[int] = []
+        for event in ordered:
+            step = _step(event)
+            if step is not None:
+                self._step_times.append(event.time)
+                self._highest.append(max(step, self._highest[-1]) if self._highest else step)
+
+    def times(self, name: str) -> list[float]:
+        return self._times.get(name, [])
+
+    def first_after(self, name: str, after: float) -> JobEvent | None:
+        """The first ``name`` event at ``after`` or later."""
+        at = bisect.bisect_left(self.times(name), after)
+        found = self.by_name.get(name, [])
+        return found[at] if at < len(found) else None
+
+    def last_before(self, name: str, before: float) -> JobEvent | None:
+        """The last ``name`` event before ``before``."""
+        at = bisect.bisect_left(self.times(name), before)
+        return self.by_name[name][at - 1] if at > 0 else None
+
+    def highest_step(self, by: float) -> int | None:
+        """The highest step any event showed by ``by``."""
+        at = bisect.bisect_right(self._step_times, by)
+        return self._highest[at - 1] if at > 0 else None
 
 
-def _round_closed_after(ordered: list[JobEvent], after: float) -> float | None:
-    return next((e.time for e in ordered if e.name == "round_closed" and e.time >= after), None)
-
-
-def _opening(ordered: list[JobEvent], start: float) -> list[Stretch]:
-    """Waiting for the first round's nodes, then the start-up to the first step."""
-    closed = _round_closed_after(ordered, start)
-    first = _first_step_after(ordered, start if closed is None else closed)
+def _opening(index: _Index, start: float) -> list[Stretch]:
+    """Waiting for the first round's nodes, then the start-up to the first step (a process's ``first_step``)."""
+    closed = index.first_after("round_closed", start)
+    from_ = start if closed is None else closed.time
+    first = index.first_after("first_step", from_)
     found = []
     if closed is not None:
-        found.append(Stretch("waiting_for_nodes", start, closed))
+        found.append(Stretch("waiting_for_nodes", start, closed.time))
     if first is not None:
-        found.append(Stretch("start_up", start if closed is None else closed, first))
+        found.append(Stretch("start_up", from_, first.time))
     return found
 
 
-def _recoveries(ordered: list[JobEvent], end: float) -> list[Stretch]:
+def _recoveries(index: _Index, end: float) -> list[Stretch]:
     """Each in-process restart, from its first fault to the last rank's first step after it."""
     decided: dict[int, JobEvent] = {}
-    for event in ordered:
-        if event.name == "restart_decided" and event.iteration is not None:
+    for event in index.by_name.get("restart_decided", []):
+        if event.iteration is not None:
             decided.setdefault(event.iteration, event)
+    firsts: dict[int | None, list[JobEvent]] = {}
+    for event in index.by_name.get("recovery_phases", []):
+        firsts.setdefault(event.iteration, []).append(event)
+    starts: dict[int | None, float] = {}
+    for event in index.by_name.get("iteration_started", []):
+        starts[event.iteration] = max(event.time, starts.get(event.iteration, event.time))
     found = []
     for iteration, event in sorted(decided.items()):
         fault = _number(event.data.get("fault_time"))
         fault = event.time if fault is None or fault > event.time else fault
-        firsts = [e for e in ordered if e.name == "recovery_phases" and e.iteration == iteration + 1]
-        last = max(firsts, key=lambda e: e.time, default=None)
+        mine = firsts.get(iteration + 1, [])
+        last = max(mine, key=lambda e: e.time, default=None)
         # Without a first step timed (a function that takes no optimizer step), the next iteration's start.
-        starts = [e.time for e in ordered if e.name == "iteration_started" and e.iteration == iteration + 1]
-        resumed = last.time if last is not None else max(starts, default=end)
-        phases: list[tuple[str, float, float]] = []
-        if last is not None:
-            began = _number(last.data.get("began"))
-            cursor = fault
-            if began is not None and began >= fault:
-                phases.append(("detection", fault, began))
-                cursor = began
-            for phase in last.data.get("phases", []):
-                seconds = _number(phase.get("seconds")) if isinstance(phase, dict) else None
-                name = phase.get("phase") if isinstance(phase, dict) else None
-                if seconds is not None and isinstance(name, str):
-                    phases.append((name, cursor, cursor + seconds))
-                    cursor += seconds
-        before = _highest_step(ordered, fault)
-        after = [s - 1 for e in firsts if (s := _step(e)) is not None]
+        resumed = last.time if last is not None else starts.get(iteration + 1, end)
+        before = index.highest_step(fault)
+        after = [s - 1 for e in mine if (s := _step(e)) is not None]
         redone = max(0, before - min(after)) if before is not None and after else 0
-        found.append(Stretch("recovery", fault, resumed, _kind(event), _cause(event), tuple(phases), redone))
+        phases = _phases_of(last, fault)
+        found.append(Stretch("recovery", fault, resumed, _kind(event), _cause(event), phases, redone))
     return found
 
 
-def _process_restarts(ordered: list[JobEvent], end: float) -> list[Stretch]:
+def _phases_of(last: JobEvent | None, fault: float) -> tuple[tuple[str, float, float], ...]:
+    """The restart's phases on the last rank to step: detection (the fault to its delivery), then its own."""
+    if last is None:
+        return ()
+    phases: list[tuple[str, float, float]] = []
+    began = _number(last.data.get("began"))
+    cursor = fault
+    if began is not None and began >= fault:
+        phases.append(("detection", fault, began))
+        cursor = began
+    for phase in last.data.get("phases", []):
+        seconds = _number(phase.get("seconds")) if isinstance(phase, dict) else None
+        name = phase.get("phase") if isinstance(phase, dict) else None
+        if seconds is not None and isinstance(name, str):
+            phases.append((name, cursor, cursor + seconds))
+            cursor += seconds
+    return tuple(phases)
+
+
+def _process_restarts(index: _Index, end: float) -> list[Stretch]:
     """Each escalation, from the fault before it to the new processes' first step."""
     found = []
     seen: set[int | None] = set()
-    for index, event in enumerate(ordered):
-        if event.name != "escalated" or event.round in seen:
+    for event in index.by_name.get("escalated", []):
+        if event.round in seen:
             continue
         seen.add(event.round)
         # Its fault: the last one since the last in-process restart decided (which covers those before it).
-        decided = max((e.time for e in ordered[:index] if e.name == "restart_decided"), default=-math.inf)
-        faults = [e for e in ordered[:index] if e.name == "fault_detected" and e.time > decided]
-        fault = faults[-1] if faults else None
+        decided = index.last_before("restart_decided", event.time)
+        fault = index.last_before("fault_detected", event.time)
+        if fault is not None and decided is not None and fault.time <= decided.time:
+            fault = None
         start = fault.time if fault is not None else event.time
-        closed = _round_closed_after(ordered, event.time)
-        first = _first_step_after(ordered, closed if closed is not None else event.time)
-        resumed = first if first is not None else end
+        closed = index.first_after("round_closed", event.time)
+        first = index.first_after("first_step", closed.time if closed is not None else event.time)
+        resumed = first.time if first is not None else end
         phases = [("detection", start, event.time)]
-        if closed is not None and closed <= resumed:
-            phases += [("waiting for nodes", event.time, closed), ("start-up", closed, resumed)]
+        if closed is not None and closed.time <= resumed:
+            phases += [("waiting for nodes", event.time, closed.time), ("start-up", closed.time, resumed)]
         else:
             phases.append(("start-up", event.time, resumed))
-        before = _highest_step(ordered, start)
-        firsts = (
-            s - 1 for e in ordered if e.name == "first_step" and e.time >= resumed and (s := _step(e)) is not None
-        )
-        after = next(firsts, None)
+        before = index.highest_step(start)
+        after = None if first is None or (step := _step(first)) is None else step - 1
         redone = max(0, before - after) if before is not None and after is not None else 0
         kind = str(fault.data.get("kind", "unknown")) if fault is not None else "unknown"
         cause = str(event.data.get("reason", ""))
         found.append(Stretch("process_restarts", start, resumed, kind, cause, tuple(phases), redone))
     return found
-
-
-def _shutdown(ordered: list[JobEvent], end: float, finished: bool) -> list[Stretch]:
-    completed = [e.time for e in ordered if e.name == "completed"]
-    return [Stretch("shutdown", max(completed), end)] if finished and completed else []
-
-
-def _highest_step(ordered: list[JobEvent], before: float) -> int | None:
-    steps = [s for e in ordered if e.time <= before and (s := _step(e)) is not None]
-    return max(steps, default=None)
 
 
 def _kind(event: JobEvent) -> str:
