@@ -20,7 +20,9 @@ through its own connection to the store. It
 
 The main process drives it with JSON lines on a pipe: ``store_ready``,
 ``iteration`` (number, rank, world size), ``initial_rank`` (the rank joins
-the world again under a new one) and ``stop``.
+the world again under a new one) and ``stop``; and waits on the monitor's
+``pidfd`` in turn: a monitor that ends before ``stop`` ends the rank
+(:func:`leave_without_hang_protection`), which its launcher replaces.
 """
 
 from __future__ import annotations
