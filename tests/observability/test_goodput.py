@@ -40,10 +40,18 @@ def first_steps(
             rank=rank,
             step=step,
             began=began,
-            phases=[{"phase": name, "seconds": seconds, "at": 0.0} for name, seconds in phases],
+            phases=_phases(began, phases),
         )
         for rank, (when, began, phases) in at.items()
     ]
+
+
+def _phases(began: float, phases: list[tuple[str, float]]) -> list[dict[str, Any]]:
+    ended, timed = began, []
+    for name, seconds in phases:
+        ended += seconds
+        timed.append({"phase": name, "seconds": seconds, "at": ended})
+    return timed
 
 
 def job(resumed_step: int = 201) -> list[JobEvent]:
