@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -72,7 +73,9 @@ CONF = "last_call_timeout=1,lease_ttl=2,join_timeout=60"
 
 def run_nodes(
     etcd: EtcdServer, workdir: Path, run_id: str, tags: str, nnodes: str, nproc: int, steps: int, kill: str | None
-) -> tuple[list[dict], dict[str, int]]:
+) -> tuple[list[dict], dict[str, int | None]]:
+    """Run ``tags`` as torchrun nodes of ``examples/train.py``, SIGKILL node ``kill`` once the job checkpointed;
+    returns the results and each node's exit code (None: still running after 180 s, then stopped)."""
     nodes = [
         TorchrunNode(
             tag,
@@ -86,7 +89,7 @@ def run_nodes(
         )
         for tag in tags
     ]
-    codes: dict[str, int] = {}
+    codes: dict[str, int | None] = {}
     try:
         if kill is not None:
             while not (workdir / "checkpoint.pt").exists():
@@ -97,7 +100,11 @@ def run_nodes(
             codes[kill] = -9
         for node in nodes:
             if node.tag != kill:
-                codes[node.tag] = node.wait(180)
+                try:
+                    codes[node.tag] = node.wait(180)
+                except subprocess.TimeoutExpired:  # the act fails, and the logs are shown before they go
+                    print(f"    node {node.tag} still runs after 180 s", flush=True)
+                    codes[node.tag] = None
     finally:
         for node in nodes:
             node.terminate()
@@ -105,12 +112,13 @@ def run_nodes(
     return done, codes
 
 
-def show(done: list[dict], codes: dict[str, int]) -> None:
+def show(done: list[dict], codes: dict[str, int | None]) -> None:
     print("    node  exit  rank  world  restarts  resumed-at-step  final-loss")
     for result in done:
         node = result["node"]
+        code = codes.get(node)
         print(
-            f"    {node:>4}  {codes.get(node, '?'):>4}  {result['rank']:>4}  {result['world_size']:>5}  "
+            f"    {node:>4}  {'?' if code is None else code:>4}  {result['rank']:>4}  {result['world_size']:>5}  "
             f"{result['restart_count']:>8}  {result['resumed_from']:>15}  {result['loss']:.4f}"
         )
 
