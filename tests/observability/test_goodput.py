@@ -158,3 +158,46 @@ def test_no_events_or_several_runs_are_refused() -> None:
     other = JobEvent("progress", 101.0, "other", "worker", rank=0, data={"step": 1})
     with pytest.raises(MalformedRecord, match="belong to 2 runs"):
         goodput([*job(), other])
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--events", "{missing}"], "cannot read the events file"),
+        (["--events", "{bad}"], "bad.jsonl:2: an event is not JSON"),
+        (["--events", "{two_runs}"], "belong to 2 runs"),
+        ([], "give --events FILE, or --rdzv-endpoint and --rdzv-id"),
+        (["--events", "{missing}", "--rdzv-id=x"], "not both"),
+    ],
+)
+def test_elastic_ft_report_refuses_bad_input_with_what_is_wrong(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str], args: list[str], expected: str
+) -> None:
+    from elastic_ft.launcher.cli import main
+    from elastic_ft.observability.event_files import write_events_file
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(job()[0].to_json() + "\nnot json\n")
+    two_runs = tmp_path / "two.jsonl"
+    write_events_file(str(two_runs), [*job(), JobEvent("progress", 101.0, "other", "worker", rank=0, data={"step": 1})])
+    paths = {"missing": tmp_path / "missing.jsonl", "bad": bad, "two_runs": two_runs}
+    with pytest.raises(SystemExit) as exited:
+        main(["report", *(arg.format(**paths) for arg in args)])
+    assert exited.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_elastic_ft_report_prints_the_table_and_the_json(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from elastic_ft.launcher.cli import main
+    from elastic_ft.observability.event_files import write_events_file
+
+    path = tmp_path / "events.jsonl"
+    write_events_file(str(path), job())
+    for extra, check in (([], "ETTR 85.6 %"), (["--json"], '"ettr": 0.8558')):
+        with pytest.raises(SystemExit) as exited:
+            main(["report", "--events", str(path), *extra])
+        out = capsys.readouterr().out
+        assert exited.value.code == 0 and check in out, out
+    assert json.loads(out)["parts"]["recovery"] == 1.5
