@@ -99,7 +99,7 @@ from elastic_ft.observability.sink import EventsHandoff, emit
 from elastic_ft.rendezvous.handler import EtcdftRendezvousHandler
 from elastic_ft.rendezvous.model import RoundResult
 from elastic_ft.runtime.local_board import LocalBoard
-from elastic_ft.runtime.reaper import ensure_reaper
+from elastic_ft.runtime.reaper import describe_exit, ensure_reaper
 from elastic_ft.runtime.torch_compat import (
     check_torch,
     exit_barrier_timeout,
@@ -131,15 +131,6 @@ _FAILED_WHERE = {
     WorkerExit.UNWRAPPED: "outside elastic_ft.Wrapper",
     WorkerExit.FAILED_AFTER_COMPLETION: "after its elastic_ft.Wrapper completed the job",
 }
-
-
-def _describe_exit(exitcode: int) -> str:
-    if exitcode < 0:
-        try:
-            return f"signal {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"signal {-exitcode}"
-    return f"exit code {exitcode}"
 
 
 def admission_request(job: JobView, live: list[int], world_size: int, waiting: list[int]) -> tuple[int, int, list[int]]:
@@ -491,17 +482,17 @@ class FtAgent(LocalElasticAgent):
                 )
                 if kind in _FAILED_WHERE:
                     where = _FAILED_WHERE[kind]
-                    log.warning("rank %d (pid %d) ended with %s %s", rank, process.pid, _describe_exit(exitcode), where)
+                    log.warning("rank %d (pid %d) ended with %s %s", rank, process.pid, describe_exit(exitcode), where)
             if kind is WorkerExit.ABSORBED:
                 # The Wrappers' restart report (one line, by one rank) is the warning users see for it.
                 log.info(
                     "rank %d (pid %d) ended with %s inside elastic_ft.Wrapper; the other workers continue without it",
                     rank,
                     process.pid,
-                    _describe_exit(exitcode),
+                    describe_exit(exitcode),
                 )
                 report_process_gone(
-                    store, rank, worker.world_size, "terminated", f"pid {process.pid}: {_describe_exit(exitcode)}"
+                    store, rank, worker.world_size, "terminated", f"pid {process.pid}: {describe_exit(exitcode)}"
                 )
             if kind is not WorkerExit.SUCCEEDED:
                 emit(
@@ -511,7 +502,7 @@ class FtAgent(LocalElasticAgent):
                     round=self._round(),
                     rank=rank,
                     kind="process_died",
-                    message=f"pid {process.pid}: {_describe_exit(exitcode)}",
+                    message=f"pid {process.pid}: {describe_exit(exitcode)}",
                     exitcode=exitcode,
                     absorbed=kind is WorkerExit.ABSORBED,
                 )
@@ -841,7 +832,7 @@ class FtAgent(LocalElasticAgent):
             log.warning(
                 "[%s] worker group finished; failures absorbed by in-process restart: %s",
                 role,
-                {rank: f"pid {f.pid}, {_describe_exit(f.exitcode)}" for rank, f in absorbed.items()},
+                {rank: f"pid {f.pid}, {describe_exit(f.exitcode)}" for rank, f in absorbed.items()},
             )
         self._exit_barrier()
         log.info("[%s] worker group finished; closing the rendezvous", role)

@@ -62,6 +62,8 @@ class FenceKeeper:
         #: The fence ran out since the node's lease was last proven: a new lease may follow a count-out.
         self._lapsed = False
         self._valid_until = 0.0
+        #: Until when the lease held at the last tick was proven alive (a new lease before then: it was revoked).
+        self._proof = 0.0
         self._reason = ""
         self._promising = False
         self._stop = threading.Event()
@@ -123,7 +125,8 @@ class FenceKeeper:
         if self._valid_until <= now:
             self._lapsed = True
         if lease and lease != self._lease:
-            generation, why = fencing.next_generation(self.generation, True, self._lapsed)
+            revoked = bool(self._lease) and self._proof > now
+            generation, why = fencing.next_generation(self.generation, True, self._lapsed, revoked)
             if self._lease:
                 log.warning(
                     "node %s holds a new etcd lease: %s (fence generation %d)", self._handler.node, why, generation
@@ -135,6 +138,7 @@ class FenceKeeper:
                 self._on_new_generation()
         if own > now:
             self._lapsed = False  # proven now: whatever follows starts from here
+        self._proof = own
         self._valid_until = decision.valid_until
         self._board.set_fence(decision.valid_until, self.generation)
         if decision.reason != self._reason:

@@ -45,8 +45,9 @@ in place of etcd.
 Whether the node was counted out while its lease was lost decides whether
 its workers must restart (:func:`next_generation`): a new lease whose
 fence never lapsed since the old one's last proof keeps the generation;
-one that follows a lapse starts a new one, and the workers restart into
-the membership the job has now (``Fenced``).
+one that follows a lapse, or a lease revoked before its proof ran out (a
+member's probes confirmed the node lost), starts a new one, and the
+workers restart into the membership the job has now (``Fenced``).
 
 The functions here decide; ``launcher/fence_keeper.py`` and the agent
 carry out. Times are ``time.monotonic()`` seconds, given as arguments.
@@ -201,13 +202,20 @@ def death_verdict(*, confirmed_here: bool, own_lease: bool | None, hold_until: f
     return "absorb", "its lease ended while this node's own was alive"
 
 
-def next_generation(generation: int, lease_changed: bool, lapsed: bool) -> tuple[int, str]:
+def next_generation(generation: int, lease_changed: bool, lapsed: bool, revoked: bool = False) -> tuple[int, str]:
     """The fence's generation once the node holds a new lease: the same when its fence never lapsed since the
-    old lease's last proof (nobody can have counted it out), one more otherwise (its workers restart)."""
+    old lease's last proof (nobody can have counted it out), one more otherwise (its workers restart).
+
+    ``revoked``: the old lease ended while its proof still ran. etcd ends a lease no earlier than its proof
+    says, so a member revoked it, which it does only once its probes confirmed the node lost: the node was
+    counted out, however briefly its fence had to lapse for the node to see it (on a loaded host the new
+    lease can come before the fence keeper looks again)."""
     if not lease_changed:
         return generation, "the same lease"
     if generation == 0:
         return 1, "the node's first lease"
+    if revoked:
+        return generation + 1, "the old lease was revoked before its proof ran out: a member counted the node out"
     if not lapsed:
         return generation, "a new lease, and the fence never lapsed meanwhile: nobody can have counted the node out"
     return generation + 1, "a new lease after the fence lapsed: the others may have counted the node out"

@@ -166,6 +166,17 @@ def process_is_alive(pid: int) -> bool:
         return False
 
 
+def describe_exit(code: int) -> str:
+    """How a process ended, from its exit status as ``subprocess`` and ``os.waitstatus_to_exitcode`` give it
+    (negative: the signal that killed it): ``exit code 1``, ``signal SIGKILL``."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
 def kill_marked(token: str, sweep: float = _SWEEP_SECONDS) -> list[int]:
     """SIGKILL every process marked with ``token``, sweeping again for ``sweep`` seconds (forks during the
     first pass); returns the PIDs signalled."""

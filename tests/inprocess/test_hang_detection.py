@@ -1043,7 +1043,7 @@ def test_a_monitor_process_that_ends_before_its_rank_stops_it_is_reported_at_onc
     time.sleep(0.2)
     os.kill(killed.pid, signal.SIGKILL)
     assert reported.wait(5.0), "the monitor's death went unnoticed"
-    assert lost == [(killed.pid, "killed by SIGKILL", 7)]
+    assert lost == [(killed.pid, "signal SIGKILL", 7)]
     stopped = MonitorProcess(config, ProgressTimestamps(1.5, 3.0), dict, {}, on_lost=on_lost)
     stopped.stop()
     time.sleep(0.5)  # its watcher saw it end

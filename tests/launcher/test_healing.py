@@ -166,7 +166,7 @@ def test_an_activated_hot_spare_takes_the_survivors_state_bit_for_bit(
     assert [node.wait(180) for node in survivors] == [0, 0], logs(nodes, tmp_path)
     done = results(tmp_path)
     healed = set(done) - {0, 1}
-    assert len(healed) == 2, done
+    assert len(healed) == 2, (done, logs(nodes, tmp_path))
     assert_healed(tmp_path, nodes, healed)
     logged = "\n".join(node.log() for node in nodes)
     assert "fresh [2, 3]" in logged, logs(nodes, tmp_path)

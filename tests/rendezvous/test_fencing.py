@@ -133,6 +133,9 @@ def test_a_new_lease_keeps_the_generation_only_when_the_fence_never_lapsed() -> 
     assert fencing.next_generation(3, False, True)[0] == 3  # the same lease
     assert fencing.next_generation(3, True, False)[0] == 3  # an outage: nobody can have counted it out
     assert fencing.next_generation(3, True, True)[0] == 4  # a lapse: its workers restart
+    # The old lease ended before its proof: revoked by a member that counted the node out, lapse seen or not.
+    assert fencing.next_generation(3, True, False, revoked=True)[0] == 4
+    assert fencing.next_generation(3, False, False, revoked=True)[0] == 3  # the same lease: nothing ended
 
 
 @given(

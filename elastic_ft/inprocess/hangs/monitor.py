@@ -74,7 +74,7 @@ from elastic_ft.inprocess.sibling_monitor import ring_successor, silent_ranks
 from elastic_ft.inprocess.store import forbid_hosting
 from elastic_ft.keys import EXIT_BARRIER
 from elastic_ft.observability.sink import EventSink, emit, installed
-from elastic_ft.runtime.reaper import process_is_alive
+from elastic_ft.runtime.reaper import describe_exit, process_is_alive
 from elastic_ft.runtime.waits import Backoff, aligned_instant, pause, poll
 
 log = get_logger("monitor_process")
@@ -314,7 +314,7 @@ class MonitorProcess:
             how = "ended"
         else:
             code = os.waitstatus_to_exitcode(status) if status else 0
-            how = _describe_exit(code)
+            how = describe_exit(code)
         on_lost(self.pid, how, self._initial_rank)
 
     def _send(self, message: dict[str, Any]) -> None:
@@ -380,14 +380,6 @@ def leave_without_hang_protection(pid: int, how: str, initial_rank: int) -> None
     close_events(installed(), timeout=2.0)
     logging.shutdown()
     os._exit(MONITOR_LOST_EXIT_CODE)
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-code).name}"
-        return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 def _detach(keep: int) -> int:
