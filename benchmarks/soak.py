@@ -25,7 +25,9 @@ kind, steps lost or done twice (each restart must resume at the highest
 step any rank that went on into it had completed), the final model state of
 every rank (a digest, bit for bit), threads, file descriptors and resident
 memory of every worker process over time (the first sample after its first
-iteration against its last),
+iteration against its last, both taken while it trained: between two of its
+steps of one iteration; a sample taken during a restart, its process groups
+and data loader workers torn down, would compare another state),
 and the processes of the job still alive two seconds after the launchers
 exited. An etcd member that crashes on its own (etcd 3.5.1's "unexpected
 error during txn" panic, docs/deployment.md) is restarted with the next
@@ -40,6 +42,7 @@ CI runs (``tests/launcher/test_soak.py``). Prints a table and writes
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import json
 import os
@@ -126,6 +129,25 @@ def _alive(pid: int) -> bool:
             return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+#: Two steps of one iteration at most this far apart: the process trained between them (no restart did).
+TRAINING_GAP = 2.0
+
+
+def _while_training(samples: list[dict[str, Any]], steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``samples`` taken between two of the process's ``steps`` (in time order) of the same iteration, at
+    most :data:`TRAINING_GAP` apart: its groups, data loader workers and connections all up. A restart tears
+    them down and builds them again, and a sample in the middle of one counts fewer threads and fds."""
+    times = [e["t"] for e in steps]
+    kept = []
+    for sample in samples:
+        after = bisect.bisect_right(times, sample["t"])
+        if 0 < after < len(steps):
+            before, next_step = steps[after - 1], steps[after]
+            if before["iteration"] == next_step["iteration"] and next_step["t"] - before["t"] <= TRAINING_GAP:
+                kept.append(sample)
+    return kept
 
 
 def _resources(pid: int) -> dict[str, int] | None:
@@ -457,14 +479,15 @@ class Soak:
 
     def _resource_report(self) -> dict[str, Any]:
         """Each worker's threads, fds and memory from its first step after its first iteration (when its
-        process groups, data loader and healing connections exist: the goal's baseline) to its last sample."""
+        process groups, data loader and healing connections exist: the goal's baseline) to its last sample,
+        counting only the samples taken while it trained (:func:`_while_training`)."""
         report = {}
         for pid, samples in self.samples.items():
             rank = next((e["rank"] for e in self.job.events if e.get("pid") == pid), None)
-            mine = [e for e in self.job.steps() if e["pid"] == pid]
+            mine = sorted((e for e in self.job.steps() if e["pid"] == pid), key=lambda e: e["t"])
             first_iteration = min((e["iteration"] for e in mine), default=None)
             baseline = next((e["t"] for e in mine if e["iteration"] != first_iteration), None)
-            after = [s for s in samples if baseline is not None and s["t"] >= baseline]
+            after = [s for s in _while_training(samples, mine) if baseline is not None and s["t"] >= baseline]
             if len(after) < 2:
                 continue  # it never trained past its first iteration, or not long enough to tell
             first, last = after[0], after[-1]
@@ -591,8 +614,8 @@ def print_report(report: dict[str, Any]) -> None:
         f"{report['stop_step']}: {report['finished_ranks']}, same state bit for bit: {report['same_state']}"
     )
     print(
-        f"worker processes sampled: {len(report['resources'])}; largest growth from the first step to the last "
-        f"sample: threads +{worst['threads']}, fds +{worst['fds']}, RSS +{worst['rss_kib'] / 1024:.1f} MiB"
+        f"worker processes sampled: {len(report['resources'])}; largest growth between samples taken "
+        f"while training: threads +{worst['threads']}, fds +{worst['fds']}, RSS +{worst['rss_kib'] / 1024:.1f} MiB"
     )
     print(f"processes alive 2 s after the launchers exited: {len(report['processes_left'])}")
     for crash in report["etcd_exits"]:  # etcd's, not the job's: the job went on with the other members

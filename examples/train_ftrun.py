@@ -439,7 +439,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--kill-first-sender", action="store_true", help="the first rank to send its state is SIGKILLed while it does"
     )
     parser.add_argument("--kill-sender-delay", type=float, default=0.05, help="seconds into the send")
-    parser.add_argument("--fail-load-rank", type=int, help="load_state_dict raises on this initial rank (once)")
+    parser.add_argument(
+        "--fail-load-rank", type=int, help="load_state_dict raises on this initial rank (each time it runs there)"
+    )
     parser.add_argument(
         "--fault-dir", type=Path, help=f"inject the fault a file DIR/fault-<initial rank> names: {REQUESTED_FAULTS}"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -59,3 +60,23 @@ def test_two_minutes_of_random_faults_are_absorbed(tmp_path: Path) -> None:
     assert report["same_state"] and not report["processes_left"]
     for pid, growth in report["growth"].items():
         assert growth["threads"] <= 8 and growth["fds"] <= 8, (pid, growth)
+
+
+def test_resources_are_compared_only_between_samples_taken_while_the_process_trained(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sample taken in the middle of a restart (groups and data loader workers torn down: fewer threads and
+    fds) is no baseline: the soak once reported a worker's fds 'grown' by 14 from such a dip to its steady
+    count, the same count as every other worker's."""
+    monkeypatch.syspath_prepend(str(SOAK.parent))
+    spec = importlib.util.spec_from_file_location("soak_under_test", SOAK)
+    assert spec is not None and spec.loader is not None
+    soak = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, soak)  # its dataclasses look their module up
+    spec.loader.exec_module(soak)
+    steps = [{"t": t, "iteration": i} for t, i in [(10.0, 1), (10.5, 1), (11.0, 1), (14.0, 2), (14.5, 2), (20.0, 2)]]
+    samples = [{"t": t} for t in (9.0, 10.2, 10.5, 12.0, 14.2, 17.0, 21.0)]
+    # 9.0: before any step; 12.0: between iterations 1 and 2 (a restart); 17.0: 5.5 s without a step; 21.0: after
+    # the last step. 10.5 falls on a step: between it and the next.
+    assert [s["t"] for s in soak._while_training(samples, steps)] == [10.2, 10.5, 14.2]
+    assert soak._while_training(samples, []) == []
