@@ -11,7 +11,8 @@ each, ``--nnodes=2:3``, default settings otherwise:
   host 0), the script without the Wrapper (``--no-wrapper``).
 
 Every fault hits host 2 (never the c10d store's host), each in a job of its
-own:
+own, or with ``--one-job`` one job per system for all of them in turn (each
+once host 2 trains at the full world size again, ``arrival`` first):
 
 * ``cut``: its link goes down (no FIN, no RST), then up again;
 * ``sigkill``: every process of the host SIGKILLed, its launcher started
@@ -49,7 +50,9 @@ negative when the survivors restarted before, on a connection error),
 processes of host 2 that did not survive: a restart its rank could not
 take in time, ended by the hard timeout), ``replaced`` (for the faults
 host 2's processes live through: its worker processes that did not, for
-it rejoins in its own processes) and ``exited`` (whether its launcher
+it rejoins in its own processes), ``out_of_reach`` (its ranks a restart
+could not reach, gloo holding their main thread in a send: their monitor
+processes replace them) and ``exited`` (whether its launcher
 exited before the driver stopped the job; it must not). A step that does
 not come within ``--cap`` seconds is reported as the cap, marked ``>``.
 
@@ -62,6 +65,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import signal
@@ -86,6 +90,10 @@ SCENARIOS = ("cut", "sigkill", "sigstop", "peers_only", "etcd_only", "lossy", "c
 REPEATED_FAULTS = 3
 HOSTS = 3
 FAULTY = 2  # the host every fault hits
+#: What an agent logs when it revokes a lease (a confirmed loss), and a worker when gloo holds its main thread
+#: out of a restart's reach (elastic_ft/inprocess/delivery/watcher.py).
+REVOKED = "revoked the lease of node"
+OUT_OF_REACH = "released every connection of the function"
 C10D_PORT = 29411
 
 
@@ -207,22 +215,20 @@ class Job:
 
         return self.first(matches, cap)
 
-    def revocations(self) -> int:
-        """Leases the agents revoked (each a confirmed loss), from their logs."""
-        return sum(
-            log.read_text(errors="replace").count("revoked the lease of node") for log in self.workdir.glob("host*.log")
-        )
-
-    def first_revocation(self) -> float | None:
-        """When an agent first revoked a lease (epoch seconds, from the local time its log line carries)."""
+    def logged(self, mark: str, since: float, until: float = math.inf, host: int | None = None) -> list[float]:
+        """When the launchers and workers (of ``host`` when given) logged a line holding ``mark``, in
+        [``since``, ``until``) (epoch seconds, from the local time each log line starts with)."""
         year = time.localtime().tm_year
-        stamps = [
-            datetime.strptime(f"{year}{line[1:18]}", "%Y%m%d %H:%M:%S.%f").timestamp()
-            for log in self.workdir.glob("host*.log")
-            for line in log.read_text(errors="replace").splitlines()
-            if "revoked the lease of node" in line
-        ]
-        return min(stamps, default=None)
+        stamps = []
+        for log in self.workdir.glob("host*.log" if host is None else f"host{host}-*.log"):
+            for line in log.read_text(errors="replace").splitlines():
+                if mark not in line:
+                    continue
+                with contextlib.suppress(ValueError):  # a line that is not a log record (a traceback's)
+                    stamp = datetime.strptime(f"{year}{line[1:18]}", "%Y%m%d %H:%M:%S.%f").timestamp()
+                    if since <= stamp < until:
+                        stamps.append(stamp)
+        return sorted(stamps)
 
     def iteration_of(self, pids: set[int]) -> int:
         self.refresh()
@@ -234,174 +240,37 @@ def _survivor_workers(job: Job) -> set[int]:
     return {pid for pid, host in job.host_of().items() if host != FAULTY and _alive(pid)}
 
 
-def run_one(system: str, scenario: str, args: argparse.Namespace) -> dict[str, Any]:
-    from elastic_ft.etcd.server import EtcdServer
-    from elastic_ft.testing.netns import TestBed, TestBedUnavailable
+def run_job(system: str, scenarios: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One job on a fresh test bed; its scenarios hit it one after another, each once host 2 trained at the
+    full world size again for ``--settle`` s (``--one-job``; otherwise each job has one scenario).
 
-    workdir = scratch.workdir(f"netfault-{system}-{scenario}-")
-    row: dict[str, Any] = {"system": system, "scenario": scenario}
+    A scenario that fails ends the job: the ones after it are reported as not run."""
+    from elastic_ft.etcd.server import EtcdServer
+    from elastic_ft.testing.netns import TestBed
+
+    workdir = scratch.workdir(f"netfault-{system}-{'-'.join(scenarios)}-")
+    rows: list[dict[str, Any]] = []
     with TestBed(HOSTS) as bed, EtcdServer(host=bed.bridge_address) as etcd:
         job = Job(system, bed, etcd, workdir, args)
         try:
-            first_hosts = [0, 1] if scenario == "arrival" else list(range(HOSTS))
+            first_hosts = [0, 1] if scenarios[0] == "arrival" else list(range(HOSTS))
             for host in first_hosts:
                 job.start(host)
             size = 2 * len(first_hosts)
             started = job.first(lambda e: e["event"] == "step" and e["world_size"] == size, args.start_timeout)
             if started is None:
                 raise RuntimeError(f"{system}: the job did not train at world size {size} ({workdir})")
-            time.sleep(args.settle)
-            survivors = _survivor_workers(job)
-            faulty = {pid for pid, host in job.host_of().items() if host == FAULTY}
-            old_iteration = max(job.iteration_of(survivors), job.iteration_of(faulty))
-            iteration_count = len({(e["pid"], e["iteration"]) for e in job.events if e["event"] == "start"})
-
-            def resumed(since: float) -> float | None:
-                return job.first(
-                    lambda e: (
-                        e["event"] == "step"
-                        and e["t"] > since
-                        and e["pid"] not in faulty
-                        and e["world_size"] == 2 * (HOSTS - 1)
-                        and (e["iteration"] > old_iteration or e["pid"] not in survivors)
-                    ),
-                    args.cap,
-                )
-
-            at = time.time()
-            heal_at: float | None = None
-            if scenario == "cut":
-                bed.cut(FAULTY)
-                resume = resumed(at)
-                time.sleep(args.downtime)
-                heal_at = time.time()
-                bed.heal(FAULTY)
-            elif scenario == "sigkill":
-                job.signal_host(FAULTY, signal.SIGKILL)
-                job.launchers[FAULTY].wait()
-                resume = resumed(at)
-                time.sleep(args.downtime)
-                heal_at = time.time()
-                job.start(FAULTY)
-            elif scenario == "sigstop":
-                job.signal_host(FAULTY, signal.SIGSTOP)
-                resume = resumed(at)
-                time.sleep(args.downtime)
-                heal_at = time.time()
-                job.signal_host(FAULTY, signal.SIGCONT)
-            elif scenario in ("peers_only", "etcd_only"):
-                (bed.isolate_from_peers if scenario == "peers_only" else bed.isolate_from_etcd)(FAULTY)
-                resume = resumed(at)
-                time.sleep(args.downtime)
-                heal_at = time.time()
-                bed.clear(FAULTY)
-            elif scenario == "repeated":
-                resumes: list[float | None] = []
-                rejoins: list[float | None] = []
-                for _ in range(REPEATED_FAULTS):
-                    job.refresh()
-                    faulty = {pid for pid, host in job.host_of().items() if host == FAULTY and _alive(pid)}
-                    old_iteration = max(job.iteration_of(survivors), job.iteration_of(faulty))
-                    at = time.time()
-                    bed.isolate_from_peers(FAULTY)
-                    resume = resumed(at)
-                    resumes.append(None if resume is None else resume - at)
-                    time.sleep(args.downtime)
-                    heal_at = time.time()
-                    bed.clear(FAULTY)
-                    back = job.full_world(heal_at, FAULTY, args.cap)
-                    rejoins.append(None if back is None else back - heal_at)
-                    if resume is None or back is None:
-                        break
-                    time.sleep(args.settle)
-                row.update(resumes=resumes, rejoins=rejoins)
-                row["resume"] = None if None in resumes else max(r for r in resumes if r is not None)
-                row["rejoin"] = None if None in rejoins else max(r for r in rejoins if r is not None)
-                row["resume_capped"], row["rejoin_capped"] = row["resume"] is None, row["rejoin"] is None
-                resume = None
-            elif scenario in ("lossy", "cpu"):
-                hogs: list[subprocess.Popen[bytes]] = []
-                if scenario == "lossy":
-                    bed.lose(FAULTY, 0.3)
-                    try:
-                        bed.delay(FAULTY, 200)
-                        row["delay_ms"] = 200
-                    except TestBedUnavailable as error:
-                        row["delay_ms"] = 0
-                        row["note"] = f"no delay: {error}"
-                else:
-                    hogs = [
-                        bed.popen(FAULTY, [sys.executable, "-c", "while True: pass"])
-                        for _ in range(os.cpu_count() or 2)
-                    ]
-                time.sleep(args.window)
-                for hog in hogs:
-                    hog.kill()
-                    hog.wait()
-                if scenario == "lossy":
-                    bed.clear(FAULTY)
-                    with contextlib.suppress(TestBedUnavailable):
-                        bed.undelay(FAULTY)
-                time.sleep(2.0)
-                job.refresh()
-                after = len({(e["pid"], e["iteration"]) for e in job.events if e["event"] == "start"})
-                row.update(
-                    restarts=after - iteration_count,
-                    restarted=sum(not _alive(pid) for pid in survivors),
-                    killed=sum(not _alive(pid) for pid in faulty),
-                    resume=None,
-                )
-                resume = None
-            else:  # arrival
-                job.start(FAULTY)
-                ready = job.first(
-                    lambda e: (
-                        e["event"] == "ready"
-                        and e["node"] == str(FAULTY)
-                        and len([x for x in job.events if x["event"] == "ready" and x["node"] == str(FAULTY)]) >= 2
-                    ),
-                    args.start_timeout,
-                )
-                if ready is not None:  # both of its workers ready: the later one
-                    ready = max(e["t"] for e in job.events if e["event"] == "ready" and e["node"] == str(FAULTY))
-                joined = job.full_world(at, FAULTY, args.cap) if ready is not None else None
-                row["rejoin"] = None if joined is None or ready is None else max(0.0, joined - ready)
-                row["rejoin_capped"] = joined is None
-                resume = None
-            if scenario not in ("lossy", "cpu", "arrival", "repeated"):
-                row["resume"] = None if resume is None else resume - at
-                row["resume_capped"] = resume is None
-                job.refresh()
-                restarted_at = min(
-                    (
-                        e["t"]
-                        for e in job.events
-                        if e["event"] == "start"
-                        and e["pid"] in survivors
-                        and e["t"] > at
-                        and e["iteration"] > old_iteration
-                    ),
-                    default=None,
-                )
-                revoked_at = job.first_revocation()
-                row["absorb"] = None if restarted_at is None or revoked_at is None else restarted_at - revoked_at
-                moved_on = resume if resume is not None else time.time()
-                row["stale"] = sum(
-                    1
-                    for e in job.steps()
-                    if e["pid"] in faulty and e["t"] > moved_on and e["iteration"] <= old_iteration
-                )
-                assert heal_at is not None
-                back = job.full_world(heal_at, FAULTY, args.cap)
-                row["rejoin"] = None if back is None else back - heal_at
-                row["rejoin_capped"] = back is None
-                if scenario != "sigkill":
-                    # Its workers lived through the fault: they rejoin in their own processes, and its launcher
-                    # never exits on its own while the job runs.
-                    row["replaced"] = sum(not _alive(pid) for pid in faulty)
-                    row["launcher_exited"] = job.launchers[FAULTY].poll() is not None
-            if scenario not in ("lossy", "cpu"):
-                row["restarted"] = sum(not _alive(pid) for pid in survivors)
+            for scenario in scenarios:
+                if rows and (failed := _not_ready_after(job, rows[-1], args)) is not None:
+                    rows += [{"system": system, "scenario": s, "error": failed} for s in scenarios[len(rows) :]]
+                    break
+                time.sleep(args.settle)
+                row: dict[str, Any] = {"system": system, "scenario": scenario}
+                rows.append(row)
+                try:
+                    _fault(job, scenario, args, row)
+                except Exception as error:  # noqa: BLE001 - reported in its row, the job's later scenarios skipped
+                    row["error"] = f"{type(error).__name__}: {error}"
         finally:
             job.stop()
             deadline = time.monotonic() + 20
@@ -412,9 +281,176 @@ def run_one(system: str, scenario: str, args: argparse.Namespace) -> dict[str, A
             for launcher in job.launchers.values():
                 with contextlib.suppress(Exception):
                     launcher.wait(5)
-    row["revocations"] = job.revocations()
-    row["workdir"] = str(workdir)
-    return row
+    # What the logs say, scenario by scenario: from its fault to the next one's.
+    faults = [row.get("fault_at", math.inf) for row in rows] + [math.inf]
+    for index, row in enumerate(rows):
+        if "fault_at" in row:
+            until = min(faults[index + 1 :])
+            row["revocations"] = len(job.logged(REVOKED, row["fault_at"], until))
+            row["out_of_reach"] = len(job.logged(OUT_OF_REACH, row["fault_at"], until, FAULTY))
+        row["workdir"] = str(workdir)
+    return rows
+
+
+def _not_ready_after(job: Job, previous: dict[str, Any], args: argparse.Namespace) -> str | None:
+    """Why the job's next scenario cannot start after ``previous`` (None when host 2 trains at the full world
+    size again, as every scenario starts)."""
+    if "error" in previous:
+        return f"not run: {previous['scenario']} failed before it in the same job"
+    if job.full_world(time.time(), FAULTY, args.cap) is None:
+        return f"not run: host {FAULTY} did not train at the full world size within {args.cap:g} s after {previous['scenario']}"
+    return None
+
+
+def _fault(job: Job, scenario: str, args: argparse.Namespace, row: dict[str, Any]) -> None:
+    """Hit host 2 of a job that trains at the full world size with ``scenario``'s fault; measure into ``row``."""
+    from elastic_ft.testing.netns import TestBedUnavailable
+
+    survivors = _survivor_workers(job)
+    faulty = {pid for pid, host in job.host_of().items() if host == FAULTY and _alive(pid)}
+    old_iteration = max(job.iteration_of(survivors), job.iteration_of(faulty))
+    iteration_count = len({(e["pid"], e["iteration"]) for e in job.events if e["event"] == "start"})
+
+    def resumed(since: float) -> float | None:
+        return job.first(
+            lambda e: (
+                e["event"] == "step"
+                and e["t"] > since
+                and e["pid"] not in faulty
+                and e["world_size"] == 2 * (HOSTS - 1)
+                and (e["iteration"] > old_iteration or e["pid"] not in survivors)
+            ),
+            args.cap,
+        )
+
+    at = row["fault_at"] = time.time()
+    heal_at: float | None = None
+    if scenario == "cut":
+        job.bed.cut(FAULTY)
+        resume = resumed(at)
+        time.sleep(args.downtime)
+        heal_at = time.time()
+        job.bed.heal(FAULTY)
+    elif scenario == "sigkill":
+        job.signal_host(FAULTY, signal.SIGKILL)
+        job.launchers[FAULTY].wait()
+        resume = resumed(at)
+        time.sleep(args.downtime)
+        heal_at = time.time()
+        job.start(FAULTY)
+    elif scenario == "sigstop":
+        job.signal_host(FAULTY, signal.SIGSTOP)
+        resume = resumed(at)
+        time.sleep(args.downtime)
+        heal_at = time.time()
+        job.signal_host(FAULTY, signal.SIGCONT)
+    elif scenario in ("peers_only", "etcd_only"):
+        (job.bed.isolate_from_peers if scenario == "peers_only" else job.bed.isolate_from_etcd)(FAULTY)
+        resume = resumed(at)
+        time.sleep(args.downtime)
+        heal_at = time.time()
+        job.bed.clear(FAULTY)
+    elif scenario == "repeated":
+        resumes: list[float | None] = []
+        rejoins: list[float | None] = []
+        for _ in range(REPEATED_FAULTS):
+            job.refresh()
+            faulty = {pid for pid, host in job.host_of().items() if host == FAULTY and _alive(pid)}
+            old_iteration = max(job.iteration_of(survivors), job.iteration_of(faulty))
+            at = time.time()
+            job.bed.isolate_from_peers(FAULTY)
+            resume = resumed(at)
+            resumes.append(None if resume is None else resume - at)
+            time.sleep(args.downtime)
+            heal_at = time.time()
+            job.bed.clear(FAULTY)
+            back = job.full_world(heal_at, FAULTY, args.cap)
+            rejoins.append(None if back is None else back - heal_at)
+            if resume is None or back is None:
+                break
+            time.sleep(args.settle)
+        row.update(resumes=resumes, rejoins=rejoins)
+        row["resume"] = None if None in resumes else max(r for r in resumes if r is not None)
+        row["rejoin"] = None if None in rejoins else max(r for r in rejoins if r is not None)
+        row["resume_capped"], row["rejoin_capped"] = row["resume"] is None, row["rejoin"] is None
+        resume = None
+    elif scenario in ("lossy", "cpu"):
+        hogs: list[subprocess.Popen[bytes]] = []
+        if scenario == "lossy":
+            job.bed.lose(FAULTY, 0.3)
+            try:
+                job.bed.delay(FAULTY, 200)
+                row["delay_ms"] = 200
+            except TestBedUnavailable as error:
+                row["delay_ms"] = 0
+                row["note"] = f"no delay: {error}"
+        else:
+            hogs = [
+                job.bed.popen(FAULTY, [sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)
+            ]
+        time.sleep(args.window)
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+        if scenario == "lossy":
+            job.bed.clear(FAULTY)
+            with contextlib.suppress(TestBedUnavailable):
+                job.bed.undelay(FAULTY)
+        time.sleep(2.0)
+        job.refresh()
+        after = len({(e["pid"], e["iteration"]) for e in job.events if e["event"] == "start"})
+        row.update(
+            restarts=after - iteration_count,
+            restarted=sum(not _alive(pid) for pid in survivors),
+            killed=sum(not _alive(pid) for pid in faulty),
+            resume=None,
+        )
+        resume = None
+    else:  # arrival
+        job.start(FAULTY)
+        ready = job.first(
+            lambda e: (
+                e["event"] == "ready"
+                and e["node"] == str(FAULTY)
+                and len([x for x in job.events if x["event"] == "ready" and x["node"] == str(FAULTY)]) >= 2
+            ),
+            args.start_timeout,
+        )
+        if ready is not None:  # both of its workers ready: the later one
+            ready = max(e["t"] for e in job.events if e["event"] == "ready" and e["node"] == str(FAULTY))
+        joined = job.full_world(at, FAULTY, args.cap) if ready is not None else None
+        row["rejoin"] = None if joined is None or ready is None else max(0.0, joined - ready)
+        row["rejoin_capped"] = joined is None
+        resume = None
+    if scenario not in ("lossy", "cpu", "arrival", "repeated"):
+        row["resume"] = None if resume is None else resume - at
+        row["resume_capped"] = resume is None
+        job.refresh()
+        restarted_at = min(
+            (
+                e["t"]
+                for e in job.events
+                if e["event"] == "start" and e["pid"] in survivors and e["t"] > at and e["iteration"] > old_iteration
+            ),
+            default=None,
+        )
+        revoked_at = min(job.logged(REVOKED, at), default=None)
+        row["absorb"] = None if restarted_at is None or revoked_at is None else restarted_at - revoked_at
+        moved_on = resume if resume is not None else time.time()
+        row["stale"] = sum(
+            1 for e in job.steps() if e["pid"] in faulty and e["t"] > moved_on and e["iteration"] <= old_iteration
+        )
+        assert heal_at is not None
+        back = job.full_world(heal_at, FAULTY, args.cap)
+        row["rejoin"] = None if back is None else back - heal_at
+        row["rejoin_capped"] = back is None
+        if scenario != "sigkill":
+            # Its workers lived through the fault: they rejoin in their own processes, and its launcher
+            # never exits on its own while the job runs.
+            row["replaced"] = sum(not _alive(pid) for pid in faulty)
+            row["launcher_exited"] = job.launchers[FAULTY].poll() is not None
+    if scenario not in ("lossy", "cpu"):
+        row["restarted"] = sum(not _alive(pid) for pid in survivors)
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> tuple[float | None, bool]:
@@ -514,6 +550,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="the script's --step-wait: seconds each step leaves the CPUs idle, as on GPUs",
     )
+    parser.add_argument(
+        "--one-job",
+        action="store_true",
+        help="hit one job per system with every scenario in turn (each once host 2 trains at the full world "
+        "size again) instead of one fresh job per scenario: fewer start-ups, a job that lives through them all",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
         "--table-from",
@@ -536,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown {name} {bad[0]!r}; expected some of {', '.join(known)}")
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.one_job and "arrival" in scenarios[1:]:
+        parser.error("with --one-job, arrival must come first: it starts the job without host 2")
     if not args.step_wait >= 0:  # NaN too
         parser.error(f"--step-wait must be a number of seconds >= 0, got {args.step_wait}")
     reason = unavailable()
@@ -545,21 +589,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline_repeats is not None and args.baseline_repeats < 1:
         parser.error(f"--baseline-repeats must be at least 1, got {args.baseline_repeats}")
     baseline_repeats = args.repeats if args.baseline_repeats is None else args.baseline_repeats
+    groups = [scenarios] if args.one_job else [[scenario] for scenario in scenarios]
     rows = []
     for repeat in range(max(args.repeats, baseline_repeats)):
-        for scenario in scenarios:
+        for group in groups:
             for system in systems:
                 if repeat >= (args.repeats if system == "ftrun" else baseline_repeats):
                     continue
                 started = time.monotonic()
                 try:
-                    row = run_one(system, scenario, args)
-                except Exception as error:  # noqa: BLE001 - one failed run is reported, the others go on
-                    row = {"system": system, "scenario": scenario, "error": f"{type(error).__name__}: {error}"}
-                row["repeat"] = repeat
-                row["seconds"] = round(time.monotonic() - started, 1)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                    ran = run_job(system, group, args)
+                except Exception as error:  # noqa: BLE001 - one failed job is reported, the others go on
+                    ran = [
+                        {"system": system, "scenario": s, "error": f"{type(error).__name__}: {error}"} for s in group
+                    ]
+                for row in ran:
+                    row["repeat"] = repeat
+                    row["job_seconds"] = round(time.monotonic() - started, 1)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     table = summarize(rows, args.cap)
     print()
     print_table(table)

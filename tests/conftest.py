@@ -40,16 +40,19 @@ _INTEGRATION_FIXTURES = frozenset(
 #: the first few alternately to the two processes, the rest to whichever is free. In xdist's order (most
 #: tests first) one process ran a long file alone at the end of the run for minutes while the other idled.
 _LONGEST_FIRST = (
-    "tests/launcher/test_network_faults.py",  # 654 s
-    "tests/launcher/test_fault_matrix.py",  # 450 s
-    "tests/inprocess/test_sharded.py",  # 400 s
-    "tests/launcher/test_healing.py",  # 227 s
-    "tests/launcher/test_spares.py",  # 191 s
-    "tests/launcher/test_agent.py",  # 172 s
-    "tests/launcher/test_soak.py",  # 154 s
-    "tests/replicas/test_replica_groups.py",  # about 150 s
-    "tests/launcher/test_recovery.py",  # 133 s
-    "tests/rendezvous/test_torchrun_e2e.py",  # 75 s
+    "tests/launcher/test_network_faults.py",  # 410 s alone
+    "tests/launcher/test_spares.py",  # 407 s
+    "tests/launcher/test_etcd_outages.py",  # 372 s
+    "tests/launcher/test_fault_matrix.py",  # 352 s
+    "tests/launcher/test_agent.py",  # 220 s
+    "tests/inprocess/test_sharded.py",  # 192 s
+    "tests/replicas/test_replica_groups.py",  # 184 s
+    "tests/launcher/test_soak.py",  # 165 s
+    "tests/launcher/test_healing.py",  # 152 s
+    "tests/launcher/test_standby.py",  # 147 s
+    "tests/inprocess/test_wrapper.py",  # 143 s
+    "tests/launcher/test_recovery.py",  # 141 s
+    "tests/rendezvous/test_torchrun_e2e.py",  # 78 s
 )
 
 

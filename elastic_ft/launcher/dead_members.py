@@ -145,8 +145,11 @@ class DeadMembers:
 
         Its joiners still waiting for a place are left alone otherwise: a
         node cut off from its peers but not from etcd is revoked again and
-        again while it announces itself again, and would lose every process
-        it respawns.
+        again while it announces itself again, and each report would send
+        its waiting processes back to join again. With ranks to report, its
+        joiners are withdrawn with them, so that no restart admits one that
+        died with the node; one that lives joins again under a new initial
+        rank (:class:`~elastic_ft.inprocess.restart.joining.Withdrawn`).
         """
         key = FTRUN_NODES + node
         try:

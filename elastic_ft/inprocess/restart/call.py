@@ -71,7 +71,7 @@ from elastic_ft.inprocess.restart.events import close_events, install_rank_event
 from elastic_ft.inprocess.restart.growth import next_iteration_state
 from elastic_ft.inprocess.restart.hooks import ProcessHooks, RankHooks, _RankLeaves
 from elastic_ft.inprocess.restart.iteration import Iteration, IterationParts, begin_iteration
-from elastic_ft.inprocess.restart.joining import Joining
+from elastic_ft.inprocess.restart.joining import Joining, Withdrawn
 from elastic_ft.inprocess.restart.logs import configure_logging, get_logger, release_logging
 from elastic_ft.inprocess.restart.phases import RecoveryClock
 from elastic_ft.inprocess.restart.process_group_stores import GroupStores
@@ -103,8 +103,12 @@ log = get_logger("wrapper")
 # until a garbage collection. So the code below drops such names as soon as it is done with them ("a cycle").
 
 #: A planned restart's lead: the time, beyond two monitor-thread intervals, every rank gets to learn of it
-#: before the step boundary; and how much longer the monitor thread waits for that boundary.
-_PLANNED_LEAD = 0.1
+#: before the step boundary; and how much longer the monitor thread waits for that boundary. A rank that
+#: learns of it after the boundary runs into the next step's collective, which the others, waiting at the
+#: boundary, never join: its restart strands it in gloo and its monitor process replaces it. On a loaded
+#: host a monitor thread learned of a plan more than 0.2 s late; the lead costs the joiner its wait alone
+#: (the others train meanwhile).
+_PLANNED_LEAD = 0.5
 _PLANNED_GRACE = 1.0
 
 #: Exceptions with which the in-process layer gives up on the whole job (every
@@ -768,17 +772,29 @@ class CallWrapper:
         """The others counted this rank out while it lived: it joins the running world again in this process,
         under a new initial rank, as a respawned process would, and is healed from a peer
         (:meth:`Joining.take_new_initial_rank`). None when the job finished first."""
+        self._take_new_initial_rank(state)
+        return self._await_admission()
+
+    def _take_new_initial_rank(self, state: State) -> None:
+        """Become a joiner under a new initial rank (:meth:`Joining.take_new_initial_rank`), registered."""
         new = self._joining.take_new_initial_rank(state)
         world = state.initial_world_size or state.world_size
         set_where(f"rank {new}")
         self.state = State(None, world, initial_rank=new, initial_world_size=world)
         self.joining, self._fresh, self._held_shard = True, True, None
         self._joining.register_when_reported_active(new)
-        return self._await_admission()
 
     def _await_admission(self) -> State | None:
-        """A joiner: wait until a restart admits this process, then take its place; None if the job finished."""
+        """A joiner: wait until a restart admits this process, then take its place; None if the job finished.
+
+        Withdrawn while it waited (its node counted out, as a node cut off
+        from its peers is again and again), it joins again under a new
+        initial rank: the process lives, and the job loses nothing by it.
+        """
         admission = self._joining.await_admission(self.state.initial_rank or 0, self.state.initial_world_size or 1)
+        while isinstance(admission, Withdrawn):
+            self._take_new_initial_rank(self.state)
+            admission = self._joining.await_admission(self.state.initial_rank or 0, self.state.initial_world_size or 1)
         if admission is None:
             log.info(
                 "initial rank %s: the job finished before a restart admitted this process", self.state.initial_rank

@@ -47,6 +47,15 @@ REJOIN_BACKOFF_FIRST, REJOIN_BACKOFF_CAP, REJOIN_QUIET = 0.5, 4.0, 30.0
 
 
 @dataclasses.dataclass(frozen=True)
+class Withdrawn:
+    """A joiner's admission, withdrawn while its process lived: a report that its node was lost withdrew it
+    (:func:`~elastic_ft.coordination.reports.report_node_gone`; its node was counted out while it waited). It
+    is no failure of the process, which joins again under a new initial rank, as a rank counted out does."""
+
+    initial_rank: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Admission:
     """A joiner's place: its state in the iteration it was admitted into (before the rank assignment), the view
     of the iteration that admitted it, and the ranks that left there (the rank assignment's inputs)."""
@@ -127,8 +136,9 @@ class Joining:
 
         poll(unless_unreachable(register), None, interval_max=JOIN_POLL)  # etcd away included
 
-    def await_admission(self, initial_rank: int, initial_world_size: int) -> Admission | None:
-        """Wait until a restart admits this process, and return its place; None if the job finished first.
+    def await_admission(self, initial_rank: int, initial_world_size: int) -> Admission | Withdrawn | None:
+        """Wait until a restart admits this process, and return its place; None if the job finished first,
+        :class:`Withdrawn` if a report of its node's loss withdrew it first.
 
         The restart's termination barrier admitted it and published the
         world it grows; this process takes the rank after the others
@@ -152,6 +162,13 @@ class Joining:
             return None
         admission = admitted[0]
         self._recovery.start()  # its admission is this process's recovery: timed from here to its first step
+        if admission == WITHDRAWN and self.may_rejoin():
+            log.warning(
+                "initial rank %d: its node was reported lost while it waited to join (withdrawn): it lives, so it "
+                "joins again",
+                initial_rank,
+            )
+            return Withdrawn(initial_rank)
         iteration = parse_count(admission)
         if admission == WITHDRAWN or not iteration:
             raise InternalError(f"initial rank {initial_rank} was not admitted: its admission record is {admission!r}")
@@ -211,10 +228,10 @@ class Joining:
             self._board.set_initial_rank(self._local_rank, new)
         self._monitor_process.take_initial_rank(new)
         log.warning(
-            "initial rank %d was counted out while it lived (iteration %d): it joins the running world again "
+            "initial rank %d was counted out while it lived (%s): it joins the running world again "
             "in the same process, as initial rank %d",
             old,
-            state.iteration,
+            "waiting to join" if old >= world else f"iteration {state.iteration}",
             new,
         )
         event_sink.emit("rejoined", rank=new, iteration=state.iteration, previous_rank=old)
