@@ -1,4 +1,5 @@
-"""``--step-wait`` (the reference script and the benchmarks that pass it on): a bad value is refused up front."""
+"""``--step-wait`` (the reference script and the benchmarks that pass it on) and the benchmarks' other arguments:
+a bad value is refused up front."""
 
 from __future__ import annotations
 
@@ -36,16 +37,29 @@ def test_the_reference_script_refuses_a_negative_or_nan_step_wait(
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("script", ["soak.py", "network_faults.py"])
-def test_the_benchmarks_refuse_a_negative_step_wait_before_starting_anything(script: str) -> None:
+@pytest.mark.parametrize(
+    ("script", "arguments", "message"),
+    [
+        ("soak.py", ["--step-wait", "-1"], "--step-wait must be a number of seconds >= 0, got -1.0"),
+        ("network_faults.py", ["--step-wait", "-1"], "--step-wait must be a number of seconds >= 0, got -1.0"),
+        (
+            "network_faults.py",
+            ["--one-job", "--scenarios", "cut,arrival"],
+            "with --one-job, arrival must come first: it starts the job without host 2",
+        ),
+    ],
+)
+def test_the_benchmarks_refuse_bad_arguments_before_starting_anything(
+    script: str, arguments: list[str], message: str
+) -> None:
     before = set(Path(tempfile.gettempdir()).glob("eft-bench-*"))
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--step-wait", "-1", "--out", "/nonexistent/x.json"],
+        [sys.executable, str(ROOT / "benchmarks" / script), *arguments, "--out", "/nonexistent/x.json"],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
     assert done.returncode == 2, done.stderr
-    assert "--step-wait must be a number of seconds >= 0, got -1.0" in done.stderr
+    assert message in done.stderr
     assert set(Path(tempfile.gettempdir()).glob("eft-bench-*")) == before  # no job directory made

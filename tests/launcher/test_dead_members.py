@@ -4,38 +4,20 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from elastic_ft.coordination.iteration import iteration_store
 from elastic_ft.coordination.job import WITHDRAWN, JobView, job_store
-from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.keys import FTRUN_NODES
 from elastic_ft.launcher.dead_members import DeadMembers
 from elastic_ft.launcher.records import NodeRecord
-from elastic_ft.rendezvous import EtcdftRendezvousHandler, make_settings
+from elastic_ft.rendezvous import EtcdftRendezvousHandler
 from tests.rendezvous.test_handler import rendezvous_all
 
 pytestmark = pytest.mark.integration
 
 WORLD = 4
-
-
-@pytest.fixture
-def handlers(etcd: EtcdServer, run_id: str) -> Iterator[list[EtcdftRendezvousHandler]]:
-    conf = {"last_call_timeout": 0.5, "lease_ttl": 10, "join_timeout": 30}
-    made = [
-        EtcdftRendezvousHandler(
-            make_settings(
-                run_id=run_id, endpoint=etcd.endpoint, min_nodes=2, max_nodes=2, local_addr="127.0.0.1", **conf
-            )
-        )
-        for _ in range(2)
-    ]
-    yield made
-    for handler in made:
-        handler.shutdown()
 
 
 def _publish(store: object, node: EtcdftRendezvousHandler, ranks: tuple[int, ...]) -> None:
@@ -71,15 +53,15 @@ def _rejoin(job: JobView, old: int, new: int) -> None:
 
 
 def test_a_node_counted_out_again_reports_its_admitted_ranks_and_withdraws_its_waiting_joiners(
-    handlers: list[EtcdftRendezvousHandler],
+    handler_pair: list[EtcdftRendezvousHandler],
 ) -> None:
     """A node cut off from its peers but not from etcd is counted out again and again while it announces itself
     again. Its ranks rejoin in their own processes one at a time: counted out with one rank admitted back and
     the other still waiting as a joiner, the admitted one is reported gone and the waiting one withdrawn (no
     restart may admit a process that died with its node; one that lives joins again: tests/inprocess/
     test_joining.py). With no rank admitted since, nothing is reported: its waiting joiners are left alone."""
-    node, member = handlers
-    infos = rendezvous_all(handlers)
+    node, member = handler_pair
+    infos = rendezvous_all(handler_pair)
     store = infos[1].store
     job = job_store(store)
     job.set_accepts_joiners()

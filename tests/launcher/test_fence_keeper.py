@@ -3,45 +3,26 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
-from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.launcher.fence_keeper import FenceKeeper
-from elastic_ft.rendezvous import EtcdftRendezvousHandler, make_settings
+from elastic_ft.rendezvous import EtcdftRendezvousHandler
 from elastic_ft.runtime.local_board import LocalBoard
 from tests.rendezvous.test_handler import rendezvous_all
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def handlers(etcd: EtcdServer, run_id: str) -> Iterator[list[EtcdftRendezvousHandler]]:
-    # A long TTL: the revoked lease's proof still runs for seconds when the node holds its new one.
-    conf = {"last_call_timeout": 0.5, "lease_ttl": 10, "join_timeout": 30}
-    made = [
-        EtcdftRendezvousHandler(
-            make_settings(
-                run_id=run_id, endpoint=etcd.endpoint, min_nodes=2, max_nodes=2, local_addr="127.0.0.1", **conf
-            )
-        )
-        for _ in range(2)
-    ]
-    yield made
-    for handler in made:
-        handler.shutdown()
-
-
 def test_a_lease_revoked_by_a_member_starts_a_new_generation_even_before_the_fence_lapsed(
-    handlers: list[EtcdftRendezvousHandler],
+    handler_pair: list[EtcdftRendezvousHandler],
 ) -> None:
     """A member that confirms a node lost revokes its lease and absorbs its ranks. On a loaded host the node can
     hold a new lease before its fence keeper looks again, while the old lease's proof still runs: the fence
     never lapsed, yet the node was counted out, and its workers must restart into the job's membership (a
     kept generation let them ask to rejoin while it still could not reach its peers, again and again)."""
-    node, member = handlers
-    rendezvous_all(handlers)
+    node, member = handler_pair
+    rendezvous_all(handler_pair)
     board = LocalBoard.create(2, f"fence-test {node.node}")
     generations: list[int] = []
     keeper = FenceKeeper(node, board, lambda: generations.append(keeper.generation))

@@ -28,8 +28,10 @@ KEEP_WORKDIRS = "EFT_KEEP_WORKDIRS"
 FAULTY_HOST = 2
 REASON = unavailable()
 
-#: The jobs need root and ``ip netns`` (the argument check below does not).
-needs_test_hosts = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(REASON is not None, reason=REASON or ""),
+]
 
 
 @pytest.fixture
@@ -128,22 +130,6 @@ def _restart_reports(workdir: Path) -> str:
     return "\n".join(lines)[-3000:]
 
 
-@pytest.mark.integration
-def test_one_job_refuses_an_arrival_after_another_fault_before_starting_anything(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--one-job", "--scenarios", "cut,arrival", "--out", str(tmp_path / "x.json")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 2, done.stderr
-    assert "with --one-job, arrival must come first: it starts the job without host 2" in done.stderr
-    assert not (tmp_path / "x.json").exists()
-
-
-@pytest.mark.slow
-@needs_test_hosts
 @pytest.mark.timeout(1600)
 def test_lost_hosts_are_fenced_and_counted_out_fast_and_come_back_without_restarting_the_others(
     run: Callable[..., dict[str, dict]],
@@ -167,8 +153,6 @@ def test_lost_hosts_are_fenced_and_counted_out_fast_and_come_back_without_restar
         assert row["restarted"] == 0, _why(scenario, row)
 
 
-@pytest.mark.slow
-@needs_test_hosts
 @pytest.mark.timeout(1600)
 @pytest.mark.parametrize(("scenarios", "downtime"), [("cut,etcd_only,peers_only", 20.0), ("cut", 60.0)])
 def test_a_host_cut_off_for_long_fences_itself_and_rejoins_in_its_own_processes(
@@ -189,8 +173,6 @@ def test_a_host_cut_off_for_long_fences_itself_and_rejoins_in_its_own_processes(
         assert row["restarted"] == 0 and not row["launcher_exited"], _why(scenario, row)
 
 
-@pytest.mark.slow
-@needs_test_hosts
 @pytest.mark.timeout(600)
 def test_a_host_cut_off_again_and_again_is_counted_out_and_back_each_time(run: Callable[..., dict[str, dict]]) -> None:
     row = run("repeated")["repeated"]
@@ -203,8 +185,6 @@ def test_a_host_cut_off_again_and_again_is_counted_out_and_back_each_time(run: C
     assert row["restarted"] == 0, why
 
 
-@pytest.mark.slow
-@needs_test_hosts
 @pytest.mark.timeout(1200)
 def test_an_arriving_host_joins_in_process_and_a_lossy_link_or_a_busy_host_kills_nobody(
     run: Callable[..., dict[str, dict]],
