@@ -35,24 +35,25 @@ _INTEGRATION_FIXTURES = frozenset(
 )
 
 
-#: The files that take longest (seconds beside the other pytest process, measured in a full run), run
-#: first: ``--dist loadfile --no-loadscope-reorder`` (scripts/test.sh) hands out files in collection order,
-#: the first few alternately to the two processes, the rest to whichever is free. In xdist's order (most
-#: tests first) one process ran a long file alone at the end of the run for minutes while the other idled.
+#: The files that take longest (seconds beside the other pytest process, measured in a full run, listed in
+#: the order that run used), run first: ``--dist loadfile --no-loadscope-reorder`` (scripts/test.sh) hands
+#: out files in collection order, the first few alternately to the two processes, the rest to whichever is
+#: free. In xdist's order (most tests first) one process ran a long file alone at the end of the run for
+#: minutes while the other idled.
 _LONGEST_FIRST = (
-    "tests/launcher/test_network_faults.py",  # 410 s alone
-    "tests/launcher/test_spares.py",  # 407 s
-    "tests/launcher/test_etcd_outages.py",  # 372 s
-    "tests/launcher/test_fault_matrix.py",  # 352 s
-    "tests/launcher/test_agent.py",  # 220 s
-    "tests/inprocess/test_sharded.py",  # 192 s
-    "tests/replicas/test_replica_groups.py",  # 184 s
-    "tests/launcher/test_soak.py",  # 165 s
-    "tests/launcher/test_healing.py",  # 152 s
-    "tests/launcher/test_standby.py",  # 147 s
-    "tests/inprocess/test_wrapper.py",  # 143 s
-    "tests/launcher/test_recovery.py",  # 141 s
-    "tests/rendezvous/test_torchrun_e2e.py",  # 78 s
+    "tests/launcher/test_network_faults.py",  # 443 s
+    "tests/launcher/test_spares.py",  # 321 s
+    "tests/launcher/test_etcd_outages.py",  # 367 s
+    "tests/launcher/test_fault_matrix.py",  # 263 s
+    "tests/launcher/test_agent.py",  # 203 s
+    "tests/inprocess/test_sharded.py",  # 163 s
+    "tests/replicas/test_replica_groups.py",  # 197 s
+    "tests/launcher/test_soak.py",  # 155 s
+    "tests/launcher/test_healing.py",  # 136 s
+    "tests/launcher/test_standby.py",  # 222 s
+    "tests/inprocess/test_wrapper.py",  # 198 s
+    "tests/launcher/test_recovery.py",  # 124 s
+    "tests/rendezvous/test_torchrun_e2e.py",  # 63 s
 )
 
 
