@@ -791,10 +791,13 @@ class CallWrapper:
         from its peers is again and again), it joins again under a new
         initial rank: the process lives, and the job loses nothing by it.
         """
-        admission = self._joining.await_admission(self.state.initial_rank or 0, self.state.initial_world_size or 1)
-        while isinstance(admission, Withdrawn):
+        while isinstance(
+            admission := self._joining.await_admission(
+                self.state.initial_rank or 0, self.state.initial_world_size or 1
+            ),
+            Withdrawn,
+        ):
             self._take_new_initial_rank(self.state)
-            admission = self._joining.await_admission(self.state.initial_rank or 0, self.state.initial_world_size or 1)
         if admission is None:
             log.info(
                 "initial rank %s: the job finished before a restart admitted this process", self.state.initial_rank

@@ -161,7 +161,6 @@ class Joining:
         if not admitted:
             return None
         admission = admitted[0]
-        self._recovery.start()  # its admission is this process's recovery: timed from here to its first step
         if admission == WITHDRAWN and self.may_rejoin():
             log.warning(
                 "initial rank %d: its node was reported lost while it waited to join (withdrawn): it lives, so it "
@@ -169,6 +168,7 @@ class Joining:
                 initial_rank,
             )
             return Withdrawn(initial_rank)
+        self._recovery.start()  # its admission is this process's recovery: timed from here to its first step
         iteration = parse_count(admission)
         if admission == WITHDRAWN or not iteration:
             raise InternalError(f"initial rank {initial_rank} was not admitted: its admission record is {admission!r}")
