@@ -132,6 +132,26 @@ def run_replicated(
     return ReplicatedJob(codes, records, logs, run_id)
 
 
+def await_full_quorum(out: Path, groups: int, timeout: float = 120.0) -> None:
+    """Return once every replica group has committed a step in a quorum of all ``groups``, as its processes'
+    step logs (``<out>/record.<replica>.<pid>.steps.jsonl``) say: the job is up and trains together.
+
+    Raises:
+        TimeoutError: not within ``timeout`` seconds (the groups' logs are in ``out``).
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        together = set()
+        for path in out.glob("record.[0-9]*.steps.jsonl"):
+            entries = [json.loads(line) for line in path.read_text().splitlines()[1:] if line.endswith("}")]
+            if any(e["after"] == e["before"] + 1 and e["participants"] == groups for e in entries):
+                together.add(int(path.name.split(".")[1]))
+        if len(together) == groups:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"the {groups} replica groups committed no step together within {timeout:.0f} s ({out})")
+
+
 def _example() -> Any:
     """``examples/torchft_ddp.py`` as a module (its model, data and settings)."""
     spec = importlib.util.spec_from_file_location("torchft_ddp_example", EXAMPLE)

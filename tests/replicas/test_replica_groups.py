@@ -16,7 +16,7 @@ import pytest
 
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.testing.etcd_cluster import EtcdCluster
-from tests.replicas.job import ReplicatedJob, replay_committed_steps, run_replicated
+from tests.replicas.job import ReplicatedJob, await_full_quorum, replay_committed_steps, run_replicated
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -107,7 +107,8 @@ def test_replica_groups_train_through_an_etcd_frozen_for_30_s(tmp_path: Path, re
     with EtcdCluster(members=1) as cluster:
 
         def freeze() -> None:
-            time.sleep(12)  # the groups started, joined one quorum, and train
+            await_full_quorum(tmp_path, 2)  # etcd away before a group is up is a bounded wait of its start
+            time.sleep(2)
             frozen.append(time.time())
             cluster.pause_member(0)
             time.sleep(30)
