@@ -108,7 +108,7 @@ def stop_once(nodes: list[TorchrunNode], tmp_path: Path, seen: Callable[[dict[st
         assert time.monotonic() < deadline and all(n.process.poll() is None for n in nodes), logs(nodes)
         time.sleep(0.2)
     stop = -(-(found[0]["step"] + 20) // EVERY) * EVERY
-    assert stop <= STEPS, (found, logs(nodes))
+    assert stop <= STEPS, f"{found}\n{logs(nodes)}"
     (tmp_path / "stop.tmp").write_text(str(stop))
     (tmp_path / "stop.tmp").replace(tmp_path / "stop")
     return stop

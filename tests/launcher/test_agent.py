@@ -235,7 +235,7 @@ def test_a_rank_whose_monitor_process_is_killed_is_replaced(
     os.kill(monitor, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while alive(rank_pid):
-        assert time.monotonic() < deadline, ("the rank outlived its monitor process", logs(nodes))
+        assert time.monotonic() < deadline, f"the rank outlived its monitor process\n{logs(nodes)}"
         time.sleep(0.05)
     assert finish([a, b]) == [0, 0], logs(nodes)
     both = a.log() + b.log()
@@ -297,8 +297,8 @@ def test_killed_node_is_absorbed_in_process(
     a_ranks = sorted(r["rank"] for name, r in started.items() if name.startswith("start-A"))
     assert sorted(r["initial_rank"] for r in done.values()) == a_ranks
     for record in done.values():
-        assert record["result"] is not None, (done, logs(nodes))
-        assert record["result"]["world_size"] == 2 and record["result"]["iteration"] == 1, (done, logs(nodes))
+        assert record["result"] is not None, f"{done}\n{logs(nodes)}"
+        assert record["result"]["world_size"] == 2 and record["result"]["iteration"] == 1, f"{done}\n{logs(nodes)}"
         assert record["restart"] == 0  # same processes
     assert not any(alive(pid) for pid in killed)
     assert "reported its rank(s)" in a.log()
@@ -315,7 +315,7 @@ def test_a_respawned_worker_the_job_completed_without_is_stopped(
     # Held from the last rank's completion to the nodes' exit: the retirement (a SIGTERM, a short grace), not
     # the blocked process's 600 s. Timed from the completion, not from the start, which a loaded host slows.
     completed = max(path.stat().st_mtime for path in (tmp_path / "out").glob("done-*.json"))
-    assert time.time() - completed < 30, ("the blocked respawned process held the job", logs(nodes))
+    assert time.time() - completed < 30, f"the blocked respawned process held the job\n{logs(nodes)}"
     both = a.log() + b.log()
     assert re.search(
         r"the job completed before respawned rank 4 \(pid \d+\) entered elastic_ft\.Wrapper: "
@@ -443,14 +443,14 @@ def test_spare_replaces_a_killed_node(etcd: EtcdServer, run_id: str, tmp_path: P
     b.kill()
     deadline = time.monotonic() + 150
     while sum(r.get("node") == "C" for r in read(tmp_path, "step-*.json").values()) < 2:
-        assert time.monotonic() < deadline, ("the spare's workers did not train within 150 s", logs(nodes))
+        assert time.monotonic() < deadline, f"the spare's workers did not train within 150 s\n{logs(nodes)}"
         time.sleep(0.2)
     time.sleep(1)
     (tmp_path / "out" / "stop").touch()
     assert finish([a, spare], 150) == [0, 0], logs(nodes)
     done = read(tmp_path, "done-*.json")
-    assert sorted(r["node"] for r in done.values()) == ["A", "A", "C", "C"], (done, logs(nodes))
-    assert {(r["result"] or {}).get("world_size") for r in done.values()} == {4}, (done, logs(nodes))
+    assert sorted(r["node"] for r in done.values()) == ["A", "A", "C", "C"], f"{done}\n{logs(nodes)}"
+    assert {(r["result"] or {}).get("world_size") for r in done.values()} == {4}, f"{done}\n{logs(nodes)}"
     # The waiting node takes the dead one's place in the running round: its workers join the running
     # world in-process, and A's workers are not restarted (no rule-4 restart into a new round).
     assert "joined running round 0" in spare.log(), spare.log()

@@ -258,7 +258,7 @@ def test_status_skips_forged_spare_records(etcd_client: EtcdClient, run_id: str)
 def test_status_events_and_timeline_name_an_unknown_run(etcd: EtcdServer, run_id: str, tmp_path: Path) -> None:
     for command in (["status"], ["status", "--json"], ["events"], ["timeline", "-o", str(tmp_path / "t.png")]):
         done = cli(*command, f"--rdzv-endpoint={etcd.endpoint}", f"--rdzv-id={run_id}")
-        assert done.returncode == 2, (command, done.stdout, done.stderr)
+        assert done.returncode == 2, f"{command}\n{done.stdout}\n{done.stderr}"
         assert f"no run {run_id!r} at" in done.stderr and f"/elastic_ft/{run_id}/" in done.stderr, done.stderr
     assert not (tmp_path / "t.png").exists()
 

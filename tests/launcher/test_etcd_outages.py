@@ -50,7 +50,7 @@ def run(tmp_path: Path, kinds: str, durations: str) -> list[dict]:
     assert out.exists(), done.stdout[-5000:] + done.stderr[-5000:]
     rows = json.loads(out.read_text())["runs"]
     for row in rows:
-        assert "error" not in row, (row, done.stdout[-5000:])
+        assert "error" not in row, f"{row}\n{done.stdout[-5000:]}"
     return rows
 
 

@@ -166,7 +166,7 @@ def test_an_activated_hot_spare_takes_the_survivors_state_bit_for_bit(
     assert [node.wait(180) for node in survivors] == [0, 0], logs(nodes, tmp_path)
     done = results(tmp_path)
     healed = set(done) - {0, 1}
-    assert len(healed) == 2, (done, logs(nodes, tmp_path))
+    assert len(healed) == 2, f"{done}\n{logs(nodes, tmp_path)}"
     assert_healed(tmp_path, nodes, healed)
     logged = "\n".join(node.log() for node in nodes)
     assert "fresh [2, 3]" in logged, logs(nodes, tmp_path)
@@ -187,7 +187,7 @@ def test_a_respawned_worker_is_healed_when_it_joins(
     assert [a.wait(240), b.wait(240)] == [0, 0], logs(nodes, tmp_path)
     done = results(tmp_path)
     # initial rank 4: the process respawned for rank 3 (the logs say why when another rank died too)
-    assert sorted(done) == [0, 1, 2, 4], (done, logs(nodes, tmp_path))
+    assert sorted(done) == [0, 1, 2, 4], f"{done}\n{logs(nodes, tmp_path)}"
     assert_healed(tmp_path, nodes, {4})
     # The joiner is rank 3 of iteration 2, fresh; a survivor cut before its last optimizer step heals too.
     assert "rank(s) heal to step" in a.log() + b.log() and "fresh [3]" in a.log() + b.log(), logs(nodes, tmp_path)

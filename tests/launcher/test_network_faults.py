@@ -55,7 +55,7 @@ def run(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[...
         assert done.returncode == 0 and out.exists(), done.stdout[-5000:] + done.stderr[-5000:]
         rows = {row["scenario"]: row for row in json.loads(out.read_text())["runs"]}
         for row in rows.values():
-            assert "error" not in row, (row, done.stdout[-5000:])
+            assert "error" not in row, f"{row}\n{done.stdout[-5000:]}"
             workdir = Path(row["workdir"])
             row["faulty_host_log"] = _warnings_of(workdir, [FAULTY_HOST], 4000)
             row["survivors_log"] = _warnings_of(workdir, [h for h in range(3) if h != FAULTY_HOST], 3000)

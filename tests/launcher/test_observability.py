@@ -96,7 +96,7 @@ def test_a_faulted_job_is_watched_scraped_recorded_and_drawn(tmp_path: Path) -> 
         while metrics.get(("elastic_ft_fault_to_resume_seconds_count", ())) != 1 or not metrics.get(
             ("elastic_ft_faults_total", (("kind", "process_died"),))
         ):
-            assert ftrun.poll() is None and time.monotonic() < deadline, (metrics, log_path.read_text()[-3000:])
+            assert ftrun.poll() is None and time.monotonic() < deadline, f"{metrics}\n{log_path.read_text()[-3000:]}"
             with contextlib.suppress(OSError):  # not serving yet
                 metrics = scrape(port)
             time.sleep(0.1)

@@ -60,7 +60,7 @@ def test_quickstart_survives_a_killed_worker(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.05)
         workers = _workers(ftrun.pid)
-        assert len(workers) >= 3, (workers, log.read_text()[-2000:])
+        assert len(workers) >= 3, f"{workers}\n{log.read_text()[-2000:]}"
         os.kill(workers[-1], signal.SIGKILL)
         assert ftrun.wait(180) == 0, log.read_text()[-5000:]
     finally:

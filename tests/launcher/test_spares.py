@@ -84,7 +84,7 @@ def test_a_killed_node_is_replaced_by_the_hot_spare_in_process(
     # The world size is back to 4, with the spare's ranks active, after one in-process restart.
     for record in done.values():
         assert record["restart"] == 0
-        assert record["result"]["world_size"] == 4 and record["result"]["iteration"] == 1, (done, logs(nodes))
+        assert record["result"]["world_size"] == 4 and record["result"]["iteration"] == 1, f"{done}\n{logs(nodes)}"
     assert sorted(r["result"]["rank"] for r in done.values() if r["node"] == spare) == [2, 3]
     # The spare's ranks warmed up in reserve: their first call found torch._dynamo imported (the survivors,
     # which never waited and build no optimizer, did not import it).
@@ -94,7 +94,7 @@ def test_a_killed_node_is_replaced_by_the_hot_spare_in_process(
     assert "restarting the workers" not in both and "respawned" not in both
     assert escalations(etcd, run_id) == []
     status = status_of(etcd, run_id)
-    assert (status["spare_nodes"], status["in_process_restarts"]) == (1, 1), (status, logs(nodes))
+    assert (status["spare_nodes"], status["in_process_restarts"]) == (1, 1), f"{status}\n{logs(nodes)}"
     assert status["activations"] == [{"initial_rank": 4, "iteration": 1}, {"initial_rank": 5, "iteration": 1}]
 
 

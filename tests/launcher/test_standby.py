@@ -273,7 +273,7 @@ def test_a_keeper_with_no_plan_says_why_and_starts_nothing() -> None:
 def _wait_log(node: TorchrunNode, pattern: str, nodes: list[TorchrunNode], tmp_path: Path) -> re.Match[str]:
     deadline = time.monotonic() + 180
     while (found := re.search(pattern, node.log())) is None:
-        assert node.process.poll() is None and time.monotonic() < deadline, (pattern, logs(nodes, tmp_path))
+        assert node.process.poll() is None and time.monotonic() < deadline, f"{pattern}\n{logs(nodes, tmp_path)}"
         time.sleep(0.1)
     return found
 

@@ -47,7 +47,8 @@ def test_each_node_is_a_replica_group_and_a_killed_worker_restarts_only_its_own(
     (healthy,) = job.of(0)
     steps = [step for step, _, _ in healthy.commits]
     assert steps[0] <= 40 < steps[-1] == 300, why  # one process from before the fault to the end
-    assert healthy.longest_pause() < 3.0, (healthy.longest_pause(), why)  # loose: the benchmark has numbers
+    pause = healthy.longest_pause()
+    assert pause < 3.0, f"longest pause {pause:.2f} s\n{why}"  # loose: the benchmark has numbers
     (back,) = job.of(1)  # the restarted worker; the killed one left no record
     assert back.commits[-1][0] == 300 and any(n == 2 for _, _, n in back.commits), why
     assert close(back.weights, healthy.weights), why
