@@ -7,6 +7,7 @@ process reads them.
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import textwrap
@@ -86,3 +87,22 @@ def test_network_activity_counts_as_activity_of_the_rank() -> None:
     assert busy.inactive_for == 0.2
     idle = RankActivity(progress_age=9.0, cpu_idle_for=8.0, stopped=False, threads_silent_for=0.0)
     assert idle.inactive_for == 8.0
+
+
+def test_the_tcp_tables_are_read_only_while_nothing_cheaper_shows_the_rank_active(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reading them costs the kernel a walk of its whole connection table (a few ms per sample)."""
+    from elastic_ft.inprocess.hangs import monitor
+
+    reads: list[int] = []
+    monkeypatch.setattr(monitor, "resending_lost_data", lambda pid: reads.append(pid) or True)
+    meter = monitor._NetworkMeter(4242)
+    meter.sample(10.0, otherwise_inactive_for=0.15)  # it made progress or used CPU within two samples' time
+    assert reads == [] and meter.busy_at == -math.inf
+    meter.sample(10.2, otherwise_inactive_for=0.2)  # quiet: read, and its resends seen
+    assert reads == [4242] and meter.busy_at == 10.2
+    meter.sample(10.25, otherwise_inactive_for=0.25)  # still quiet, but within the period of the last read
+    assert reads == [4242]
+    meter.sample(10.31, otherwise_inactive_for=0.31)
+    assert reads == [4242, 4242] and meter.busy_at == 10.31
