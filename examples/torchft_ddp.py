@@ -12,8 +12,9 @@ restarts its own processes; the other groups keep training)::
 
 ``EFT_EXAMPLE`` (JSON, for tests and benchmarks) may set ``steps``, ``step_sleep`` (seconds a step takes at
 least), ``fault`` (``{"replica": 1, "step": 20, "kind": "raise" | "sigkill" | "sigkill_in_vote" | "cut"}``, on its
-first run only; ``cut`` shuts the group's cross-replica connections down mid-step, as a network fault would, and
-the process trains on) and
+first run only, at that step or the first one after it that every replica group takes part in, so that a group
+still starting on a loaded host does not miss it; ``cut`` shuts the group's cross-replica connections down
+mid-step, as a network fault would, and the process trains on) and
 ``out`` (a file for each run's record: its commits and final weights).
 """
 
@@ -92,7 +93,7 @@ def main() -> None:
             started = time.monotonic()
             optimizer.zero_grad()  # joins (and heals into) a new quorum when there is one
             record.before_step(manager, model)
-            maybe_fail(manager.current_step(), pg=pg)
+            maybe_fail(manager, pg=pg)
             loss = nn.functional.mse_loss(model(inputs), labels)
             loss.backward()
             optimizer.step()
@@ -108,15 +109,16 @@ def main() -> None:
 _STRUCK: list[int] = []
 
 
-def maybe_fail(step: int, where: str = "step", pg: ProcessGroupGloo | None = None) -> None:
-    fault = SETTINGS.get("fault")
+def maybe_fail(manager: Manager, where: str = "step", pg: ProcessGroupGloo | None = None) -> None:
+    fault, step = SETTINGS.get("fault"), manager.current_step()
     first_run = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not _STRUCK
     in_vote = fault and fault["kind"] == "sigkill_in_vote"
     if (
         fault
         and first_run
         and fault["replica"] == REPLICA_GROUP_ID
-        and fault["step"] == step
+        and step >= fault["step"]
+        and manager.num_participants() == NUM_REPLICA_GROUPS
         and in_vote == (where == "vote")
     ):
         _STRUCK.append(step)
@@ -136,7 +138,7 @@ def fail_in_vote(manager: Manager) -> None:
     vote = manager.should_commit
 
     def dying_vote(*args: object, **kwargs: object) -> bool:
-        maybe_fail(manager.current_step(), where="vote")
+        maybe_fail(manager, where="vote")
         return vote(*args, **kwargs)
 
     manager.should_commit = dying_vote  # type: ignore[method-assign]

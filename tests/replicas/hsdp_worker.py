@@ -5,7 +5,8 @@ within a group, FSDP2 reduce-scatters the gradients; across groups, rank r of ev
 shard with the Manager. ``state_dict()`` returns the model's DTensors: a group that comes back receives each
 rank's shard from the same rank of a live group, checked against the shard the rank holds.
 ``EFT_EXAMPLE`` as for ``examples/torchft_ddp.py`` (``steps``, ``step_sleep``, ``out``), and ``fault``:
-``{"replica", "rank", "step"}``, a SIGKILL on that rank's first run.
+``{"replica", "rank", "step"}``, a SIGKILL on that rank's first run, at that step or the first one after it that
+every group takes part in (its step is written to ``<out>.fault.json``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from elastic_ft.torchft import Manager, Optimizer, ProcessGroupGloo
 
 SETTINGS = json.loads(os.environ.get("EFT_EXAMPLE", "{}"))
 REPLICA = int(os.environ["REPLICA_GROUP_ID"])
+GROUPS = int(os.environ["NUM_REPLICA_GROUPS"])
 
 
 def main() -> None:
@@ -64,7 +66,15 @@ def main() -> None:
         started = time.monotonic()
         optimizer.zero_grad()
         step = manager.current_step()
-        if fault and first_run and (fault["replica"], fault["rank"], fault["step"]) == (REPLICA, rank, step):
+        if (
+            fault
+            and first_run
+            and (fault["replica"], fault["rank"]) == (REPLICA, rank)
+            and step >= fault["step"]
+            and manager.num_participants() == GROUPS
+        ):
+            with open(f"{SETTINGS['out']}.fault.json", "w") as out:
+                json.dump({"at": time.time(), "step": step}, out)
             os.kill(os.getpid(), signal.SIGKILL)
         nn.functional.mse_loss(model(inputs), labels).backward()
         with torch.no_grad():
