@@ -48,14 +48,24 @@ def events(tmp_path: Path, kind: str) -> list[dict[str, Any]]:
     return sorted((e for e in found if e["event"] == kind), key=lambda e: e["t"])
 
 
-def assert_replicas_agree(done: list[dict[str, Any]]) -> None:
+def story(tmp_path: Path, log: str) -> str:
+    """What a failure message needs whole: every process's start and end, one line each, and the log's tail."""
+    lines = [
+        f"{e['event']} initial rank {e['rank']}: iteration {e.get('iteration', '-')} step {e['step']} "
+        f"mesh {e['mesh']} {e.get('source', '')}"
+        for e in events(tmp_path, "start") + events(tmp_path, "done")
+    ]
+    return "\n".join(lines) + "\n--- log tail ---\n" + log[-6000:]
+
+
+def assert_replicas_agree(done: list[dict[str, Any]], why: str) -> None:
     """The ranks at the same coordinate of the shard dimension hold the same shard, bit for bit."""
     by_shard: dict[int, list[list[list[float]]]] = {}
     for event in done:
         by_shard.setdefault(event["coordinate"][1], []).append(event["shard"])
-    assert sorted(by_shard) == [0, 1] and all(len(s) == 2 for s in by_shard.values()), done
-    assert all(shards[0] == shards[1] for shards in by_shard.values())
-    assert by_shard[0][0] != by_shard[1][0]  # two different shards: a test that could fail
+    assert sorted(by_shard) == [0, 1] and all(len(s) == 2 for s in by_shard.values()), why
+    assert all(shards[0] == shards[1] for shards in by_shard.values()), why
+    assert by_shard[0][0] != by_shard[1][0], why  # two different shards: a test that could fail
 
 
 def test_a_rank_behind_receives_its_own_shard_from_the_other_replica(
@@ -65,15 +75,16 @@ def test_a_rank_behind_receives_its_own_shard_from_the_other_replica(
     keyed by the DTensors' mesh (2, 2) and placements, sends it shard 1 from rank 1, never rank 0's shard of the
     same shape."""
     log = run_job(nodes, tmp_path, etcd, run_id, steps=16, fault="lag", fault_step=7)
+    why = story(tmp_path, log)
     transfers = re.findall(r"(\d+)->(\d+) \(shard (\d+)\)", log)
-    assert set(transfers) == {("1", "3", "1")}, log[-6000:]
-    assert "of mesh [2, 2]" in log
+    assert set(transfers) == {("1", "3", "1")}, why
+    assert "of mesh [2, 2]" in log, why
     restarted = [e for e in events(tmp_path, "start") if e["iteration"] == 1]
-    assert sorted(e["rank"] for e in restarted) == [0, 1, 2, 3], restarted
-    assert {e["source"] for e in restarted} == {"kept"} and {e["step"] for e in restarted} == {8}, restarted
+    assert sorted(e["rank"] for e in restarted) == [0, 1, 2, 3], why
+    assert {e["source"] for e in restarted} == {"kept"} and {e["step"] for e in restarted} == {8}, why
     done = events(tmp_path, "done")
-    assert len(done) == 4 and {e["step"] for e in done} == {16}, done
-    assert_replicas_agree(done)
+    assert len(done) == 4 and {e["step"] for e in done} == {16}, why
+    assert_replicas_agree(done, why)
 
 
 def test_a_mesh_that_changed_shape_heals_nobody_and_every_rank_loads_the_checkpoint(
@@ -81,17 +92,23 @@ def test_a_mesh_that_changed_shape_heals_nobody_and_every_rank_loads_the_checkpo
 ) -> None:
     """Rank 3's process is killed: the three survivors cannot use their 2 x 2 shards on 3 ranks, nor can the
     1 x 3 shards serve the respawned world of 4; each change of shape goes back to the checkpoint (DCP reshards
-    it), and no shard of one layout is ever sent to a rank of another."""
+    it), and no shard of one layout is ever sent to a rank of another.
+
+    The checks follow the iterations, not particular processes: which processes make up the iteration of 3
+    ranks (the survivors, or two of them and the respawned one when a restart outlasts its start-up) is not
+    what this test is about."""
     log = run_job(nodes, tmp_path, etcd, run_id, steps=40, fault="sigkill", fault_step=7)
-    assert not re.findall(r"\d+->\d+ \(shard", log), log[-6000:]
-    assert "this iteration has 3 active ranks" in log, log[-6000:]
+    why = story(tmp_path, log)
+    assert not re.findall(r"\d+->\d+ \(shard", log), why
+    assert "this iteration has 3 active ranks" in log, why
     starts = events(tmp_path, "start")
-    meshes = [e["mesh"] for e in starts if e["rank"] == 0]
-    assert meshes[:2] == [[2, 2], [1, 3]], starts
-    later = [e for e in starts if e["iteration"] >= 1]
-    assert later and {e["source"] for e in later} == {"checkpoint"}, starts
+    assert [e["mesh"] for e in starts if e["iteration"] == 0] == [[2, 2]] * 4, why
+    assert [e["mesh"] for e in starts if e["iteration"] == 1] == [[1, 3]] * 3, why
+    assert {e["source"] for e in starts if e["iteration"] >= 1} == {"checkpoint"}, why
     done = events(tmp_path, "done")
-    assert {e["step"] for e in done} == {40}, done
-    if meshes[-1] == [2, 2]:  # the respawned process came back before the end
-        assert "this iteration has 4 active ranks" in log, log[-6000:]
-        assert_replicas_agree(done)
+    assert done and {e["step"] for e in done} == {40}, why
+    if done[0]["mesh"] == [2, 2]:  # the respawned process came back before the end
+        assert len(done) == 4 and "this iteration has 4 active ranks" in log, why
+        assert_replicas_agree(done, why)
+    else:
+        assert [e["mesh"] for e in done] == [[1, 3]] * 3, why
