@@ -559,6 +559,7 @@ def board(state: RendezvousState, limits: Limits, monitor: str, *, quiet: bool =
 def _acted_on(board: Board) -> tuple:
     return (
         board.monitor,
+        board.monitor in board.left,  # its board must say so before it goes with the monitor's lease
         board.open_round,
         board.closer,
         board.last,
@@ -578,7 +579,9 @@ def board_moved(published: Board | None, current: Board) -> bool:
     Who rejoined, left or waits is acted on only as "anyone?": a restart of
     every node is one board change, not one per node. Deaths are acted on one
     by one (the launcher absorbs each), and the closed round, the closer and
-    the end of the job change once per round.
+    the end of the job change once per round. The monitor's own leaving is
+    acted on too: a board that vanishes without it names the monitor dead
+    (:func:`board_change`), and its shutdown waits to see it published.
     """
     return published is None or _acted_on(published) != _acted_on(current)
 

@@ -42,6 +42,17 @@ def test_the_board_is_republished_only_when_what_nodes_act_on_changes() -> None:
     assert rules.board_moved(rules.board(running(), LIMITS, "m"), one)  # the first rejoin
 
 
+def test_the_monitor_leaving_after_another_node_is_published() -> None:
+    """Once another member left, "anyone left?" holds already; the monitor's own leaving must still move the
+    board, or its shutdown waits a request timeout for it and the board vanishes naming the monitor dead."""
+    other_left = rules.board(running(left="b"), LIMITS, "a")
+    both_left = rules.board(running(left="ab"), LIMITS, "a")
+    assert other_left.left == ("b",) and both_left.left == ("a", "b")
+    assert rules.board_moved(other_left, both_left)
+    assert rules.board_change(other_left, 0, vanished=True).dead == ("a",)  # what the others would conclude
+    assert rules.board_change(both_left, 0, vanished=True).dead == ()
+
+
 def test_the_board_names_a_bounded_number_of_nodes() -> None:
     many = [f"n{i}" for i in range(200)]
     first = RoundRecord(0, joins(*(join(n, i) for i, n in enumerate(many))), result(0, many))
