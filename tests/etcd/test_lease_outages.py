@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from elastic_ft.etcd.client import EtcdClient
-from elastic_ft.etcd.server import EtcdServer, etcd_version
+from elastic_ft.etcd.server import etcd_version
 from elastic_ft.etcd.session import Session
 from elastic_ft.testing.etcd_cluster import EtcdCluster, etcd_binaries
 
@@ -45,13 +45,14 @@ def binary(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def lease_after(cluster: EtcdServer, fault: Callable[[], None]) -> tuple[bool | None, bool]:
+def lease_after(cluster: EtcdCluster, fault: Callable[[], None]) -> tuple[bool | None, bool]:
     """Grant a lease with a key on it, kept alive by a session, apply ``fault``; then what a refresh sent once etcd
     answers again says (True: alive, False: gone), and whether the key is still there."""
     client = EtcdClient(cluster.endpoints, request_timeout=1.0, connect_timeout=30.0)
     session = Session(client, TTL)
     key = f"/lease-facts/{uuid.uuid4().hex}"
     client.put(key, b"x", lease=session.id)
+    cluster.commit_to_disk()  # the key outlives a crash of etcd 3.5.1 too (EtcdCluster.commit_to_disk)
     try:
         fault()
         client.check_connection()  # etcd answers again
