@@ -3,7 +3,8 @@
 One ``ftrun`` per Slurm node through ``srun``, 3 active nodes and 1 hot
 spare, etcd started by the script on the first node. One node's tasks are
 SIGKILLed (its ftrun and its worker): the job goes on in-process, the spare
-taking the lost rank. ``scancel`` then leaves no process of the job behind.
+taking the lost rank (a survivor stranded in gloo's gap is replaced instead,
+and its new process joins: see ``stranded``). ``scancel`` then leaves no process of the job behind.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -74,12 +76,31 @@ def _wait(condition: Any, timeout: float, what: str, log: Path, running: Any = N
         if value:
             return value
         if time.monotonic() > deadline or (running is not None and not running()):
-            raise AssertionError(f"no {what} within {timeout:g} s; the job's output:\n{_tail(log)}")
+            raise AssertionError(f"no {what} within {timeout:g} s; the job's output:\n{_decisions(log)}")
         time.sleep(0.5)
 
 
 def _tail(path: Path) -> str:
     return path.read_text(errors="replace")[-6000:] if path.exists() else "(none)"
+
+
+def stranded(log: Path) -> set[int]:
+    """The initial ranks that the monitor process terminated because a restart could not reach their main thread:
+    gloo's gap (a send being written when its connection failed waits with no socket left to cut; see
+    docs/inprocess.md, Known limitations), seen on loaded machines when the killed node's rank was mid-transfer.
+    The rank's node respawns it, and the new process joins the running world at the next restart."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    blocked = r"stacks of initial rank (\d+) \(pid \d+\), about to be terminated: a restart has not reached"
+    return {int(rank) for rank in re.findall(blocked, text)}
+
+
+def _decisions(log: Path) -> str:
+    """The job output's warnings, errors and restarts (what decided the recovery), then its tail."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    kept = [
+        line for line in text.splitlines() if re.match(r"[WE]\d{4} |.*(restarts|joins|about to be terminated)", line)
+    ]
+    return "\n".join(kept[-60:]) + "\n--- tail ---\n" + _tail(log)[-3000:]
 
 
 def test_the_sbatch_script_trains_survives_a_node_kill_in_process_and_scancel_leaves_nothing(
@@ -126,13 +147,18 @@ def test_the_sbatch_script_trains_survives_a_node_kill_in_process_and_scancel_le
         killed_at = time.time()
 
         def resumed() -> bool:
-            after = [s for s in _steps(workdir) if s["t"] > killed_at + 0.5]
-            ranks = {s["rank"] for s in after}
-            return {0, 2, 3} <= ranks  # the survivors, and the spare in the lost rank's place
+            """The spare trains in the lost rank's place, and so does each survivor, or the process that
+            replaced it if its monitor process terminated it (gloo's gap, see ``stranded``)."""
+            ranks = {s["rank"] for s in _steps(workdir) if s["t"] > killed_at + 0.5}
+            survivors = {0, 2} - stranded(output)
+            return ({3} | survivors) <= ranks and len(ranks - {0, 1, 2, 3}) >= len(stranded(output))
 
         _wait(resumed, 120, "the survivors and the spare training after the kill", output, running)
+        lost = stranded(output)
+        assert len(lost) <= 1, _decisions(output)
         after = [s for s in _steps(workdir) if s["t"] > killed_at + 0.5]
-        assert {s["pid"] for s in after if s["rank"] in (0, 2)} == {pid_of[0], pid_of[2]}  # in-process
+        kept = {0, 2} - lost
+        assert {s["pid"] for s in after if s["rank"] in kept} == {pid_of[r] for r in kept}, _decisions(output)
         assert max(s["iteration"] for s in after) >= 1
         assert slurm.job_state(job) == "RUNNING"
     finally:
