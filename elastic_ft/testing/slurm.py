@@ -8,8 +8,10 @@ key, so nothing of the host's Slurm (if any) is used or touched.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -152,7 +154,29 @@ class SlurmCluster:
                 process.kill()
                 process.wait()
         self.processes.clear()
+        # A job's step daemons (slurmstepd) detach from their slurmd; stopped before a cancelled job's steps
+        # ended (a test that failed mid-job), they wait for the dead daemons for ever.
+        for pid in self.step_daemons():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def step_daemons(self) -> list[int]:
+        """The ``slurmstepd`` processes of this cluster: those holding a file under its work directory open (their
+        slurmd's log)."""
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                if Path(f"/proc/{entry}/comm").read_text().strip() != "slurmstepd":
+                    continue
+                targets = [os.readlink(f"/proc/{entry}/fd/{fd}") for fd in os.listdir(f"/proc/{entry}/fd")]
+            except OSError:  # gone meanwhile
+                continue
+            if any(target.startswith(f"{self.workdir}/") for target in targets):
+                found.append(int(entry))
+        return found
 
 
 def _wait(ready: Callable[[], bool], timeout: float, message: Callable[[], str]) -> None:

@@ -165,3 +165,32 @@ def test_the_sbatch_script_trains_survives_a_node_kill_in_process_and_scancel_le
         slurm.run("scancel", job, check=False)
     _wait(lambda: slurm.job_state(job) is None, 90, "the job left the queue after scancel", output)
     _wait(lambda: not _job_processes(job), 30, f"no process of job {job} left", output)
+
+
+def test_a_cluster_stopped_while_a_cancelled_job_ends_leaves_no_step_daemon(tmp_path: Path) -> None:
+    """As after a test that failed mid-job: the job is cancelled and the cluster stopped at once, before its step
+    daemons (which detach from their slurmd) ended; stopping the cluster ends them too."""
+    cluster = SlurmCluster(nodes=2).start()
+    try:
+        marker = f"eft-step-{os.getpid()}-{time.monotonic_ns()}"
+        script = tmp_path / "step.sh"
+        script.write_text(f"#!/bin/bash\nexec -a {marker} sleep 600\n")
+        script.chmod(0o755)
+        submitted = cluster.run(
+            "sbatch", "--parsable", "--nodes=2", f"--output={tmp_path / 'job.out'}", "--wrap", f"srun {script}"
+        )
+        job = submitted.strip().split(";")[0]
+        _wait(lambda: len(cluster.step_daemons()) >= 2, 60, "the job's step daemons", tmp_path / "job.out")
+        cluster.run("scancel", job, check=False)
+    finally:
+        cluster.stop()
+    assert cluster.step_daemons() == []
+    leftover = [entry for entry in os.listdir("/proc") if entry.isdigit() and _cmdline(entry).startswith(marker)]
+    assert leftover == []
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
