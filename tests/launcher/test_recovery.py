@@ -26,6 +26,11 @@ from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_ftrun.py"
 CONF = "last_call_timeout=0.5,lease_ttl=2,join_timeout=60"
 STEPS = 80
+#: Two nodes of two workers: initial ranks 0 to 3.
+WORLD = 4
+#: How long a restart may take to reach a rank blocked in C code before its monitor process terminates it
+#: (AdaptiveTimeouts.delivery_floor's default, which the job's short steps leave in force).
+DELIVERY_BOUND = 3.0
 FAULT_STEP = 30
 
 pytestmark = pytest.mark.slow
@@ -98,12 +103,14 @@ def logs(nodes: list[TorchrunNode], workdir: Path | None = None) -> str:
 
 
 def recovery_seconds(tmp_path: Path) -> float:
-    """From the fault to the first completed step of the last surviving rank in the next iteration."""
+    """From the fault to the first completed step of the last surviving rank in the next iteration. The
+    initial world's ranks only: a process respawned for a lost rank (initial rank 4 on) joins when it is ready,
+    seconds later, and its start is not the survivors' recovery."""
     recorded = events(tmp_path)
     (fault,) = [e for e in recorded if e["event"] == "fault"]
     firsts: dict[int, float] = {}
     for event in sorted(recorded, key=lambda e: e["t"]):
-        if event["event"] == "first_step" and event["t"] > fault["t"]:
+        if event["event"] == "first_step" and event["t"] > fault["t"] and event["rank"] < WORLD:
             firsts.setdefault(event["rank"], event["t"])
     return max(firsts.values()) - fault["t"]
 
@@ -150,12 +157,13 @@ def assert_recovered(
     ("fault", "survivors", "bound", "may_lose"),
     [
         ("raise", [0, 1, 2, 3], 5.0, 0),
-        ("sigkill", [0, 2, 3], 5.0, 0),
-        ("hang_gil_released", [0, 1, 2, 3], 10.0, 0),
         # A peer blocked in DDP's backward sometimes never sees its gloo send fail (measured:
-        # 2 to 5 runs in 20); its monitor then terminates it too, and the job goes on at 2. A stopped
-        # rank's connections close the same way, all at once when its monitor terminates it: the same
-        # race (seen once, in a run beside another test).
+        # 2 to 5 runs in 20 of the GIL-held hang); its monitor then terminates it too, and the job goes on
+        # at 2. A SIGKILLed rank's connections close at once, which can strand a peer the same way (seen in
+        # the Slurm test's node kill, 1 run in 30 beside busy loops); so can a stopped rank's, all at once
+        # when its monitor terminates it (seen once, in a run beside another test).
+        ("sigkill", [0, 2, 3], 5.0, 1),
+        ("hang_gil_released", [0, 1, 2, 3], 10.0, 0),
         ("hang_gil_held", [0, 2, 3], 10.0, 1),
         ("sigstop", [0, 2, 3], 10.0, 1),
     ],
@@ -172,7 +180,9 @@ def test_every_fault_kind_recovers_in_process(
 ) -> None:
     codes = run_job(nodes, tmp_path, etcd, run_id, "--fault", fault, "--fault-rank", "1")
     assert_recovered(tmp_path, nodes, codes, survivors, may_lose=may_lose)
-    assert recovery_seconds(tmp_path) < bound, logs(nodes, tmp_path / "work")
+    # A stranded survivor holds the restart until its monitor process terminates it, at the delivery bound.
+    stranded = set(survivors) - set(results(tmp_path))
+    assert recovery_seconds(tmp_path) < bound + DELIVERY_BOUND * bool(stranded), logs(nodes, tmp_path / "work")
 
 
 def test_a_group_held_by_user_code_does_not_stall_recovery(
