@@ -6,7 +6,8 @@ shard with the Manager. ``state_dict()`` returns the model's DTensors: a group t
 rank's shard from the same rank of a live group, checked against the shard the rank holds.
 ``EFT_EXAMPLE`` as for ``examples/torchft_ddp.py`` (``steps``, ``step_sleep``, ``out``), and ``fault``:
 ``{"replica", "rank", "step"}``, a SIGKILL on that rank's first run, at that step or the first one after it that
-every group takes part in (its step is written to ``<out>.fault.json``).
+every group takes part in (its step is written to ``<out>.fault.json``). ``stop_file``: a file that, once it exists,
+holds the step every group stops at (a test ends the job at an event, not at a step count).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def main() -> None:
     commits = []
     fault = SETTINGS.get("fault")
     first_run = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    while manager.current_step() < SETTINGS.get("steps", 100):
+    while manager.current_step() < last_step():
         started = time.monotonic()
         optimizer.zero_grad()
         step = manager.current_step()
@@ -88,6 +89,15 @@ def main() -> None:
         json.dump({"pid": os.getpid(), "rank": rank, "commits": commits, "weights": shard}, out)
     manager.shutdown()
     dist.destroy_process_group()
+
+
+def last_step() -> int:
+    """``steps``, or the step the stop file names once it exists."""
+    stop = SETTINGS.get("stop_file")
+    if stop and os.path.exists(stop):
+        with open(stop) as file:
+            return int(file.read())
+    return SETTINGS.get("steps", 100)
 
 
 if __name__ == "__main__":

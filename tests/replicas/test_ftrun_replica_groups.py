@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,14 +64,44 @@ def test_each_node_is_a_replica_group_and_a_killed_worker_restarts_only_its_own(
     assert slots == [], slots  # released as the nodes ended
 
 
+def stop_once_healed(out: Path, stop: Path, timeout: float = 180.0) -> None:
+    """Once both ranks of the restarted group (``hsdp_1``) healed past the fault, name a stop step 100 steps past the
+    healthy group's latest quorum: the healthy group trains until then however long the restart took on a
+    loaded host (its processes' start-up is seconds), and both groups end at the same step (100 steps, 5 s: the
+    groups must not pass it before the file appears, or each would stop where it read it)."""
+
+    def logs() -> str:
+        return "".join(path.read_text(errors="replace") for path in out.glob("replica[0-9].log"))
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (out / "record.fault.json").exists():
+            healed = re.findall(r"replica hsdp_1 rank \d: healed to step (\d+)", logs())
+            if sum(int(step) > fault_step(out) for step in healed) >= 2:
+                break
+        time.sleep(0.2)
+    latest = max(map(int, re.findall(r"replica hsdp_0 rank \d: in quorum \d+ of .* at step (\d+)", logs())), default=0)
+    (out / "stop.tmp").write_text(str(latest + 100))
+    os.replace(out / "stop.tmp", stop)
+
+
 def test_hsdp_2x2_a_lost_rank_restarts_its_group_which_heals_shard_by_shard(
     etcd: EtcdServer, tmp_path: Path, reap_pids: list[int]
 ) -> None:
     """Two groups of two ranks sharding with FSDP2; rank 1 of one group is SIGKILLed. Its node restarts both of
     its ranks, each heals its own shard (DTensors, checked against the shard it holds) from the same rank of the
     other group, and both groups end with the same shards."""
-    settings: dict[str, Any] = {"steps": 150, "step_sleep": 0.05, "fault": {"replica": 1, "rank": 1, "step": 30}}
-    job = run_replicated(etcd.endpoint, 2, tmp_path, settings, reap_pids, launcher="ftrun", nproc=2, script=HSDP_WORKER)
+    stop = tmp_path / "stop"
+    settings: dict[str, Any] = {
+        "steps": 10**6,
+        "step_sleep": 0.05,
+        "fault": {"replica": 1, "rank": 1, "step": 30},
+        "stop_file": str(stop),
+    }
+    ends = lambda: stop_once_healed(tmp_path, stop)
+    job = run_replicated(
+        etcd.endpoint, 2, tmp_path, settings, reap_pids, launcher="ftrun", nproc=2, script=HSDP_WORKER, meanwhile=ends
+    )
     why = job.describe()
     assert job.codes == [0, 0], why
     finals: dict[tuple[int, int], dict[str, Any]] = {}
