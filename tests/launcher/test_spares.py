@@ -117,8 +117,9 @@ def test_a_spare_that_dies_while_reserve_costs_the_active_ranks_nothing(
 def test_when_spares_run_out_the_world_shrinks(
     etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
 ) -> None:
-    # 1,000 steps (50 s): the job outlives the wait for the spare's reserve ranks however loaded the machine.
-    by_tag, started = _three_nodes(nodes, tmp_path, etcd, run_id, {"steps": 1000, "step_seconds": 0.05})
+    # The job trains until the world has shrunk (however loaded the machine), then stops at that event.
+    scenario = {"steps": 6000, "step_seconds": 0.05, "stop_file": "stop"}
+    by_tag, started = _three_nodes(nodes, tmp_path, etcd, run_id, scenario)
     spare, victim = _holding(started, {4, 5}), _holding(started, {2, 3})
     survivor = _holding(started, {0, 1})
     wait_for(tmp_path, "step-*.json", 1, 60)
@@ -130,6 +131,11 @@ def test_when_spares_run_out_the_world_shrinks(
         assert time.monotonic() < deadline, logs(nodes)
         time.sleep(0.1)
     by_tag[spare].kill()
+    deadline = time.monotonic() + 90
+    while sum(r.get("iteration") == 2 for r in read(tmp_path, "step-*.json").values()) < 2:
+        assert time.monotonic() < deadline, f"the survivor's ranks did not train in iteration 2\n{logs(nodes)}"
+        time.sleep(0.1)
+    (tmp_path / "out" / "stop").touch()
     assert by_tag[survivor].wait(150) == 0, logs(nodes)
     done = read(tmp_path, "done-*.json")
     assert sorted(r["initial_rank"] for r in done.values()) == [0, 1]
