@@ -92,7 +92,14 @@ from elastic_ft.launcher.joiners import ADMISSION_BATCH_WAIT, admission_due, res
 from elastic_ft.launcher.member_probes import MemberProbes
 from elastic_ft.launcher.node_health import NodeHealthChecks, wait_until_healthy
 from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, WorldRecord
-from elastic_ft.launcher.standby import HandedOverWorker, StandbyKeeper, StandbyPlan, standby_plan, stop_session
+from elastic_ft.launcher.standby import (
+    STANDBY_DELAY,
+    HandedOverWorker,
+    StandbyKeeper,
+    StandbyPlan,
+    standby_plan,
+    stop_session,
+)
 from elastic_ft.observability.log_format import set_where
 from elastic_ft.observability.metrics import JobMetrics, MetricsEndpoint
 from elastic_ft.observability.sink import EventsHandoff, emit
@@ -168,6 +175,8 @@ class FtAgent(LocalElasticAgent):
     node_relay: bool = False
     #: Keep one warm standby process per node to take a dead worker's place (``ftrun --no-warm-standby``: off).
     warm_standby: bool = True
+    #: Seconds the node's workers run undisturbed before its standby starts (``ftrun --warm-standby-delay``).
+    standby_delay: float = STANDBY_DELAY
 
     def __init__(self, spec: WorkerSpec, *args: Any, **kwargs: Any) -> None:
         check_torch()
@@ -205,7 +214,11 @@ class FtAgent(LocalElasticAgent):
         #: Batches the node's ranks' barrier arrivals and shares their watches (started with the first workers).
         self._relay: NodeRelay | None = None
         #: The node's warm standby process, kept while the workers run (started once their command is known).
-        self._standby = StandbyKeeper(self._standby_plan, off=None if self.warm_standby else "ftrun --no-warm-standby")
+        self._standby = StandbyKeeper(
+            self._standby_plan,
+            delay=self.standby_delay,
+            off=None if self.warm_standby else "ftrun --no-warm-standby",
+        )
         set_where(f"node {self._handler.node}")
 
     # ---- metrics ----

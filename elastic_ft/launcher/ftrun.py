@@ -67,6 +67,7 @@ from elastic_ft.launcher.node_health import (
     NodeHealthSpecError,
 )
 from elastic_ft.launcher.replica_slots import SlotError
+from elastic_ft.launcher.standby import STANDBY_DELAY
 from elastic_ft.observability import log_format
 from elastic_ft.observability.event_files import write_events_file
 from elastic_ft.observability.sink import EventSink, install
@@ -154,6 +155,15 @@ def _add_ftrun_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep one warm worker process per node (torch, elastic-ft and the Wrapper's warm-up loaded, no rank) "
         "that takes a dead worker's place, so a respawn costs the admission, not an interpreter's start; it "
         "costs a worker's host memory before CUDA (docs/launcher.md). Default: on",
+    )
+    group.add_argument(
+        "--warm-standby-delay",
+        type=_positive_seconds,
+        default=STANDBY_DELAY,
+        metavar="SECONDS",
+        help="how long the node's workers run undisturbed (since their start or the last hand-over) before its warm "
+        f"standby starts: its imports take a core for seconds, which a starting or recovering job needs more "
+        f"(default {STANDBY_DELAY:g})",
     )
     group.add_argument(
         "--replica-groups",
@@ -761,6 +771,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "node_health": health.start(),
                     "node_relay": args.node_relay,
                     "warm_standby": args.warm_standby,
+                    "standby_delay": args.warm_standby_delay,
                 },
             )
             stack.enter_context(launched_agent_class(agent_class))

@@ -22,7 +22,8 @@ import pytest
 
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.inprocess.restart.standby import _may_leave_idle, _parse
-from elastic_ft.launcher.standby import Standby, StandbyKeeper, StandbyPlan, standby_plan
+from elastic_ft.launcher.ftrun import build_parser, parse_args
+from elastic_ft.launcher.standby import STANDBY_DELAY, Standby, StandbyKeeper, StandbyPlan, standby_plan
 from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command
 from tests.launcher.test_healing import SCRIPT, events, logs, results, starts_after, stop_once_started, until_stopped
 from tests.launcher.test_orphans import _alive
@@ -264,6 +265,18 @@ def test_a_standby_still_warming_is_stopped_not_handed_the_place() -> None:
         keeper.stop()
 
 
+def test_ftrun_takes_the_standby_delay_in_seconds(capsys: pytest.CaptureFixture[str]) -> None:
+    def parsed(*argv: str) -> float:
+        args, _ = parse_args(build_parser(), [*argv, "train.py"])  # as ftrun parses its command line
+        return args.warm_standby_delay
+
+    assert parsed() == STANDBY_DELAY == 30.0 and parsed("--warm-standby-delay=2.5") == 2.5
+    for bad in ("0", "-1", "soon", "nan"):
+        with pytest.raises(SystemExit):
+            parsed(f"--warm-standby-delay={bad}")
+        assert f"expected a number of seconds > 0, got '{bad}'" in capsys.readouterr().err
+
+
 def test_a_keeper_with_no_plan_says_why_and_starts_nothing() -> None:
     keeper = StandbyKeeper(lambda: ("the workers run '/bin/x', not this Python", {}), delay=0.0)
     keeper.tick()
@@ -295,12 +308,13 @@ def test_a_warm_standby_takes_a_killed_workers_place_and_a_dead_one_is_replaced(
         log_path=tmp_path / "A.log",
         extra_env={"OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO"},
         launcher=ftrun_command(),
-        extra_args=(f"--job-config={config}",),
+        # Each standby starts once the node was quiet for 5 s, not the default 30 (the test waits for three).
+        extra_args=(f"--job-config={config}", "--warm-standby-delay=5"),
     )
     nodes.append(node)
     first = int(_wait_log(node, r"warm standby ready \(pid (\d+)\)", nodes, tmp_path)[1])
     os.kill(first, signal.SIGKILL)  # dies while it waits: replaced
-    died = rf"the warm standby \(pid {first}\) ended with signal SIGKILL before it was used"
+    died = rf"the warm standby \(pid {first}\) ended with signal SIGKILL before it was used; another starts in 5 s"
     second = int(_wait_log(node, rf"{died}(?s:.*)warm standby ready \(pid (\d+)\)", nodes, tmp_path)[1])
     (victim,) = {e["pid"] for e in events(tmp_path) if e["event"] == "start" and e["rank"] == 1}
     os.kill(victim, signal.SIGKILL)
