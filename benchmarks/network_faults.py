@@ -36,7 +36,9 @@ which end every lease the host held).
 
 Measured (median of ``--repeats``): ``resume`` (fault to the first step of
 a survivor in the shrunken world), ``stale`` (steps host 2's ranks complete
-in the old membership after the survivors resumed without them),
+in the old membership after the survivors resumed without them, past the
+last step the survivors took in it: a step everyone took, logged late by a
+rank stopped before its log line, is not one),
 ``rejoin`` (heal, restart or arrival to the first step of host 2 at the
 full world size; for ``arrival``: from the moment host 2's workers are
 ready to train), ``restarted`` (worker processes of hosts 0 and 1 that
@@ -437,8 +439,12 @@ def _fault(job: Job, scenario: str, args: argparse.Namespace, row: dict[str, Any
         revoked_at = min(job.logged(REVOKED, at), default=None)
         row["absorb"] = None if restarted_at is None or revoked_at is None else restarted_at - revoked_at
         moved_on = resume if resume is not None else time.time()
+        # A step the whole old membership took, logged late by a rank stopped between its all-reduce and its
+        # log line, is not stale: only one past the survivors' last step in that membership is.
+        old_steps = [e for e in job.steps() if e["iteration"] <= old_iteration]
+        last_together = max((e["step"] for e in old_steps if e["pid"] in survivors), default=-1)
         row["stale"] = sum(
-            1 for e in job.steps() if e["pid"] in faulty and e["t"] > moved_on and e["iteration"] <= old_iteration
+            1 for e in old_steps if e["pid"] in faulty and e["t"] > moved_on and e["step"] > last_together
         )
         assert heal_at is not None
         back = job.full_world(heal_at, FAULTY, args.cap)
