@@ -148,23 +148,7 @@ def _add_ftrun_arguments(parser: argparse.ArgumentParser) -> None:
         "heartbeats, reads and events batched per node, one watch per key (docs/launcher.md); default: every "
         "worker reaches etcd itself",
     )
-    group.add_argument(
-        "--warm-standby",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="keep one warm worker process per node (torch, elastic-ft and the Wrapper's warm-up loaded, no rank) "
-        "that takes a dead worker's place, so a respawn costs the admission, not an interpreter's start; it "
-        "costs a worker's host memory before CUDA (docs/launcher.md). Default: on",
-    )
-    group.add_argument(
-        "--warm-standby-delay",
-        type=_positive_seconds,
-        default=STANDBY_DELAY,
-        metavar="SECONDS",
-        help="how long the node's workers run undisturbed (since their start or the last hand-over) before its warm "
-        f"standby starts: its imports take a core for seconds, which a starting or recovering job needs more "
-        f"(default {STANDBY_DELAY:g})",
-    )
+    _add_standby_arguments(group)
     group.add_argument(
         "--replica-groups",
         action="store_true",
@@ -275,6 +259,27 @@ def _add_health_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"seconds one check may take before it counts as failed (default {DEFAULT_CHECK_TIMEOUT:g})",
     )
     _add_ft_launcher_health_arguments(parser)
+
+
+def _add_standby_arguments(group: argparse._ArgumentGroup) -> None:
+    """The warm standby's flags (docs/launcher.md, hot spares and respawned workers)."""
+    group.add_argument(
+        "--warm-standby",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep one warm worker process per node (torch, elastic-ft and the Wrapper's warm-up loaded, no rank) "
+        "that takes a dead worker's place, so a respawn costs the admission, not an interpreter's start; it "
+        "costs a worker's host memory before CUDA (docs/launcher.md). Default: on",
+    )
+    group.add_argument(
+        "--warm-standby-delay",
+        type=_positive_seconds,
+        default=STANDBY_DELAY,
+        metavar="SECONDS",
+        help="how long the node's workers run undisturbed (since their start or the last hand-over) before its warm "
+        f"standby starts: its imports take a core for seconds, which a starting or recovering job needs more "
+        f"(default {STANDBY_DELAY:g})",
+    )
 
 
 def _add_ft_launcher_health_arguments(parser: argparse.ArgumentParser) -> None:
