@@ -277,7 +277,7 @@ def _add_standby_arguments(group: argparse._ArgumentGroup) -> None:
         default=STANDBY_DELAY,
         metavar="SECONDS",
         help="how long the node's workers run undisturbed (since their start or the last hand-over) before its warm "
-        f"standby starts: its imports take a core for seconds, which a starting or recovering job needs more "
+        "standby starts: its imports take a core for seconds, which a starting or recovering job needs more "
         f"(default {STANDBY_DELAY:g})",
     )
 
