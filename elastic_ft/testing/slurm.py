@@ -154,12 +154,44 @@ class SlurmCluster:
                 process.kill()
                 process.wait()
         self.processes.clear()
-        # A job's step daemons (slurmstepd) detach from their slurmd; stopped before a cancelled job's steps
-        # ended (a test that failed mid-job), they wait for the dead daemons for ever.
-        for pid in self.step_daemons():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        self._kill_steps()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _kill_steps(self) -> None:
+        """End what the stopped daemons left of their jobs: step daemons and the tasks they started.
+
+        A job's step daemons (slurmstepd) detach from their slurmd; stopped before a cancelled job's steps ended (a
+        test that failed mid-job), they wait for the dead daemons for ever, and their tasks with them; a task whose
+        step daemon died first lives on as an orphan. Every process that carries this cluster's ``SLURM_CONF`` in its
+        environment (the daemons pass theirs on to the steps and the steps to their tasks) is stopped, so that none
+        starts another while they are killed, then killed, until none is left.
+        """
+
+        def none_left() -> bool:
+            left = self.leftovers()
+            for sig in (signal.SIGSTOP, signal.SIGKILL):
+                for pid in left:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, sig)
+            return not left
+
+        _wait(none_left, 10, lambda: f"processes {self.leftovers()} of the cluster outlived SIGKILL")
+
+    def leftovers(self) -> list[int]:
+        """Live processes, other than this one, whose environment names this cluster's ``SLURM_CONF``."""
+        conf = f"SLURM_CONF={self.env['SLURM_CONF']}".encode()
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+                state = Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()[0]
+            except OSError:  # gone meanwhile
+                continue
+            if conf in environ and state not in ("Z", "X"):
+                found.append(int(entry))
+        return found
 
     def step_daemons(self) -> list[int]:
         """The ``slurmstepd`` processes of this cluster: those holding a file under its work directory open (their

@@ -167,9 +167,10 @@ def test_the_sbatch_script_trains_survives_a_node_kill_in_process_and_scancel_le
     _wait(lambda: not _job_processes(job), 30, f"no process of job {job} left", output)
 
 
-def test_a_cluster_stopped_while_a_cancelled_job_ends_leaves_no_step_daemon(tmp_path: Path) -> None:
+def test_a_cluster_stopped_while_a_cancelled_job_ends_leaves_no_step_daemon_and_no_task(tmp_path: Path) -> None:
     """As after a test that failed mid-job: the job is cancelled and the cluster stopped at once, before its step
-    daemons (which detach from their slurmd) ended; stopping the cluster ends them too."""
+    daemons (which detach from their slurmd) ended, one of them already dead and its task orphaned; stopping the
+    cluster ends the daemons and every task, the orphan too."""
     cluster = SlurmCluster(nodes=2).start()
     try:
         marker = f"eft-step-{os.getpid()}-{time.monotonic_ns()}"
@@ -180,13 +181,25 @@ def test_a_cluster_stopped_while_a_cancelled_job_ends_leaves_no_step_daemon(tmp_
             "sbatch", "--parsable", "--nodes=2", f"--output={tmp_path / 'job.out'}", "--wrap", f"srun {script}"
         )
         job = submitted.strip().split(";")[0]
-        _wait(lambda: len(cluster.step_daemons()) >= 2, 60, "the job's step daemons", tmp_path / "job.out")
+        _wait(lambda: len(_marked(marker)) == 2, 60, "the job's two tasks", tmp_path / "job.out")
+        orphaned = _marked(marker)[0]
+        os.kill(_parent(orphaned), signal.SIGKILL)  # the task's step daemon
+        _wait(lambda: _parent(orphaned) not in cluster.step_daemons(), 10, "the step daemon gone", tmp_path / "job.out")
         cluster.run("scancel", job, check=False)
     finally:
         cluster.stop()
     assert cluster.step_daemons() == []
-    leftover = [entry for entry in os.listdir("/proc") if entry.isdigit() and _cmdline(entry).startswith(marker)]
-    assert leftover == []
+    assert _marked(marker) == []
+    assert cluster.leftovers() == []
+
+
+def _marked(marker: str) -> list[int]:
+    """Live processes whose command line starts with ``marker``."""
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and _cmdline(entry).startswith(marker)]
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
 
 
 def _cmdline(pid: str) -> str:
