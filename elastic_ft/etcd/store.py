@@ -174,6 +174,8 @@ class Relay(Protocol):
 
     def get_existing(self, keys: Sequence[str], timeout: float, *, periodic: bool = False) -> dict[str, bytes]: ...
 
+    def close(self) -> None: ...
+
 
 class EtcdStore(dist.Store):
     """Keys live under ``prefix`` in etcd; see the module docstring."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from typing import Any, cast
 
 import torch.distributed as dist
@@ -134,6 +135,20 @@ def default_store(**kwargs: Any) -> dist.Store:
         timeout = kwargs.get("timeout") or datetime.timedelta(seconds=handoff.timeout)
         return EtcdStore(client, handoff.prefix, timeout, relay=relay_from_env(os.environ))
     return TCPStore(**kwargs)
+
+
+def close_store(store: dist.Store) -> None:
+    """Close what a store the Wrapper made holds open, once its call is over: an etcd store's etcd connection
+    (gRPC's channel thread and a watch stream's reader) and its node relay connection.
+
+    Left open, gRPC's threads run into the interpreter's exit, where they can crash the process as it exits
+    (grpc/grpc#11804). Any other store (a TCPStore, a FileStore) is left to its destructor.
+    """
+    etcd_store = sys.modules.get("elastic_ft.etcd.store")  # not imported: no etcd store was made
+    if etcd_store is not None and isinstance(store, etcd_store.EtcdStore):
+        store.client.close()
+        if store.relay is not None:
+            store.relay.close()
 
 
 _hosting_forbidden = False

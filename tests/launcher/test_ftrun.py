@@ -232,7 +232,7 @@ def test_a_malformed_stored_job_config_is_a_clear_error(etcd: EtcdServer, run_id
 
 
 WRAPPER_DEFAULTS_SCRIPT = """
-import json, os, sys
+import json, os, sys, threading
 from elastic_ft import CallWrapper, Wrapper
 
 def fn(call_wrapper: CallWrapper | None = None):
@@ -240,7 +240,8 @@ def fn(call_wrapper: CallWrapper | None = None):
 
 wrapper = Wrapper()
 result = wrapper(fn)()
-record = {"soft_timeout": wrapper.soft_timeout.total_seconds(), "result": result,
+threads = sorted(thread.name for thread in threading.enumerate())
+record = {"soft_timeout": wrapper.soft_timeout.total_seconds(), "result": result, "threads": threads,
           "store": type(wrapper.store_factory()).__name__}
 with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as file:
     json.dump(record, file)
@@ -249,7 +250,8 @@ with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as f
 
 @pytest.mark.slow
 def test_workers_get_wrapper_defaults_from_the_job_config(etcd: EtcdServer, run_id: str, tmp_path: Path) -> None:
-    """The stored config's Wrapper timeouts and rank assignment reach the workers' Wrapper() defaults."""
+    """The stored config's Wrapper timeouts and rank assignment reach the workers' Wrapper() defaults; the
+    Wrapper leaves no thread of its own behind when it returns."""
     config = tmp_path / "job.yaml"
     config.write_text(
         "nodes: {min: 1, max: 1}\nnproc_per_node: 2\nrendezvous: {last_call_timeout: 0}\n"
@@ -273,6 +275,8 @@ def test_workers_get_wrapper_defaults_from_the_job_config(etcd: EtcdServer, run_
     assert sorted(r["result"] for r in records if r["result"] is not None) == [0]  # one active rank, one spare
     assert sum(r["result"] is None for r in records) == 1
     assert {r["store"] for r in records} == {"EtcdStore"}
+    # The Wrapper closed its store's etcd connection: no gRPC thread runs into the interpreter's exit.
+    assert [r["threads"] for r in records] == [["MainThread"], ["MainThread"]]
 
 
 NO_PROGRESS_SCRIPT = """

@@ -71,7 +71,7 @@ from elastic_ft.inprocess.hangs.verdicts import (
 from elastic_ft.inprocess.restart.events import close_events, install_store_events
 from elastic_ft.inprocess.restart.logs import get_logger, log_to_file
 from elastic_ft.inprocess.sibling_monitor import ring_successor, silent_ranks
-from elastic_ft.inprocess.store import forbid_hosting
+from elastic_ft.inprocess.store import close_store, forbid_hosting
 from elastic_ft.keys import EXIT_BARRIER
 from elastic_ft.observability.sink import EventSink, emit, installed
 from elastic_ft.runtime.reaper import describe_exit, process_is_alive
@@ -565,6 +565,7 @@ class _Monitor:
             self._watch(base_store, early)
         finally:
             close_events(self.events, timeout=2.0)
+            close_store(base_store)
 
     def _watch(self, base_store: dist.Store, early: list[dict[str, Any]]) -> None:
         """The monitor's loop once the store is ready, until the rank leaves or the main process stops it."""

@@ -79,6 +79,7 @@ from elastic_ft.inprocess.restart.report import RestartReporter
 from elastic_ft.inprocess.restart.warmup import warm_up
 from elastic_ft.inprocess.state import Mode, State
 from elastic_ft.inprocess.steps.gate import StepGate, note_collective_wait
+from elastic_ft.inprocess.store import close_store
 from elastic_ft.keys import (
     ANY_COMPLETED,
     COMPLETION_BARRIER,
@@ -571,6 +572,7 @@ class CallWrapper:
             release_logging(self._logging)
             # The last iteration's monitor thread and fault chain frames of this object: a cycle.
             self._iteration = None
+            close_store(self.base_store)
 
     # ---- the restart loop ----
 
