@@ -246,6 +246,28 @@ def check_job(workdir: Path, steps: int) -> list[str]:
     return problems
 
 
+def _unfinished(workdir: Path, done: list[dict[str, Any]], expected: int, waited: list[Any]) -> str:
+    """Which ranks ended without a result (the killed node's among them), and what they and the agents that lived
+    last said of them."""
+    finished = {d["initial_rank"] for d in done}
+    last: dict[int, dict[str, Any]] = {}
+    for event in _events(workdir):
+        if event["rank"] >= 0:
+            last[event["rank"]] = event
+    logs = [line for node in waited for line in Path(node.log_path).read_text(errors="replace").splitlines()]
+    said = []
+    for rank in sorted(set(last) - finished):
+        event = last[rank]
+        said.append(
+            f"rank {rank} (pid {event['pid']}) last recorded {event['event']!r} in iteration {event.get('iteration')}"
+        )
+        mentions = [
+            line for line in logs if (f"rank {rank}" in line and line[:1] in "WE") or f"pid {event['pid']}" in line
+        ]
+        said += [line[:240] for line in mentions[-3:]]
+    return f"{len(done)} rank(s) finished, {expected} expected: " + " | ".join(said)
+
+
 def run_scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from recovery import recovery_seconds
 
@@ -310,6 +332,8 @@ def run_scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
     ]
     if finished and not done:
         problems.append("no rank finished the job")
+    elif finished and len(done) < expected:
+        problems.append(_unfinished(workdir, done, expected, waited))
     if steps is not None:
         problems += check_job(workdir, steps)
     restarted = any(e["event"] == "enter" for e in _events(workdir))

@@ -29,6 +29,10 @@ from elastic_ft.runtime.reaper import ensure_reaper
 from elastic_ft.testing.etcd_cluster import EtcdCluster
 from elastic_ft.testing.local_cluster import TorchrunNode
 
+# Every process a test starts writes its threads' Python stacks to its stderr when a fatal signal (SIGSEGV,
+# SIGABRT, ...) ends it, so that a crash a test meets says where it happened; the exit status stays the signal's.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
 #: Fixtures that start real servers or processes: a test that uses one is no unit test.
 _INTEGRATION_FIXTURES = frozenset(
     {"etcd", "etcd_cluster", "etcd_client", "reap_pids", "nodes", "tls_etcd", "pki", "auth_etcd"}

@@ -29,4 +29,5 @@ def test_every_fault_of_the_matrix_passes_its_checks(tmp_path: Path) -> None:
     for name in ("worker exception", "worker SIGKILL", "etcd leader SIGKILLed", "etcd frozen 10 s"):
         assert by_name[name]["process_restarts"] == 0, by_name[name]
         assert by_name[name]["survivors"] >= by_name[name]["expected_survivors"], by_name[name]
-    assert by_name["node SIGKILL"]["survivors"] == 2 and by_name["node SIGKILL"]["world_size"] == [2]
+    assert by_name["node SIGKILL"]["survivors"] == 2, by_name["node SIGKILL"]
+    assert by_name["node SIGKILL"]["world_size"] == [2], by_name["node SIGKILL"]

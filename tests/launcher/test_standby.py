@@ -301,7 +301,17 @@ def test_a_warm_standby_takes_a_killed_workers_place_and_a_dead_one_is_replaced(
         "A",
         endpoint=etcd.endpoint,
         run_id=run_id,
-        script=[str(SCRIPT), "--workdir", str(tmp_path / "work"), "--record-digests", *until_stopped(tmp_path)],
+        # Each step waits 20 ms with the CPU idle, as a rank waits on its GPU: the standby (SCHED_IDLE) warms up in
+        # that time, as on a GPU node; with every core busy (here, CPU training beside the other tests) it waits.
+        script=[
+            str(SCRIPT),
+            "--workdir",
+            str(tmp_path / "work"),
+            "--record-digests",
+            "--step-wait",
+            "0.02",
+            *until_stopped(tmp_path),
+        ],
         nnodes="1:1",
         nproc_per_node=2,
         rdzv_conf="last_call_timeout=0.5,lease_ttl=1",
