@@ -460,18 +460,53 @@ def test_a_hang_inside_collectives_is_blamed_on_the_rank_that_stopped_first() ->
         hang_culprit([])
 
 
+#: The timeouts with a delivery bound shorter than the time between the soft and the hard timeout.
+QUICK_DELIVERY = dataclasses.replace(TIMEOUTS, delivery=1.0)
+
+
 def test_a_rank_that_does_not_restart_is_killed_at_the_hard_timeout() -> None:
-    assert judge_stall(activity(2.5), TIMEOUTS, 1.0, None, 10.0).action is StallAction.NONE
-    assert judge_stall(activity(3.1), TIMEOUTS, 1.0, None, 10.0).action is StallAction.KILL
+    assert judge_stall(activity(2.5), QUICK_DELIVERY, 1.0, None, 10.0).action is StallAction.NONE
+    assert judge_stall(activity(3.1), QUICK_DELIVERY, 1.0, None, 10.0).action is StallAction.KILL
 
 
 def test_a_restart_requested_late_still_gets_the_time_between_soft_and_hard_timeout() -> None:
     """Seen in CI's soak: ranks that asked for a restart only at the configured 60 s were killed at once, being
     long past their adaptive hard timeout (17.9 s): the restart never had a chance to reach them."""
     late = activity(60.3)
-    assert judge_stall(late, TIMEOUTS, 1.0, None, 0.2).action is StallAction.NONE
-    verdict = judge_stall(late, TIMEOUTS, 1.0, None, 1.5)
+    assert judge_stall(late, QUICK_DELIVERY, 1.0, None, 0.2).action is StallAction.NONE
+    verdict = judge_stall(late, QUICK_DELIVERY, 1.0, None, 1.5)
     assert verdict.action is StallAction.KILL and "1.5 s after its restart request" in verdict.reason
+    assert "the restart gets 1.5 s to reach it" in verdict.reason
+
+
+def test_a_requested_restart_gets_the_delivery_bound_to_reach_the_main_thread_not_the_hard_timeout() -> None:
+    """Seen in full runs' fault matrix (a node SIGSTOPped, fast steps: soft 0.5 s, hard 1.0 s): survivors
+    blocked in gloo asked for a restart and were killed 0.5 s later, one as its main thread unwound to take
+    the restart (its connections were released 0.47 s after the request), others before the request, through
+    the store, had started the restart in their process."""
+    timeouts = Timeouts(soft=0.5, hard=1.0, soft_limit=60, hard_limit=90, delivery=3.0)
+    # Not started in the process yet: the delivery bound from the request on.
+    assert judge_stall(activity(1.4), timeouts, 1.0, None, 0.5).action is StallAction.NONE
+    assert judge_stall(activity(3.3), timeouts, 1.0, None, 2.9).action is StallAction.NONE
+    verdict = judge_stall(activity(3.5), timeouts, 1.0, None, 3.0)
+    assert verdict.action is StallAction.KILL and "the restart gets 3.0 s to reach it" in verdict.reason
+    # Started, on its way to the main thread: the delivery bound from its start on (_wedged).
+    on_its_way = dataclasses.replace(activity(4.0), restart_pending_for=2.0)
+    assert judge_stall(on_its_way, timeouts, 1.0, None, 3.5).action is StallAction.NONE
+    wedged = dataclasses.replace(activity(4.0), restart_pending_for=3.1)
+    verdict = judge_stall(wedged, timeouts, 1.0, None, 3.5)
+    assert verdict.action is StallAction.KILL and "has not reached the main thread for 3.1 s" in verdict.reason
+
+
+def test_taking_a_restart_is_progress() -> None:
+    """The main thread takes a restart in Python code: the monitor process never reads a taken restart with the
+    progress from before the main thread blocked."""
+    timestamps = ProgressTimestamps(soft=0.5, hard=1.0)
+    timestamps.set_restart_pending(True)
+    time.sleep(0.2)
+    assert timestamps.age() >= 0.2 and timestamps.restart_pending_for() >= 0.2
+    timestamps.set_restart_pending(False)
+    assert timestamps.age() < 0.1 and timestamps.restart_pending_for() == 0.0
 
 
 def test_the_configured_limits_keep_their_meaning_even_for_a_busy_rank() -> None:

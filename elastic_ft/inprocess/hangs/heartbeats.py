@@ -111,7 +111,13 @@ class ProgressTimestamps:
         return None if math.isnan(value) else value > 0
 
     def set_restart_pending(self, pending: bool) -> None:
-        """The monitor thread started a restart (True) that the main thread has now taken (False)."""
+        """The monitor thread started a restart (True) that the main thread has now taken (False).
+
+        The main thread takes it in Python code: that is progress, written before the restart stops pending, so
+        the monitor process never reads a taken restart with the progress from before the main thread blocked.
+        """
+        if not pending:
+            self._slots[_AUTOMATIC] = time.monotonic()
         self._slots[_RESTART_PENDING] = time.monotonic() if pending else math.nan
 
     def restart_pending_for(self) -> float:

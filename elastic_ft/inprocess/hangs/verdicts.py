@@ -50,8 +50,12 @@ timeout:
 3. otherwise the rank asks for a **restart** of every rank, once per
    iteration; a rank that still makes no progress at the hard timeout is
    **killed**, once the restart had the time between the two timeouts to
-   reach it (a restart asked for late, at the configured soft timeout,
-   finds the rank long past its adaptive hard one).
+   reach it, and at least the delivery bound (a restart asked for late, at
+   the configured soft timeout, finds the rank long past its adaptive hard
+   one; a fast job's half second between the two is less than a request
+   takes through the store on a busy host); a restart that reached the
+   process but not yet its main thread, blocked in C code, gets the
+   delivery bound from then on, the time releasing its connections needs.
 
 **Fresh enough evidence.** Ranks learn of each other's activity from
 heartbeats, sent every ``heartbeat_interval`` (1 s by default) to keep the
@@ -414,13 +418,22 @@ def _adaptive_verdict(
             f"and no progress for {rank.progress_age:.1f} s",
         )
     if restart_requested_for is not None:
-        # The restart gets the time between the soft and the hard timeout to reach the rank, however late
-        # it was asked for (at the configured soft timeout, the rank is long past its adaptive hard one).
-        if rank.inactive_for >= timeouts.hard and restart_requested_for >= timeouts.hard - timeouts.soft:
+        if rank.restart_pending_for > 0:
+            # The restart reached the process and is on its way to the main thread (signals, then every
+            # connection released, which a frozen peer's connections need): the delivery bound decides (_wedged).
+            return StallVerdict(StallAction.NONE)
+        # The restart gets the time between the soft and the hard timeout to reach the rank, however late it was
+        # asked for (at the configured soft timeout, the rank is long past its adaptive hard one), and at least
+        # the delivery bound: the request goes through the store to every rank's monitor thread before the
+        # restart starts here, which the hard timeout of fast steps (half a second past the soft one) does not
+        # leave time for on a busy host.
+        reach = max(timeouts.hard - timeouts.soft, timeouts.delivery)
+        if rank.inactive_for >= timeouts.hard and restart_requested_for >= reach:
             return StallVerdict(
                 StallAction.KILL,
                 f"inactive for {rank.inactive_for:.1f} s, {restart_requested_for:.1f} s after its restart request "
-                f"({'warm-up ' if timeouts.warming_up else ''}hard {timeouts.hard:.1f} s)",
+                f"({'warm-up ' if timeouts.warming_up else ''}hard {timeouts.hard:.1f} s; the restart gets "
+                f"{reach:.1f} s to reach it)",
             )
         return StallVerdict(StallAction.NONE)
     return _peers_verdict(rank, timeouts, peers_inactive_for, peer_overdue_for, peer_notice_pending)
