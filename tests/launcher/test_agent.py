@@ -449,8 +449,13 @@ def test_spare_replaces_a_killed_node(etcd: EtcdServer, run_id: str, tmp_path: P
     (tmp_path / "out" / "stop").touch()
     assert finish([a, spare], 150) == [0, 0], logs(nodes)
     done = read(tmp_path, "done-*.json")
-    assert sorted(r["node"] for r in done.values()) == ["A", "A", "C", "C"], f"{done}\n{logs(nodes)}"
-    assert {(r["result"] or {}).get("world_size") for r in done.values()} == {4}, f"{done}\n{logs(nodes)}"
+    # Gloo's gap (docs/inprocess.md, Known limitations): a survivor of B's SIGKILL may stay blocked in C code
+    # and be terminated by its monitor process; at most one, and the job goes on without it.
+    stranded = set(re.findall(r"initial rank (\d+) \(pid \d+\), about to be terminated: a restart has not", a.log()))
+    finished = sorted(r["node"] for r in done.values())
+    assert len(stranded) <= 1, f"{stranded}\n{logs(nodes)}"
+    assert finished.count("C") == 2 and finished.count("A") >= 2 - len(stranded), f"{done}\n{logs(nodes)}"
+    assert {(r["result"] or {}).get("world_size") for r in done.values()} == {len(done)}, f"{done}\n{logs(nodes)}"
     # The waiting node takes the dead one's place in the running round: its workers join the running
     # world in-process, and A's workers are not restarted (no rule-4 restart into a new round).
     assert "joined running round 0" in spare.log(), spare.log()

@@ -589,6 +589,8 @@ class _Monitor:
                 self._report_terminated(base_store, "terminated", f"process {self.target_pid} died")
                 return
             monotonic_now, now = time.monotonic(), time.time()
+            # Read before the rank's progress: an unprotected section it left meanwhile wrote fresh progress.
+            unprotected = self.timestamps.unprotected()
             activity = self._activity(monotonic_now)
             timeouts = self._timeouts()
             # etcd away: the rank trains on; its death is still seen (pidfd), and reported once etcd answers.
@@ -598,7 +600,8 @@ class _Monitor:
                 with bounded(max(1.0, config.heartbeat_interval), "a look of the monitor process"):
                     if look is not None:
                         self._check_ring(job, now, watching_since, *look)
-                    if self.iteration is not None and self._judge(base_store, job, self.iteration, activity, timeouts):
+                    iteration = None if unprotected else self.iteration
+                    if iteration is not None and self._judge(base_store, job, iteration, activity, timeouts):
                         return
             except ConnectionError:
                 unreachable = True
@@ -711,7 +714,8 @@ class _Monitor:
         activity: RankActivity,
         timeouts: Timeouts,
     ) -> bool:
-        """Act on a stall of the rank; True once the rank was terminated."""
+        """Act on a stall of the rank (``activity``, sampled outside any unprotected section); True once the rank
+        was terminated."""
         if self.timestamps.unprotected():
             return False  # the function turned this rank's hang protection off (disable_hang_protection)
         config = self.config
