@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,6 +35,15 @@ def torchrun_command() -> list[str]:
 def ftrun_command() -> list[str]:
     """``ftrun`` of this Python (the module, so that no console script is needed)."""
     return [sys.executable, "-m", "elastic_ft.launcher.ftrun"]
+
+
+def stranded_ranks(log: str) -> set[int]:
+    """The initial ranks a job's log says their monitor process terminated because a restart could not reach
+    their main thread: gloo's gap (a send being written when its connection failed waits with no socket left to
+    cut; docs/inprocess.md, Known limitations), seen on loaded machines when a killed peer was mid-transfer. The
+    rank's node respawns it, and the new process joins the running world at the next restart."""
+    blocked = r"stacks of initial rank (\d+) \(pid \d+\), about to be terminated: a restart has not reached"
+    return {int(rank) for rank in re.findall(blocked, log)}
 
 
 def descendants(pid: int) -> list[int]:

@@ -26,7 +26,7 @@ from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.inprocess.hangs.monitor import MONITOR_LOST_EXIT_CODE, MONITOR_PROCESS_NAME
 from elastic_ft.keys import RunKeys
 from elastic_ft.observability.events import JobEvent
-from elastic_ft.testing.local_cluster import TorchrunNode, descendants, ftrun_command
+from elastic_ft.testing.local_cluster import TorchrunNode, descendants, ftrun_command, stranded_ranks
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
 CONF = "last_call_timeout=0.5,lease_ttl=1,join_timeout=60"
@@ -451,7 +451,7 @@ def test_spare_replaces_a_killed_node(etcd: EtcdServer, run_id: str, tmp_path: P
     done = read(tmp_path, "done-*.json")
     # Gloo's gap (docs/inprocess.md, Known limitations): a survivor of B's SIGKILL may stay blocked in C code
     # and be terminated by its monitor process; at most one, and the job goes on without it.
-    stranded = set(re.findall(r"initial rank (\d+) \(pid \d+\), about to be terminated: a restart has not", a.log()))
+    stranded = stranded_ranks(a.log())
     finished = sorted(r["node"] for r in done.values())
     assert len(stranded) <= 1, f"{stranded}\n{logs(nodes)}"
     assert finished.count("C") == 2 and finished.count("A") >= 2 - len(stranded), f"{done}\n{logs(nodes)}"

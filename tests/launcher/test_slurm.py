@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from elastic_ft.runtime.net import free_port
+from elastic_ft.testing.local_cluster import stranded_ranks
 from elastic_ft.testing.slurm import SlurmCluster, missing_binaries
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,13 +86,8 @@ def _tail(path: Path) -> str:
 
 
 def stranded(log: Path) -> set[int]:
-    """The initial ranks that the monitor process terminated because a restart could not reach their main thread:
-    gloo's gap (a send being written when its connection failed waits with no socket left to cut; see
-    docs/inprocess.md, Known limitations), seen on loaded machines when the killed node's rank was mid-transfer.
-    The rank's node respawns it, and the new process joins the running world at the next restart."""
-    text = log.read_text(errors="replace") if log.exists() else ""
-    blocked = r"stacks of initial rank (\d+) \(pid \d+\), about to be terminated: a restart has not reached"
-    return {int(rank) for rank in re.findall(blocked, text)}
+    """The initial ranks terminated for gloo's gap, from the job's output (:func:`stranded_ranks`)."""
+    return stranded_ranks(log.read_text(errors="replace") if log.exists() else "")
 
 
 def _decisions(log: Path) -> str:
