@@ -19,17 +19,39 @@ from elastic_ft.testing.netns import TestBed, unavailable
 
 REASON = unavailable()
 
+#: Asks another process, as the monitor process asks: one ``ResendProbe`` kept across the questions (it reads
+#: the TCP tables only for sockets new to it, then looks each connection up by address) and, beside it, the
+#: tables alone (the probe's answer where the kernel has no ``sock_diag``). Each answer is a line: "probe tables".
+WATCHER = textwrap.dedent(
+    """
+    import sys, time
+    from elastic_ft.inprocess.hangs.resends import ResendProbe, open_sock_diag, resending_by_tables
+    pid = int(sys.argv[1])
+    probe = ResendProbe(pid)
+    lookup = open_sock_diag()
+    print(lookup is not None, flush=True)
+    if lookup is not None:
+        lookup.close()
+    for _ in sys.stdin:
+        print(probe.resending(time.monotonic()), resending_by_tables(pid), flush=True)
+    """
+)
+
 SCENARIO = textwrap.dedent(
     """
     import os, socket, subprocess, sys, time
-    from elastic_ft.inprocess.delivery.connections import resending_lost_data
+    watcher = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(os.getpid())], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    print("sock_diag:", watcher.stdout.readline().strip())
 
     def seen_by_another_process():
-        code = f"from elastic_ft.inprocess.delivery.connections import resending_lost_data as s; print(s({os.getpid()}))"
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        watcher.stdin.write("?\\n")
+        watcher.stdin.flush()
+        return watcher.stdout.readline().strip()
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
+    print("listening:", seen_by_another_process())
     sender = socket.create_connection(("127.0.0.1", port))
     receiver, _ = listener.accept()
     # A hung peer: it reads nothing, its kernel acknowledges everything (then the window fills).
@@ -44,7 +66,8 @@ SCENARIO = textwrap.dedent(
         pass
     time.sleep(0.5)
     print("hung peer, full window:", seen_by_another_process())
-    # A lossy link: every packet to the port is dropped for now; what is sent stays in flight.
+    # A lossy link: every packet to the port is dropped for now; what is sent stays in flight. The probe meets
+    # this connection for the first time here.
     lossy_sender = socket.create_connection(("127.0.0.1", port))
     lossy_receiver, _ = listener.accept()
     rule = ["-p", "tcp", "--dport", str(port), "-j", "DROP"]
@@ -61,6 +84,10 @@ SCENARIO = textwrap.dedent(
         got += lossy_receiver.recv(4096)
     time.sleep(0.3)
     print("delivered:", len(got), seen_by_another_process())
+    lossy_sender.close()
+    print("closed:", seen_by_another_process())
+    watcher.stdin.close()
+    watcher.wait(10)
     """
 )
 
@@ -70,15 +97,22 @@ SCENARIO = textwrap.dedent(
 def test_only_data_the_network_lost_and_the_rank_resends_counts_as_activity() -> None:
     with TestBed(1) as bed:
         done = subprocess.run(
-            bed.command(0, [sys.executable, "-c", SCENARIO]), capture_output=True, text=True, timeout=120, check=False
+            bed.command(0, [sys.executable, "-c", SCENARIO, WATCHER]),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
         )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines == [
-        "hung peer, some data: False",
-        "hung peer, full window: False",
-        "lossy link: True",
-        "delivered: 1000 False",
+        "sock_diag: True",  # the probe answers by lookups here, not from the tables
+        "listening: False False",
+        "hung peer, some data: False False",
+        "hung peer, full window: False False",
+        "lossy link: True True",
+        "delivered: 1000 False False",
+        "closed: False False",
     ], done.stdout + done.stderr[-3000:]
 
 
@@ -89,20 +123,56 @@ def test_network_activity_counts_as_activity_of_the_rank() -> None:
     assert idle.inactive_for == 8.0
 
 
-def test_the_tcp_tables_are_read_only_while_nothing_cheaper_shows_the_rank_active(
+def test_resends_are_sampled_only_while_nothing_cheaper_shows_the_rank_active(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Reading them costs the kernel a walk of its whole connection table (a few ms per sample)."""
     from elastic_ft.inprocess.hangs import monitor
 
-    reads: list[int] = []
-    monkeypatch.setattr(monitor, "resending_lost_data", lambda pid: reads.append(pid) or True)
+    samples: list[float] = []
     meter = monitor._NetworkMeter(4242)
+    monkeypatch.setattr(meter.probe, "resending", lambda now: samples.append(now) or True)
     meter.sample(10.0, otherwise_inactive_for=0.15)  # it made progress or used CPU within two samples' time
-    assert reads == [] and meter.busy_at == -math.inf
-    meter.sample(10.2, otherwise_inactive_for=0.2)  # quiet: read, and its resends seen
-    assert reads == [4242] and meter.busy_at == 10.2
-    meter.sample(10.25, otherwise_inactive_for=0.25)  # still quiet, but within the period of the last read
-    assert reads == [4242]
+    assert samples == [] and meter.busy_at == -math.inf
+    meter.sample(10.2, otherwise_inactive_for=0.2)  # quiet: sampled, and its resends seen
+    assert samples == [10.2] and meter.busy_at == 10.2
+    meter.sample(10.25, otherwise_inactive_for=0.25)  # still quiet, but within the period of the last sample
+    assert samples == [10.2]
     meter.sample(10.31, otherwise_inactive_for=0.31)
-    assert reads == [4242, 4242] and meter.busy_at == 10.31
+    assert samples == [10.2, 10.31] and meter.busy_at == 10.31
+
+
+@pytest.mark.integration
+def test_the_probe_reads_the_tcp_tables_only_for_sockets_new_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading them costs the kernel a walk of its whole connection table (milliseconds); a lookup by address
+    costs microseconds. Sockets the tables do not show (not TCP) are looked for again only now and then."""
+    import os
+    import socket
+
+    from elastic_ft.inprocess.hangs import resends
+
+    lookup = resends.open_sock_diag()
+    if lookup is None:
+        pytest.skip("this kernel answers no sock_diag lookup of TCP connections")
+    lookup.close()
+    reads: list[set[int]] = []
+    connections = resends._connections
+    monkeypatch.setattr(
+        resends, "_connections", lambda pid, inodes: reads.append(set(inodes)) or connections(pid, inodes)
+    )
+    pair = socket.socketpair()
+    with socket.create_server(("127.0.0.1", 0)) as listener, pair[0], pair[1]:
+        probe = resends.ResendProbe(os.getpid())
+        assert probe.resending(100.0) is False
+        assert len(reads) == 1 and os.fstat(listener.fileno()).st_ino in reads[0]
+        assert probe.resending(100.1) is False and probe.resending(101.0) is False
+        assert len(reads) == 1  # nothing new: the unix sockets are looked for again only after a while
+        with socket.create_connection(listener.getsockname()) as client:
+            assert probe.resending(101.1) is False
+            assert len(reads) == 2 and os.fstat(client.fileno()).st_ino in reads[1]
+            assert os.fstat(pair[0].fileno()).st_ino in reads[1]  # the tables are read for every unmatched one
+            assert probe.resending(102.0) is False and len(reads) == 2
+            assert probe.resending(103.2) is False  # the unix sockets' turn
+            unix = {os.fstat(end.fileno()).st_ino for end in pair}
+            assert len(reads) == 3 and unix <= reads[2]
+            assert not {os.fstat(known.fileno()).st_ino for known in (client, listener)} & reads[2]
+        probe.close()

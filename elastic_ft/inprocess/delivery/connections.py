@@ -93,72 +93,57 @@ def _own_socket_inodes() -> dict[int, int]:
     return found
 
 
-def _host(hexadecimal: str) -> str:
-    """An address of ``/proc/net/tcp{,6}`` (32-bit words in host order, as hex) as text."""
+def sockets_of(pid: int) -> set[int]:
+    """The inodes of the sockets process ``pid`` holds (empty if it is gone)."""
+    inodes: set[int] = set()
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def network_order(hexadecimal: str) -> bytes:
+    """An address of ``/proc/net/tcp{,6}`` (32-bit words in host order, as hex) in network byte order."""
     raw = bytes.fromhex(hexadecimal)
-    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)) if sys.byteorder == "little" else raw
-    return str(ipaddress.ip_address(words))
+    if sys.byteorder == "little":
+        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return raw
+
+
+def tcp_table_rows(pid: int) -> list[tuple[int, list[str]]]:
+    """(address family, fields) of every row of the TCP tables of ``pid``'s network namespace.
+
+    The kernel walks its whole connection hash table to write each table, whatever the process holds: a few
+    milliseconds of kernel time on a host of tens of GiB (:mod:`elastic_ft.inprocess.hangs.resends`).
+    """
+    rows: list[tuple[int, list[str]]] = []
+    for table, family in (("tcp", int(socket.AF_INET)), ("tcp6", int(socket.AF_INET6))):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as lines:
+                next(lines, None)
+                rows += [(family, line.split()) for line in lines]
+        except OSError:  # no IPv6 in this namespace, or the process is gone
+            continue
+    return rows
 
 
 def _tcp_entries() -> dict[int, tuple[int, int, str, str]]:
     """inode -> (local port, remote port, state, local address) of the TCP sockets of this network namespace."""
     entries: dict[int, tuple[int, int, str, str]] = {}
-    for table in ("tcp", "tcp6"):
-        try:
-            with open(f"/proc/self/net/{table}") as lines:
-                next(lines, None)
-                for line in lines:
-                    fields = line.split()
-                    local, remote, state, inode = fields[1], fields[2], fields[3], int(fields[9])
-                    host, port = local.rsplit(":", 1)
-                    entries[inode] = (int(port, 16), int(remote.rsplit(":", 1)[1], 16), state, _host(host))
-        except OSError:  # no IPv6 in this namespace
-            continue
+    for _, fields in tcp_table_rows(os.getpid()):
+        local, remote, state, inode = fields[1], fields[2], fields[3], int(fields[9])
+        host, port = local.rsplit(":", 1)
+        address = str(ipaddress.ip_address(network_order(host)))
+        entries[inode] = (int(port, 16), int(remote.rsplit(":", 1)[1], 16), state, address)
     return entries
-
-
-_RETRANSMIT_TIMER = 1  # the ``tr`` field of /proc/net/tcp: data sent and not yet acknowledged
-
-
-def resending_lost_data(pid: int) -> bool:
-    """Whether a TCP socket of process ``pid`` is resending data the network lost.
-
-    Its retransmit timer runs and has already expired at least once
-    (``tr`` 1 and ``retrnsmt`` > 0 in ``/proc/<pid>/net/tcp``): the data is
-    being sent again after a loss, and stays so through the backoff. Data
-    merely in flight is not enough: a request its server answers later (a
-    store's blocking wait) holds the timer until the delayed ACK, which made
-    ranks that only waited look busy. A hung peer's kernel still
-    acknowledges what it receives (and a full window runs the probe timer),
-    so this is never true of a rank that only waits for a hung peer. Read
-    from another process (the monitor process).
-    """
-    inodes = set()
-    try:
-        names = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for name in names:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{name}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    if not inodes:
-        return False
-    for table in ("tcp", "tcp6"):
-        try:
-            with open(f"/proc/{pid}/net/{table}") as lines:
-                next(lines, None)
-                for line in lines:
-                    fields = line.split()
-                    timer, timeouts = int(fields[5].split(":", 1)[0], 16), int(fields[6], 16)
-                    if timer == _RETRANSMIT_TIMER and timeouts > 0 and fields[9] in inodes:
-                        return True
-        except (OSError, IndexError, ValueError):
-            continue
-    return False
 
 
 def tcp_sockets() -> list[TcpSocket]:

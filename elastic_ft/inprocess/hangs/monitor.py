@@ -50,8 +50,8 @@ from elastic_ft.coordination.reports import report_process_gone
 from elastic_ft.etcd.accounting import on_behalf_of, set_role
 from elastic_ft.etcd.kv import EtcdRequestError
 from elastic_ft.etcd.outage import OUTAGES, bounded, patiently
-from elastic_ft.inprocess.delivery.connections import resending_lost_data
 from elastic_ft.inprocess.hangs.heartbeats import ProgressTimestamps
+from elastic_ft.inprocess.hangs.resends import ResendProbe
 from elastic_ft.inprocess.hangs.verdicts import (
     RankActivity,
     StallAction,
@@ -451,19 +451,16 @@ class _CpuMeter:
 
 
 class _NetworkMeter:
-    """When the rank last resent data the network lost (``time.monotonic()``; never: -inf), sampled every
-    ``_CPU_SAMPLE_PERIOD`` while nothing cheaper shows the rank active.
+    """When the rank last resent data the network lost (:class:`~elastic_ft.inprocess.hangs.resends.ResendProbe`),
+    sampled every ``_CPU_SAMPLE_PERIOD`` while nothing cheaper shows the rank active.
 
-    A sample reads the rank's TCP tables, and the kernel walks its whole table of connections to write them,
-    however few the rank has: its size follows the host's memory (about 1.2 ms of kernel time per table on a
-    24 GiB host; 2.4 % of a core per rank at ten samples a second, the monitor's main cost). Resends only
-    matter while the rank neither makes progress nor uses CPU (:attr:`RankActivity.inactive_for` is the least
-    of the three), so a rank seen active within ``_SEEN_ACTIVE_WITHIN`` is not sampled: its inactivity is then
-    off by that much at most, far below any timeout it is judged by.
+    Resends only matter while the rank neither makes progress nor uses CPU (:attr:`RankActivity.inactive_for` is
+    the least of the three), so a rank seen active within ``_SEEN_ACTIVE_WITHIN`` is not sampled: its inactivity
+    is then off by that much at most, far below any timeout it is judged by.
     """
 
     def __init__(self, pid: int) -> None:
-        self.pid = pid
+        self.probe = ResendProbe(pid)
         self._sampled_at = -math.inf
         self.busy_at = -math.inf
 
@@ -472,7 +469,7 @@ class _NetworkMeter:
         if otherwise_inactive_for < _SEEN_ACTIVE_WITHIN or now - self._sampled_at < _CPU_SAMPLE_PERIOD:
             return
         self._sampled_at = now
-        if resending_lost_data(self.pid):
+        if self.probe.resending(now):
             self.busy_at = now
 
 
@@ -566,6 +563,7 @@ class _Monitor:
         finally:
             close_events(self.events, timeout=2.0)
             close_store(base_store)
+            self.network.probe.close()
 
     def _watch(self, base_store: dist.Store, early: list[dict[str, Any]]) -> None:
         """The monitor's loop once the store is ready, until the rank leaves or the main process stops it."""

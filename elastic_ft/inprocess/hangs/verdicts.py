@@ -29,7 +29,9 @@ rank's other threads are machinery, gloo's and gRPC's, whose CPU use says
 nothing of its progress), or is
 resending data the network lost (a lossy link retransmits for seconds:
 slow, not hung; a hung peer's kernel still acknowledges what it receives,
-so waiting for it never looks like this). The configured
+so waiting for it never looks like this; the monitor process asks the
+kernel about each of the rank's connections by address, over ``sock_diag``
+netlink, a few microseconds a question). The configured
 ``soft_timeout`` and ``hard_timeout`` keep their plain meaning (no progress
 for that long restarts, kills, whatever the rank does). A rank none of
 whose Python threads ran for the adaptive soft timeout (the GIL held, or
@@ -220,7 +222,7 @@ class RankActivity:
     threads_silent_for: float  # since any of its Python threads last ran (the GIL held throughout)
     restart_pending_for: float = 0.0  # since a restart started that the main thread has not taken (0: none)
     #: Since the rank last resent data the network lost on a TCP connection (a lossy link retransmitting is
-    #: slow, not hung: :func:`elastic_ft.inprocess.delivery.connections.resending_lost_data`).
+    #: slow, not hung: :mod:`elastic_ft.inprocess.hangs.resends`).
     network_idle_for: float = math.inf
 
     @property
