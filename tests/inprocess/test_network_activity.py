@@ -7,10 +7,12 @@ process reads them.
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,7 @@ from elastic_ft.inprocess.hangs.verdicts import RankActivity
 from elastic_ft.testing.netns import TestBed, unavailable
 
 REASON = unavailable()
+COST = Path(__file__).resolve().parents[2] / "benchmarks" / "monitor_cost.py"
 
 #: Asks another process, as the monitor process asks: one ``ResendProbe`` kept across the questions (it reads
 #: the TCP tables only for sockets new to it, then looks each connection up by address) and, beside it, the
@@ -176,3 +179,27 @@ def test_the_probe_reads_the_tcp_tables_only_for_sockets_new_to_it(monkeypatch: 
             assert len(reads) == 3 and unix <= reads[2]
             assert not {os.fstat(known.fileno()).st_ino for known in (client, listener)} & reads[2]
         probe.close()
+
+
+@pytest.mark.integration
+def test_the_cost_benchmark_finds_the_lookups_cheaper_than_the_tables(tmp_path: Path) -> None:
+    """benchmarks/monitor_cost.py runs (CPU time of the asking process, not wall time: load does not sway it)."""
+    from elastic_ft.inprocess.hangs.resends import open_sock_diag
+
+    lookup = open_sock_diag()
+    if lookup is None:
+        pytest.skip("this kernel answers no sock_diag lookup of TCP connections: the probe reads the tables")
+    lookup.close()
+    out = tmp_path / "monitor_cost.json"
+    done = subprocess.run(
+        [sys.executable, str(COST), "--connections", "8", "--questions", "20", "--repeats", "3", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["runs"]
+    assert row["connections"] == 8 and "| 8 (16) |" in done.stdout
+    # Here the probe's answers are lookups (sock_diag), hundreds of times cheaper than the tables' walk.
+    assert row["ms_per_question"]["probe"] < row["ms_per_question"]["tables"] / 5, row
