@@ -203,3 +203,13 @@ def test_the_cost_benchmark_finds_the_lookups_cheaper_than_the_tables(tmp_path: 
     assert row["connections"] == 8 and "| 8 (16) |" in done.stdout
     # Here the probe's answers are lookups (sock_diag), hundreds of times cheaper than the tables' walk.
     assert row["ms_per_question"]["probe"] < row["ms_per_question"]["tables"] / 5, row
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("bad", [["--connections", "two"], ["--connections", "0"], ["--repeats", "0"]])
+def test_the_cost_benchmark_names_a_bad_argument_before_it_starts_anything(tmp_path: Path, bad: list[str]) -> None:
+    out = tmp_path / "monitor_cost.json"
+    done = subprocess.run(
+        [sys.executable, str(COST), *bad, "--out", str(out)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 2 and bad[0] in done.stderr and not out.exists(), done.stderr

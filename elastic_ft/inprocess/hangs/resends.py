@@ -46,6 +46,9 @@ _REQUEST = struct.Struct("=BBBBI")  # inet_diag_req_v2 up to its socket id: fami
 _SOCKET_ID = struct.Struct("!HH16s16s")  # inet_diag_sockid up to its interface: ports and addresses, network order
 _SOCKET_ID_TAIL = struct.Struct("=III")  # interface, cookie
 _REPLY = struct.Struct("=BBBB")  # inet_diag_msg's start: family, state, timer, retransmits
+_INODE = struct.Struct("=I")
+#: Where inet_diag_msg's inode is: after its start, the socket id, and expires, rqueue, wqueue and uid.
+_INODE_OFFSET = _HEADER.size + _REPLY.size + _SOCKET_ID.size + _SOCKET_ID_TAIL.size + 16
 #: Seconds before the tables are read again for sockets they did not show: a TCP socket appears there once it
 #: connects or listens, so one created just before a sample is seen this much later at most.
 _LOOK_AGAIN_AFTER = 2.0
@@ -128,17 +131,18 @@ class _SockDiag:
         self._socket.send(
             _HEADER.pack(_HEADER.size + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, self._sequence, 0) + request
         )
-        while True:  # an answer to an earlier lookup that timed out is skipped
-            reply = self._socket.recv(8192)
-            _, kind, _, sequence, _ = _HEADER.unpack_from(reply)
-            if sequence == self._sequence:
-                break
-        if kind == _NLMSG_ERROR:
-            return None
-        _, _, timer, retransmits = _REPLY.unpack_from(reply, _HEADER.size)
-        inode = struct.unpack_from(
-            "=I", reply, _HEADER.size + _REPLY.size + _SOCKET_ID.size + _SOCKET_ID_TAIL.size + 16
-        )[0]
+        try:
+            while True:  # an answer to an earlier lookup that timed out is skipped
+                reply = self._socket.recv(8192)
+                _, kind, _, sequence, _ = _HEADER.unpack_from(reply)
+                if sequence == self._sequence:
+                    break
+            if kind == _NLMSG_ERROR:
+                return None
+            _, _, timer, retransmits = _REPLY.unpack_from(reply, _HEADER.size)
+            (inode,) = _INODE.unpack_from(reply, _INODE_OFFSET)
+        except struct.error as error:  # an answer shorter than its kind: not what this module asked for
+            raise OSError(f"a sock_diag answer of {len(reply)} bytes could not be read: {error}") from error
         return timer, retransmits, inode
 
     def close(self) -> None:
