@@ -21,7 +21,8 @@ member frozen (SIGSTOP) for 10 s, and the same followed by a worker
 SIGKILLed (every node's lease ran out during the freeze).
 
 Prints a table (fault, ranks that finished, final world size, fault ->
-resume, the checks), writes ``benchmarks/results/fault_matrix.json``, and
+resume, the checks; a survivor its monitor terminated for gloo's gap is
+named and not expected to finish), writes ``benchmarks/results/fault_matrix.json``, and
 exits 1 if a check failed or a job did not finish.
 """
 
@@ -272,7 +273,7 @@ def run_scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from recovery import recovery_seconds
 
     from elastic_ft.testing.etcd_cluster import EtcdCluster
-    from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command
+    from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command, stranded_ranks
 
     fault, external, expected = SCENARIOS[name]
     workdir = scratch.workdir("fault-matrix-")
@@ -320,6 +321,10 @@ def run_scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 _kill_node(node, signal.SIGCONT)
                 node.terminate()
     done = [json.loads(path.read_text()) for path in workdir.glob("done-*.json")]
+    # Gloo's gap (docs/inprocess.md, Known limitations): a survivor blocked in C code on a send to a killed peer
+    # is terminated by its monitor process; its node respawns it, and the new process joins at the world's next
+    # restart, which may never come. Such a rank is named, and at most one is allowed for.
+    stranded = sorted(stranded_ranks("".join(Path(n.log_path).read_text(errors="replace") for n in nodes)))
     if steps is None:  # the driver did not wait for the job to finish: say why, not that it ran out of time
         problems = [f"the ranks did not all train again within a minute after the fault ({expected} expected)"]
     else:
@@ -330,10 +335,12 @@ def run_scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
         for node in waited
         if finished and node.process.returncode != 0
     ]
+    if len(stranded) > 1:
+        problems.append(f"ranks {stranded} were terminated for gloo's gap: at most one is allowed for")
     if finished and not done:
         problems.append("no rank finished the job")
-    elif finished and len(done) < expected:
-        problems.append(_unfinished(workdir, done, expected, waited))
+    elif finished and len(done) < expected - len(stranded):
+        problems.append(_unfinished(workdir, done, expected - len(stranded), waited))
     if steps is not None:
         problems += check_job(workdir, steps)
     restarted = any(e["event"] == "enter" for e in _events(workdir))
@@ -342,6 +349,7 @@ def run_scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "finished": finished,
         "survivors": len(done),
         "expected_survivors": expected,
+        "stranded": stranded,
         "world_size": sorted({d["world_size"] for d in done}),
         "recovery_seconds": recovery_seconds(workdir) if finished and restarted else None,
         "restarted": restarted,
@@ -350,6 +358,11 @@ def run_scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "problems": problems,
         "dir": str(workdir),
     }
+
+
+def _stranded(run: dict[str, Any]) -> str:
+    """The table's note of the ranks terminated for gloo's gap."""
+    return f"; rank {', '.join(map(str, run['stranded']))} stranded" if run["stranded"] else ""
 
 
 def main() -> None:
@@ -380,7 +393,7 @@ def main() -> None:
         )
         checks = "pass" if not run["problems"] else "FAIL: " + "; ".join(run["problems"])[:200]
         print(
-            f"| {run['scenario']} | {run['survivors']} ({run['expected_survivors']}) | "
+            f"| {run['scenario']} | {run['survivors']} ({run['expected_survivors']}{_stranded(run)}) | "
             f"{','.join(map(str, run['world_size']))} | {resume} | {run['rounds']} | {checks} |"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
