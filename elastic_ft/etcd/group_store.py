@@ -22,6 +22,13 @@ old copy. ``wait`` counts a queue of a key's name only when this handle
 pushed to it (gloo and NCCL use no queues).
 :meth:`close` ends the watch (the group's owner calls it once the group is
 gone: NCCL may read the store after the group's creation).
+
+:meth:`abandon` ends the waits on the copy: a group given up while it was
+being built (a restart reached the thread that waited for it) must not
+leave a thread waiting inside gloo's constructor. Such a thread comes back
+into Python at every slice of its wait, and one that does so while the
+interpreter exits aborts the process ("terminate called without an active
+exception": CPython ends the thread under a C++ frame that cannot unwind).
 """
 
 from __future__ import annotations
@@ -104,6 +111,8 @@ class GroupStore(EtcdStore):
         self._view_lock = threading.Lock()
         #: Keys changed through this handle after their first write: read from etcd.
         self._changed: set[str] = set()
+        #: Why the waits on the copy end at once (:meth:`abandon`); None while they wait.
+        self._abandoned: str | None = None
 
     def _copy(self) -> _Copy:
         """The watch-fed copy of the prefix (a new one if its watch broke: the keys are read again)."""
@@ -121,6 +130,8 @@ class GroupStore(EtcdStore):
         seconds = (timeout if timeout is not None else self.timeout).total_seconds()
         deadline = time.monotonic() + seconds
         while True:
+            if self._abandoned is not None:
+                raise dist.DistStoreError(f"waiting for {', '.join(sorted(set(keys)))}: {self._abandoned}")
             view = self._copy()
             # One slice at a time, shielded: a restart raised inside the condition's wait could leave its lock held
             # (elastic_ft.etcd.shield); it is raised at the slice's end instead.
@@ -183,6 +194,16 @@ class GroupStore(EtcdStore):
         with self._clones_lock:
             self._clones.append(copy)
         return copy
+
+    def abandon(self, reason: str) -> None:
+        """Make every wait on the copy, now (within one slice) and later, raise ``DistStoreError`` saying ``reason``:
+        whoever waits was given up (see the module docstring)."""
+        self._abandoned = reason
+        with self._view_lock:
+            view = self._view
+        if view is not None:
+            with view.changed:
+                view.changed.notify_all()
 
     def close(self) -> None:
         """End the watch (the store's own requests still work)."""

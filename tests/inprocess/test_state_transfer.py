@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import datetime
 import json
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.inprocess.exception import StateTransferError
 from elastic_ft.inprocess.healing.transfer import (
     flatten_state,
@@ -238,6 +241,62 @@ def test_run_interruptibly_returns_and_raises_what_its_task_did() -> None:
     assert run_interruptibly(lambda: 41 + 1, "t") == 42
     with pytest.raises(KeyError, match="missing"):
         run_interruptibly(lambda: {}["missing"], "t")
+
+
+#: A rank connecting a transfer group to a sender that never publishes its address (it died first) is given up by
+#: a restart, and then exits: gloo's constructor must not still be waiting in the store when the interpreter
+#: exits (a thread coming back into Python then aborts the process). argv: the etcd endpoint, "abandon" or not.
+_CONNECT_THEN_EXIT = """
+import datetime, signal, sys, threading, time
+import torch.distributed as dist
+from elastic_ft.etcd.client import EtcdClient
+from elastic_ft.etcd.endpoints import parse_endpoints
+from elastic_ft.etcd.group_store import group_store
+from elastic_ft.etcd.store import EtcdStore
+from elastic_ft.inprocess.healing.transfer import run_interruptibly
+
+store = group_store(EtcdStore(EtcdClient(parse_endpoints(sys.argv[1])), "/test/exit/"), "heal/group/1/")
+abandon = (lambda: store.abandon("given up")) if sys.argv[2] == "abandon" else None
+
+class Restart(BaseException):
+    pass
+
+def restart(*_):
+    raise Restart()
+
+signal.signal(signal.SIGALRM, restart)
+signal.setitimer(signal.ITIMER_REAL, 1.0)
+connect = lambda: dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(seconds=60))
+try:
+    run_interruptibly(connect, "elastic_ft-heal-connect", abandon)
+except Restart:
+    pass
+deadline = time.monotonic() + 2
+while any(t.name == "elastic_ft-heal-connect" for t in threading.enumerate()) and time.monotonic() < deadline:
+    time.sleep(0.01)
+print("connecting:", any(t.name == "elastic_ft-heal-connect" for t in threading.enumerate()), flush=True)
+"""
+
+
+def test_a_connect_given_up_by_a_restart_ends_before_the_process_exits(etcd: EtcdServer) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _CONNECT_THEN_EXIT, etcd.endpoint, "abandon"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert "connecting: False" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr
+    # Without it, the thread still waits in gloo's constructor when the process exits.
+    kept = subprocess.run(
+        [sys.executable, "-c", _CONNECT_THEN_EXIT, etcd.endpoint, "keep"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert "connecting: True" in kept.stdout, kept.stdout + kept.stderr
 
 
 # ---- DTensors: sent as their local shard, with the layout they are a shard of ----

@@ -42,6 +42,8 @@ import torch.distributed as dist
 
 from elastic_ft import keys
 from elastic_ft.coordination.iteration import IterationView
+from elastic_ft.etcd.group_store import GroupStore, group_store
+from elastic_ft.etcd.store import EtcdStore
 from elastic_ft.inprocess.delivery.process_groups import ProcessGroupKeeper
 from elastic_ft.inprocess.exception import HealingError, StateTransferError
 from elastic_ft.inprocess.healing.layout import check_shard, layout_of
@@ -130,24 +132,45 @@ def _transfer_group(
     waits.
     """
     member = members.index(active_rank)
+    bootstrap = _bootstrap_store(store, sender)
 
     def connect() -> Any:
-        group = dist.ProcessGroupGloo(
-            dist.PrefixStore(keys.heal_group(sender), store.store), member, len(members), timeout
-        )
+        group = dist.ProcessGroupGloo(bootstrap, member, len(members), timeout)
         keeper.track(group)
         return group
+
+    def abandon() -> None:
+        if isinstance(bootstrap, GroupStore):
+            bootstrap.abandon(f"the state transfer from rank {sender} was given up (a restart)")
 
     try:
         # gloo connects to every member in C code: to a peer cut off without a FIN or RST, a connect waits
         # out the group's timeout, where no restart reaches the thread and no released socket wakes it.
-        group = run_interruptibly(connect, "elastic_ft-heal-connect")
+        group = run_interruptibly(connect, "elastic_ft-heal-connect", abandon)
         if len(members) > 2:  # two members share one connection: nothing else to close under them
             store.arrive_and_wait(keys.heal_group_ready(sender), [member], len(members), timeout)
         yield group
     except RuntimeError as error:  # gloo: a peer's connection closed, a timeout
         raise StateTransferError(f"the state transfer from rank {sender} to {members[1:]} failed: {error}") from error
+    finally:
+        if isinstance(bootstrap, GroupStore):
+            bootstrap.close()
     keeper.untrack(group)
+
+
+def _bootstrap_store(store: IterationView, sender: int) -> dist.Store:
+    """The store ``sender``'s transfer group is built in, under the iteration's keys.
+
+    On an etcd store, a :class:`~elastic_ft.etcd.group_store.GroupStore`:
+    its waits a restart can end (``abandon``). A member that died before it
+    published its address would otherwise hold the connecting thread in
+    gloo's constructor for the group's whole timeout, calling back into
+    Python, and a process that exits meanwhile aborts. A store in C++
+    (TCPStore) waits without Python, and is used through a prefix view.
+    """
+    if isinstance(store.base, EtcdStore) and isinstance(store, IterationView):
+        return group_store(store.base, f"{store.key_prefix}/{keys.heal_group(sender)}")
+    return dist.PrefixStore(keys.heal_group(sender), store.store)
 
 
 def heal(

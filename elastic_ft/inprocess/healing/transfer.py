@@ -284,7 +284,7 @@ class _Pipeline:
             then()
 
 
-def run_interruptibly(task: Callable[[], T], name: str) -> T:
+def run_interruptibly(task: Callable[[], T], name: str, abandon: Callable[[], None] | None = None) -> T:
     """``task()`` in a helper thread, while this thread waits in Python; returns or raises what it did.
 
     A transfer blocks in gloo's C code, where a restart's exception cannot
@@ -292,7 +292,8 @@ def run_interruptibly(task: Callable[[], T], name: str) -> T:
     operation is posted as it closes (it then waits for the group's whole
     timeout). Waiting here, in short slices, the calling thread gets the
     restart at once; the helper thread is left to end with its group's
-    timeout.
+    timeout, or sooner through ``abandon``, called when the wait here ends
+    with an exception (a restart): it makes ``task`` give up.
     """
     outcome: list[tuple[bool, Any]] = []
     done = threading.Event()
@@ -306,8 +307,13 @@ def run_interruptibly(task: Callable[[], T], name: str) -> T:
             done.set()
 
     threading.Thread(target=run, name=name, daemon=True).start()
-    while not done.wait(0.005):
-        pass
+    try:
+        while not done.wait(0.005):
+            pass
+    except BaseException:
+        if abandon is not None:
+            abandon()
+        raise
     succeeded, value = outcome[0]
     if not succeeded:
         raise value
