@@ -278,24 +278,22 @@ print("connecting:", any(t.name == "elastic_ft-heal-connect" for t in threading.
 """
 
 
-def test_a_connect_given_up_by_a_restart_ends_before_the_process_exits(etcd: EtcdServer) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", _CONNECT_THEN_EXIT, etcd.endpoint, "abandon"],
+def _connect_then_exit(etcd: EtcdServer, mode: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _CONNECT_THEN_EXIT, etcd.endpoint, mode],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
+
+
+def test_a_connect_given_up_by_a_restart_ends_before_the_process_exits(etcd: EtcdServer) -> None:
+    done = _connect_then_exit(etcd, "abandon")
     assert "connecting: False" in done.stdout, done.stdout + done.stderr
     assert done.returncode == 0, done.stdout + done.stderr
-    # Without it, the thread still waits in gloo's constructor when the process exits.
-    kept = subprocess.run(
-        [sys.executable, "-c", _CONNECT_THEN_EXIT, etcd.endpoint, "keep"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    # Without it, the thread still waits in gloo's constructor when the process exits (which aborts it).
+    kept = _connect_then_exit(etcd, "keep")
     assert "connecting: True" in kept.stdout, kept.stdout + kept.stderr
 
 
