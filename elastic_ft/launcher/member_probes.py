@@ -80,7 +80,8 @@ class MemberProbes:
             for node, (answer, seconds) in answers.items():
                 if answer is Answer.ANSWERED:
                     self._answer_times.setdefault(node, collections.deque(maxlen=8)).append(seconds)
-            for verdict in judge(answers, self._handler.node):
+            held_for = self._handler.hold_until() - time.monotonic()
+            for verdict in judge(answers, self._handler.node, held_for):
                 if self._verdicts.get(verdict.node) != verdict.state:
                     self._verdicts[verdict.node] = verdict.state
                     (log.warning if verdict.lost else log.info)("probe of node %s: %s", verdict.node, verdict.reason)

@@ -86,7 +86,8 @@ class Answer(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     """The verdict on one member: ``state`` is ``lost``, ``alive`` or ``unconfirmed`` (silent, but this node
-    is not in the majority); ``reason`` says why. Changes of ``state`` are what gets logged."""
+    is not in the majority, or counts nobody out for now); ``reason`` says why. Changes of ``state`` are what
+    gets logged."""
 
     node: str
     state: str
@@ -140,11 +141,14 @@ def in_majority(answers: Mapping[str, tuple[Answer, float]], me: str) -> bool:
     return min(set(answers) | {me}) in reached
 
 
-def judge(answers: Mapping[str, tuple[Answer, float]], me: str) -> list[Verdict]:
+def judge(answers: Mapping[str, tuple[Answer, float]], me: str, held_for: float = 0.0) -> list[Verdict]:
     """The verdict on each member ``me`` probed (``answers``: node -> (answer, seconds it took)), in node order.
 
     A refusal or a mute host proves the member's agent gone whoever asks; silence counts only when ``me`` is
-    in the majority (:func:`in_majority`).
+    in the majority (:func:`in_majority`) and counts nobody out for no more seconds (``held_for``: the quiet
+    window after it announced itself again, or its promises). A node just counted out for being cut off is
+    the likeliest to be cut off again, and a cut made one link at a time leaves it, for a moment, reaching a
+    majority that it is about to lose: its silence is no proof then.
     """
     majority = in_majority(answers, me)
     verdicts = []
@@ -154,10 +158,16 @@ def judge(answers: Mapping[str, tuple[Answer, float]], me: str) -> list[Verdict]
             verdicts.append(
                 Verdict(node, "lost", f"its agent refuses connections ({seconds:.2f} s): the process is gone")
             )
-        elif answer is Answer.SILENT and majority:
+        elif answer is Answer.SILENT and majority and held_for <= 0:
             verdicts.append(
                 Verdict(node, "lost", f"no answer to {seconds:.1f} s of probes: its host or the link to it is down")
             )
+        elif answer is Answer.SILENT and majority:
+            reason = (
+                f"silent, but this node counts nobody out for {held_for:.1f} s more (its own new lease, or its "
+                "promises): its own links are suspect; left to its lease and the other members"
+            )
+            verdicts.append(Verdict(node, "unconfirmed", reason))
         elif answer is Answer.SILENT:
             reason = "silent, but so are most nodes: this node may be the one cut off; left to its lease"
             verdicts.append(Verdict(node, "unconfirmed", reason))

@@ -46,12 +46,16 @@ from elastic_ft.runtime.reaper import current_reaper
 HOST_INTERFACE = "eth0"
 
 
+#: The chains and address matches that drop a host's traffic with one address, both ways.
+_DROP_SIDES = (("OUTPUT", "-d"), ("INPUT", "-s"))
+
+
 class TestBedUnavailable(RuntimeError):
     """This machine cannot build the test bed (or this fault); the message says why."""
 
 
-def _run(*argv: str) -> None:
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+def _run(*argv: str, stdin: str | None = None) -> None:
+    done = subprocess.run(argv, input=stdin, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise TestBedUnavailable(f"{' '.join(argv)} failed: {done.stderr.strip() or done.stdout.strip()}")
 
@@ -60,7 +64,7 @@ def unavailable() -> str | None:
     """Why this machine cannot build a test bed (None if it can)."""
     if os.geteuid() != 0:
         return "the network-namespace test bed needs root (ip netns, veth, iptables)"
-    for tool in ("ip", "iptables-legacy"):
+    for tool in ("ip", "iptables-legacy", "iptables-legacy-restore"):
         if shutil.which(tool) is None:
             return f"the network-namespace test bed needs {tool} (apt install iproute2 iptables)"
     probe = f"eftprobe{random.randrange(16**4):04x}"
@@ -215,9 +219,13 @@ class TestBed:
             )
 
     def _isolate(self, host: int, addresses: list[str]) -> None:
-        for address in addresses:
-            self._iptables(host, "-A", "OUTPUT", "-d", address, "-j", "DROP")
-            self._iptables(host, "-A", "INPUT", "-s", address, "-j", "DROP")
+        """Drop ``host``'s traffic to and from ``addresses``, every link at the same instant: one
+        ``iptables-restore`` commits all the rules at once. Rule by rule, the host would reach some peers
+        but not others for a moment (a partial partition, a different fault), and its probes would be right
+        to count the unreachable ones out."""
+        rules = [f"-A {chain} {side} {address} -j DROP" for address in addresses for chain, side in _DROP_SIDES]
+        batch = "\n".join(["*filter", *rules, "COMMIT", ""])
+        _run("ip", "netns", "exec", self.namespace(host), "iptables-legacy-restore", "--noflush", stdin=batch)
 
     def isolate_from_peers(self, host: int) -> None:
         """``host`` keeps reaching etcd, but no other host."""

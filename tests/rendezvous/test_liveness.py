@@ -226,3 +226,12 @@ def test_probe_all_probes_every_node_with_its_own_bounds_in_parallel() -> None:
         "old": Answer.UNKNOWN,
     }
     assert elapsed < 1.5  # in parallel: the slowest bound, not their sum
+
+
+def test_while_a_node_counts_nobody_out_silence_is_no_proof_and_refusal_still_is() -> None:
+    """Its quiet window after it announced itself again, or its promises: its own links are suspect."""
+    answers = {"a": (Answer.ANSWERED, 0.01), "b": (Answer.SILENT, 1.0), "c": (Answer.REFUSED, 0.0)}
+    held = judge(answers, "m", held_for=4.2)
+    assert [v.state for v in held] == ["alive", "unconfirmed", "lost"]
+    assert "counts nobody out for 4.2 s more" in held[1].reason
+    assert [v.state for v in judge(answers, "m", held_for=0.0)] == ["alive", "lost", "lost"]
