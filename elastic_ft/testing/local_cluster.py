@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,6 +45,37 @@ def stranded_ranks(log: str) -> set[int]:
     rank's node respawns it, and the new process joins the running world at the next restart."""
     blocked = r"stacks of initial rank (\d+) \(pid \d+\), about to be terminated: a restart has not reached"
     return {int(rank) for rank in re.findall(blocked, log)}
+
+
+def python_stacks(pids: Sequence[int]) -> str:
+    """Every thread's Python stack in each of ``pids`` (``py-spy dump``), or why it could not be read: what
+    tells a hung process from a slow one after the fact."""
+    beside = Path(sys.executable).with_name("py-spy")
+    spy = str(beside) if beside.exists() else shutil.which("py-spy")
+    if spy is None:
+        return "(no stacks: py-spy is not installed; pip install py-spy)"
+    dumps = []
+    for pid in pids:
+        try:
+            done = subprocess.run(
+                [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30, check=False
+            )
+            dumps.append(f"---- process {pid}\n{done.stdout or done.stderr}")
+        except subprocess.TimeoutExpired:
+            dumps.append(f"---- process {pid}: py-spy took over 30 s")
+    return "\n".join(dumps)
+
+
+class NodeStillRunning(subprocess.TimeoutExpired):
+    """A node's launcher outlived a wait; the message holds its log's tail and the stacks of it and its
+    workers (read before anything ends them)."""
+
+    def __init__(self, error: subprocess.TimeoutExpired, details: str) -> None:
+        super().__init__(error.cmd, error.timeout)
+        self.details = details
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\n{self.details}"
 
 
 def descendants(pid: int) -> list[int]:
@@ -120,7 +152,12 @@ class TorchrunNode:
         return self.process.pid
 
     def wait(self, timeout: float | None = None) -> int:
-        return self.process.wait(timeout)
+        """The launcher's exit code; :class:`NodeStillRunning` (a ``TimeoutExpired``) after ``timeout``."""
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired as error:
+            stacks = python_stacks([self.pid, *descendants(self.pid)])
+            raise NodeStillRunning(error, f"{self.log()[-4000:]}\n==== stacks\n{stacks}") from None
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path else ""
