@@ -152,10 +152,10 @@ def finish(nodes: list[TorchrunNode], timeout: float = 120) -> list[int]:
     """Exit codes of `nodes`; a node still running after `timeout` fails with every log."""
     try:
         return [node.wait(timeout) for node in nodes]
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as still_running:  # its message holds the node's stacks
         every_log = sorted(nodes[0].log_path.parent.glob("*.log")) if nodes[0].log_path else []
         text = "\n".join(f"==== {path.name}\n{path.read_text(errors='replace')[-6000:]}" for path in every_log)
-        pytest.fail(f"a node still runs after {timeout} s\n{text}")
+        pytest.fail(f"a node still runs after {timeout} s\n{text}\n{still_running}")
 
 
 @pytest.mark.parametrize(
