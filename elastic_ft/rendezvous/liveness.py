@@ -145,10 +145,10 @@ def judge(answers: Mapping[str, tuple[Answer, float]], me: str, held_for: float 
     """The verdict on each member ``me`` probed (``answers``: node -> (answer, seconds it took)), in node order.
 
     A refusal or a mute host proves the member's agent gone whoever asks; silence counts only when ``me`` is
-    in the majority (:func:`in_majority`) and counts nobody out for no more seconds (``held_for``: the quiet
-    window after it announced itself again, or its promises). A node just counted out for being cut off is
-    the likeliest to be cut off again, and a cut made one link at a time leaves it, for a moment, reaching a
-    majority that it is about to lose: its silence is no proof then.
+    in the majority (:func:`in_majority`) and is not holding (``held_for``: the seconds left of its quiet
+    window after it announced itself on a new lease, or of its promises). A node just counted out for being
+    cut off is the likeliest to be cut off again, and while its links go down it may, for a moment, reach a
+    majority it is about to lose: its silence is no proof then.
     """
     majority = in_majority(answers, me)
     verdicts = []
@@ -158,19 +158,19 @@ def judge(answers: Mapping[str, tuple[Answer, float]], me: str, held_for: float 
             verdicts.append(
                 Verdict(node, "lost", f"its agent refuses connections ({seconds:.2f} s): the process is gone")
             )
-        elif answer is Answer.SILENT and majority and held_for <= 0:
-            verdicts.append(
-                Verdict(node, "lost", f"no answer to {seconds:.1f} s of probes: its host or the link to it is down")
-            )
-        elif answer is Answer.SILENT and majority:
+        elif answer is Answer.SILENT and not majority:
+            reason = "silent, but so are most nodes: this node may be the one cut off; left to its lease"
+            verdicts.append(Verdict(node, "unconfirmed", reason))
+        elif answer is Answer.SILENT and held_for > 0:
             reason = (
                 f"silent, but this node counts nobody out for {held_for:.1f} s more (its own new lease, or its "
                 "promises): its own links are suspect; left to its lease and the other members"
             )
             verdicts.append(Verdict(node, "unconfirmed", reason))
         elif answer is Answer.SILENT:
-            reason = "silent, but so are most nodes: this node may be the one cut off; left to its lease"
-            verdicts.append(Verdict(node, "unconfirmed", reason))
+            verdicts.append(
+                Verdict(node, "lost", f"no answer to {seconds:.1f} s of probes: its host or the link to it is down")
+            )
         elif answer is Answer.MUTE:
             verdicts.append(
                 Verdict(
