@@ -182,10 +182,19 @@ class TestBed:
         return [int(pid) for pid in listed.stdout.split() if pid.isdigit()]
 
     def popen(self, host: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
-        """Start ``argv`` in host ``host``, with gloo bound to the host's link."""
+        """Start ``argv`` in host ``host``, with gloo bound to the host's link, in a session of its own.
+
+        A host's processes share nothing with the test's, as on a real
+        cluster: in the caller's process group, a SIGSTOPped launcher made
+        that group one with a stopped member, and the kernel sends such a
+        group SIGHUP and SIGCONT once it is orphaned (the shell that started
+        the test exits): the "frozen" launcher woke up and shut its workers
+        down. A session leader's group is orphaned from the start, so no such
+        signal ever comes.
+        """
         env = dict(kwargs.pop("env", None) or os.environ)
         env.setdefault("GLOO_SOCKET_IFNAME", HOST_INTERFACE)
-        return subprocess.Popen(self.command(host, argv), env=env, **kwargs)
+        return subprocess.Popen(self.command(host, argv), env=env, start_new_session=True, **kwargs)
 
     # ---- faults ----
 

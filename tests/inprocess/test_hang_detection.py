@@ -754,7 +754,9 @@ def test_a_computing_rank_starved_of_cpu_is_still_seen_working() -> None:
 
     pinned = "import os\nos.sched_setaffinity(0, {0})\nos.nice(%d)\nwhile True: pass"
     spinners = [subprocess.Popen([sys.executable, "-c", pinned % 0]) for _ in range(3)]
-    rank = subprocess.Popen([sys.executable, "-c", pinned % 19])
+    rank = subprocess.Popen(
+        [sys.executable, "-c", pinned % 19], start_new_session=True
+    )  # stopped below: see TestBed.popen
     try:
         time.sleep(1.0)  # all started and spinning
         meter = _CpuMeter(rank.pid)

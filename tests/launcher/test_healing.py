@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from elastic_ft.etcd.server import EtcdServer
-from elastic_ft.testing.local_cluster import TorchrunNode, descendants, ftrun_command
+from elastic_ft.testing.local_cluster import TorchrunNode, descendants, ftrun_command, stranded_ranks
 from tests.launcher.test_agent import escalations, reserve_ready
 
 pytestmark = pytest.mark.slow
@@ -165,15 +165,21 @@ def test_an_activated_hot_spare_takes_the_survivors_state_bit_for_bit(
     stop_once_started(survivors, tmp_path, lambda event: event["iteration"] >= 1, 4)
     assert [node.wait(180) for node in survivors] == [0, 0], logs(nodes, tmp_path)
     done = results(tmp_path)
-    healed = set(done) - {0, 1}
-    assert len(healed) == 2, f"{done}\n{logs(nodes, tmp_path)}"
-    assert_healed(tmp_path, nodes, healed)
     logged = "\n".join(node.log() for node in nodes)
-    assert "fresh [2, 3]" in logged, logs(nodes, tmp_path)
-    # Two up-to-date survivors share the two receivers; a survivor cut before its last optimizer step
-    # (the kill can land between two ranks' steps) is behind too, and the other one sends to all three.
-    spread = "0->2, 1->3" in logged or "1->2, 0->3" in logged
-    assert spread or re.search(r"behind \['[01]@\d+'\]\) from \[[01]\]", logged), logs(nodes, tmp_path)
+    # Gloo's gap (docs/inprocess.md, Known limitations): a survivor of the kill may stay blocked in C code (DDP's
+    # backward, mid-send to the killed node); its monitor process terminates it, its node respawns it, and the
+    # new process is healed when it joins. At most one, and then the other survivor is the only sender.
+    stranded = stranded_ranks(logged)
+    assert stranded <= {0, 1} and len(stranded) <= 1, f"{stranded}\n{logs(nodes, tmp_path)}"
+    healed = set(done) - {0, 1}
+    assert len(healed) == 2 + len(stranded), f"{done}\n{logs(nodes, tmp_path)}"
+    assert_healed(tmp_path, nodes, healed)
+    if not stranded:
+        assert "fresh [2, 3]" in logged, logs(nodes, tmp_path)
+        # Two up-to-date survivors share the two receivers; a survivor cut before its last optimizer step
+        # (the kill can land between two ranks' steps) is behind too, and the other one sends to all three.
+        spread = "0->2, 1->3" in logged or "1->2, 0->3" in logged
+        assert spread or re.search(r"behind \['[01]@\d+'\]\) from \[[01]\]", logged), logs(nodes, tmp_path)
 
 
 def test_a_respawned_worker_is_healed_when_it_joins(

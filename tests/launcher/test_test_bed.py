@@ -3,6 +3,7 @@ reaches etcd's address and no peer, and the others still reach each other (``ela
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -51,3 +52,16 @@ def test_a_host_isolated_from_its_peers_reaches_etcd_only_and_is_whole_again_onc
         assert _reach(bed, 2, *peers, etcd) == ["reached", "reached", "reached"]
         bed.isolate_from_etcd(2)
         assert _reach(bed, 2, *peers, etcd) == ["reached", "reached", "cut"]
+
+
+def test_a_hosts_process_leads_a_session_of_its_own() -> None:
+    """The scenarios SIGSTOP a host's processes: in the test's process group, a stopped one would be woken by the
+    kernel's SIGHUP and SIGCONT to an orphaned group with a stopped member (``TestBed.popen`` says when)."""
+    with TestBed(1) as bed:
+        process = bed.popen(0, ["sleep", "60"])
+        try:
+            assert os.getsid(process.pid) == process.pid and os.getpgid(process.pid) == process.pid
+            assert os.getpgid(process.pid) != os.getpgrp()
+        finally:
+            process.kill()
+            process.wait()

@@ -178,7 +178,9 @@ def test_a_stopped_agent_process_is_mute_and_answers_again_once_continued() -> N
         "print(s.address, flush=True)\n"
         "time.sleep(60)\n"
     )
-    agent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    # A session of its own: a stopped member of pytest's process group would be sent SIGHUP if the group were
+    # orphaned meanwhile (elastic_ft/testing/netns.py, TestBed.popen).
+    agent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         address = parse_address(agent.stdout.readline().strip())  # type: ignore[union-attr]
         assert address is not None
