@@ -141,20 +141,33 @@ def _read_line(fd: int, deadline: float) -> str:
     return data.decode(errors="replace").strip()
 
 
-class _RankGone(Exception):
-    pass
+class _DeathSignal:
+    """The rank's death signal (SIGTERM), recorded rather than raised.
 
+    A handler that raised could do so anywhere, the revoke included: the
+    rank's death closes the pipe and, a moment later, sends the death signal,
+    and a ``SIGTERM`` that arrived while the sentinel was leaving its wait for
+    the end-of-file ended it before the revoke (the lease then outlived the
+    rank by its TTL). The handler only notes the signal; the signal's byte
+    on the wake-up pipe ends the wait at once.
+    """
 
-def _stop_reading(signum: int, frame: object) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise _RankGone
+    def __init__(self) -> None:
+        self.received = False
+        self.wake_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd)
+        signal.signal(signal.SIGTERM, self._note)
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    def _note(self, signum: int, frame: object) -> None:
+        self.received = True
 
 
 def main(argv: list[str]) -> int:
     # The rank's death closes the pipe; the death signal covers a pipe a stray process inherited. Either way the
-    # lease is revoked once, and a second signal does not interrupt the revoke.
-    signal.signal(signal.SIGTERM, _stop_reading)
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    # lease is revoked once, and no signal interrupts the revoke.
+    death = _DeathSignal()
     if os.getppid() == 1:
         return 0
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C reaches the rank; this goes when the rank does
@@ -169,38 +182,43 @@ def main(argv: list[str]) -> int:
         return 1
     print(f"lease {session.id}", flush=True)
     try:
-        while _rank_alive(session):
+        while _rank_alive(session, death):
             # The lease was lost (etcd away longer than its TTL, say): the rank's records went with it. A new
             # lease, once etcd answers, and the rank publishes them again on it.
-            session = _new_session(client, int(argv[0]))
+            renewed = _new_session(client, int(argv[0]), death)
+            if renewed is None:
+                return 0  # the rank died while etcd was away: its lease went with etcd's TTL
+            session = renewed
             print(f"lease {session.id}", flush=True)
-    except _RankGone:
-        pass
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             session.close(revoke=True)
         except (EtcdRequestError, EtcdUnavailableError) as error:  # etcd away: the lease expires after its TTL instead
             print(f"could not revoke lease {session.id:x}: {error}", file=sys.stderr)
+    finally:
         client.close()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # kept through the exit: a late death signal is no kill
     return 0
 
 
-def _rank_alive(session: Session) -> bool:
-    """Wait until the rank's end of the pipe closes (False) or the lease is lost (True)."""
+def _rank_alive(session: Session, death: _DeathSignal) -> bool:
+    """Wait until the rank's end of the pipe closes or its death signal comes (False), or the lease is lost
+    (True)."""
     while not session.expired.is_set():
-        if select.select([0], [], [], 0.5)[0] and not os.read(0, 4096):
+        ready = select.select([0, death.wake_fd], [], [], 0.5)[0]
+        if death.wake_fd in ready or death.received or (0 in ready and not os.read(0, 4096)):
             return False
     return True
 
 
-def _new_session(client: EtcdClient, ttl: int) -> Session:
+def _new_session(client: EtcdClient, ttl: int, death: _DeathSignal) -> Session | None:
+    """A new lease once etcd answers; None if the rank died first."""
     backoff = Backoff()
-    while True:
+    while not death.received:
         try:
             return Session(client, ttl)
         except (EtcdRequestError, EtcdUnavailableError):
             backoff.pause()
+    return None
 
 
 if __name__ == "__main__":

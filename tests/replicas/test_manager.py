@@ -94,6 +94,47 @@ def test_a_killed_rank_leaves_the_quorum_within_a_second(replica_env: RunKeys, e
         client.close()
 
 
+def _sentinel_ending(stdin_first: bool, gap: float, signals: int) -> tuple[int, int, str]:
+    """A sentinel (``python -m elastic_ft.replicas.sentinel``) ended as a rank's death ends it: its pipe's
+    end-of-file and ``signals`` death signals, ``gap`` s apart, the pipe first or last. Its lease, exit code
+    and standard error."""
+    sentinel = subprocess.Popen(
+        [sys.executable, "-m", "elastic_ft.replicas.sentinel", "30"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert sentinel.stdin is not None and sentinel.stdout is not None and sentinel.stderr is not None
+    kind, _, lease = sentinel.stdout.readline().strip().partition(" ")
+    assert kind == "lease", (kind, lease, sentinel.stderr.read() if sentinel.poll() is not None else "")
+    steps = [sentinel.stdin.close, *[lambda: sentinel.send_signal(signal.SIGTERM)] * signals]
+    for step in steps if stdin_first else steps[::-1]:
+        step()
+        time.sleep(gap)
+    code = sentinel.wait(10)
+    return int(lease), code, sentinel.stderr.read()
+
+
+@pytest.mark.integration
+def test_the_sentinel_revokes_its_lease_however_the_end_of_file_and_the_death_signal_interleave(
+    replica_env: RunKeys, etcd: EtcdServer
+) -> None:
+    # A rank's death closes the pipe and sends the death signal a moment later; a signal that came while the
+    # sentinel left its wait once ended it before the revoke, and the lease outlived the rank by its TTL.
+    client = EtcdClient(etcd.endpoints)
+    try:
+        for stdin_first in (True, False):
+            for gap in (0.0, 0.0005, 0.002, 0.02):
+                lease, code, errors = _sentinel_ending(stdin_first, gap, signals=3)
+                key = replica_env.replicas.member(f"sentinel-{lease:x}", 0)
+                with pytest.raises(Exception, match="lease not found|requested lease not found"):
+                    client.put(key, b"a record on the rank's lease", lease=lease)
+                assert (code, errors) == (0, ""), (stdin_first, gap)
+    finally:
+        client.close()
+
+
 @pytest.mark.integration
 def test_a_lost_lease_is_taken_again_and_the_record_published_again(replica_env: RunKeys, etcd: EtcdServer) -> None:
     previous_hook = sys.excepthook
