@@ -754,9 +754,9 @@ def test_a_computing_rank_starved_of_cpu_is_still_seen_working() -> None:
 
     pinned = "import os\nos.sched_setaffinity(0, {0})\nos.nice(%d)\nwhile True: pass"
     spinners = [subprocess.Popen([sys.executable, "-c", pinned % 0]) for _ in range(3)]
-    rank = subprocess.Popen(
-        [sys.executable, "-c", pinned % 19], start_new_session=True
-    )  # stopped below: see TestBed.popen
+    # Its own process group, as it is stopped below (see TestBed.popen), in pytest's session: a session of its
+    # own would be an autogroup of its own too, and the scheduler would share the core between the groups.
+    rank = subprocess.Popen([sys.executable, "-c", pinned % 19], process_group=0)
     try:
         time.sleep(1.0)  # all started and spinning
         meter = _CpuMeter(rank.pid)
