@@ -28,7 +28,10 @@ once host 2 trains at the full world size again, ``arrival`` first):
 * ``arrival``: the job trains on hosts 0 and 1, then host 2 starts;
 * ``repeated``: ``peers_only`` three times in one job, each once host 2
   trains again at the full world size (its agent, and so its node, is the
-  same each time); ``resume`` and ``rejoin`` are the slowest of the three.
+  same each time); ``resume`` and ``rejoin`` are the slowest of the three,
+  ``replaced`` their sum (the JSON lists each cut's: ``resumes``,
+  ``rejoins``, ``replacements``). A cut whose ranks were replaced rejoins
+  as slowly as new processes start beside the training survivors.
 
 ``--downtime`` sets how long host 2 stays cut off after the survivors
 resumed without it (3 s by default; 20, 60 and 300 s for long partitions,
@@ -355,6 +358,7 @@ def _fault(job: Job, scenario: str, args: argparse.Namespace, row: dict[str, Any
     elif scenario == "repeated":
         resumes: list[float | None] = []
         rejoins: list[float | None] = []
+        replacements: list[int] = []  # per cut: host 2's workers that did not live to rejoin (gloo's gap)
         for _ in range(REPEATED_FAULTS):
             job.refresh()
             faulty = {pid for pid, host in job.host_of().items() if host == FAULTY and _alive(pid)}
@@ -368,10 +372,11 @@ def _fault(job: Job, scenario: str, args: argparse.Namespace, row: dict[str, Any
             job.bed.clear(FAULTY)
             back = job.full_world(heal_at, FAULTY, args.cap)
             rejoins.append(None if back is None else back - heal_at)
+            replacements.append(sum(not _alive(pid) for pid in faulty))
             if resume is None or back is None:
                 break
             time.sleep(args.settle)
-        row.update(resumes=resumes, rejoins=rejoins)
+        row.update(resumes=resumes, rejoins=rejoins, replacements=replacements, replaced=sum(replacements))
         row["resume"] = None if None in resumes else max(r for r in resumes if r is not None)
         row["rejoin"] = None if None in rejoins else max(r for r in rejoins if r is not None)
         row["resume_capped"], row["rejoin_capped"] = row["resume"] is None, row["rejoin"] is None

@@ -181,7 +181,11 @@ def test_a_host_cut_off_again_and_again_is_counted_out_and_back_each_time(run: C
     # second loss once took the Wrapper's 60 s hang timeout: its node was absorbed already) and it rejoins.
     assert len(row["resumes"]) == len(row["rejoins"]) == 3, why
     assert all(r is not None and r < 6.0 for r in row["resumes"]), why
-    assert all(r is not None for r in row["rejoins"]), why
+    # It rejoins each time in the processes it had, but for ranks gloo held out of every restart's reach (their
+    # monitor processes replace them, and the new processes start beside the training survivors) ...
+    assert all(r is not None and r < 15.0 for r in row["rejoins"]), why
+    assert len(row["replacements"]) == 3 and row["replaced"] <= row["out_of_reach"], why
+    # ... and no survivor restarted.
     assert row["restarted"] == 0, why
 
 
