@@ -185,12 +185,12 @@ class TestBed:
         """Start ``argv`` in host ``host``, with gloo bound to the host's link, in a session of its own.
 
         A host's processes share nothing with the test's, as on a real
-        cluster: in the caller's process group, a SIGSTOPped launcher made
-        that group one with a stopped member, and the kernel sends such a
-        group SIGHUP and SIGCONT once it is orphaned (the shell that started
-        the test exits): the "frozen" launcher woke up and shut its workers
-        down. A session leader's group is orphaned from the start, so no such
-        signal ever comes.
+        cluster. The scenarios SIGSTOP them: in the caller's process group, a
+        stopped one would be woken by the SIGHUP and SIGCONT the kernel sends
+        a group that becomes orphaned while a member is stopped (the shell
+        that started the test exits, say), and a "frozen" launcher would shut
+        its workers down. A session leader's group is orphaned from the
+        start, so no such signal comes.
         """
         env = dict(kwargs.pop("env", None) or os.environ)
         env.setdefault("GLOO_SOCKET_IFNAME", HOST_INTERFACE)
