@@ -144,12 +144,12 @@ def _read_line(fd: int, deadline: float) -> str:
 class _DeathSignal:
     """The rank's death signal (SIGTERM), recorded rather than raised.
 
-    A handler that raised could do so anywhere, the revoke included: the
-    rank's death closes the pipe and, a moment later, sends the death signal,
-    and a ``SIGTERM`` that arrived while the sentinel was leaving its wait for
-    the end-of-file ended it before the revoke (the lease then outlived the
-    rank by its TTL). The handler only notes the signal; the signal's byte
-    on the wake-up pipe ends the wait at once.
+    A handler that raised could end the sentinel anywhere, before the revoke
+    included: the rank's death closes the pipe and, a moment later, sends the
+    death signal, so a ``SIGTERM`` often arrives as the sentinel leaves its
+    wait for the end-of-file, and the lease would outlive the rank by its
+    TTL. The handler only notes the signal; the byte it leaves on the
+    wake-up pipe ends the wait at once (and stays there, unread).
     """
 
     def __init__(self) -> None:
@@ -205,7 +205,7 @@ def _rank_alive(session: Session, death: _DeathSignal) -> bool:
     (True)."""
     while not session.expired.is_set():
         ready = select.select([0, death.wake_fd], [], [], 0.5)[0]
-        if death.wake_fd in ready or death.received or (0 in ready and not os.read(0, 4096)):
+        if death.wake_fd in ready or (0 in ready and not os.read(0, 4096)):
             return False
     return True
 
