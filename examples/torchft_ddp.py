@@ -11,10 +11,12 @@ restarts its own processes; the other groups keep training)::
         examples/torchft_ddp.py
 
 ``EFT_EXAMPLE`` (JSON, for tests and benchmarks) may set ``steps``, ``step_sleep`` (seconds a step takes at
-least), ``fault`` (``{"replica": 1, "step": 20, "kind": "raise" | "sigkill" | "sigkill_in_vote" | "cut"}``, on its
-first run only, at that step or the first one after it that every replica group takes part in, so that a group
-still starting on a loaded host does not miss it; ``cut`` shuts the group's cross-replica connections down
-mid-step, as a network fault would, and the process trains on) and
+least), ``fault`` (``{"replica": 1, "step": 20, "kind": "raise" | "sigkill" | "sigkill_group" | "sigkill_in_vote" |
+"cut"}``, on its first run only, at that step or the first one after it that every replica group takes part in, so
+that a group still starting on a loaded host does not miss it; ``sigkill_group`` kills the process's whole group,
+its lease sentinel with it, so that its records stay until their lease expires, as after an OOM kill of the
+group; ``cut`` shuts the group's cross-replica connections down mid-step, as a network fault would, and the
+process trains on) and
 ``out`` (a file for each run's record: its commits and final weights).
 """
 
@@ -127,6 +129,8 @@ def maybe_fail(manager: Manager, where: str = "step", pg: ProcessGroupGloo | Non
                 json.dump({"at": time.time(), "step": step}, out)
         if fault["kind"] in ("sigkill", "sigkill_in_vote"):
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault["kind"] == "sigkill_group":  # the launcher started this process in a session of its own
+            os.killpg(os.getpgid(0), signal.SIGKILL)
         if fault["kind"] == "cut" and pg is not None:
             pg.abort()  # this step's all-reduce fails on every group; nobody commits it, nobody restarts
             return

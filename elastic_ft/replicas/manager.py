@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import logging
 import os
 import sys
@@ -304,7 +305,8 @@ class Manager:
         a newer quorum, closes the arrivals with one compare-and-set, ``complete`` or ``abandoned``: every rank
         builds its group rank's cross-replica group, or none does. So no rank waits for one that left for a
         newer quorum, and the ranks of a replica group never train in different quorums. A member lost while
-        the groups are built cancels them at once.
+        the groups are built, a newer quorum or the deadline cancels them at once (:meth:`_given_up`), in the
+        store's waits and in gloo's wait for a peer's connection alike.
         """
         keys = self._handoff.keys.replicas
         store = EtcdStore(self._client, keys.arrivals(quorum.id))
@@ -322,10 +324,9 @@ class Manager:
                 raise TimeoutError(f"replica {self._replica_id}: quorum {quorum.id}'s members did not all arrive")
             return False
         try:
-            gloo = CancellableStore(
-                EtcdStore(self._client, keys.group_store(quorum.id, self._group_rank)), lambda: self._lost_from(quorum)
-            )
-            self._pg.configure_in(gloo, quorum.index(self._replica_id), len(quorum.replicas))
+            given_up = functools.partial(self._given_up, quorum, deadline)
+            gloo = CancellableStore(EtcdStore(self._client, keys.group_store(quorum.id, self._group_rank)), given_up)
+            self._pg.configure_in(gloo, quorum.index(self._replica_id), len(quorum.replicas), given_up)
         except Exception as error:  # noqa: BLE001 - a member lost meanwhile: the next quorum goes on without it
             log.warning("replica %s: quorum %d's group failed to form (%s)", self._replica_id, quorum.id, error)
             self._quorum = quorum
@@ -337,6 +338,17 @@ class Manager:
         latest = self._membership.state()[0].latest
         return latest is not None and latest.id > quorum.id and self._replica_id in latest.replicas
 
+    def _given_up(self, quorum: Quorum, deadline: float) -> str | None:
+        """Why building ``quorum``'s group is no longer worth waiting for, or None: a member's records are gone, a
+        newer quorum with this replica group formed (every member moves to it), or the deadline passed."""
+        if (lost := self._lost_from(quorum)) is not None:
+            return lost
+        if self._newer_quorum_than(quorum):
+            return f"a quorum newer than {quorum.id} formed"
+        if time.monotonic() > deadline:
+            return f"quorum {quorum.id}'s group was not built within the quorum timeout ({self._quorum_timeout:.0f} s)"
+        return None
+
     def _lost_from(self, quorum: Quorum) -> str | None:
         """Why ``quorum`` can no longer form its group (a member's records gone), or None."""
         present = complete_groups(self._membership.state()[0].members, quorum.group_world_size)
@@ -345,18 +357,34 @@ class Manager:
 
     def _heal(self, quorum: Quorum, allow_heal: bool) -> None:
         """Every member's step; the members behind the highest receive the state of one at it (a state of DTensors
-        only when it is the shard the receiver holds: the same group rank of another replica group)."""
-        steps = [int(t) for t in self._pg.allgather(torch.tensor([self._step], dtype=torch.int64))]
+        only when it is the shard the receiver holds: the same group rank of another replica group).
+
+        A member lost meanwhile fails this step, as it would fail the all-reduce: the error is reported, the step
+        does not commit, and the next quorum heals again. A member that gave up building the group (a newer
+        quorum) shuts its connections down, so the others see the same.
+        """
+        try:
+            steps = [int(t) for t in self._pg.allgather(torch.tensor([self._step], dtype=torch.int64))]
+        except Exception as error:  # noqa: BLE001 - a member lost: the step fails, not the job
+            self.report_error(error)
+            return
         healing = plan_healing(steps, sync_all=self._init_sync)
         index = quorum.index(self._replica_id)
         receivers = [receiver for receiver, sender in healing.senders.items() if sender == index]
         if receivers:
-            send_state(self._pg.backend, receivers, self._full_state(), self._step)
+            try:
+                send_state(self._pg.backend, receivers, self._full_state(), self._step)
+            except Exception as error:  # noqa: BLE001
+                self.report_error(error)
         if index in healing.senders:
             if not allow_heal:
                 raise RuntimeError(f"replica {self._replica_id} is behind (step {self._step}) but allow_heal=False")
             own = layout_of(self._full_state())  # a state of DTensors: the shard this rank needs is the one it has
-            received = receive_state(self._pg.backend, healing.senders[index])
+            try:
+                received = receive_state(self._pg.backend, healing.senders[index])
+            except Exception as error:  # noqa: BLE001
+                self.report_error(error)
+                return
             if own is not None:
                 check_shard(received.layout, own, own.shard, f"replica {quorum.replicas[healing.senders[index]]}")
             self._load_full_state(received.state)

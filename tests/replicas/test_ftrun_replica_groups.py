@@ -20,6 +20,7 @@ import pytest
 from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.keys import RunKeys
+from elastic_ft.replicas.manager import LEASE_TTL
 from elastic_ft.testing.local_cluster import ftrun_command
 from tests.replicas.job import run_replicated
 from tests.replicas.test_replica_groups import assert_same_as_the_replay, fault_step
@@ -37,10 +38,21 @@ def close(a: list[list[float]], b: list[list[float]]) -> bool:
     )
 
 
+@pytest.mark.parametrize(
+    ("kind", "longest_pause"),
+    [
+        # The sentinel revokes the killed rank's lease: the healthy group goes on alone at once.
+        ("sigkill", 3.0),
+        # The rank's process group dies, its sentinel with it: its records stay until their lease expires or its
+        # respawned process replaces them, and the healthy group waits that long, not for gloo's wait for a peer
+        # that gave up the group (about 50 s; docs/inprocess.md, "Replica groups").
+        ("sigkill_group", LEASE_TTL + 5.0),
+    ],
+)
 def test_each_node_is_a_replica_group_and_a_killed_worker_restarts_only_its_own(
-    etcd: EtcdServer, tmp_path: Path, reap_pids: list[int]
+    etcd: EtcdServer, tmp_path: Path, reap_pids: list[int], kind: str, longest_pause: float
 ) -> None:
-    settings = {"steps": 300, "step_sleep": 0.05, "fault": {"replica": 1, "step": 40, "kind": "sigkill"}}
+    settings = {"steps": 300, "step_sleep": 0.05, "fault": {"replica": 1, "step": 40, "kind": kind}}
     job = run_replicated(etcd.endpoint, 2, tmp_path, settings, reap_pids, launcher="ftrun")
     why = job.describe()
     assert job.codes == [0, 0], why
@@ -51,7 +63,7 @@ def test_each_node_is_a_replica_group_and_a_killed_worker_restarts_only_its_own(
     struck = fault_step(tmp_path)
     assert steps[0] <= struck < steps[-1] == 300, why  # one process from before the fault to the end
     pause = healthy.longest_pause()
-    assert pause < 3.0, f"longest pause {pause:.2f} s\n{why}"  # loose: the benchmark has numbers
+    assert pause < longest_pause, f"longest pause {pause:.2f} s\n{why}"  # loose: the benchmark has numbers
     (back,) = job.of(1)  # the restarted worker; the killed one left no record
     assert back.commits[-1][0] == 300 and any(n == 2 for _, _, n in back.commits), why
     assert close(back.weights, healthy.weights), why

@@ -217,3 +217,78 @@ def test_a_collective_on_an_aborted_group_fails_instead_of_passing_for_a_one_mem
             collective()
     with pytest.raises(RuntimeError, match="aborted or not configured"):
         group.allgather(tensor)
+
+
+_HEALING_MEMBER = """
+    import datetime, os, signal, sys, time
+    import torch
+    from elastic_ft.torchft import Manager, ProcessGroupGloo
+
+    me, stop_at = sys.argv[1], int(sys.argv[2])
+    weights = torch.zeros(4)
+
+    def state_dict():  # called to send this member's state: g0 dies as it sends
+        if me == "g0":
+            print("dying in the send", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {"w": weights}
+
+    def load_state_dict(state):
+        weights.copy_(state["w"])
+
+    manager = Manager(
+        ProcessGroupGloo(datetime.timedelta(seconds=10)), load_state_dict, state_dict,
+        min_replica_size=1, replica_id=me, rank=0, world_size=1,
+    )
+    failed = 0
+    while manager.current_step() < stop_at:
+        manager.start_quorum()
+        gradient = torch.ones(4)
+        manager.allreduce(gradient)
+        if manager.should_commit():
+            weights.add_(gradient)
+        else:
+            failed += 1
+        print("step", manager.current_step(), flush=True)
+        time.sleep(0.05)
+    print("done", manager.current_step(), failed, float(weights[0]), flush=True)
+    manager.shutdown()
+"""
+
+
+@pytest.mark.integration
+def test_a_member_lost_while_it_heals_another_fails_the_step_not_the_receiver(replica_env: RunKeys) -> None:
+    """g0 trains alone; g1 joins behind it, and g0 dies while it sends its state. g1's receive fails: that step
+    fails (it does not commit), g1 trains on in the next quorum, alone, and ends normally."""
+    env = os.environ.copy()
+    sender = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_HEALING_MEMBER), "g0", str(10**6)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    receiver = None
+    try:
+        assert sender.stdout is not None
+        for line in sender.stdout:
+            if line.startswith("step") and int(line.split()[1]) >= 20:
+                break
+        receiver = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(_HEALING_MEMBER), "g1", "30"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        out, err = receiver.communicate(timeout=120)
+        assert sender.wait(10) == -signal.SIGKILL and "dying in the send" in sender.stdout.read()
+        assert receiver.returncode == 0 and "Traceback" not in err, err[-3000:]
+        done = out.splitlines()[-1].split()
+        assert done[:2] == ["done", "30"] and int(done[2]) >= 1, out[-2000:]  # the step of the failed heal
+        assert float(done[3]) == 30.0, out[-2000:]  # 30 steps of its own: it was never healed
+        assert "step 0 failed" in err, err[-3000:]
+    finally:
+        for process in (sender, receiver):
+            if process is not None:
+                process.kill()
+                process.wait()
