@@ -269,6 +269,11 @@ def release_connections(baseline: frozenset[int], *, everything: bool = False) -
     return sum(_shut_down(connection) for connection in chosen)
 
 
+def listeners_among(inodes: frozenset[int]) -> list[TcpSocket]:
+    """The listening sockets among the sockets ``inodes`` (a process group's own)."""
+    return [s for s in tcp_sockets() if s.inode in inodes and s.state == _LISTEN]
+
+
 def shut_down_sockets(inodes: frozenset[int]) -> int:
     """Shut down the open connections among the sockets ``inodes`` (a process group's own); returns how many."""
     return sum(_shut_down(s) for s in tcp_sockets() if s.inode in inodes and s.state in _OPEN)
