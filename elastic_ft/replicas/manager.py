@@ -371,20 +371,18 @@ class Manager:
         healing = plan_healing(steps, sync_all=self._init_sync)
         index = quorum.index(self._replica_id)
         receivers = [receiver for receiver, sender in healing.senders.items() if sender == index]
-        if receivers:
-            try:
+        behind = index in healing.senders
+        if behind and not allow_heal:
+            raise RuntimeError(f"replica {self._replica_id} is behind (step {self._step}) but allow_heal=False")
+        own = layout_of(self._full_state()) if behind else None  # DTensors: the shard it needs is the one it has
+        try:
+            if receivers:
                 send_state(self._pg.backend, receivers, self._full_state(), self._step)
-            except Exception as error:  # noqa: BLE001
-                self.report_error(error)
-        if index in healing.senders:
-            if not allow_heal:
-                raise RuntimeError(f"replica {self._replica_id} is behind (step {self._step}) but allow_heal=False")
-            own = layout_of(self._full_state())  # a state of DTensors: the shard this rank needs is the one it has
-            try:
-                received = receive_state(self._pg.backend, healing.senders[index])
-            except Exception as error:  # noqa: BLE001
-                self.report_error(error)
-                return
+            received = receive_state(self._pg.backend, healing.senders[index]) if behind else None
+        except Exception as error:  # noqa: BLE001 - a member lost: the step fails, not the job
+            self.report_error(error)
+            return
+        if received is not None:
             if own is not None:
                 check_shard(received.layout, own, own.shard, f"replica {quorum.replicas[healing.senders[index]]}")
             self._load_full_state(received.state)
