@@ -209,7 +209,18 @@ class JobEvent:
 
 def _shown(value: Any) -> str:
     if isinstance(value, str):
-        return repr(value[:120]) if " " in value else value[:120]
+        return repr(one_line(value, 120)) if " " in value else one_line(value, 120)
     if isinstance(value, list):
         return json.dumps(value)[:160]
     return str(value)
+
+
+def one_line(text: str, width: int) -> str:
+    """``text`` on one line of at most ``width`` characters, cut after a word and marked with an ellipsis, so a
+    reader sees that the text goes on (the whole of it is in the job's events)."""
+    flat = " ".join(text.split())
+    if len(flat) <= width:
+        return flat
+    cut = flat[: width - 1]
+    space = cut.rfind(" ")
+    return cut[:space] + " …" if space > width // 2 else cut + "…"

@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic_ft.observability.events import JobEvent
+from elastic_ft.observability.events import JobEvent, one_line
 from elastic_ft.untrusted import MalformedRecord
 
 #: The parts of the wall time, in the order the report prints them.
@@ -338,7 +338,7 @@ def _cause(event: JobEvent) -> str:
         first = faults[0]
         ranks = first.get("ranks")
         where = f"rank(s) {ranks}: " if isinstance(ranks, list) and ranks else ""
-        return f"{where}{first.get('message', '')}"[:200]
+        return one_line(f"{where}{first.get('message', '')}", 200)
     return ""
 
 
@@ -359,6 +359,9 @@ def _counted_once(stretches: list[Stretch], start: float, end: float) -> list[St
 #: The events that carry a rank's step count as it stepped: ``iteration_started``'s is its count before, a
 #: ``progress`` sample at step 0 comes before the first step, and ``completed`` after the script's epilogue.
 _STEPPED = ("first_step", "recovery_phases", "progress")
+
+#: The width of a costliest fault's line in the report.
+_LINE = 160
 
 
 def _step_seconds(ordered: list[JobEvent]) -> float | None:
@@ -410,6 +413,7 @@ def report_lines(found: Goodput) -> list[str]:
         lines += ["", "costliest faults:"]
         for number, stretch in enumerate(costliest, 1):
             offset = stretch.start - found.start
+            head = f"  {number}. {stretch.seconds:6.2f} s at +{offset:.1f} s  {stretch.kind}"
             cause = f": {stretch.cause}" if stretch.cause else ""
-            lines.append(f"  {number}. {stretch.seconds:6.2f} s at +{offset:.1f} s  {stretch.kind}{cause}"[:160])
+            lines.append(head + one_line(cause, max(_LINE - len(head), 20)))
     return lines

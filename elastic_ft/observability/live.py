@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from elastic_ft.observability.events import JobEvent
+from elastic_ft.observability.events import JobEvent, one_line
 from elastic_ft.observability.outages import describe_outage
 from elastic_ft.runtime.waits import pause
 
@@ -62,7 +62,8 @@ def render_live(status: dict[str, Any], events: list[JobEvent]) -> Any:
     if restart is not None:
         lines = [f"iteration {restart['iteration']} interrupted at {_clock(restart['interrupted_at'])}"]
         lines += [
-            f"  by rank {r['initial_rank']} ({r['kind']}): {r['message'][:100]}" for r in restart["interruptions"]
+            f"  by rank {r['initial_rank']} ({r['kind']}): {one_line(r['message'], 100)}"
+            for r in restart["interruptions"]
         ]
         lines.append(f"  waiting for ranks: {restart['waiting_for'] or 'none'}")
         parts.append(Panel("\n".join(lines), title="restart in progress", border_style="yellow"))

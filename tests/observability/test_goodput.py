@@ -201,3 +201,32 @@ def test_elastic_ft_report_prints_the_table_and_the_json(tmp_path: Any, capsys: 
         out = capsys.readouterr().out
         assert exited.value.code == 0 and check in out, out
     assert json.loads(out)["parts"]["recovery"] == 1.5
+
+
+def test_a_long_cause_is_cut_after_a_word_and_says_so() -> None:
+    """The report's line of a costliest fault fits 160 characters; a cause cut short ends after a whole word
+    with an ellipsis rather than mid-word, so a reader knows the events hold more."""
+    message = "rank 4 (initial rank 97) made no progress for 0.6 s: " + "it waits for\ninitial rank 12 " * 20
+    flat = "rank(s) [1]: " + " ".join(message.split())
+    events = job()
+    events[6] = event(
+        "restart_decided",
+        120.2,
+        iteration=0,
+        rank=0,
+        fault_time=120.0,
+        kind="exception",
+        faults=[{"kind": "exception", "ranks": [1], "message": message}],
+    )
+    found = goodput(events)
+    (costliest,) = found.costliest()
+    kept = costliest.cause.removesuffix(" …")
+    assert len(costliest.cause) <= 200 and kept != costliest.cause, costliest.cause
+    assert flat.startswith(kept + " ") and len(kept) > 150, costliest.cause  # whole words, one line
+    (line,) = [line for line in report_lines(found) if line.startswith("  1. ")]
+    head = "  1.   1.50 s at +20.0 s  exception: "
+    assert len(line) <= 160 and line.startswith(head) and line.endswith(" …"), line
+    assert flat.startswith(line.removeprefix(head).removesuffix(" …") + " "), line
+    # A word longer than the line is cut inside it, still marked.
+    events[6].data["faults"][0]["message"] = "x" * 300
+    assert goodput(events).costliest()[0].cause == "rank(s) [1]: " + "x" * 186 + "…"
