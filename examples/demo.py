@@ -39,6 +39,7 @@ from elastic_ft.etcd.client import EtcdClient
 from elastic_ft.etcd.event_log import EventLog
 from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.keys import RunKeys
+from elastic_ft.observability.events import one_line
 from elastic_ft.observability.timeline import build_timeline, draw
 from elastic_ft.runtime.reaper import ensure_reaper
 from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command
@@ -144,7 +145,7 @@ def show_events(etcd: EtcdServer, run_id: str, since: float) -> None:
     for event in sorted(events, key=lambda e: e.time):
         broken = event.name == "fault_detected" and event.data.get("kind") == "peer_lost"  # consequences
         if event.time >= since and event.name in SHOWN_EVENTS and not broken:
-            print(f"    +{event.time - since:6.3f} s  {event.source:<10}  {event.describe()[:110]}")
+            print(f"    +{event.time - since:6.3f} s  {event.source:<10}  {one_line(event.describe(), 110)}")
 
 
 def draw_timeline(etcd: EtcdServer, run_id: str, path: Path, title: str) -> None:

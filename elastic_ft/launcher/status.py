@@ -43,7 +43,7 @@ from elastic_ft.keys import (
 from elastic_ft.launcher.escalation import WorkerExit
 from elastic_ft.launcher.node_health import HealthRecord
 from elastic_ft.launcher.records import EscalationRecord, ExitRecord, NodeRecord, WorldRecord
-from elastic_ft.observability.events import JobEvent
+from elastic_ft.observability.events import JobEvent, one_line
 from elastic_ft.observability.outages import describe_outage, outages
 from elastic_ft.rendezvous.model import RoundResult, parse_state
 from elastic_ft.untrusted import MalformedRecord, SkipLog, decode, json_object
@@ -500,7 +500,7 @@ def _restart_and_health_lines(status: dict[str, Any]) -> list[str]:
         )
         lines.append(f"restart in progress: iteration {restart['iteration']} interrupted at {when}")
         for record in restart["interruptions"]:
-            lines.append(f"  by rank {record['initial_rank']} ({record['kind']}): {record['message'][:120]}")
+            lines.append(f"  by rank {record['initial_rank']} ({record['kind']}): {one_line(record['message'], 120)}")
         lines.append(f"  waiting for ranks: {restart['waiting_for'] or 'none'}")
     for escalation in status["escalations"]:
         lines.append(f"  escalated round {escalation['round']} on {escalation['node']}: {escalation['reason']}")

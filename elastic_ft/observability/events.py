@@ -211,13 +211,13 @@ def _shown(value: Any) -> str:
     if isinstance(value, str):
         return repr(one_line(value, 120)) if " " in value else one_line(value, 120)
     if isinstance(value, list):
-        return json.dumps(value)[:160]
+        return one_line(json.dumps(value), 160)
     return str(value)
 
 
 def one_line(text: str, width: int) -> str:
     """``text`` on one line of at most ``width`` characters, cut after a word and marked with an ellipsis, so a
-    reader sees that the text goes on (the whole of it is in the job's events)."""
+    reader sees that the text goes on (the job's events keep up to :data:`MAX_TEXT` characters of each)."""
     flat = " ".join(text.split())
     if len(flat) <= width:
         return flat

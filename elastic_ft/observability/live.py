@@ -130,7 +130,7 @@ def _events_table(events: list[JobEvent]) -> Any:
     alarming = ("fault_detected", "node_died", "gave_up", "escalated", "etcd_unavailable")
     for event in [e for e in events if e.name != "progress"][-RECENT_EVENTS:]:
         color = "red" if event.name in alarming else "white"
-        recent.add_row(_clock(event.time), event.source, f"[{color}]{event.describe()[:150]}[/{color}]")
+        recent.add_row(_clock(event.time), event.source, f"[{color}]{one_line(event.describe(), 150)}[/{color}]")
     return recent
 
 

@@ -66,6 +66,13 @@ def test_long_texts_are_cut_and_every_name_is_documented() -> None:
     long = event("gave_up", 1.0, rank=1, message="x" * 10_000)
     assert len(long.data["message"]) == 500
     assert all(description for description in EVENTS.values())
+    # A line that shows an event cuts its long values after a whole word (a list's too), with an ellipsis.
+    faults = [{"kind": "exception", "ranks": [rank], "message": "boom on\nrank"} for rank in range(40)]
+    shown = event("restart_decided", 1.0, rank=0, message="it waits for rank 12 " * 20, faults=faults).describe()
+    message, listed = shown.split(" message=")[1].split(" faults=")
+    assert message.startswith("'it waits for rank 12 it") and message.endswith(" …'") and len(message) <= 122
+    assert listed.startswith('[{"kind": "exception"') and listed.endswith(" …") and len(listed) <= 160
+    assert "\n" not in shown
 
 
 def test_an_events_file_is_read_in_log_order_and_bad_files_are_named(tmp_path: Path) -> None:
