@@ -360,9 +360,6 @@ def _counted_once(stretches: list[Stretch], start: float, end: float) -> list[St
 #: ``progress`` sample at step 0 comes before the first step, and ``completed`` after the script's epilogue.
 _STEPPED = ("first_step", "recovery_phases", "progress")
 
-#: The width of a costliest fault's line in the report.
-_LINE = 160
-
 
 def _step_seconds(ordered: list[JobEvent]) -> float | None:
     """The job's seconds per step: over every rank's iterations, the seconds from its first stepped count to its
@@ -378,6 +375,10 @@ def _step_seconds(ordered: list[JobEvent]) -> float | None:
     seconds = sum(t1 - t0 for t0, s0, t1, s1 in spans.values() if s1 > s0)
     steps = sum(s1 - s0 for _, s0, _, s1 in spans.values() if s1 > s0)
     return seconds / steps if steps else None
+
+
+#: The width of a costliest fault's line in the report.
+_LINE = 160
 
 
 def report_lines(found: Goodput) -> list[str]:
