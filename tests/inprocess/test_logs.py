@@ -101,3 +101,32 @@ def test_an_application_that_configured_no_logging_gets_the_reports_on_stderr_wi
     )
     assert done.returncode == 0, done.stderr
     assert "a restart report" in done.stderr and "Warning" not in done.stderr, done.stderr
+
+
+@pytest.mark.integration
+def test_the_not_configured_warning_is_shown_only_when_asked_and_points_at_the_applications_call(tmp_path) -> None:
+    """NVIDIA's tests expect a ``UserWarning`` when a Wrapper call starts with no logging configured; a user who
+    did not ask sees none (the reports reach stderr anyway). Asked for, it names the application's call."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import datetime, os\n"
+        "from elastic_ft.runtime.net import free_port\n"
+        "os.environ.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', MASTER_ADDR='localhost', "
+        "MASTER_PORT=str(free_port()))\n"
+        "import elastic_ft.inprocess as inprocess\n"
+        "from elastic_ft.inprocess.restart.logs import LoggingNotConfiguredWarning\n"
+        "assert issubclass(LoggingNotConfiguredWarning, UserWarning)\n"
+        "@inprocess.Wrapper(store_kwargs={'port': free_port(), 'timeout': datetime.timedelta(seconds=10)})\n"
+        "def fn():\n"
+        "    return 7\n"
+        "assert fn() == 7\n"
+    )
+    shown = {}
+    for options in ([], ["-W", "default"]):
+        done = subprocess.run(
+            [sys.executable, *options, str(script)], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert done.returncode == 0, done.stderr
+        shown[tuple(options)] = done.stderr
+    assert "Warning" not in shown[()], shown[()]
+    assert f"{script}:10: LoggingNotConfiguredWarning: logging is not configured" in shown[("-W", "default")]

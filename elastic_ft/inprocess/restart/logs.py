@@ -6,22 +6,47 @@ log shippers) do not receive the Wrapper's messages twice or unexpectedly;
 instead it gets one ``logging.StreamHandler`` modelled on the nearest
 stream handler among its ancestors (same stream, formatter and level), or a
 stderr handler in elastic-ft's log format (:mod:`elastic_ft.observability.log_format`)
-when there is none, with a ``UserWarning`` as NVIDIA's gives; the call removes it when it ends.
+when there is none; the call removes it when it ends.
+
+NVIDIA's Wrapper warns when logging is not configured (a ``UserWarning``),
+then drops its logs. Ours keeps them, on stderr, so the warning says
+nothing a user must act on: it is a :class:`LoggingNotConfiguredWarning`,
+which Python does not show unless asked to (``-W default``, or a test's
+``assertWarns``/``pytest.warns``, as NVIDIA's tests do), like its own
+``ResourceWarning``.
 The monitor process replaces all of this with a file handler
 (:func:`log_to_file`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import sys
+import warnings
 
 from elastic_ft.observability.log_format import Formatter
 
 LOGGER_NAME = "elastic_ft.inprocess"
 #: The whole package's logger: the monitor process logs all of it to its file.
 PACKAGE_LOGGER_NAME = "elastic_ft"
+
+
+class LoggingNotConfiguredWarning(UserWarning):
+    """A Wrapper call began with no logging configured: its restart reports go to stderr in elastic-ft's format.
+
+    Not shown by default (the filter below); ``-W default`` or
+    ``warnings.simplefilter("default", LoggingNotConfiguredWarning)`` shows it.
+    """
+
+
+# Appended, so the interpreter's -W options, PYTHONWARNINGS and any filter the application adds come first.
+warnings.filterwarnings("ignore", category=LoggingNotConfiguredWarning, append=True)
+
+#: The package's directory: a warning points at the first frame outside it (the application's call).
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 
 
 def get_logger(module: str) -> logging.Logger:
@@ -81,9 +106,9 @@ def configure_logging() -> LoggingSetup | None:
         if previous == logging.NOTSET and nvidia.level != logging.NOTSET:
             logger.setLevel(min(nvidia.level, logger.getEffectiveLevel()))
     else:
-        # An application that configured no logging gets the restart reports on stderr, without a warning (NVIDIA's
-        # Wrapper warns, then drops its logs: the reports are what a user of in-process restart needs to see).
         template = _nearest_stream_handler(logger)
+        if template is None:
+            _warn_not_configured()
         handler = logging.StreamHandler(template.stream if template is not None else sys.stderr)
         formatter = template.formatter if template is not None and template.formatter is not None else Formatter()
         handler.setFormatter(formatter)
@@ -96,6 +121,25 @@ def configure_logging() -> LoggingSetup | None:
     for added in handlers:
         logger.addHandler(added)
     return LoggingSetup(handlers, previous)
+
+
+def _warn_not_configured() -> None:
+    """Issue the :class:`LoggingNotConfiguredWarning`, pointing at the application's line that called the Wrapper.
+
+    Under ``-W error`` the warning would be raised into the Wrapper's
+    set-up; it is dropped instead: the reports still reach stderr, so
+    nothing is lost by not stopping the call.
+    """
+    frame, level = sys._getframe(1), 2  # level 2: this function's caller
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    with contextlib.suppress(LoggingNotConfiguredWarning):
+        warnings.warn(
+            "logging is not configured: elastic_ft.inprocess writes its restart reports to stderr "
+            "(logging.basicConfig() or a handler of your own routes them)",
+            LoggingNotConfiguredWarning,
+            stacklevel=level,
+        )
 
 
 def release_logging(setup: LoggingSetup | None) -> None:
