@@ -361,7 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--lease-ttl", type=int, default=1, help="the rendezvous lease TTL: a dead node is known dead this long after"
     )
-    parser.add_argument("--only", choices=(*SYSTEMS, "respawn", *AT_ONCE), action="append", help="run only these rows")
+    parser.add_argument(
+        "--only",
+        choices=(*SYSTEMS, "respawn", *AT_ONCE),
+        action="append",
+        help="run only this row; repeat the flag for several (--only hot_spare --only torchrun)",
+    )
     parser.add_argument(
         "--eager-optimizer",
         action="store_true",
