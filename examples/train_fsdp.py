@@ -227,6 +227,8 @@ def inject(args: argparse.Namespace, first: bool, step: int) -> None:
         raise RuntimeError(f"injected fault at step {step}")
     if args.fault == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if args.fault == "node_lost":
+        lose_node()
     if args.fault == "sigstop":
         os.kill(os.getpid(), signal.SIGSTOP)
     if args.fault == "hang_gil_held":
@@ -300,6 +302,21 @@ def train(args: argparse.Namespace, shards: ShardState, call_wrapper: CallWrappe
         dist.destroy_process_group()
 
 
+def lose_node() -> None:
+    """SIGKILL this rank's launcher and every process below it, this one last: the whole node is lost at a known
+    step. (A node killed from outside dies at any point of a step; when that point lies between the gradient
+    reductions of two of its ranks, the other replica's ranks end the step at different steps, and the job rightly
+    reloads the checkpoint: docs/inprocess.md, Sharded models.)"""
+    from elastic_ft.testing.local_cluster import descendants  # the /proc walk the tests kill nodes with
+
+    launcher = os.getppid()
+    for pid in [launcher, *descendants(launcher)]:
+        if pid != os.getpid():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, required=True, help="checkpoints, events and the final model")
@@ -314,7 +331,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-wrapper", action="store_true", help="no Wrapper: under torchrun (for comparisons)")
     parser.add_argument("--stop-file", type=Path, help="the step to stop at, once this file exists (tests)")
     parser.add_argument("--save-full-every", type=int, default=0, help="write full-<step>.pt every N steps (tests)")
-    parser.add_argument("--fault", choices=("exception", "sigkill", "sigstop", "hang_gil_held", "hang_gil_released"))
+    parser.add_argument(
+        "--fault", choices=("exception", "sigkill", "node_lost", "sigstop", "hang_gil_held", "hang_gil_released")
+    )
     parser.add_argument("--fault-rank", type=int, default=3)
     parser.add_argument("--fault-step", type=int, default=20)
     return parser.parse_args(argv)

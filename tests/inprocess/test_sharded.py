@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from elastic_ft.etcd.server import EtcdServer
-from elastic_ft.testing.local_cluster import TorchrunNode, descendants, ftrun_command
+from elastic_ft.testing.local_cluster import TorchrunNode, ftrun_command
 
 pytestmark = pytest.mark.slow
 
@@ -228,8 +229,10 @@ def test_a_hot_spare_takes_a_lost_nodes_replica_healed_shard_by_shard(
     nodes: list[TorchrunNode], tmp_path: Path, etcd: EtcdServer, run_id: str, fault_free: Path
 ) -> None:
     """2 x 2 over two nodes of two ranks (one replica each) and a hot spare node. The node of replica 1 is
-    killed: the spare's ranks take its place in the same restart, each healed with its own shard from replica 0;
-    the world never shrinks and nobody reads the checkpoint."""
+    lost (SIGKILL of its launcher and every process below it) between two steps: the spare's ranks take its place
+    in the same restart, each healed with its own shard from replica 0; the world never shrinks and nobody reads
+    the checkpoint. (Lost inside a step, replica 0's ranks may end it at different steps, and every rank rightly
+    reloads the checkpoint: the fault is injected at a step's start to test healing.)"""
     for tag in "ABC":
         run(
             nodes,
@@ -238,19 +241,22 @@ def test_a_hot_spare_takes_a_lost_nodes_replica_healed_shard_by_shard(
             run_id,
             "--step-wait",
             "0.1",
+            "--fault",
+            "node_lost",
+            "--fault-rank",
+            "2",
             tag=tag,
             nnodes="2:2",
             nproc_per_node=2,
             extra_args=("--spare-nodes=1",),
         )
     deadline = time.monotonic() + 240
-    while not [e for e in events(tmp_path, "step") if e["step"] >= 20]:
+    while not (lost := [node for node in nodes if node.process.poll() is not None]):
         assert time.monotonic() < deadline, logs(nodes)
         time.sleep(0.2)
-    pids = {e["rank"]: e["pid"] for e in events(tmp_path, "start")}
-    holder = next(node for node in nodes if pids[2] in descendants(node.pid))
-    assert holder.kill()
-    survivors = [node for node in nodes if node is not holder]
+    assert [node.process.returncode for node in lost] == [-signal.SIGKILL], logs(nodes)
+    assert [(e["rank"], e["step"]) for e in events(tmp_path, "fault")] == [(2, 20)], logs(nodes)
+    survivors = [node for node in nodes if node is not lost[0]]
     stop = stop_once(survivors, tmp_path, lambda e: e["iteration"] >= 1 and e["rank"] in (4, 5))
     assert [node.wait(300) for node in survivors] == [0, 0], logs(nodes)
     assert events(tmp_path, "checkpoint_read") == [], logs(nodes)
