@@ -373,14 +373,36 @@ def _claim_once(path: Path) -> bool:
     return True
 
 
+KILL_SENDER_CLAIM = "kill-first-sender.claim"
+
+
+def kill_once_sending(args: argparse.Namespace, step: int) -> None:
+    """``--kill-first-sender``: SIGKILL this process ``--kill-sender-delay`` seconds after its healing send started,
+    unless another process of the job claimed the fault first.
+
+    The Wrapper reads ``state_dict()`` before the ranks agree on the plan (for the state's layout), so a delay
+    counted from that call could end before the send starts on a loaded host. The send runs in the Wrapper's
+    ``elastic_ft-heal-send`` thread: its start is what the delay is counted from. A rank the plan does not make a
+    sender gives up after a minute."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (args.workdir / KILL_SENDER_CLAIM).exists():
+        if any(thread.name == "elastic_ft-heal-send" for thread in threading.enumerate()):
+            if _claim_once(args.workdir / KILL_SENDER_CLAIM):
+                record(args, "fault", kind="kill_sender", step=step)
+                time.sleep(args.kill_sender_delay)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return
+        time.sleep(0.005)
+
+
 def faulty_healing(args: argparse.Namespace, state: TrainingState) -> dict[str, Any]:
     """``state_dict``/``load_state_dict`` with the faults of ``--kill-first-sender`` and ``--fail-load-rank``."""
     initial_rank = int(os.environ["ELASTIC_FT_INITIAL_RANK"])
 
     def state_dict() -> dict[str, Any]:
-        if args.kill_first_sender and _claim_once(args.workdir / "kill-first-sender.claim"):
-            record(args, "fault", kind="kill_sender", step=state.position["step"])
-            threading.Timer(args.kill_sender_delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        if args.kill_first_sender and not (args.workdir / KILL_SENDER_CLAIM).exists():
+            step = state.position["step"]
+            threading.Thread(target=kill_once_sending, args=(args, step), daemon=True).start()
         return state.state_dict()
 
     def load_state_dict(received: dict[str, Any]) -> None:
