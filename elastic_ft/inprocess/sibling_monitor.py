@@ -44,3 +44,35 @@ def silent_ranks(
         return since if reachable_since is None else max(since, reachable_since)
 
     return sorted(rank for rank, beat in heartbeats.items() if now - silent_since(beat) > timeout)
+
+
+def nobody_left(
+    members: Collection[int],
+    gone: Collection[int],
+    heartbeats: Mapping[int, float | None],
+    now: float,
+    watching_since: float,
+    timeout: float,
+    reachable_since: float | None = None,
+) -> str | None:
+    """Why no member of the running world is left to restart it; None while one may be.
+
+    A joiner waits for a restart that a live member of the world runs; when
+    every member died or stopped at once, nobody runs it. ``members``: the
+    world's initial ranks (the initial world and the joiners admitted into
+    it); ``gone``: those recorded as gone (they left the job, or the
+    iteration they were last in recorded them terminated); ``heartbeats``:
+    the others' last heartbeats (as in :func:`silent_ranks`). The rest are
+    live unless silent for ``timeout``, the bound after which a monitor
+    reports a silent rank gone.
+    """
+    if not members:
+        return None
+    others = {rank: heartbeats.get(rank) for rank in members if rank not in gone}
+    silent = silent_ranks(others, now, watching_since, timeout, reachable_since)
+    if len(silent) < len(others):
+        return None
+    parts = [f"initial ranks {sorted(gone)} are gone"] if gone else []
+    if silent:
+        parts.append(f"initial ranks {silent} sent no heartbeat for {timeout:g} s")
+    return " and ".join(parts)

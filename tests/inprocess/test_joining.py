@@ -47,10 +47,14 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
     return clock
 
 
+#: The Joining's barrier and heartbeat timeouts.
+_TIMEOUTS = (datetime.timedelta(seconds=5), datetime.timedelta(seconds=30))
+
+
 def _joining() -> Joining:
     base = dist.HashStore()
     monitor = None  # not used by the back-off
-    return Joining(job_store(base), base, None, 0, monitor, RecoveryClock(), datetime.timedelta(seconds=5))  # type: ignore[arg-type]
+    return Joining(job_store(base), base, None, 0, monitor, RecoveryClock(), *_TIMEOUTS)  # type: ignore[arg-type]
 
 
 def test_rejoins_in_quick_succession_back_off_up_to_the_cap_and_start_over_after_a_quiet_spell(clock: _Clock) -> None:
@@ -93,7 +97,7 @@ def test_a_joiner_withdrawn_while_it_waited_is_told_so_and_joins_again_under_a_n
     base.add(FTRUN_NEXT_RANK, 2)  # the round's counter drew initial ranks 8 and 9 (world 8) before
     board = LocalBoard.create(2, "joining-test")
     monitor = _MonitorProcess()
-    joining = Joining(job, base, board, 1, monitor, RecoveryClock(), datetime.timedelta(seconds=5))  # type: ignore[arg-type]
+    joining = Joining(job, base, board, 1, monitor, RecoveryClock(), *_TIMEOUTS)  # type: ignore[arg-type]
     try:
         job.record_wrapped(9, os.getpid())
         job.register_joiner(9)
@@ -115,7 +119,7 @@ def test_a_withdrawn_joiner_that_cannot_join_again_fails_as_before() -> None:
     base = dist.HashStore()
     job = job_store(base)
     job.set_accepts_joiners()
-    joining = Joining(job, base, None, 0, None, RecoveryClock(), datetime.timedelta(seconds=5))  # type: ignore[arg-type]
+    joining = Joining(job, base, None, 0, None, RecoveryClock(), *_TIMEOUTS)  # type: ignore[arg-type]
     job.record_wrapped(9, os.getpid())
     job.register_joiner(9)
     job.claim_admission(9, WITHDRAWN)

@@ -20,7 +20,9 @@ from elastic_ft.etcd.server import EtcdServer
 from elastic_ft.inprocess.exception import BarrierOverflow, BarrierTimeout, RestartAbort
 from elastic_ft.inprocess.hangs.heartbeats import HeartbeatWatchdog, ProgressTimestamps, progress_age
 from elastic_ft.inprocess.initialize import RetryController
-from elastic_ft.inprocess.sibling_monitor import ring_successor, silent_ranks
+from elastic_ft.inprocess.restart import joining
+from elastic_ft.inprocess.restart.joining import RunningWorld
+from elastic_ft.inprocess.sibling_monitor import nobody_left, ring_successor, silent_ranks
 from elastic_ft.inprocess.state import Mode, State
 from elastic_ft.inprocess.wrapper import Wrapper
 from elastic_ft.keys import COMPLETION_BARRIER, TERMINATION_BARRIER
@@ -182,9 +184,74 @@ def test_no_rank_is_silent_for_an_etcd_outage_it_could_not_beat_through() -> Non
     assert silent_ranks(heartbeats, now=101.0, watching_since=99.0, timeout=3.0, reachable_since=90.0) == [1]
 
 
+def test_nobody_is_left_only_when_every_member_is_gone_or_silent() -> None:
+    beats = {0: 100.0, 1: 95.0}
+    # Rank 0's heartbeat is fresh: it may still restart the world.
+    assert nobody_left([0, 1, 2], {2}, beats, now=101.0, watching_since=90.0, timeout=3.0) is None
+    assert (
+        nobody_left([0, 1, 2], {2}, beats, now=104.0, watching_since=90.0, timeout=3.0)
+        == "initial ranks [2] are gone and initial ranks [0, 1] sent no heartbeat for 3 s"
+    )
+    assert nobody_left([0, 1], {0, 1}, {}, now=0.0, watching_since=0.0, timeout=3.0) == "initial ranks [0, 1] are gone"
+    # A member without a heartbeat counts from when the joiner began to watch; etcd away restarts the count.
+    assert nobody_left([0], set(), {}, now=102.0, watching_since=100.0, timeout=3.0) is None
+    assert nobody_left([0], set(), {}, now=104.0, watching_since=100.0, timeout=3.0, reachable_since=103.0) is None
+    assert nobody_left([], set(), {}, now=104.0, watching_since=0.0, timeout=3.0) is None
+
+
 @pytest.fixture
 def tcp_store() -> dist.Store:
     return dist.TCPStore("127.0.0.1", 0, None, True, seconds(10), wait_for_workers=False)
+
+
+def test_a_joiner_sees_a_restart_that_terminated_its_whole_world(
+    tcp_store: dist.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rank of iteration 0 died; their monitor processes arrived at its barriers in their place, so the
+    restart ended with nobody: nothing will admit a joiner into iteration 1."""
+    monkeypatch.setattr(joining, "WORLD_LOOK_INTERVAL", 0.0)
+    job = job_store(tcp_store)
+    world = RunningWorld(job, tcp_store, 3, heartbeat_timeout=30.0)
+    first = iteration_store(tcp_store, 0)
+    for rank in range(3):
+        first.record_interruption(rank, "terminated", f"process {rank} died")
+        first.record_terminated([rank])
+        assert world.gone() is None  # the others may still restart it
+        first.arrive_and_wait(TERMINATION_BARRIER, [rank], 3, seconds(0) if rank < 2 else seconds(1))
+    job.record_latest_iteration(1)
+    assert world.gone() == (
+        "iteration 0 ended with every rank of its world of 3 terminated, and nobody was admitted into iteration 1"
+    )
+
+
+def test_a_joiner_waits_while_a_member_beats_and_gives_up_once_none_does(
+    tcp_store: dist.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 2 died and interrupted iteration 0; ranks 0 and 1 (a stopped node) never restart it. While one
+    of them sends heartbeats the joiner waits; once both are silent for the heartbeat timeout, it gives up."""
+    monkeypatch.setattr(joining, "WORLD_LOOK_INTERVAL", 0.0)
+    job = job_store(tcp_store)
+    for rank in range(3):
+        job.record_position(rank, 0, rank, 3, True)
+        job.liveness.send_heartbeat(rank)
+    world = RunningWorld(job, tcp_store, 3, heartbeat_timeout=0.5)
+    assert world.gone() is None  # training: no interruption
+    running = iteration_store(tcp_store, 0)
+    running.record_interruption(2, "terminated", "process 2 died")
+    running.record_terminated([2])
+    assert world.gone() is None  # ranks 0 and 1 beat lately: they will restart it
+    time.sleep(0.6)
+    job.liveness.send_heartbeat(0)
+    assert world.gone() is None  # rank 0 still beats
+    time.sleep(0.6)
+    assert world.gone() == (
+        "iteration 0 was interrupted (terminated on rank 2) and no member of its world is left: initial ranks [2] "
+        "are gone and initial ranks [0, 1] sent no heartbeat for 0.5 s"
+    )
+    # An admission request is no fault: a running world asked for it.
+    job.record_latest_iteration(1)
+    iteration_store(tcp_store, 1).request_restart(0, "admit_joiners", "initial rank(s) [3] ready")
+    assert world.gone() is None
 
 
 def test_barrier_arrival_is_idempotent_and_on_behalf(tcp_store: dist.Store) -> None:

@@ -305,6 +305,35 @@ def test_killed_node_is_absorbed_in_process(
     assert escalations(etcd, run_id) == []
 
 
+def test_every_worker_killed_at_once_restarts_the_job_instead_of_stranding_the_respawned(
+    etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
+) -> None:
+    """SIGKILL all four workers of the job at once: no rank is left to run the restart that would admit the
+    processes ftrun respawns. They see it and give up; the agents restart the job's processes, as torchrun
+    does, and the job finishes."""
+    scenario = {"steps": 120, "step_seconds": 0.05}
+    a, b = (start(nodes, tmp_path, etcd, run_id, tag, scenario) for tag in "AB")
+    started = wait_for(tmp_path, "start-*-0.json", 4, 90)
+    wait_for(tmp_path, "step-*.json", 4, 90)
+    for record in started.values():
+        os.kill(record["pid"], signal.SIGKILL)
+    assert finish([a, b], 180) == [0, 0], logs(nodes)
+    done = read(tmp_path, "done-*.json")
+    # Everyone finished in the restarted processes (TORCHELASTIC_RESTART_COUNT 1 on both nodes).
+    assert sorted(done) == ["done-0-1", "done-1-1", "done-2-1", "done-3-1"], f"{done}\n{logs(nodes)}"
+    recorded = escalations(etcd, run_id)
+    assert len(recorded) == 1 and "the in-process restart layer gave up" in recorded[0]["reason"], recorded
+    both = a.log() + b.log()
+    gave_up = re.findall(r"RestartAbort: initial rank (\d+) cannot join: (.*); nothing can admit it", both)
+    assert gave_up, both
+    assert {int(rank) for rank, _ in gave_up} <= {4, 5, 6, 7}, gave_up
+    assert all(
+        why
+        == "iteration 0 ended with every rank of its world of 4 terminated, and nobody was admitted into iteration 1"
+        for _, why in gave_up
+    ), gave_up
+
+
 def test_a_respawned_worker_the_job_completed_without_is_stopped(
     etcd: EtcdServer, run_id: str, tmp_path: Path, nodes: list[TorchrunNode]
 ) -> None:

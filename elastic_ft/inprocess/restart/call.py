@@ -430,6 +430,7 @@ class CallWrapper:
             self._monitor_process,
             self._recovery,
             wrapper.barrier_timeout,
+            wrapper.heartbeat_timeout,
         )
         self._joining.enter_world(
             self.state,

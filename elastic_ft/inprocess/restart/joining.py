@@ -20,15 +20,18 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from elastic_ft.coordination.barriers import NO_WAIT, await_key
+from elastic_ft.coordination.fault_records import NOT_FAULTS
 from elastic_ft.coordination.iteration import IterationView, iteration_store
-from elastic_ft.coordination.job import JOINER_ACTIVITY_LIMIT, WITHDRAWN, JobView
+from elastic_ft.coordination.job import JOINER_ACTIVITY_LIMIT, WITHDRAWN, JobView, joined_ranks
 from elastic_ft.coordination.termination import TerminationResult
-from elastic_ft.inprocess.exception import BarrierTimeout, InternalError
+from elastic_ft.etcd.outage import OUTAGES
+from elastic_ft.inprocess.exception import BarrierTimeout, InternalError, RestartAbort
 from elastic_ft.inprocess.hangs.monitor import MonitorProcess
 from elastic_ft.inprocess.restart.bounds import restart_bound, unless_unreachable
 from elastic_ft.inprocess.restart.growth import joiner_state
 from elastic_ft.inprocess.restart.logs import get_logger
 from elastic_ft.inprocess.restart.phases import RecoveryClock
+from elastic_ft.inprocess.sibling_monitor import nobody_left
 from elastic_ft.inprocess.state import State
 from elastic_ft.keys import ADMITTED, EXIT_BARRIER, FTRUN_NEXT_RANK, INITIAL_BARRIER, parse_count
 from elastic_ft.observability import sink as event_sink
@@ -44,6 +47,8 @@ JOIN_POLL = 0.05
 #: be down (a host cut off from them, not from etcd), and each admission that fails costs the others a restart.
 #: The pauses double from the first up to the cap (with jitter), and start over after a quiet spell this long.
 REJOIN_BACKOFF_FIRST, REJOIN_BACKOFF_CAP, REJOIN_QUIET = 0.5, 4.0, 30.0
+#: How often a waiting joiner looks whether a member of the world it waits to join is left to admit it (seconds).
+WORLD_LOOK_INTERVAL = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +70,97 @@ class Admission:
     terminated: frozenset[int]
 
 
+class RunningWorld:
+    """A waiting joiner's look at the world it waits to join: is a member left to admit it?
+
+    A restart admits joiners, and only a live member of the world runs one.
+    When every member died or stopped at once (a one-node job whose workers
+    were all SIGKILLed, a node stopped while the other nodes' ranks died),
+    the processes ``ftrun`` respawned would wait for a restart nobody runs.
+    Two records say so. Either the last restart ended with every rank of its
+    world terminated and none admitted (the dead ranks' monitor processes
+    arrived at its barrier in their place); that costs two reads a look.
+    Or the running iteration was interrupted by a fault and no restart ended
+    it, and every member is gone or silent for the heartbeat timeout
+    (:func:`~elastic_ft.inprocess.sibling_monitor.nobody_left`); the members'
+    records are read only then.
+    """
+
+    def __init__(self, job: JobView, base_store: dist.Store, initial_world_size: int, heartbeat_timeout: float) -> None:
+        self._job = job
+        self._base_store = base_store
+        self._initial_world_size = initial_world_size
+        self._heartbeat_timeout = heartbeat_timeout
+        self._watching_since = time.time()
+        self._next_look = 0.0
+        #: The latest iteration known to have begun with ranks in its world (its restart's result says so).
+        self._began_with_a_world = 0
+
+    def gone(self) -> str | None:
+        """Why no member is left to restart the world (None while one may be); looks once a
+        :data:`WORLD_LOOK_INTERVAL` at most."""
+        now = time.monotonic()
+        if now < self._next_look:
+            return None
+        self._next_look = now + WORLD_LOOK_INTERVAL
+        iteration = self._job.latest_iteration()
+        if iteration > 0 and iteration != self._began_with_a_world:
+            published = iteration_store(self._base_store, iteration - 1).termination_result()
+            emptied = None if published is None else _emptied_world(published)
+            if emptied is not None:
+                return f"iteration {iteration - 1} ended with {emptied}, and nobody was admitted into iteration {iteration}"
+            if published is not None:
+                self._began_with_a_world = iteration  # a published result does not change: read once
+        view = iteration_store(self._base_store, iteration)
+        interruptions = view.interruptions()
+        faults = sorted(
+            {f"{record.kind} on rank {record.rank}" for record in interruptions if record.kind not in NOT_FAULTS}
+        )
+        if not faults or view.termination_result() is not None:
+            return None
+        reason = self._members_gone()
+        if reason is None:
+            return None
+        return (
+            f"iteration {iteration} was interrupted ({', '.join(faults)}) and no member of its world is left: {reason}"
+        )
+
+    def _members_gone(self) -> str | None:
+        """Whether every member of the world left, was terminated, or fell silent (read from their records)."""
+        job = self._job
+        members = [*range(self._initial_world_size), *joined_ranks(job)]
+        gone = job.arrivals(EXIT_BARRIER, range(self._initial_world_size))
+        terminated: dict[int, set[int]] = {}
+        for rank, position in job.positions([rank for rank in members if rank not in gone]).items():
+            if position["iteration"] not in terminated:
+                records = iteration_store(self._base_store, position["iteration"])
+                terminated[position["iteration"]] = set(records.terminated_ranks())
+            if position["rank"] in terminated[position["iteration"]]:
+                gone.add(rank)
+        beats = job.liveness.heartbeats([rank for rank in members if rank not in gone])
+        return nobody_left(
+            members,
+            gone,
+            {rank: beat.sent_at for rank, beat in beats.items()},
+            time.time(),
+            self._watching_since,
+            self._heartbeat_timeout,
+            OUTAGES.last_ended_wall,
+        )
+
+
+def _emptied_world(published: str) -> str | None:
+    """What an iteration's restart left of its world, by its published result, when it left nothing (every rank
+    terminated, no joiner admitted); None when it left ranks, or the result is not well-formed."""
+    try:
+        result = TerminationResult.from_json(published, None)
+    except MalformedRecord:
+        return None
+    if result.joined or not set(range(result.world_size)) <= set(result.terminated):
+        return None
+    return f"every rank of its world of {result.world_size} terminated"
+
+
 class Joining:
     """The joiner side of one call (see the module docstring)."""
 
@@ -77,6 +173,7 @@ class Joining:
         monitor_process: MonitorProcess,
         recovery: RecoveryClock,
         barrier_timeout: datetime.timedelta,
+        heartbeat_timeout: datetime.timedelta,
     ) -> None:
         self._job = job
         self._base_store = base_store
@@ -85,6 +182,7 @@ class Joining:
         self._monitor_process = monitor_process
         self._recovery = recovery
         self._barrier_timeout = barrier_timeout
+        self._heartbeat_timeout = heartbeat_timeout
         self._rejoin_backoff = Backoff(REJOIN_BACKOFF_FIRST, REJOIN_BACKOFF_CAP)
         self._last_rejoin: float | None = None
 
@@ -142,25 +240,14 @@ class Joining:
 
         The restart's termination barrier admitted it and published the
         world it grows; this process takes the rank after the others
-        admitted with it.
+        admitted with it. With no member of the world left to run that
+        restart (:class:`RunningWorld`) it raises :class:`RestartAbort`: the
+        in-process layer gives up, and ``ftrun``'s agent restarts the job's
+        processes, as torchrun does.
         """
-        job = self._job
-        log.info("initial rank %d waits for a restart to join the running world", initial_rank)
-        admitted: list[str] = []
-
-        def admitted_or_finished() -> bool:
-            admission = job.admission(initial_rank)
-            if admission is not None:
-                admitted.append(admission)
-            return admission is not None or job.finished()
-
-        # For as long as the job runs, etcd away included; on a watch of its admission where the store has one.
-        await_key(
-            job.store, f"{ADMITTED}{initial_rank}", unless_unreachable(admitted_or_finished), poll_interval=JOIN_POLL
-        )
-        if not admitted:
+        admission = self._wait_for_admission(initial_rank, initial_world_size)
+        if admission is None:
             return None
-        admission = admitted[0]
         if admission == WITHDRAWN and self.may_rejoin():
             log.warning(
                 "initial rank %d: its node was reported lost while it waited to join (withdrawn): it lives, so it "
@@ -198,6 +285,35 @@ class Joining:
             "initial rank %d joins iteration %d as rank %s of %d", initial_rank, iteration, state.rank, state.world_size
         )
         return Admission(state, previous, frozenset(result.terminated))
+
+    def _wait_for_admission(self, initial_rank: int, initial_world_size: int) -> str | None:
+        """The admission record, once a restart writes it; None if the job finished first. Raises
+        :class:`RestartAbort` when no member of the world is left to run that restart (:class:`RunningWorld`)."""
+        job = self._job
+        log.info("initial rank %d waits for a restart to join the running world", initial_rank)
+        admitted: list[str] = []
+        world = RunningWorld(job, self._base_store, initial_world_size, self._heartbeat_timeout.total_seconds())
+        nobody: list[str] = []
+
+        def admitted_or_finished() -> bool:
+            admission = job.admission(initial_rank)
+            if admission is not None:
+                admitted.append(admission)
+                return True
+            if job.finished():
+                return True
+            reason = world.gone()
+            if reason is not None:
+                nobody.append(reason)
+            return reason is not None
+
+        # For as long as the job runs, etcd away included; on a watch of its admission where the store has one.
+        await_key(
+            job.store, f"{ADMITTED}{initial_rank}", unless_unreachable(admitted_or_finished), poll_interval=JOIN_POLL
+        )
+        if nobody:
+            raise RestartAbort(f"initial rank {initial_rank} cannot join: {nobody[0]}; nothing can admit it")
+        return admitted[0] if admitted else None
 
     def may_rejoin(self) -> bool:
         """Whether a rank counted out while it lived can join the running world again in its own process: its
