@@ -224,6 +224,18 @@ def test_a_joiner_sees_a_restart_that_terminated_its_whole_world(
     )
 
 
+@pytest.mark.parametrize("published", ["not json", '{"world_size": -1}', '{"world_size": 3, "terminated": "all"}'])
+def test_a_malformed_restart_result_never_makes_a_joiner_give_up(
+    tcp_store: dist.Store, monkeypatch: pytest.MonkeyPatch, published: str
+) -> None:
+    """What etcd returns is untrusted: a result that does not decode reads as a world that still has ranks."""
+    monkeypatch.setattr(joining, "WORLD_LOOK_INTERVAL", 0.0)
+    job = job_store(tcp_store)
+    iteration_store(tcp_store, 0).store.set(keys.barrier_done(TERMINATION_BARRIER), published)
+    job.record_latest_iteration(1)
+    assert RunningWorld(job, tcp_store, 3, heartbeat_timeout=30.0).gone() is None
+
+
 def test_a_joiner_waits_while_a_member_beats_and_gives_up_once_none_does(
     tcp_store: dist.Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
