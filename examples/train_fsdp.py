@@ -220,6 +220,11 @@ def inject(args: argparse.Namespace, first: bool, step: int) -> None:
     process."""
     if args.fault is None or not first or step != args.fault_step:
         return
+    if args.fault == "node_lost":
+        # Every rank ends the step before first. Starting this step proves only that this rank's own gradient
+        # reduction ended: its node's other rank may still be in its reduction with the other replica, and losing
+        # the node then leaves the survivors a step apart (lose_node). After the barrier it falls between steps.
+        dist.barrier()
     if args.fault_rank != INITIAL_RANK:
         return
     record(args, "fault", kind=args.fault, step=step)
@@ -303,10 +308,10 @@ def train(args: argparse.Namespace, shards: ShardState, call_wrapper: CallWrappe
 
 
 def lose_node() -> None:
-    """SIGKILL this rank's launcher and every process below it, this one last: the whole node is lost at a known
-    step. (A node killed from outside dies at any point of a step; when that point lies between the gradient
-    reductions of two of its ranks, the other replica's ranks end the step at different steps, and the job rightly
-    reloads the checkpoint: docs/inprocess.md, Sharded models.)"""
+    """SIGKILL this rank's launcher and every process below it, this one last: the whole node is lost between two
+    steps (``inject`` has every rank end the step before first). A node lost at another point may die between the
+    gradient reductions of two of its ranks: the other replica's ranks then end the step at different steps, and
+    the job rightly reloads the checkpoint (docs/inprocess.md, Sharded models)."""
     from elastic_ft.testing.local_cluster import descendants  # the /proc walk the tests kill nodes with
 
     launcher = os.getppid()

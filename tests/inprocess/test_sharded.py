@@ -232,7 +232,7 @@ def test_a_hot_spare_takes_a_lost_nodes_replica_healed_shard_by_shard(
     lost (SIGKILL of its launcher and every process below it) between two steps: the spare's ranks take its place
     in the same restart, each healed with its own shard from replica 0; the world never shrinks and nobody reads
     the checkpoint. (Lost inside a step, replica 0's ranks may end it at different steps, and every rank rightly
-    reloads the checkpoint: the fault is injected at a step's start to test healing.)"""
+    reloads the checkpoint: the fault is injected once every rank ended the step before, to test healing.)"""
     for tag in "ABC":
         run(
             nodes,
