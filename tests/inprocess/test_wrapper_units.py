@@ -517,15 +517,21 @@ def test_a_failed_set_up_undoes_what_it_did(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def _children_names() -> list[str]:
+    """The names of this process's children, whichever of its threads started them. A thread may end between the
+    listing and the read (another test's leftover thread); its children then belong to a thread still listed."""
     names = []
     for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as children:
-            for pid in children.read().split():
-                try:
-                    with open(f"/proc/{pid}/comm") as comm:
-                        names.append(comm.read().strip())
-                except OSError:
-                    continue
+        try:
+            with open(f"/proc/self/task/{task}/children") as children:
+                pids = children.read().split()
+        except FileNotFoundError:
+            continue
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/comm") as comm:
+                    names.append(comm.read().strip())
+            except OSError:
+                continue
     return names
 
 
