@@ -207,16 +207,12 @@ def _watch(launcher: int, token: str) -> None:
     while pidfd is not None:
         readable, _, _ = select.select([pidfd, stdin], [], [])
         if pidfd in readable:
-            # Dead: what it wrote before it died may still wait in the pipe (a busy host runs the reaper late).
-            os.set_blocking(stdin, False)
-            with contextlib.suppress(BlockingIOError, OSError):
-                while chunk := os.read(stdin, 4096):
-                    buffer = _take_tasks(buffer + chunk, tasks)
             break
         chunk = os.read(stdin, 4096)
         if not chunk:
             break  # the launcher's end closed: it exited
         buffer = _take_tasks(buffer + chunk, tasks)
+    _take_pending_tasks(stdin, buffer, tasks)
     killed = kill_marked(token)
     # A SIGKILLed process finishes the system call it is in: an etcd member may still create a file in the
     # directory being removed, which then stays. Its directories go once it is gone.
@@ -230,6 +226,16 @@ def _watch(launcher: int, token: str) -> None:
         else:
             with contextlib.suppress(OSError):
                 os.unlink(argument)
+
+
+def _take_pending_tasks(stdin: int, buffer: bytes, tasks: list[str]) -> None:
+    """Add the tasks a dead launcher left in the pipe: a busy host may run the reaper only after the launcher
+    died, even before it could open the launcher's pidfd. Never blocks: a process the launcher forked may still
+    hold the pipe's other end."""
+    os.set_blocking(stdin, False)
+    with contextlib.suppress(BlockingIOError, OSError):
+        while chunk := os.read(stdin, 4096):
+            buffer = _take_tasks(buffer + chunk, tasks)
 
 
 def _take_tasks(buffer: bytes, tasks: list[str]) -> bytes:

@@ -203,6 +203,7 @@ def test_a_sigkilled_test_driver_leaves_no_etcd_data_or_test_bed_behind(tmp_path
         deadline = time.monotonic() + 20
         while _alive(started["reaper"]) and time.monotonic() < deadline:  # it exits once it cleaned up
             time.sleep(0.05)
+        assert not _alive(started["reaper"]), "the reaper did not finish its clean-up within 20 s"
         assert not [pid for pid in leftovers if _alive(pid)], _names(leftovers)
         assert not Path(started["data"]).exists(), "the cluster's data directory was left behind"
         assert ran.exists() and not forgotten.exists()
@@ -254,3 +255,30 @@ def test_the_reaper_takes_the_tasks_a_launcher_wrote_just_before_it_died(tmp_pat
         for process in (launcher, reaper):
             if process.poll() is None:
                 process.kill()
+
+
+def test_the_reaper_takes_the_tasks_of_a_launcher_dead_before_the_reaper_ran(tmp_path: Path) -> None:
+    """A busy host may start the reaper only after its launcher died, before it could watch it: the tasks in the
+    pipe are run all the same, and without waiting for an end of the pipe that another process may hold open."""
+    launcher = subprocess.Popen(["sleep", "600"])
+    launcher.kill()
+    launcher.wait()
+    ran, kept = tmp_path / "ran", tmp_path / "kept"
+    kept.mkdir()
+    read_end, write_end = os.pipe()
+    os.write(write_end, f"run {json.dumps(['touch', str(ran)])}\nrmtree {kept}\n".encode())
+    try:
+        reaper = subprocess.Popen(
+            [sys.executable, "-m", "elastic_ft.runtime.reaper", str(launcher.pid), "no-such-token"],
+            stdin=read_end,
+            start_new_session=True,
+        )
+        try:
+            assert reaper.wait(20) == 0
+        finally:
+            if reaper.poll() is None:
+                reaper.kill()
+        assert ran.exists() and not kept.exists()
+    finally:
+        os.close(read_end)
+        os.close(write_end)
