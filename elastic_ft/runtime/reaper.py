@@ -232,8 +232,8 @@ def _take_pending_tasks(stdin: int, buffer: bytes, tasks: list[str]) -> None:
     """Add the tasks a dead launcher left in the pipe: a busy host may run the reaper only after the launcher
     died, even before it could open the launcher's pidfd. Never blocks: a process the launcher forked may still
     hold the pipe's other end."""
-    os.set_blocking(stdin, False)
     with contextlib.suppress(BlockingIOError, OSError):
+        os.set_blocking(stdin, False)
         while chunk := os.read(stdin, 4096):
             buffer = _take_tasks(buffer + chunk, tasks)
 
